@@ -1,0 +1,213 @@
+//! Hugging Face bundle directories: `config.json`, `model.safetensors` or sharded
+//! `model.safetensors.index.json`, `tokenizer.json`, `tokenizer_config.json`,
+//! `chat_template.jinja`, `generation_config.json` (transformers' on-disk layout). Weights in
+//! f32/f16/bf16 are read into owned memory and computed in f32.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value as Json;
+
+use super::{end_of_generation_ids, LoadedBundle};
+use crate::chat::ChatTemplate;
+use crate::model::{Block, Embedding, Family, Linear, Model, ModelConfig, RopeStyle};
+use crate::tokenizer::Tokenizer;
+
+fn read_json(path: &Path) -> Result<Json> {
+    let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&s).with_context(|| format!("{}: invalid JSON", path.display()))
+}
+
+/// Read `config.json` into a [`ModelConfig`]. `text_config` (multimodal wrappers) is honoured.
+pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let root = read_json(&path)?;
+    let c = root.get("text_config").unwrap_or(&root);
+    let field = |k: &str| -> Result<usize> {
+        c.get(k)
+            .and_then(Json::as_u64)
+            .map(|x| x as usize)
+            .ok_or_else(|| anyhow!("{}: missing or non-integer field '{k}'", path.display()))
+    };
+    let mt = c
+        .get("model_type")
+        .and_then(Json::as_str)
+        .ok_or_else(|| anyhow!("{}: missing field 'model_type'", path.display()))?;
+    let family = Family::parse(mt).ok_or_else(|| anyhow!("{}: model_type '{mt}' is not supported (llama, qwen2, qwen3)", path.display()))?;
+    let hidden = field("hidden_size")?;
+    let heads = field("num_attention_heads")?;
+    Ok(ModelConfig {
+        family,
+        vocab_size: field("vocab_size")?,
+        hidden_size: hidden,
+        intermediate_size: field("intermediate_size")?,
+        num_layers: field("num_hidden_layers")?,
+        num_heads: heads,
+        num_kv_heads: c.get("num_key_value_heads").and_then(Json::as_u64).map(|x| x as usize).unwrap_or(heads),
+        head_dim: c.get("head_dim").and_then(Json::as_u64).map(|x| x as usize).unwrap_or(hidden / heads.max(1)),
+        rms_norm_eps: c.get("rms_norm_eps").and_then(Json::as_f64).unwrap_or(1e-6),
+        rope_theta: c.get("rope_theta").and_then(Json::as_f64).unwrap_or(10_000.0),
+        context_length: field("max_position_embeddings")?,
+        rope_style: RopeStyle::Neox,
+    })
+}
+
+/// The safetensors files of a bundle: the shards named by the index, or `model.safetensors`.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let j = read_json(&index)?;
+        let map = j
+            .get("weight_map")
+            .and_then(Json::as_object)
+            .ok_or_else(|| anyhow!("{}: missing object 'weight_map'", index.display()))?;
+        let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display())
+}
+
+struct Weights {
+    tensors: HashMap<String, Tensor>,
+    dir: String,
+}
+
+impl Weights {
+    fn take(&mut self, name: &str) -> Result<Tensor> {
+        let t = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| anyhow!("{}: missing tensor '{name}'", self.dir))?;
+        match t.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => Ok(t.to_dtype(DType::F32)?),
+            other => bail!("{}: tensor '{name}' has dtype {other:?} (f32, f16 or bf16 expected)", self.dir),
+        }
+    }
+
+    fn opt(&mut self, name: &str) -> Result<Option<Tensor>> {
+        if self.tensors.contains_key(name) {
+            Ok(Some(self.take(name)?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn linear(&mut self, prefix: &str) -> Result<Linear> {
+        let w = self.take(&format!("{prefix}.weight"))?;
+        let b = self.opt(&format!("{prefix}.bias"))?;
+        Linear::from_dense(w, b)
+    }
+}
+
+fn token_string(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+/// Load a Hugging Face bundle directory.
+pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
+    let config = read_config(dir)?;
+    let tok_cfg_path = dir.join("tokenizer_config.json");
+    let tok_cfg = if tok_cfg_path.exists() { read_json(&tok_cfg_path)? } else { Json::Null };
+    let tokenizer_path = dir.join("tokenizer.json");
+    if !tokenizer_path.exists() {
+        bail!("{}: missing tokenizer.json", dir.display());
+    }
+    let tokenizer = Tokenizer::from_hf_file(
+        &tokenizer_path,
+        token_string(tok_cfg.get("bos_token")),
+        token_string(tok_cfg.get("eos_token")),
+        tok_cfg.get("add_bos_token").and_then(Json::as_bool).unwrap_or(false),
+    )?;
+    let template_src = if dir.join("chat_template.jinja").exists() {
+        Some(std::fs::read_to_string(dir.join("chat_template.jinja")).with_context(|| format!("reading {}/chat_template.jinja", dir.display()))?)
+    } else {
+        match tok_cfg.get("chat_template") {
+            Some(Json::String(s)) => Some(s.clone()),
+            Some(Json::Array(items)) => items
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .or_else(|| items.first())
+                .and_then(|t| t.get("template").and_then(Json::as_str))
+                .map(str::to_string),
+            _ => None,
+        }
+    };
+    let template = match template_src {
+        Some(src) => Some(
+            ChatTemplate::new(
+                &src,
+                tokenizer.bos_token.as_ref().map(|t| t.1.as_str()).unwrap_or(""),
+                tokenizer.eos_token.as_ref().map(|t| t.1.as_str()).unwrap_or(""),
+            )
+            .map_err(|e| anyhow!("{}: chat template does not compile: {e}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let mut eos: Vec<u32> = tokenizer.eos_token.iter().map(|t| t.0).collect();
+    let gen_cfg = dir.join("generation_config.json");
+    if gen_cfg.exists() {
+        match read_json(&gen_cfg)?.get("eos_token_id") {
+            Some(Json::Number(n)) => eos.extend(n.as_u64().map(|x| x as u32)),
+            Some(Json::Array(a)) => eos.extend(a.iter().filter_map(Json::as_u64).map(|x| x as u32)),
+            _ => {}
+        }
+    }
+    eos.extend(end_of_generation_ids(&tokenizer));
+    eos.sort_unstable();
+    eos.dedup();
+
+    let mut tensors = HashMap::new();
+    for f in safetensors_files(dir)? {
+        let part = candle_core::safetensors::load(&f, device).map_err(|e| anyhow!("{}: {e}", f.display()))?;
+        tensors.extend(part);
+    }
+    let mut w = Weights {
+        tensors,
+        dir: dir.display().to_string(),
+    };
+    let embed = w.take("model.embed_tokens.weight")?;
+    let mut blocks = Vec::with_capacity(config.num_layers);
+    for i in 0..config.num_layers {
+        let p = format!("model.layers.{i}");
+        blocks.push(Block {
+            attn_norm: w.take(&format!("{p}.input_layernorm.weight"))?,
+            q: w.linear(&format!("{p}.self_attn.q_proj"))?,
+            k: w.linear(&format!("{p}.self_attn.k_proj"))?,
+            v: w.linear(&format!("{p}.self_attn.v_proj"))?,
+            o: w.linear(&format!("{p}.self_attn.o_proj"))?,
+            q_norm: w.opt(&format!("{p}.self_attn.q_norm.weight"))?,
+            k_norm: w.opt(&format!("{p}.self_attn.k_norm.weight"))?,
+            ffn_norm: w.take(&format!("{p}.post_attention_layernorm.weight"))?,
+            gate: w.linear(&format!("{p}.mlp.gate_proj"))?,
+            up: w.linear(&format!("{p}.mlp.up_proj"))?,
+            down: w.linear(&format!("{p}.mlp.down_proj"))?,
+        });
+    }
+    let output_norm = w.take("model.norm.weight")?;
+    let lm_head = match w.opt("lm_head.weight")? {
+        Some(t) => Linear::from_dense(t, None)?,
+        None => Linear::from_dense(embed.clone(), None)?,
+    };
+    let model = Model::new(config, Embedding::Dense(embed), blocks, output_norm, lm_head, None, device.clone())?;
+    let name = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    Ok(LoadedBundle {
+        model,
+        tokenizer,
+        template,
+        eos_ids: eos,
+        name,
+        quantization: "f32 (from safetensors)".into(),
+    })
+}

@@ -1,0 +1,89 @@
+//! Model bundles: a GGUF file, or a Hugging Face directory (config.json + safetensors +
+//! tokenizer.json). [`load`] reads either into a [`LoadedBundle`].
+
+pub mod gguf;
+pub mod hf;
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+
+use crate::chat::ChatTemplate;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// Everything loaded from a bundle.
+#[derive(Debug)]
+pub struct LoadedBundle {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// The bundle's chat template, if it ships one.
+    pub template: Option<ChatTemplate>,
+    /// Token ids that end generation (EOS, end-of-turn), sorted.
+    pub eos_ids: Vec<u32>,
+    /// Display name from the bundle's metadata.
+    pub name: String,
+    /// Weight formats in use, e.g. "Q4_1 x211, F32 x61".
+    pub quantization: String,
+}
+
+/// Is `path` a bundle this crate can load, and which kind?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BundleKind {
+    Gguf,
+    HuggingFace,
+}
+
+/// Classify a path: a `.gguf` file (or any file starting with the GGUF magic), or a directory
+/// with `config.json`.
+pub fn kind_of(path: &Path) -> Result<BundleKind> {
+    if path.is_dir() {
+        if path.join("config.json").exists() {
+            return Ok(BundleKind::HuggingFace);
+        }
+        let ggufs: Vec<_> = std::fs::read_dir(path)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .collect();
+        if ggufs.len() == 1 {
+            return Ok(BundleKind::Gguf);
+        }
+        bail!("{}: a directory without config.json (and not exactly one .gguf file)", path.display());
+    }
+    let mut magic = [0u8; 4];
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if f.read_exact(&mut magic).is_ok() && &magic == b"GGUF" {
+        return Ok(BundleKind::Gguf);
+    }
+    bail!("{}: not a GGUF file (bad magic) and not a bundle directory", path.display())
+}
+
+/// Load a bundle from a GGUF file, a directory holding one GGUF file, or an HF directory.
+pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
+    match kind_of(path)? {
+        BundleKind::Gguf if path.is_dir() => {
+            let f = std::fs::read_dir(path)?
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|x| x == "gguf"));
+            match f {
+                Some(f) => gguf::load(&f, device),
+                None => bail!("{}: no .gguf file", path.display()),
+            }
+        }
+        BundleKind::Gguf => gguf::load(path, device),
+        BundleKind::HuggingFace => hf::load(path, device),
+    }
+}
+
+/// Tokens that end a turn by name, as llama.cpp detects end-of-generation tokens
+/// (`llama_vocab::impl::load`, the EOG list).
+pub(crate) fn end_of_generation_ids(tok: &Tokenizer) -> Vec<u32> {
+    ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|return|>", "</s>"]
+        .iter()
+        .filter_map(|t| tok.token_to_id(t))
+        .collect()
+}

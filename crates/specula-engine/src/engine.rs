@@ -1,0 +1,284 @@
+//! The engine: one loaded model and the generation loop (prefill, then decode one token per
+//! target step, every token through the [`Emitter`]).
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+
+use crate::bundle::{self, LoadedBundle};
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::emit::Emitter;
+use crate::kv_cache::KvCache;
+use crate::model::{LogitsRows, Model, ModelConfig};
+use crate::sampling::{self, Sampler};
+use crate::tokenizer::Tokenizer;
+use crate::types::{
+    FinishReason, GenerateOutput, GenerateRequest, GenerationStats, RequestError, StreamDelta, TokenLogprob, TopLogprob,
+};
+
+/// Options for loading a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    /// Prompt tokens per prefill forward (bounds activation memory).
+    pub prefill_chunk: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            prefill_chunk: 512,
+        }
+    }
+}
+
+/// A loaded model ready to generate.
+pub struct Engine {
+    bundle: LoadedBundle,
+    id: String,
+    kv: KvCache,
+    opts: LoadOptions,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Load a bundle (GGUF file or HF directory). `id` is the name clients use for it.
+    pub fn load(path: &Path, id: &str, opts: LoadOptions) -> Result<Self> {
+        let bundle = bundle::load(path, &opts.device)?;
+        Ok(Self::from_bundle(bundle, id, opts))
+    }
+
+    pub fn from_bundle(bundle: LoadedBundle, id: &str, opts: LoadOptions) -> Self {
+        let kv = bundle.model.new_kv_cache();
+        Self {
+            bundle,
+            id: id.to_string(),
+            kv,
+            opts,
+        }
+    }
+
+    /// The id clients use for this model.
+    pub fn model_id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.bundle.model
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.bundle.model.config
+    }
+
+    pub fn bundle(&self) -> &LoadedBundle {
+        &self.bundle
+    }
+
+    /// Context window in tokens.
+    pub fn context_length(&self) -> usize {
+        self.bundle.model.config.context_length
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.bundle.tokenizer
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.bundle.template.as_ref()
+    }
+
+    /// Token ids that end generation.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.bundle.eos_ids
+    }
+
+    /// Render a chat with the model's template. Without a template, a plain ChatML rendering is
+    /// used (and logged).
+    pub fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, RequestError> {
+        match &self.bundle.template {
+            Some(t) => t
+                .render(messages, add_generation_prompt)
+                .map_err(|e| RequestError::InvalidParameter(format!("chat template: {e}"))),
+            None => {
+                let mut s = String::new();
+                for m in messages {
+                    s.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+                }
+                if add_generation_prompt {
+                    s.push_str("<|im_start|>assistant\n");
+                }
+                Ok(s)
+            }
+        }
+    }
+
+    /// Tokenize a prompt (special-token text is parsed).
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        self.bundle.tokenizer.encode(text).map_err(|e| RequestError::InvalidParameter(e.to_string()))
+    }
+
+    /// Render and tokenize a chat prompt.
+    pub fn chat_prompt_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, RequestError> {
+        let text = self.render_chat(messages, true)?;
+        self.tokenize(&text)
+    }
+
+    /// Check a request against the model before any work is done.
+    pub fn validate(&self, req: &GenerateRequest) -> Result<(), RequestError> {
+        req.sampling.validate()?;
+        let ctx = self.context_length();
+        let prompt = req.prompt_tokens.len();
+        if prompt == 0 {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if prompt >= ctx {
+            return Err(RequestError::PromptTooLong { prompt, context: ctx });
+        }
+        if let Some(mt) = req.max_tokens {
+            if prompt + mt > ctx {
+                return Err(RequestError::MaxTokensTooLarge {
+                    prompt,
+                    max_tokens: mt,
+                    context: ctx,
+                });
+            }
+        }
+        if let Some(&bad) = req.prompt_tokens.iter().find(|&&t| t as usize >= self.config().vocab_size) {
+            return Err(RequestError::InvalidParameter(format!(
+                "prompt token id {bad} is outside the vocabulary ({} tokens)",
+                self.config().vocab_size
+            )));
+        }
+        if let Some(n) = req.logprobs {
+            if n > 20 {
+                return Err(RequestError::InvalidParameter(format!("top_logprobs must be at most 20, got {n}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Prefill `tokens` after the cache's current contents; returns the last row's logits.
+    fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let chunk = self.opts.prefill_chunk.max(1);
+        let mut last = None;
+        let n_chunks = tokens.len().div_ceil(chunk);
+        for (i, c) in tokens.chunks(chunk).enumerate() {
+            let rows = if i + 1 == n_chunks { LogitsRows::Last } else { LogitsRows::None };
+            let out = self.bundle.model.forward(c, &mut self.kv, rows, &[])?;
+            if i + 1 == n_chunks {
+                last = Some(out.logits);
+            }
+        }
+        let logits = last.ok_or_else(|| anyhow::anyhow!("empty prefill"))?;
+        Ok(logits.squeeze(0)?.to_vec1::<f32>()?)
+    }
+
+    /// Logits for every position of `tokens` (teacher forcing), from an empty cache.
+    /// Returns `[tokens.len(), vocab]`.
+    pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        self.kv.clear();
+        let out = self.bundle.model.forward(tokens, &mut self.kv, LogitsRows::All, &[])?;
+        self.kv.clear();
+        Ok(out.logits)
+    }
+
+    /// Generate for one request. `on_delta` receives each piece of output as it becomes final;
+    /// returning `false` cancels the request (finish reason `cancelled`).
+    pub fn generate(
+        &mut self,
+        req: &GenerateRequest,
+        on_delta: &mut dyn FnMut(&StreamDelta) -> bool,
+    ) -> Result<GenerateOutput, RequestError> {
+        self.validate(req)?;
+        let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
+        let ctx = self.context_length();
+        let prompt_len = req.prompt_tokens.len();
+        let room = ctx - prompt_len;
+        let max_tokens = req.max_tokens.unwrap_or(room).min(room);
+        let mut sampler = Sampler::new(req.sampling.clone());
+        let tokenizer = self.bundle.tokenizer.clone();
+        let eos_ids = self.bundle.eos_ids.clone();
+        let mut emitter = Emitter::new(&tokenizer, &eos_ids, req.stop.clone(), req.ignore_eos, max_tokens);
+        let mut stats = GenerationStats {
+            prompt_tokens: prompt_len,
+            ..Default::default()
+        };
+
+        let t0 = Instant::now();
+        self.kv.clear();
+        let mut logits = self.prefill(&req.prompt_tokens).map_err(internal)?;
+        stats.prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut finish = emitter.finished();
+        while finish.is_none() {
+            let lp = req.logprobs.map(|n| self.token_logprobs(&logits, n));
+            let tok = sampler.sample(&mut logits);
+            sampler.observe(tok);
+            let lps = lp.map(|(all, top)| {
+                vec![TokenLogprob {
+                    id: tok,
+                    token: tokenizer.token_text(tok),
+                    logprob: all[tok as usize],
+                    top,
+                }]
+            });
+            let outcome = emitter.emit_block(&[tok], lps.as_deref());
+            if !outcome.delta.text.is_empty() || !outcome.delta.token_ids.is_empty() {
+                if !on_delta(&outcome.delta) {
+                    emitter.finish_with(FinishReason::Cancelled);
+                    break;
+                }
+            }
+            if let Some(f) = outcome.finished {
+                finish = Some(f);
+                break;
+            }
+            if self.kv.len() + 1 > ctx {
+                let d = emitter.finish_with(FinishReason::Length);
+                on_delta(&d);
+                break;
+            }
+            let out = self
+                .bundle
+                .model
+                .forward(&[tok], &mut self.kv, LogitsRows::Last, &[])
+                .map_err(internal)?;
+            stats.decode_steps += 1;
+            logits = out.logits.squeeze(0).and_then(|t| t.to_vec1::<f32>()).map_err(|e| internal(e.into()))?;
+        }
+        let _ = finish;
+        stats.decode_s = t1.elapsed().as_secs_f64();
+        stats.completion_tokens = emitter.tokens().len();
+        let finish_reason = emitter.finished().unwrap_or(FinishReason::Length);
+        Ok(GenerateOutput {
+            text: emitter.text().to_string(),
+            token_ids: emitter.tokens().to_vec(),
+            logprobs: req.logprobs.map(|_| emitter.logprobs().to_vec()),
+            finish_reason,
+            stats,
+        })
+    }
+
+    /// Raw log-softmax of a logits row and its `n` best entries.
+    fn token_logprobs(&self, logits: &[f32], n: usize) -> (Vec<f32>, Vec<TopLogprob>) {
+        let all = sampling::log_softmax(logits);
+        let top = sampling::top_n(&all, n)
+            .into_iter()
+            .map(|(id, logprob)| TopLogprob {
+                id,
+                token: self.bundle.tokenizer.token_text(id),
+                logprob,
+            })
+            .collect();
+        (all, top)
+    }
+}

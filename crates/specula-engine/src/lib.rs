@@ -1,0 +1,22 @@
+//! Specula's inference core: model bundles, dense transformer forward passes with KV rollback and
+//! hidden-state taps, sampling, the per-token emit step and generation.
+//!
+//! See `DESIGN.md` at the repository root for the pipeline and the exactness promise.
+
+pub mod bundle;
+pub mod cache;
+pub mod catalog;
+pub mod chat;
+pub mod emit;
+pub mod engine;
+pub mod kv_cache;
+pub mod model;
+pub mod sampling;
+pub mod testing;
+pub mod tokenizer;
+pub mod types;
+
+pub use chat::ChatMessage;
+pub use engine::{Engine, LoadOptions};
+pub use sampling::SamplingParams;
+pub use types::*;

@@ -1,0 +1,407 @@
+//! Dense decoder-only transformers: Llama, Qwen2 and Qwen3 in one parameterised implementation.
+//!
+//! Reference: the Llama architecture (Touvron et al. 2023) as implemented by llama.cpp
+//! (`src/models/llama.cpp`, `qwen2.cpp`, `qwen3.cpp`) and Hugging Face transformers
+//! (`modeling_llama.py`, `modeling_qwen2.py`, `modeling_qwen3.py`): pre-norm blocks of
+//! RMSNorm → grouped-query attention with RoPE → residual → RMSNorm → SwiGLU MLP → residual.
+//! Qwen2 adds biases to the q/k/v projections; Qwen3 adds a per-head RMSNorm on q and k
+//! before RoPE.
+//!
+//! Unlike candle-transformers' models, [`Model::forward`] returns logits for every requested row
+//! (verify passes need all k+1 rows), can return the hidden states of chosen layers (for MTP and
+//! block drafters), and keeps its KV cache in a [`KvCache`] that can be truncated (rollback).
+//! Attention is computed by our own row-independent kernel ([`attention`]), so a row's result
+//! does not depend on how many rows are computed with it.
+
+pub mod attention;
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use crate::kv_cache::KvCache;
+
+/// The architecture families this file implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Family {
+    /// Parse a GGUF `general.architecture` or HF `model_type` value.
+    pub fn parse(s: &str) -> Option<Family> {
+        match s {
+            "llama" | "mistral" => Some(Family::Llama),
+            "qwen2" => Some(Family::Qwen2),
+            "qwen3" => Some(Family::Qwen3),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (x[2i], x[2i+1]): llama.cpp's "normal" mode, used by GGUF Llama files
+    /// (whose q/k weights the converter permuted).
+    Interleaved,
+    /// Halves (x[i], x[i + d/2]): GPT-NeoX style, used by HF checkpoints and GGUF Qwen files.
+    Neox,
+}
+
+/// Hyper-parameters of a dense model.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// Context window in tokens.
+    pub context_length: usize,
+    #[serde(skip)]
+    pub rope_style: RopeStyle,
+}
+
+/// A linear layer `y = x W^T (+ b)`, `W` of shape `[out, in]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: QMatMul,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// From a GGUF tensor: quantized types stay quantized (candle `QMatMul`); F32/F16/BF16 are
+    /// expanded to f32.
+    pub fn from_qtensor(w: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight: QMatMul::from_arc(w)?,
+            bias,
+        })
+    }
+
+    /// From a dense `[out, in]` tensor (converted to f32).
+    pub fn from_dense(w: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight: QMatMul::Tensor(w.to_dtype(DType::F32)?),
+            bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
+        })
+    }
+
+    /// `x`: `[n, in]` f32 → `[n, out]` f32.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.weight.forward(x)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// The token embedding table, quantized (GGUF) or dense (HF).
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    Quantized(Arc<QTensor>),
+    Dense(Tensor),
+}
+
+impl Embedding {
+    /// `ids` → `[n, hidden]` f32.
+    pub fn forward(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
+        let t = Tensor::new(ids, device)?;
+        Ok(match self {
+            Embedding::Quantized(q) => q.embedding(&t)?,
+            Embedding::Dense(w) => w.index_select(&t, 0)?,
+        })
+    }
+}
+
+/// One transformer block's weights.
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub attn_norm: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    /// Qwen3 per-head RMSNorm weights, `[head_dim]`.
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    pub ffn_norm: Tensor,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+/// Which rows of a forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsRows {
+    /// Every input row (verify passes, teacher forcing).
+    All,
+    /// Only the last row (prefill, plain decode).
+    Last,
+    /// No logits (prefill chunks before the last).
+    None,
+}
+
+/// What a forward pass returns.
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// `[rows, vocab]` f32 logits for the rows asked for (`rows` = n, 1 or 0).
+    pub logits: Tensor,
+    /// Hidden states after the requested blocks, in the order asked: each `[n, hidden]` f32, the
+    /// residual stream leaving block `i` (0-based; `num_layers` means after the final norm).
+    pub hidden: Vec<Tensor>,
+}
+
+/// A loaded dense model.
+#[derive(Debug)]
+pub struct Model {
+    pub config: ModelConfig,
+    pub embedding: Embedding,
+    pub blocks: Vec<Block>,
+    pub output_norm: Tensor,
+    pub lm_head: Linear,
+    /// RoPE tables `[context, head_dim / 2]` (f32), computed once.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    device: Device,
+}
+
+impl Model {
+    /// Assemble a model from its weights; computes the RoPE tables. `rope_freq_factors` are
+    /// llama.cpp's `rope_freqs.weight` (Llama 3.1 scaling), dividing each frequency.
+    pub fn new(
+        config: ModelConfig,
+        embedding: Embedding,
+        blocks: Vec<Block>,
+        output_norm: Tensor,
+        lm_head: Linear,
+        rope_freq_factors: Option<Vec<f32>>,
+        device: Device,
+    ) -> Result<Self> {
+        if blocks.len() != config.num_layers {
+            bail!("expected {} blocks, got {}", config.num_layers, blocks.len());
+        }
+        if config.num_heads == 0 || config.num_kv_heads == 0 || config.num_heads % config.num_kv_heads != 0 {
+            bail!(
+                "num_heads ({}) must be a positive multiple of num_kv_heads ({})",
+                config.num_heads,
+                config.num_kv_heads
+            );
+        }
+        if config.head_dim % 2 != 0 {
+            bail!("head_dim must be even, got {}", config.head_dim);
+        }
+        let half = config.head_dim / 2;
+        let ctx = config.context_length;
+        let mut rope_cos = Vec::with_capacity(ctx * half);
+        let mut rope_sin = Vec::with_capacity(ctx * half);
+        // theta_i = pos * base^(-2i/d) (RoFormer, Su et al. 2021), optionally divided by a
+        // per-frequency factor.
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| {
+                let f = 1.0 / config.rope_theta.powf(2.0 * i as f64 / config.head_dim as f64);
+                match &rope_freq_factors {
+                    Some(ff) => f / ff.get(i).copied().unwrap_or(1.0) as f64,
+                    None => f,
+                }
+            })
+            .collect();
+        for pos in 0..ctx {
+            for f in &inv_freq {
+                let theta = pos as f64 * f;
+                rope_cos.push(theta.cos() as f32);
+                rope_sin.push(theta.sin() as f32);
+            }
+        }
+        Ok(Self {
+            config,
+            embedding,
+            blocks,
+            output_norm,
+            lm_head,
+            rope_cos,
+            rope_sin,
+            device,
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// A KV cache sized for this model's context window.
+    pub fn new_kv_cache(&self) -> KvCache {
+        KvCache::new(
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.config.context_length,
+        )
+    }
+
+    /// Run `tokens` at positions `kv.len() .. kv.len() + tokens.len()`, append their keys and
+    /// values to `kv`, and return logits for the rows named by `rows` and the hidden states after
+    /// the blocks listed in `taps`.
+    ///
+    /// Errors: empty `tokens`, a position past the context window, a token id outside the vocab.
+    pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, rows: LogitsRows, taps: &[usize]) -> Result<ForwardOutput> {
+        let out = self.forward_inner(tokens, kv, rows, taps);
+        if out.is_err() {
+            kv.discard_uncommitted();
+        }
+        out
+    }
+
+    fn forward_inner(&self, tokens: &[u32], kv: &mut KvCache, rows: LogitsRows, taps: &[usize]) -> Result<ForwardOutput> {
+        let n = tokens.len();
+        let start = kv.len();
+        let cfg = &self.config;
+        if n == 0 {
+            bail!("forward needs at least one token");
+        }
+        if start + n > cfg.context_length {
+            bail!(
+                "positions {}..{} exceed the context window of {} tokens",
+                start,
+                start + n,
+                cfg.context_length
+            );
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary ({} tokens)", cfg.vocab_size);
+        }
+        let eps = cfg.rms_norm_eps as f32;
+        let mut x = self.embedding.forward(tokens, &self.device)?;
+        let mut hidden = vec![None; taps.len()];
+        for (li, block) in self.blocks.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &block.attn_norm, eps)?;
+            let attn = self.attention(block, li, &h, start, kv)?;
+            x = (x + attn)?;
+            let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
+            let g = block.gate.forward(&h)?;
+            let u = block.up.forward(&h)?;
+            let m = block.down.forward(&(candle_nn::ops::silu(&g)? * u)?)?;
+            x = (x + m)?;
+            for (slot, &t) in hidden.iter_mut().zip(taps) {
+                if t == li {
+                    *slot = Some(x.clone());
+                }
+            }
+        }
+        kv.advance(n)?;
+        let normed = candle_nn::ops::rms_norm(&x, &self.output_norm, eps)?;
+        for (slot, &t) in hidden.iter_mut().zip(taps) {
+            if t == cfg.num_layers {
+                *slot = Some(normed.clone());
+            }
+        }
+        let hidden = hidden
+            .into_iter()
+            .zip(taps)
+            .map(|(h, &t)| h.ok_or_else(|| anyhow::anyhow!("hidden-state tap {t} is out of range (0..={})", cfg.num_layers)))
+            .collect::<Result<Vec<_>>>()?;
+        let logits = match rows {
+            LogitsRows::All => self.lm_head.forward(&normed)?,
+            LogitsRows::Last => self.lm_head.forward(&normed.narrow(0, n - 1, 1)?)?,
+            LogitsRows::None => Tensor::zeros((0, cfg.vocab_size), DType::F32, &self.device)?,
+        };
+        Ok(ForwardOutput { logits, hidden })
+    }
+
+    /// Grouped-query attention of block `li` for `h` (`[n, hidden]`) at positions
+    /// `start .. start + n`; appends K and V to the cache.
+    fn attention(&self, block: &Block, li: usize, h: &Tensor, start: usize, kv: &mut KvCache) -> Result<Tensor> {
+        let cfg = &self.config;
+        let n = h.dim(0)?;
+        let d = cfg.head_dim;
+        let eps = cfg.rms_norm_eps as f32;
+        let mut q = block.q.forward(h)?;
+        let mut k = block.k.forward(h)?;
+        let v = block.v.forward(h)?;
+        if let (Some(qn), Some(kn)) = (&block.q_norm, &block.k_norm) {
+            q = candle_nn::ops::rms_norm(&q.reshape((n * cfg.num_heads, d))?, qn, eps)?;
+            k = candle_nn::ops::rms_norm(&k.reshape((n * cfg.num_kv_heads, d))?, kn, eps)?;
+        }
+        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+        let mut k = k.flatten_all()?.to_vec1::<f32>()?;
+        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        self.apply_rope(&mut q, cfg.num_heads, start);
+        self.apply_rope(&mut k, cfg.num_kv_heads, start);
+        if std::env::var("SPECULA_F16KV").is_ok() {
+            for x in q.iter_mut().chain(k.iter_mut()) {
+                *x = half::f16::from_f32(*x).to_f32();
+            }
+        }
+        let v: Vec<f32> = if std::env::var("SPECULA_F16KV").is_ok() { v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect() } else { v };
+        kv.append(li, &k, &v)?;
+        let (keys, values) = kv.layer(li, start + n);
+        let out = attention::attend(
+            &q,
+            keys,
+            values,
+            &attention::AttnShape {
+                rows: n,
+                start,
+                num_heads: cfg.num_heads,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: d,
+            },
+        );
+        let out = Tensor::from_vec(out, (n, cfg.num_heads * d), &self.device)?;
+        block.o.forward(&out)
+    }
+
+    /// Rotate `x` (`[n, heads, head_dim]`, row r at position `start + r`) in place.
+    fn apply_rope(&self, x: &mut [f32], heads: usize, start: usize) {
+        let d = self.config.head_dim;
+        let half = d / 2;
+        for (r, row) in x.chunks_exact_mut(heads * d).enumerate() {
+            let pos = start + r;
+            let cos = &self.rope_cos[pos * half..(pos + 1) * half];
+            let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+            for head in row.chunks_exact_mut(d) {
+                match self.config.rope_style {
+                    RopeStyle::Interleaved => {
+                        for i in 0..half {
+                            let (a, b) = (head[2 * i], head[2 * i + 1]);
+                            head[2 * i] = a * cos[i] - b * sin[i];
+                            head[2 * i + 1] = a * sin[i] + b * cos[i];
+                        }
+                    }
+                    RopeStyle::Neox => {
+                        for i in 0..half {
+                            let (a, b) = (head[i], head[i + half]);
+                            head[i] = a * cos[i] - b * sin[i];
+                            head[i + half] = a * sin[i] + b * cos[i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+}

@@ -1,0 +1,340 @@
+//! Logits processing and sampling.
+//!
+//! The pipeline, applied to one row of logits (`f32`, length = vocab size), in this order (the
+//! order llama.cpp and vLLM use):
+//! 1. penalties over the tokens generated so far (repetition: CTRL, Keskar et al. 2019 — divide a
+//!    positive logit by the penalty, multiply a negative one; presence and frequency: OpenAI's
+//!    definition, `logit -= presence * [count > 0] + frequency * count`);
+//! 2. greedy (temperature 0) takes the argmax (lowest id on ties) and stops here;
+//! 3. temperature, then top-k, top-p (nucleus, Holtzman et al. 2019) and min-p filtering;
+//! 4. softmax over the survivors and one draw from a per-request seeded ChaCha20 RNG.
+//!
+//! [`Sampler::distribution`] exposes the processed distribution as probabilities: speculative
+//! verification needs exactly the `p` (and `q`) the sampler draws from.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::types::RequestError;
+
+/// Sampling parameters of one request. Defaults are OpenAI's (temperature 1, no filtering).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 = greedy. Must be >= 0.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 = disabled.
+    pub top_k: usize,
+    /// Nucleus mass in (0, 1]; 1 = disabled.
+    pub top_p: f32,
+    /// Drop tokens whose probability is below `min_p` times the top probability; 0 = disabled.
+    pub min_p: f32,
+    /// Multiplicative repetition penalty (CTRL); 1 = disabled. Must be > 0.
+    pub repetition_penalty: f32,
+    /// Additive presence penalty in [-2, 2]; 0 = disabled.
+    pub presence_penalty: f32,
+    /// Additive frequency penalty in [-2, 2]; 0 = disabled.
+    pub frequency_penalty: f32,
+    /// RNG seed; the same seed and request give the same output. `None` = a fresh random seed.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding (temperature 0).
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Is this greedy (temperature 0)?
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Check ranges; the error names the parameter.
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let bad = |m: String| Err(RequestError::InvalidParameter(m));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Per-request sampler state: parameters, RNG and token counts for penalties.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha20Rng,
+    /// (token id, count) of generated tokens, for penalties; small, so a sorted vec.
+    counts: Vec<(u32, u32)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let seed = params.seed.unwrap_or_else(rand::random);
+        Self {
+            params,
+            rng: ChaCha20Rng::seed_from_u64(seed),
+            counts: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Record a committed token (for penalties). Call once per committed token, in order.
+    pub fn observe(&mut self, token: u32) {
+        match self.counts.binary_search_by_key(&token, |&(t, _)| t) {
+            Ok(i) => self.counts[i].1 += 1,
+            Err(i) => self.counts.insert(i, (token, 1)),
+        }
+    }
+
+    /// Apply the penalties in place to a row of logits.
+    pub fn apply_penalties(&self, logits: &mut [f32]) {
+        if !self.params.has_penalties() {
+            return;
+        }
+        let p = &self.params;
+        for &(tok, count) in &self.counts {
+            let Some(l) = logits.get_mut(tok as usize) else { continue };
+            if p.repetition_penalty != 1.0 {
+                if *l > 0.0 {
+                    *l /= p.repetition_penalty;
+                } else {
+                    *l *= p.repetition_penalty;
+                }
+            }
+            *l -= p.presence_penalty + p.frequency_penalty * count as f32;
+        }
+    }
+
+    /// The processed distribution the sampler draws from, as `(token id, probability)` pairs
+    /// sorted by descending probability (ties: lower id first), zero-probability tokens omitted.
+    /// For greedy this is the one-hot argmax. Penalties must already be applied to `logits`.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        let p = &self.params;
+        if p.is_greedy() {
+            return vec![(argmax(logits), 1.0)];
+        }
+        let inv_t = 1.0 / p.temperature;
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, l * inv_t))
+            .collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 && cand.len() > p.top_k {
+            cand.truncate(p.top_k);
+        }
+        let Some(&(_, max)) = cand.first() else {
+            return vec![(argmax(logits), 1.0)];
+        };
+        let mut sum = 0.0f64;
+        for c in cand.iter_mut() {
+            c.1 = (c.1 - max).exp();
+            sum += c.1 as f64;
+        }
+        for c in cand.iter_mut() {
+            c.1 = (c.1 as f64 / sum) as f32;
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0f32;
+            let mut keep = cand.len();
+            for (i, c) in cand.iter().enumerate() {
+                acc += c.1;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let thr = cand[0].1 * p.min_p;
+            cand.retain(|c| c.1 >= thr);
+        }
+        let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
+        for c in cand.iter_mut() {
+            c.1 = (c.1 as f64 / total) as f32;
+        }
+        cand
+    }
+
+    /// Draw one token from a distribution made by [`Sampler::distribution`].
+    pub fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
+        if dist.len() == 1 {
+            return dist[0].0;
+        }
+        let u: f32 = self.rng.gen();
+        let mut acc = 0.0f32;
+        for &(tok, prob) in dist {
+            acc += prob;
+            if u < acc {
+                return tok;
+            }
+        }
+        dist[dist.len() - 1].0
+    }
+
+    /// A uniform draw in [0, 1) from this request's RNG (used by speculative acceptance).
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.gen()
+    }
+
+    /// Penalties, transforms and one draw: the next token for this row of logits.
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.apply_penalties(logits);
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        let dist = self.distribution(logits);
+        self.draw(&dist)
+    }
+}
+
+/// Index of the largest value; the lowest index wins ties; NaN never wins.
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in xs.iter().enumerate() {
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Log-softmax of one row, computed in f64 for a stable normaliser.
+pub fn log_softmax(xs: &[f32]) -> Vec<f32> {
+    let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = xs.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    xs.iter().map(|&x| (x as f64 - lse) as f32).collect()
+}
+
+/// The `n` largest entries of `logprobs` as `(id, logprob)`, best first (ties: lower id first).
+pub fn top_n(logprobs: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<(u32, f32)> = logprobs.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    let n = n.min(idx.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    idx.select_nth_unstable_by(n - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    idx.truncate(n);
+    idx.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_argmax_lowest_id_on_tie() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let p = SamplingParams { seed: Some(7), ..Default::default() };
+        let logits = vec![0.5f32, 0.4, 0.3, 0.2, 0.1];
+        let mut a = Sampler::new(p.clone());
+        let mut b = Sampler::new(p);
+        let xa: Vec<u32> = (0..50).map(|_| a.sample(&mut logits.clone())).collect();
+        let xb: Vec<u32> = (0..50).map(|_| b.sample(&mut logits.clone())).collect();
+        assert_eq!(xa, xb);
+        assert!(xa.iter().any(|&t| t != xa[0]), "temperature 1 over near-uniform logits must vary");
+    }
+
+    #[test]
+    fn top_k_top_p_min_p_filter() {
+        let logits = [2.0f32, 1.0, 0.0, -1.0];
+        let s = Sampler::new(SamplingParams { top_k: 2, ..Default::default() });
+        let d = s.distribution(&logits);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
+        let e1 = (1.0f32).exp();
+        assert!((d[0].1 - e1 / (e1 + 1.0)).abs() < 1e-6);
+
+        // probabilities of [2,1,0,-1]: 0.6439, 0.2369, 0.0871, 0.0321
+        let s = Sampler::new(SamplingParams { top_p: 0.85, ..Default::default() });
+        assert_eq!(s.distribution(&logits).len(), 2);
+        let s = Sampler::new(SamplingParams { top_p: 0.95, ..Default::default() });
+        assert_eq!(s.distribution(&logits).len(), 3);
+        let s = Sampler::new(SamplingParams { min_p: 0.2, ..Default::default() });
+        assert_eq!(s.distribution(&logits).len(), 2);
+    }
+
+    #[test]
+    fn penalties_follow_definitions() {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Default::default()
+        });
+        s.observe(0);
+        s.observe(1);
+        s.observe(1);
+        let mut l = [4.0f32, -4.0, 1.0];
+        s.apply_penalties(&mut l);
+        assert_eq!(l, [4.0 / 2.0 - 0.5 - 0.25, -4.0 * 2.0 - 0.5 - 0.5, 1.0]);
+    }
+
+    #[test]
+    fn validate_rejects_bad_ranges() {
+        assert!(SamplingParams { temperature: -0.1, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { repetition_penalty: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+
+    #[test]
+    fn log_softmax_and_top_n() {
+        let lp = log_softmax(&[1.0, 2.0, 3.0]);
+        let total: f32 = lp.iter().map(|x| x.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert_eq!(top_n(&lp, 2).iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 1]);
+    }
+}

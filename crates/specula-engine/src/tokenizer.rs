@@ -1,0 +1,211 @@
+//! Tokenizers, built from GGUF metadata or loaded from a Hugging Face `tokenizer.json`.
+//!
+//! GGUF: `tokenizer.ggml.model = "gpt2"` (byte-level BPE) with `tokenizer.ggml.tokens`,
+//! `.merges`, `.token_type` and the pre-tokenizer named by `tokenizer.ggml.pre`. The split
+//! regexes per pre-tokenizer name are those of llama.cpp (`src/llama-vocab.cpp`,
+//! `llm_tokenizer_bpe`), applied in sequence as isolating splits, followed by the GPT-2 byte-level
+//! mapping. Control tokens (type 3) and unknown tokens (type 2) become special added tokens (matched
+//! in text, dropped when decoding); user-defined tokens (type 4) become added tokens that decode
+//! to their text, as llama.cpp treats them.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Result};
+use candle_core::quantized::gguf_file;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+/// GPT-2's split regex (also SmolLM's second stage), as in llama.cpp.
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+/// Qwen2 / Qwen3 split regex (llama.cpp `LLAMA_VOCAB_PRE_TYPE_QWEN2`).
+const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Llama 3 split regex (llama.cpp `LLAMA_VOCAB_PRE_TYPE_LLAMA3`).
+const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The split regexes for a `tokenizer.ggml.pre` name, in application order.
+pub fn pre_tokenizer_regexes(pre: &str) -> Result<Vec<&'static str>> {
+    Ok(match pre {
+        "default" | "gpt2" | "gpt-2" => vec![GPT2_REGEX],
+        "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" | "exaone" | "minerva-7b" => {
+            vec![r"\p{N}", GPT2_REGEX]
+        }
+        "qwen2" | "qwen35" | "deepseek-r1-qwen" | "megrez" | "hunyuan" => vec![QWEN2_REGEX],
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => vec![LLAMA3_REGEX],
+        other => bail!(
+            "tokenizer.ggml.pre = '{other}' is not supported (known: default, gpt2, smollm, starcoder, qwen2, llama-bpe)"
+        ),
+    })
+}
+
+/// A tokenizer with the model's special-token knowledge.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// BOS token, when the model has one.
+    pub bos_token: Option<(u32, String)>,
+    /// The end-of-sequence token named by the bundle.
+    pub eos_token: Option<(u32, String)>,
+    /// Prepend BOS when encoding a prompt (`tokenizer.ggml.add_bos_token` / `add_bos_token`).
+    pub add_bos: bool,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish()
+    }
+}
+
+fn meta_str<'a>(md: &'a HashMap<String, gguf_file::Value>, key: &str) -> Option<&'a str> {
+    md.get(key).and_then(|v| v.to_string().ok()).map(|s| s.as_str())
+}
+
+fn meta_u32(md: &HashMap<String, gguf_file::Value>, key: &str) -> Option<u32> {
+    md.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|x| x as u32)))
+}
+
+fn meta_strings(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Vec<String>> {
+    let v = md.get(key).ok_or_else(|| anyhow!("missing metadata key '{key}'"))?;
+    v.to_vec()
+        .map_err(|e| anyhow!("metadata '{key}' is not an array: {e}"))?
+        .iter()
+        .map(|x| x.to_string().cloned().map_err(|e| anyhow!("metadata '{key}' holds a non-string: {e}")))
+        .collect()
+}
+
+impl Tokenizer {
+    /// Build from GGUF metadata (the `tokenizer.ggml.*` keys). Errors name the missing or
+    /// unsupported key.
+    pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
+        let model = meta_str(md, "tokenizer.ggml.model").ok_or_else(|| anyhow!("missing metadata key 'tokenizer.ggml.model'"))?;
+        if model != "gpt2" {
+            bail!("tokenizer.ggml.model = '{model}' is not supported (only byte-level BPE, 'gpt2')");
+        }
+        let pre = meta_str(md, "tokenizer.ggml.pre").unwrap_or("default");
+        let tokens = meta_strings(md, "tokenizer.ggml.tokens")?;
+        let merges = meta_strings(md, "tokenizer.ggml.merges")?;
+        let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
+            Some(v) => v
+                .to_vec()
+                .map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}"))?
+                .iter()
+                .map(|x| x.to_i32().map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}")))
+                .collect::<Result<_>>()?,
+            None => vec![1; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            bail!("tokenizer.ggml.token_type has {} entries for {} tokens", types.len(), tokens.len());
+        }
+        let mut vocab = Vocab::default();
+        for (i, t) in tokens.iter().enumerate() {
+            vocab.insert(t.clone(), i as u32);
+        }
+        let merges = merges
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| anyhow!("tokenizer.ggml.merges[{i}] = '{m}' is not 'left right'"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ignore_merges = matches!(pre, "llama3" | "llama-v3" | "llama-bpe");
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(ignore_merges)
+            .build()
+            .map_err(|e| anyhow!("building the BPE model from GGUF metadata: {e}"))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let mut pretoks: Vec<PreTokenizerWrapper> = Vec::new();
+        for re in pre_tokenizer_regexes(pre)? {
+            let split = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| anyhow!("pre-tokenizer regex for '{pre}': {e}"))?;
+            pretoks.push(split.into());
+        }
+        pretoks.push(ByteLevel::new(false, false, false).into());
+        inner.with_pre_tokenizer(Some(Sequence::new(pretoks)));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let mut added = Vec::new();
+        for (i, t) in tokens.iter().enumerate() {
+            match types[i] {
+                2 | 3 => added.push(AddedToken::from(t.clone(), true)),
+                4 => added.push(AddedToken::from(t.clone(), false).normalized(false)),
+                _ => {}
+            }
+        }
+        inner.add_special_tokens(&added);
+        let tok = |key: &str| meta_u32(md, key).and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())));
+        Ok(Self {
+            inner,
+            bos_token: tok("tokenizer.ggml.bos_token_id"),
+            eos_token: tok("tokenizer.ggml.eos_token_id"),
+            add_bos: md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false),
+        })
+    }
+
+    /// Load a Hugging Face `tokenizer.json`; `bos`/`eos` come from `tokenizer_config.json` /
+    /// `generation_config.json` (resolved by the bundle loader).
+    pub fn from_hf_file(path: &Path, bos: Option<String>, eos: Option<String>, add_bos: bool) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let lookup = |s: Option<String>| s.and_then(|s| inner.token_to_id(&s).map(|id| (id, s)));
+        Ok(Self {
+            bos_token: lookup(bos),
+            eos_token: lookup(eos),
+            add_bos,
+            inner,
+        })
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Encode text; special-token text (e.g. `<|im_start|>`) maps to its token. BOS is prepended
+    /// when the model asks for it and the text does not already start with it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode_fast(text, false).map_err(|e| anyhow!("tokenization failed: {e}"))?;
+        let mut ids = enc.get_ids().to_vec();
+        if self.add_bos {
+            if let Some((bos, _)) = &self.bos_token {
+                if ids.first() != Some(bos) {
+                    ids.insert(0, *bos);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Decode ids to text, special tokens skipped; invalid UTF-8 becomes U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.inner.decode(ids, true).unwrap_or_default()
+    }
+
+    /// The text of one token as it appears in output (special tokens by name).
+    pub fn token_text(&self, id: u32) -> String {
+        self.inner.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// Id of a token given by its exact vocabulary string.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The vocabulary string of an id.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The underlying `tokenizers` object.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}

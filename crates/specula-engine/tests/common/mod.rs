@@ -1,0 +1,33 @@
+//! Shared helpers for tests that use the real catalog models.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use specula_engine::catalog;
+
+/// Path of a pulled catalog model. Panics with the command to run when it is missing: these
+/// tests must not pass silently without their model (`.ci/run` pulls every model first).
+pub fn model_path(name: &str) -> PathBuf {
+    let entry = catalog::lookup(name).unwrap_or_else(|| panic!("{name} is not in the catalog"));
+    let path = specula_engine::cache::models_dir().join(entry.file_name);
+    assert!(
+        path.exists(),
+        "model {name} is not pulled ({} missing): run `cargo run --release -- pull {name}` first",
+        path.display()
+    );
+    path
+}
+
+/// Repository root (two levels above this crate).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Read a JSONL fixture under `tests/fixtures/`.
+pub fn fixture_lines(rel: &str) -> Vec<Value> {
+    let p = repo_root().join("tests/fixtures").join(rel);
+    let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    s.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).expect("fixture line is JSON")).collect()
+}

@@ -1,0 +1,343 @@
+mod pull;
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use specula_engine::catalog::{self, DEFAULT_MODEL};
+use specula_engine::{ChatMessage, Engine, GenerateRequest, LoadOptions, SamplingParams};
+
+/// Specula: a local LLM inference server with exact speculative decoding.
+#[derive(Parser, Debug)]
+#[command(name = "specula", version, about, long_about = None)]
+struct Cli {
+    /// Worker threads for the model's matrix work (default: all cores).
+    #[arg(long, global = true, env = "SPECULA_THREADS")]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
+    /// Generate text for one prompt and print it.
+    Generate(GenerateArgs),
+    /// Download a catalog model into the cache (checked against its pinned sha256).
+    Pull {
+        /// Catalog name (see `specula list`).
+        name: String,
+    },
+    /// List the catalog models and whether each is in the cache.
+    List,
+    /// Measure prefill and decode speed (tok/s) of a model on this machine.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// A GGUF file, a Hugging Face bundle directory, or a catalog name (pulled if missing).
+    #[arg(default_value = DEFAULT_MODEL)]
+    model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Requests allowed to wait while one runs; more get HTTP 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// The model id clients use (default: the catalog name or the file name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+#[derive(Args, Debug, Clone)]
+struct SamplingArgs {
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens below min_p × the top probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Presence penalty in [-2, 2].
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Frequency penalty in [-2, 2].
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// RNG seed (same seed, same output).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    /// A GGUF file, a Hugging Face bundle directory, or a catalog name (pulled if missing).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    model: String,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as one user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Maximum tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Stop string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print one JSON object (text, token ids, finish reason, usage, timings) instead of the text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+#[derive(Args, Debug)]
+struct BenchArgs {
+    /// A GGUF file, a Hugging Face bundle directory, or a catalog name (pulled if missing).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    model: String,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens generated for the decode measurement.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        // candle's CPU kernels size their pools from RAYON_NUM_THREADS; set it before any runs.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    match cli.command {
+        Command::Serve(a) => serve(a),
+        Command::Generate(a) => generate(a),
+        Command::Pull { name } => {
+            let entry = catalog::lookup(&name)
+                .with_context(|| format!("'{name}' is not a catalog model (known: {})", catalog::names().join(", ")))?;
+            let path = pull::pull(&entry, true)?;
+            println!("{}", path.display());
+            Ok(())
+        }
+        Command::List => {
+            for (entry, path) in pull::list_models() {
+                let state = match path {
+                    Some(p) => format!("pulled: {}", p.display()),
+                    None => "not pulled".to_string(),
+                };
+                let default = if entry.is_default() { " (default)" } else { "" };
+                println!("{}{default}\n  {}\n  {} MB, {}; {}", entry.name, entry.description, entry.size_bytes / 1_000_000, entry.arch, state);
+            }
+            println!("cache: {}", pull::cache_dir().display());
+            Ok(())
+        }
+        Command::Bench(a) => bench(a),
+    }
+}
+
+/// Resolve and load a model; the id is the catalog name or the file/dir name.
+fn load(spec: &str, id: Option<String>) -> Result<Engine> {
+    let path: PathBuf = pull::resolve_model(spec, true)?;
+    let id = id.unwrap_or_else(|| {
+        if catalog::lookup(spec).is_some() {
+            spec.to_string()
+        } else {
+            path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| spec.to_string())
+        }
+    });
+    let t = std::time::Instant::now();
+    let engine = Engine::load(&path, &id, LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
+    tracing::info!(
+        model = %id,
+        path = %path.display(),
+        weights = %engine.bundle().quantization,
+        context = engine.context_length(),
+        "loaded in {:.2}s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(engine)
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let engine = load(&a.model, a.served_model_name.clone())?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(specula_server::serve(
+        engine,
+        specula_server::ServeOptions {
+            host: a.host,
+            port: a.port,
+            max_queue: a.max_queue,
+        },
+    ))
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let mut engine = load(&a.model, None)?;
+    let prompt_tokens = if a.chat {
+        engine.chat_prompt_tokens(&[ChatMessage::new("user", &a.prompt)])?
+    } else {
+        engine.tokenize(&a.prompt)?
+    };
+    let req = GenerateRequest {
+        prompt_tokens,
+        sampling: a.sampling.params(),
+        max_tokens: Some(a.max_tokens),
+        stop: a.stop.clone(),
+        logprobs: None,
+        ignore_eos: a.ignore_eos,
+    };
+    let json = a.json;
+    let mut stdout = std::io::stdout();
+    let out = engine.generate(&req, &mut |d| {
+        if !json {
+            let _ = stdout.write_all(d.text.as_bytes());
+            let _ = stdout.flush();
+        }
+        true
+    })?;
+    let s = &out.stats;
+    if json {
+        let v = serde_json::json!({
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason.as_str(),
+            "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens},
+            "timings": {"prefill_s": s.prefill_s, "decode_s": s.decode_s, "decode_steps": s.decode_steps},
+        });
+        println!("{v}");
+    } else {
+        println!();
+        eprintln!(
+            "[{} prompt tokens, {} generated, finish: {}; prefill {:.1} tok/s, decode {:.1} tok/s]",
+            s.prompt_tokens,
+            s.completion_tokens,
+            out.finish_reason.as_str(),
+            s.prompt_tokens as f64 / s.prefill_s.max(1e-9),
+            s.decode_steps as f64 / s.decode_s.max(1e-9)
+        );
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    if a.runs == 0 || a.prompt_tokens == 0 || a.gen_tokens < 2 {
+        bail!("--runs and --prompt-tokens must be >= 1, --gen-tokens >= 2");
+    }
+    let mut engine = load(&a.model, None)?;
+    // A deterministic prompt of exactly `prompt_tokens` tokens: a fixed text repeated.
+    let base = engine.tokenize(
+        "The harbour town woke slowly under a grey sky. Fishing boats rocked at their moorings while gulls \
+         argued over the nets, and the baker on the corner opened his shutters to the smell of rain. ",
+    )?;
+    let prompt: Vec<u32> = base.iter().copied().cycle().take(a.prompt_tokens).collect();
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for run in 0..a.runs {
+        let req = GenerateRequest {
+            prompt_tokens: prompt.clone(),
+            sampling: SamplingParams::greedy(),
+            max_tokens: Some(a.gen_tokens),
+            stop: vec![],
+            logprobs: None,
+            ignore_eos: true,
+        };
+        let out = engine.generate(&req, &mut |_| true)?;
+        let s = out.stats;
+        let pp = s.prompt_tokens as f64 / s.prefill_s;
+        let tg = s.decode_steps as f64 / s.decode_s;
+        eprintln!("run {run}: prefill {pp:.1} tok/s ({} tokens), decode {tg:.1} tok/s ({} steps)", s.prompt_tokens, s.decode_steps);
+        prefill.push(pp);
+        decode.push(tg);
+    }
+    let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|s| s.parse::<usize>().ok()).unwrap_or_else(|| {
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    });
+    let (pp, tg) = (median(prefill), median(decode));
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": engine.model_id(),
+                "weights": engine.bundle().quantization,
+                "threads": threads,
+                "prompt_tokens": a.prompt_tokens,
+                "gen_tokens": a.gen_tokens,
+                "runs": a.runs,
+                "prefill_tok_s": pp,
+                "decode_tok_s": tg,
+            })
+        );
+    } else {
+        println!(
+            "{}: pp{} {:.1} tok/s | tg{} {:.1} tok/s (median of {}, {} threads)",
+            engine.model_id(),
+            a.prompt_tokens,
+            pp,
+            a.gen_tokens,
+            tg,
+            a.runs,
+            threads
+        );
+    }
+    Ok(())
+}
