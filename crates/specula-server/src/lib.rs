@@ -1,1 +1,138 @@
+//! Specula's OpenAI-compatible HTTP server.
+//!
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+//! `GET /v1/models/{id}`, `GET /health`, `GET /metrics` (Prometheus text). Errors use OpenAI's
+//! body `{"error": {"message", "type", "param", "code"}}`.
+//!
+//! The engine runs on one dedicated OS thread ([`EngineHandle`]); requests are served one at a
+//! time in arrival order, with at most `max_queue` waiting (more get 429 with `Retry-After: 1`).
 
+mod api;
+mod error;
+mod logprobs;
+mod metrics;
+mod params;
+mod worker;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::net::TcpListener;
+
+pub use error::ApiError;
+pub use metrics::Metrics;
+pub use worker::{
+    EngineHandle, Event, HoldGuard, ModelInfo, Prompt, Submission, SubmitError, DEFAULT_MAX_QUEUE,
+};
+
+/// Largest request body accepted (long prompts given as token-id arrays are verbose).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
+/// How long in-flight requests may run on after a shutdown signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Where and how to serve.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub host: String,
+    pub port: u16,
+    /// Requests allowed to wait while one runs; more get HTTP 429.
+    pub max_queue: usize,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".to_string(),
+            port: 8000,
+            max_queue: DEFAULT_MAX_QUEUE,
+        }
+    }
+}
+
+/// The HTTP routes over a running engine worker.
+pub fn router(handle: EngineHandle) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(api::chat_completions))
+        .route("/v1/completions", post(api::completions))
+        .route("/v1/models", get(api::list_models))
+        .route("/v1/models/{*model}", get(api::get_model))
+        .route("/health", get(api::health))
+        .route("/metrics", get(api::metrics))
+        .method_not_allowed_fallback(api::method_not_allowed)
+        .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            handle.clone(),
+            api::track,
+        ))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(handle)
+}
+
+/// Serve `engine` on `opts.host:opts.port` until Ctrl-C (or SIGTERM).
+pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result<()> {
+    let handle = EngineHandle::spawn_with_queue(engine, opts.max_queue);
+    let listener = TcpListener::bind((opts.host.as_str(), opts.port))
+        .await
+        .with_context(|| format!("binding {}:{}", opts.host, opts.port))?;
+    let port = listener.local_addr()?.port();
+    let host = if opts.host.contains(':') {
+        format!("[{}]", opts.host)
+    } else {
+        opts.host.clone()
+    };
+    tracing::info!(model = %handle.model().id, max_queue = opts.max_queue, "listening on http://{host}:{port}");
+    serve_with_shutdown(handle, listener, shutdown_signal()).await
+}
+
+/// Serve on an already bound listener until `shutdown` completes; in-flight requests then get
+/// a short grace period.
+pub async fn serve_with_shutdown(
+    handle: EngineHandle,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let signalled = Arc::new(tokio::sync::Notify::new());
+    let notify = signalled.clone();
+    let server = axum::serve(listener, router(handle)).with_graceful_shutdown(async move {
+        shutdown.await;
+        tracing::info!("shutting down");
+        notify.notify_one();
+    });
+    tokio::select! {
+        r = async { server.await } => r.context("serving HTTP")?,
+        _ = async { signalled.notified().await; tokio::time::sleep(SHUTDOWN_GRACE).await } => {
+            tracing::warn!("requests still running after {}s; exiting", SHUTDOWN_GRACE.as_secs());
+        }
+    }
+    Ok(())
+}
+
+/// Ctrl-C, or SIGTERM on Unix.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    }
+    #[cfg(not(unix))]
+    ctrl_c.await;
+}

@@ -1,0 +1,487 @@
+//! The HTTP handlers.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{MatchedPath, Path, Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::Stream;
+use serde_json::{json, Value};
+use specula_engine::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::error::ApiError;
+use crate::logprobs;
+use crate::params::{self, Body, Common, MAX_TOP_LOGPROBS};
+use crate::worker::{EngineHandle, Event, Prompt, Submission, SubmitError};
+
+/// OpenAI's legacy completions default for `max_tokens`.
+const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
+/// Which endpoint a generation belongs to (shapes the response objects).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+impl Kind {
+    fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+
+    fn prompt_param(self) -> &'static str {
+        match self {
+            Kind::Chat => "messages",
+            Kind::Completion => "prompt",
+        }
+    }
+}
+
+/// A parsed generation request, ready to submit.
+struct Parsed {
+    kind: Kind,
+    prompt: Prompt,
+    common: Common,
+    /// Alternatives per token when log-probabilities were asked for.
+    logprobs: Option<usize>,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A unique-enough response id: random per process, plus a counter.
+fn new_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static SALT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let salt = *SALT.get_or_init(|| {
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{:016x}{:08x}", salt, n)
+}
+
+fn usage_json(out: &GenerateOutput) -> Value {
+    let s = &out.stats;
+    json!({
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "total_tokens": s.prompt_tokens + s.completion_tokens,
+    })
+}
+
+fn parse_body(body: Result<Json<Value>, JsonRejection>) -> Result<Value, ApiError> {
+    body.map(|Json(v)| v).map_err(ApiError::from)
+}
+
+fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
+    let b = Body::new(v)?;
+    let common = params::common(&b, &h.model().id, &["max_completion_tokens", "max_tokens"])?;
+    let messages = params::messages(&b)?;
+    let want = b.bool("logprobs")?.unwrap_or(false);
+    let top = b.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i128)?;
+    if !want && top.is_some_and(|t| t > 0) {
+        return Err(ApiError::invalid(
+            "logprobs must be set to true when top_logprobs is used.",
+            Some("top_logprobs"),
+        )
+        .with_code("invalid_value"));
+    }
+    Ok(Parsed {
+        kind: Kind::Chat,
+        prompt: Prompt::Chat(messages),
+        common,
+        logprobs: want.then(|| top.unwrap_or(0) as usize),
+    })
+}
+
+fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
+    let b = Body::new(v)?;
+    let common = params::common(&b, &h.model().id, &["max_tokens"])?;
+    let prompt = params::prompt(&b)?;
+    if b.bool("echo")?.unwrap_or(false) {
+        return Err(ApiError::invalid("echo is not supported.", Some("echo"))
+            .with_code("unsupported_parameter"));
+    }
+    if let Some(n) = b.int("best_of")? {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                format!("Only best_of = 1 is supported, got {n}."),
+                Some("best_of"),
+            )
+            .with_code("unsupported_parameter"));
+        }
+    }
+    if b.str("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(
+            ApiError::invalid("suffix is not supported.", Some("suffix"))
+                .with_code("unsupported_parameter"),
+        );
+    }
+    let logprobs = b
+        .int_in("logprobs", 0, MAX_TOP_LOGPROBS as i128)?
+        .map(|n| n as usize);
+    Ok(Parsed {
+        kind: Kind::Completion,
+        prompt,
+        common,
+        logprobs,
+    })
+}
+
+pub async fn chat_completions(
+    State(h): State<EngineHandle>,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Response {
+    let parsed = parse_body(body).and_then(|v| parse_chat(&h, &v));
+    match parsed {
+        Ok(p) => generate(h, p).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub async fn completions(
+    State(h): State<EngineHandle>,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Response {
+    let parsed = parse_body(body).and_then(|v| parse_completion(&h, &v));
+    match parsed {
+        Ok(p) => generate(h, p).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Submit, wait for the start (errors before any output become 4xx), then answer as a whole or
+/// as a stream.
+async fn generate(h: EngineHandle, p: Parsed) -> Response {
+    let c = &p.common;
+    let sub = Submission {
+        prompt: p.prompt.clone(),
+        request: GenerateRequest {
+            prompt_tokens: Vec::new(),
+            sampling: c.sampling.clone(),
+            max_tokens: c.max_tokens,
+            stop: c.stop.clone(),
+            logprobs: p.logprobs,
+            ignore_eos: c.ignore_eos,
+        },
+        default_max_tokens: (p.kind == Kind::Completion).then_some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+        stream: c.stream,
+        endpoint: p.kind.endpoint(),
+    };
+    let mut rx = match h.submit(sub) {
+        Ok(rx) => rx,
+        Err(SubmitError::QueueFull) => return ApiError::queue_full(h.max_queue()).into_response(),
+        Err(SubmitError::WorkerGone) => {
+            return ApiError::internal("the engine worker is not running").into_response()
+        }
+    };
+    match rx.recv().await {
+        Some(Event::Started { .. }) => {}
+        Some(Event::Failed(e)) => {
+            return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response()
+        }
+        Some(other) => {
+            return ApiError::internal(format!("unexpected engine event {other:?}")).into_response()
+        }
+        None => return ApiError::internal("the engine worker stopped").into_response(),
+    }
+    let ctx = ResponseCtx {
+        kind: p.kind,
+        id: new_id(if p.kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        }),
+        created: unix_now(),
+        model: h.model().id.clone(),
+        logprobs: p.logprobs.is_some(),
+        include_usage: c.include_usage,
+        handle: h,
+    };
+    if c.stream {
+        Sse::new(sse_stream(ctx, rx))
+            .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+            .into_response()
+    } else {
+        loop {
+            match rx.recv().await {
+                Some(Event::Done(out)) => return Json(ctx.full_response(&out)).into_response(),
+                Some(Event::Failed(e)) => {
+                    return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response()
+                }
+                Some(_) => continue,
+                None => return ApiError::internal("the engine worker stopped").into_response(),
+            }
+        }
+    }
+}
+
+/// What every response object of one request shares.
+struct ResponseCtx {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    logprobs: bool,
+    include_usage: bool,
+    handle: EngineHandle,
+}
+
+impl ResponseCtx {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Vec<Value>) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": choices,
+        })
+    }
+
+    fn full_response(&self, out: &GenerateOutput) -> Value {
+        let lps = out.logprobs.as_deref().unwrap_or(&[]);
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": if self.logprobs { logprobs::chat(self.handle.token_bytes(), lps) } else { Value::Null },
+                "finish_reason": out.finish_reason.as_str(),
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": out.text,
+                "logprobs": if self.logprobs { logprobs::legacy(lps, &mut 0) } else { Value::Null },
+                "finish_reason": out.finish_reason.as_str(),
+            }),
+        };
+        let mut v = self.envelope(false, vec![choice]);
+        v["usage"] = usage_json(out);
+        v
+    }
+
+    /// The chunk for a piece of streamed output (`None` when there is nothing to send).
+    fn delta_chunk(&self, d: &StreamDelta, text_offset: &mut usize) -> Option<Value> {
+        let with_lp = self.logprobs && !d.logprobs.is_empty();
+        if d.text.is_empty() && !with_lp {
+            return None;
+        }
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "delta": {"content": d.text},
+                "logprobs": if with_lp { logprobs::chat(self.handle.token_bytes(), &d.logprobs) } else { Value::Null },
+                "finish_reason": null,
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": d.text,
+                "logprobs": if with_lp { logprobs::legacy(&d.logprobs, text_offset) } else { Value::Null },
+                "finish_reason": null,
+            }),
+        };
+        Some(self.envelope(true, vec![choice]))
+    }
+
+    fn first_chunk(&self) -> Option<Value> {
+        (self.kind == Kind::Chat).then(|| {
+            self.envelope(
+                true,
+                vec![json!({
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null,
+                    "finish_reason": null,
+                })],
+            )
+        })
+    }
+
+    fn final_chunk(&self, out: &GenerateOutput) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "delta": {},
+                "logprobs": null,
+                "finish_reason": out.finish_reason.as_str(),
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": "",
+                "logprobs": null,
+                "finish_reason": out.finish_reason.as_str(),
+            }),
+        };
+        self.envelope(true, vec![choice])
+    }
+
+    fn usage_chunk(&self, out: &GenerateOutput) -> Value {
+        let mut v = self.envelope(true, Vec::new());
+        v["usage"] = usage_json(out);
+        v
+    }
+}
+
+struct StreamState {
+    ctx: ResponseCtx,
+    rx: UnboundedReceiver<Event>,
+    buf: VecDeque<SseEvent>,
+    text_offset: usize,
+    done: bool,
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// The SSE body: a chunk per delta, the finish chunk, the usage chunk (when asked for), then
+/// `[DONE]`. Dropping it (client gone) drops the receiver, which cancels the generation.
+fn sse_stream(
+    ctx: ResponseCtx,
+    rx: UnboundedReceiver<Event>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let mut buf = VecDeque::new();
+    if let Some(first) = ctx.first_chunk() {
+        buf.push_back(data(&first));
+    }
+    let state = StreamState {
+        ctx,
+        rx,
+        buf,
+        text_offset: 0,
+        done: false,
+    };
+    futures::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(ev) = st.buf.pop_front() {
+                return Some((Ok(ev), st));
+            }
+            if st.done {
+                return None;
+            }
+            match st.rx.recv().await {
+                Some(Event::Delta(d)) => {
+                    if let Some(chunk) = st.ctx.delta_chunk(&d, &mut st.text_offset) {
+                        st.buf.push_back(data(&chunk));
+                    }
+                }
+                Some(Event::Done(out)) => {
+                    st.buf.push_back(data(&st.ctx.final_chunk(&out)));
+                    if st.ctx.include_usage {
+                        st.buf.push_back(data(&st.ctx.usage_chunk(&out)));
+                    }
+                    st.buf.push_back(SseEvent::default().data("[DONE]"));
+                    st.done = true;
+                }
+                Some(Event::Failed(e)) => {
+                    let err = ApiError::from_request_error(&e, st.ctx.kind.prompt_param());
+                    st.buf.push_back(data(&err.body()));
+                    st.buf.push_back(SseEvent::default().data("[DONE]"));
+                    st.done = true;
+                }
+                Some(Event::Started { .. }) => {}
+                None => {
+                    let err = ApiError::from_request_error(
+                        &RequestError::Internal("the engine worker stopped".to_string()),
+                        st.ctx.kind.prompt_param(),
+                    );
+                    st.buf.push_back(data(&err.body()));
+                    st.done = true;
+                }
+            }
+        }
+    })
+}
+
+fn model_json(h: &EngineHandle) -> Value {
+    let m = h.model();
+    json!({
+        "id": m.id,
+        "object": "model",
+        "created": m.created,
+        "owned_by": "specula",
+        "context_length": m.context_length,
+        "max_model_len": m.context_length,
+        "vocab_size": m.vocab_size,
+    })
+}
+
+pub async fn list_models(State(h): State<EngineHandle>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_json(&h)]}))
+}
+
+pub async fn get_model(State(h): State<EngineHandle>, Path(model): Path<String>) -> Response {
+    if model == h.model().id {
+        Json(model_json(&h)).into_response()
+    } else {
+        ApiError::model_not_found(&model).into_response()
+    }
+}
+
+pub async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub async fn metrics(State(h): State<EngineHandle>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        h.metrics().render(),
+    )
+        .into_response()
+}
+
+pub async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::route_not_found(method.as_str(), uri.path())
+}
+
+pub async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(method.as_str(), uri.path())
+}
+
+/// Count every request by route pattern and status.
+pub async fn track(State(h): State<EngineHandle>, req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".to_string());
+    let resp = next.run(req).await;
+    let status = resp.status();
+    h.metrics()
+        .requests
+        .with_label_values(&[endpoint.as_str(), status.as_str()])
+        .inc();
+    if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
+        tracing::warn!(endpoint, status = status.as_u16(), "request failed");
+    }
+    resp
+}

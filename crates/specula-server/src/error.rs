@@ -1,0 +1,176 @@
+//! OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
+
+use axum::extract::rejection::JsonRejection;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use specula_engine::RequestError;
+
+/// An error answered to the client in OpenAI's format.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// OpenAI's `type`: `invalid_request_error`, `server_error`, ...
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<String>,
+    /// Seconds for a `Retry-After` header (429 answers).
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 400 `invalid_request_error` naming the offending parameter.
+    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
+        let mut e = Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message);
+        e.param = param.map(str::to_string);
+        e
+    }
+
+    pub fn with_code(mut self, code: &str) -> Self {
+        self.code = Some(code.to_string());
+        self
+    }
+
+    /// 404 for a model id this server does not serve.
+    pub fn model_not_found(model: &str) -> Self {
+        let mut e = Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("The model `{model}` does not exist or you do not have access to it."),
+        );
+        e.param = Some("model".to_string());
+        e.code = Some("model_not_found".to_string());
+        e
+    }
+
+    /// 404 for a path with no route.
+    pub fn route_not_found(method: &str, path: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!("Unknown request URL: {method} {path}."),
+        )
+        .with_code("unknown_url")
+    }
+
+    /// 405 for a known path with the wrong method.
+    pub fn method_not_allowed(method: &str, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("Method {method} is not allowed for {path}."),
+        )
+        .with_code("method_not_allowed")
+    }
+
+    /// 429: the queue of waiting requests is full.
+    pub fn queue_full(max_queue: usize) -> Self {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            format!("The server is busy: {max_queue} requests are already waiting. Retry shortly."),
+        );
+        e.code = Some("queue_full".to_string());
+        e.retry_after = Some(1);
+        e
+    }
+
+    /// 500 `server_error`.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    /// Map an engine error; `prompt_param` names the request field holding the prompt
+    /// (`messages` or `prompt`).
+    pub fn from_request_error(e: &RequestError, prompt_param: &str) -> Self {
+        let message = e.to_string();
+        match e {
+            RequestError::PromptTooLong { .. } => {
+                Self::invalid(message, Some(prompt_param)).with_code("context_length_exceeded")
+            }
+            RequestError::MaxTokensTooLarge { .. } => {
+                Self::invalid(message, Some("max_tokens")).with_code("context_length_exceeded")
+            }
+            RequestError::EmptyPrompt => Self::invalid(message, Some(prompt_param)),
+            RequestError::InvalidParameter(m) => {
+                // The engine's messages start with the parameter name ("top_p must be ...").
+                let first = m.split_whitespace().next().unwrap_or("");
+                let param = PARAM_NAMES.iter().find(|p| **p == first).copied();
+                let param = match param {
+                    Some(p) => Some(p),
+                    None if m.starts_with("chat template") => Some("messages"),
+                    None if m.starts_with("prompt") => Some(prompt_param),
+                    None => None,
+                };
+                Self::invalid(message, param)
+            }
+            RequestError::Internal(_) => Self::internal(message),
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+const PARAM_NAMES: &[&str] = &[
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_logprobs",
+    "logprobs",
+];
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let status = r.status();
+        let kind = if status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        let message = match &r {
+            JsonRejection::JsonSyntaxError(_) => format!(
+                "We could not parse the JSON body of your request. ({})",
+                r.body_text()
+            ),
+            _ => r.body_text(),
+        };
+        Self::new(status, kind, message)
+    }
+}

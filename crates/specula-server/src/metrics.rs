@@ -1,0 +1,133 @@
+//! Prometheus metrics, one registry per [`crate::EngineHandle`].
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// The server's metrics.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// HTTP requests by endpoint (route pattern) and status code.
+    pub requests: IntCounterVec,
+    /// Prompt tokens prefilled.
+    pub prompt_tokens: IntCounter,
+    /// Completion tokens generated.
+    pub completion_tokens: IntCounter,
+    /// Requests admitted and waiting for the engine.
+    pub queue_depth: IntGauge,
+    /// Requests the engine is working on (0 or 1).
+    pub running: IntGauge,
+    /// Generations finished, by finish reason.
+    pub finished: IntCounterVec,
+    /// Seconds per generation (prefill + decode).
+    pub generation_seconds: Histogram,
+    /// Seconds of prefill per generation.
+    pub prefill_seconds: Histogram,
+    /// Seconds a request waited in the queue before the engine took it.
+    pub queue_seconds: Histogram,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+const SECONDS_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "specula_requests_total",
+                "HTTP requests by endpoint and status code.",
+            ),
+            &["endpoint", "status"],
+        )
+        .expect("valid metric");
+        let prompt_tokens =
+            IntCounter::new("specula_prompt_tokens_total", "Prompt tokens prefilled.")
+                .expect("valid metric");
+        let completion_tokens = IntCounter::new(
+            "specula_completion_tokens_total",
+            "Completion tokens generated.",
+        )
+        .expect("valid metric");
+        let queue_depth = IntGauge::new("specula_queue_depth", "Requests waiting for the engine.")
+            .expect("valid metric");
+        let running = IntGauge::new(
+            "specula_requests_running",
+            "Requests the engine is working on.",
+        )
+        .expect("valid metric");
+        let finished = IntCounterVec::new(
+            Opts::new(
+                "specula_generations_total",
+                "Finished generations by finish reason.",
+            ),
+            &["finish_reason"],
+        )
+        .expect("valid metric");
+        let hist = |name: &str, help: &str| {
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(SECONDS_BUCKETS.to_vec()))
+                .expect("valid metric")
+        };
+        let generation_seconds = hist(
+            "specula_generation_seconds",
+            "Seconds per generation (prefill + decode).",
+        );
+        let prefill_seconds = hist(
+            "specula_prefill_seconds",
+            "Seconds of prefill per generation.",
+        );
+        let queue_seconds = hist(
+            "specula_queue_seconds",
+            "Seconds a request waited for the engine.",
+        );
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(prompt_tokens.clone()),
+            Box::new(completion_tokens.clone()),
+            Box::new(queue_depth.clone()),
+            Box::new(running.clone()),
+            Box::new(finished.clone()),
+            Box::new(generation_seconds.clone()),
+            Box::new(prefill_seconds.clone()),
+            Box::new(queue_seconds.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        Self {
+            registry,
+            requests,
+            prompt_tokens,
+            completion_tokens,
+            queue_depth,
+            running,
+            finished,
+            generation_seconds,
+            prefill_seconds,
+            queue_seconds,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::warn!("encoding metrics: {e}");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,348 @@
+//! Request-body parsing with OpenAI-style errors that name the offending parameter.
+//!
+//! Bodies are read as JSON values and fields are picked one by one: unknown fields are ignored,
+//! `null` means "absent", and a wrong type is a 400 naming the field.
+
+use serde_json::{Map, Value};
+use specula_engine::{ChatMessage, SamplingParams};
+
+use crate::error::ApiError;
+use crate::worker::Prompt;
+
+/// Most alternatives `top_logprobs` / legacy `logprobs` may ask for (the engine's limit).
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// The body's top-level object.
+pub struct Body<'a>(&'a Map<String, Value>);
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn bad_type(param: &str, expected: &str, got: &Value) -> ApiError {
+    ApiError::invalid(
+        format!(
+            "Invalid type for '{param}': expected {expected}, but got {} instead.",
+            type_name(got)
+        ),
+        Some(param),
+    )
+    .with_code("invalid_type")
+}
+
+fn bad_value(param: &str, message: String) -> ApiError {
+    ApiError::invalid(message, Some(param)).with_code("invalid_value")
+}
+
+fn missing(param: &str) -> ApiError {
+    ApiError::invalid(
+        format!("Missing required parameter: '{param}'."),
+        Some(param),
+    )
+    .with_code("missing_required_parameter")
+}
+
+/// A JSON number that is a whole number (`3` or `3.0`).
+fn as_integer(v: &Value) -> Option<i128> {
+    if let Some(i) = v.as_i64() {
+        return Some(i as i128);
+    }
+    if let Some(u) = v.as_u64() {
+        return Some(u as i128);
+    }
+    let f = v.as_f64()?;
+    (f.fract() == 0.0 && f.abs() < 1e18).then_some(f as i128)
+}
+
+impl<'a> Body<'a> {
+    pub fn new(v: &'a Value) -> Result<Self, ApiError> {
+        match v {
+            Value::Object(m) => Ok(Self(m)),
+            other => Err(ApiError::invalid(
+                format!(
+                    "The request body must be a JSON object, but got {}.",
+                    type_name(other)
+                ),
+                None,
+            )),
+        }
+    }
+
+    /// The field, `null` counting as absent.
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    pub fn f32(&self, key: &str) -> Result<Option<f32>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|f| Some(f as f32))
+                .ok_or_else(|| bad_type(key, "a number", v)),
+        }
+    }
+
+    pub fn int(&self, key: &str) -> Result<Option<i128>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => as_integer(v)
+                .map(Some)
+                .ok_or_else(|| bad_type(key, "an integer", v)),
+        }
+    }
+
+    /// An integer in `min..=max`.
+    pub fn int_in(&self, key: &str, min: i128, max: i128) -> Result<Option<i128>, ApiError> {
+        match self.int(key)? {
+            Some(i) if i < min => Err(bad_value(
+                key,
+                format!("Invalid '{key}': integer below minimum value. Expected a value >= {min}, but got {i} instead."),
+            )),
+            Some(i) if i > max => Err(bad_value(
+                key,
+                format!("Invalid '{key}': integer above maximum value. Expected a value <= {max}, but got {i} instead."),
+            )),
+            x => Ok(x),
+        }
+    }
+
+    pub fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| bad_type(key, "a boolean", v)),
+        }
+    }
+
+    pub fn str(&self, key: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| bad_type(key, "a string", v)),
+        }
+    }
+}
+
+/// Fields shared by the chat and completions endpoints.
+#[derive(Debug, Clone)]
+pub struct Common {
+    pub sampling: SamplingParams,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Check `model` (absent, or the served id) and `n`, then read the sampling fields.
+/// `max_tokens_keys` are the accepted names of the length limit, highest precedence first.
+pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Common, ApiError> {
+    if let Some(model) = b.str("model")? {
+        if model != model_id {
+            return Err(ApiError::model_not_found(model));
+        }
+    }
+    if let Some(n) = b.int("n")? {
+        if n != 1 {
+            return Err(bad_value(
+                "n",
+                format!("Invalid 'n': only n = 1 is supported, got {n}."),
+            ));
+        }
+    }
+    let mut max_tokens = None;
+    for key in max_tokens_keys {
+        if let Some(v) = b.int_in(key, 1, u32::MAX as i128)? {
+            max_tokens.get_or_insert(v as usize);
+        }
+    }
+    let d = SamplingParams::default();
+    let top_k = match b.int_in("top_k", -1, u32::MAX as i128)? {
+        None | Some(-1) => 0,
+        Some(k) => k as usize,
+    };
+    let seed = match b.get("seed") {
+        None => None,
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(u), _) => Some(u),
+            (None, Some(i)) => Some(i as u64),
+            _ => return Err(bad_type("seed", "an integer", v)),
+        },
+    };
+    let sampling = SamplingParams {
+        temperature: b.f32("temperature")?.unwrap_or(d.temperature),
+        top_k,
+        top_p: b.f32("top_p")?.unwrap_or(d.top_p),
+        min_p: b.f32("min_p")?.unwrap_or(d.min_p),
+        repetition_penalty: b.f32("repetition_penalty")?.unwrap_or(d.repetition_penalty),
+        presence_penalty: b.f32("presence_penalty")?.unwrap_or(d.presence_penalty),
+        frequency_penalty: b.f32("frequency_penalty")?.unwrap_or(d.frequency_penalty),
+        seed,
+    };
+    if let Err(e) = sampling.validate() {
+        return Err(ApiError::from_request_error(&e, "prompt").with_code("invalid_value"));
+    }
+    let stop = match b.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|s| {
+                s.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad_type("stop", "a string or an array of strings", s))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(v) => return Err(bad_type("stop", "a string or an array of strings", v)),
+    };
+    let stream = b.bool("stream")?.unwrap_or(false);
+    let include_usage = match b.get("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(x)) => *x,
+            Some(v) => return Err(bad_type("stream_options.include_usage", "a boolean", v)),
+        },
+        Some(v) => return Err(bad_type("stream_options", "an object", v)),
+    };
+    Ok(Common {
+        sampling,
+        max_tokens,
+        stop,
+        ignore_eos: b.bool("ignore_eos")?.unwrap_or(false),
+        stream,
+        include_usage,
+    })
+}
+
+/// Chat `messages`: role + content (a string, or text parts joined with newlines).
+pub fn messages(b: &Body) -> Result<Vec<ChatMessage>, ApiError> {
+    let v = b.get("messages").ok_or_else(|| missing("messages"))?;
+    let items = v
+        .as_array()
+        .ok_or_else(|| bad_type("messages", "an array", v))?;
+    if items.is_empty() {
+        return Err(ApiError::invalid(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            Some("messages"),
+        )
+        .with_code("empty_array"));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let at = format!("messages[{i}]");
+            let obj = m.as_object().ok_or_else(|| bad_type(&at, "an object", m))?;
+            let role_param = format!("{at}.role");
+            let role = match obj.get("role") {
+                Some(Value::String(r)) if !r.is_empty() => r.as_str(),
+                Some(Value::String(_)) | None | Some(Value::Null) => return Err(missing(&role_param)),
+                Some(other) => return Err(bad_type(&role_param, "a string", other)),
+            };
+            // OpenAI's newer name for the system role; chat templates know "system".
+            let role = if role == "developer" { "system" } else { role };
+            let content_param = format!("{at}.content");
+            let content = match obj.get("content") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut texts = Vec::with_capacity(parts.len());
+                    for (j, p) in parts.iter().enumerate() {
+                        let part_param = format!("{content_param}[{j}]");
+                        let kind = p.get("type").and_then(Value::as_str);
+                        match (kind, p.get("text")) {
+                            (Some("text"), Some(Value::String(t))) => texts.push(t.as_str()),
+                            (Some("text"), other) => {
+                                return Err(bad_type(&format!("{part_param}.text"), "a string", other.unwrap_or(&Value::Null)))
+                            }
+                            (Some(k), _) => {
+                                return Err(ApiError::invalid(
+                                    format!("Unsupported content part type '{k}': only 'text' parts are supported."),
+                                    Some(&format!("{part_param}.type")),
+                                )
+                                .with_code("invalid_value"))
+                            }
+                            (None, _) => return Err(missing(&format!("{part_param}.type"))),
+                        }
+                    }
+                    texts.join("\n")
+                }
+                Some(other) => return Err(bad_type(&content_param, "a string or an array of content parts", other)),
+            };
+            Ok(ChatMessage {
+                role: role.to_string(),
+                content,
+            })
+        })
+        .collect()
+}
+
+/// Completions `prompt`: a string, an array of one string, an array of token ids, or an array
+/// of one array of token ids.
+pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
+    let v = b.get("prompt").ok_or_else(|| missing("prompt"))?;
+    let expected = "a string, an array of one string, or an array of token ids";
+    let token_ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .map(|t| match as_integer(t) {
+                Some(i) if (0..=u32::MAX as i128).contains(&i) => Ok(i as u32),
+                Some(i) => Err(bad_value(
+                    "prompt",
+                    format!("Invalid token id {i} in 'prompt'."),
+                )),
+                None => Err(bad_type("prompt", expected, t)),
+            })
+            .collect()
+    };
+    match v {
+        Value::String(s) => Ok(Prompt::Text(s.clone())),
+        Value::Array(items) => {
+            let Some(first) = items.first() else {
+                return Err(
+                    ApiError::invalid("Invalid 'prompt': empty array.", Some("prompt"))
+                        .with_code("empty_array"),
+                );
+            };
+            let single = || {
+                if items.len() == 1 {
+                    Ok(())
+                } else {
+                    Err(bad_value(
+                        "prompt",
+                        format!(
+                            "Only one prompt per request is supported, got {}.",
+                            items.len()
+                        ),
+                    ))
+                }
+            };
+            match first {
+                Value::String(s) => {
+                    single()?;
+                    Ok(Prompt::Text(s.clone()))
+                }
+                Value::Array(inner) => {
+                    single()?;
+                    Ok(Prompt::Tokens(token_ids(inner)?))
+                }
+                Value::Number(_) => Ok(Prompt::Tokens(token_ids(items)?)),
+                other => Err(bad_type("prompt", expected, other)),
+            }
+        }
+        other => Err(bad_type("prompt", expected, other)),
+    }
+}

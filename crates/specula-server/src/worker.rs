@@ -1,0 +1,403 @@
+//! The engine worker: one dedicated OS thread owns the [`Engine`] and runs jobs one at a time, in
+//! arrival order. Handlers talk to it through an [`EngineHandle`].
+//!
+//! Admission: at most one job runs and at most `max_queue` wait; a submission past that is
+//! refused with [`SubmitError::QueueFull`] (HTTP 429). A job carries a tokio channel for its
+//! [`Event`]s; when the receiver is dropped (the client went away) the generation is cancelled at
+//! the next token.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use specula_engine::{
+    ChatMessage, Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta,
+};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::logprobs::TokenBytes;
+use crate::metrics::Metrics;
+
+/// Default number of requests allowed to wait (see [`EngineHandle::spawn_with_queue`]).
+pub const DEFAULT_MAX_QUEUE: usize = 64;
+
+/// What the model serves, for `/v1/models` and response bodies.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The id clients use.
+    pub id: String,
+    /// Context window in tokens.
+    pub context_length: usize,
+    /// Vocabulary size of the model.
+    pub vocab_size: usize,
+    /// Unix seconds when the engine was handed to the server.
+    pub created: u64,
+}
+
+/// The prompt of a job, before templating and tokenization (done on the worker thread).
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Rendered with the model's chat template (generation prompt added), then tokenized.
+    Chat(Vec<ChatMessage>),
+    /// Tokenized as is.
+    Text(String),
+    /// Token ids, used as is.
+    Tokens(Vec<u32>),
+}
+
+/// One generation to run.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    pub prompt: Prompt,
+    /// The request; its `prompt_tokens` are replaced by the tokenized `prompt`.
+    pub request: GenerateRequest,
+    /// When `request.max_tokens` is `None`: this many tokens, capped by the room left in the
+    /// context (OpenAI's legacy completions default of 16). `None` = until EOS or context full.
+    pub default_max_tokens: Option<usize>,
+    /// Send [`Event::Delta`]s (streaming); otherwise only the final event is sent.
+    pub stream: bool,
+    /// Endpoint name for logs.
+    pub endpoint: &'static str,
+}
+
+/// What the worker reports about a job, in order: `Started`, then (streaming) `Delta`s, then
+/// `Done`; or `Failed` at any point.
+#[derive(Debug)]
+pub enum Event {
+    /// The prompt was tokenized and validated; generation begins.
+    Started { prompt_tokens: usize },
+    /// Output that became final.
+    Delta(StreamDelta),
+    /// The finished generation.
+    Done(GenerateOutput),
+    /// The request was rejected or failed.
+    Failed(RequestError),
+}
+
+/// Why a submission was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    /// One job is running and `max_queue` are waiting.
+    QueueFull,
+    /// The worker thread is gone.
+    WorkerGone,
+}
+
+enum Work {
+    Job(Box<Job>),
+    Hold(mpsc::Receiver<()>, Slot),
+}
+
+struct Job {
+    sub: Submission,
+    events: UnboundedSender<Event>,
+    enqueued: Instant,
+    slot: Slot,
+}
+
+/// Admission counters shared by the handles and the worker.
+struct Queue {
+    max_queue: usize,
+    /// Admitted and not finished (running + waiting).
+    pending: AtomicUsize,
+    /// Admitted and not yet taken by the worker.
+    waiting: AtomicUsize,
+    metrics: Metrics,
+}
+
+impl Queue {
+    /// Reserve a place: at most one running plus `max_queue` waiting.
+    fn admit(self: &Arc<Self>) -> Result<Slot, SubmitError> {
+        let limit = self.max_queue.saturating_add(1);
+        self.pending
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| {
+                (p < limit).then_some(p + 1)
+            })
+            .map_err(|_| SubmitError::QueueFull)?;
+        let w = self.waiting.fetch_add(1, Ordering::SeqCst) + 1;
+        self.metrics.queue_depth.set(w as i64);
+        Ok(Slot {
+            queue: self.clone(),
+            taken: false,
+        })
+    }
+}
+
+/// A place in the queue; released when dropped (job finished or discarded).
+struct Slot {
+    queue: Arc<Queue>,
+    /// The worker took the job (it no longer counts as waiting).
+    taken: bool,
+}
+
+impl Slot {
+    fn take(&mut self) {
+        if !self.taken {
+            self.taken = true;
+            let w = self.queue.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
+            self.queue.metrics.queue_depth.set(w as i64);
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.take();
+        self.queue.pending.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+struct Shared {
+    jobs: mpsc::Sender<Work>,
+    queue: Arc<Queue>,
+    model: ModelInfo,
+    token_bytes: TokenBytes,
+}
+
+/// A cheap, cloneable handle to the engine worker. The worker thread ends when the last handle
+/// is dropped (after its current job).
+#[derive(Clone)]
+pub struct EngineHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("model", &self.shared.model.id)
+            .field("max_queue", &self.shared.queue.max_queue)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Keeps the worker busy until dropped (see [`EngineHandle::hold`]).
+#[derive(Debug)]
+pub struct HoldGuard {
+    _release: mpsc::Sender<()>,
+}
+
+impl EngineHandle {
+    /// Start the worker thread with the default queue size ([`DEFAULT_MAX_QUEUE`]).
+    pub fn spawn(engine: Engine) -> Self {
+        Self::spawn_with_queue(engine, DEFAULT_MAX_QUEUE)
+    }
+
+    /// Start the worker thread; at most `max_queue` requests wait while one runs.
+    pub fn spawn_with_queue(engine: Engine, max_queue: usize) -> Self {
+        let model = ModelInfo {
+            id: engine.model_id().to_string(),
+            context_length: engine.context_length(),
+            vocab_size: engine.config().vocab_size,
+            created: unix_now(),
+        };
+        let token_bytes = TokenBytes::new(engine.tokenizer().clone());
+        let metrics = Metrics::new();
+        let queue = Arc::new(Queue {
+            max_queue,
+            pending: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            metrics: metrics.clone(),
+        });
+        let (tx, rx) = mpsc::channel::<Work>();
+        let worker_metrics = metrics;
+        std::thread::Builder::new()
+            .name("specula-engine".to_string())
+            .stack_size(16 << 20)
+            .spawn(move || worker_loop(engine, rx, worker_metrics))
+            .expect("spawning the engine thread");
+        Self {
+            shared: Arc::new(Shared {
+                jobs: tx,
+                queue,
+                model,
+                token_bytes,
+            }),
+        }
+    }
+
+    pub fn model(&self) -> &ModelInfo {
+        &self.shared.model
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.queue.metrics
+    }
+
+    pub fn max_queue(&self) -> usize {
+        self.shared.queue.max_queue
+    }
+
+    /// Requests admitted and not finished (the running one included).
+    pub fn pending(&self) -> usize {
+        self.shared.queue.pending.load(Ordering::SeqCst)
+    }
+
+    /// Requests admitted and not yet taken by the worker.
+    pub fn waiting(&self) -> usize {
+        self.shared.queue.waiting.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn token_bytes(&self) -> &TokenBytes {
+        &self.shared.token_bytes
+    }
+
+    /// Queue a generation. Events arrive on the returned receiver; dropping it cancels the job.
+    pub fn submit(&self, sub: Submission) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        let slot = self.shared.queue.admit()?;
+        let (tx, rx) = unbounded_channel();
+        let job = Job {
+            sub,
+            events: tx,
+            enqueued: Instant::now(),
+            slot,
+        };
+        self.shared
+            .jobs
+            .send(Work::Job(Box::new(job)))
+            .map_err(|_| SubmitError::WorkerGone)?;
+        Ok(rx)
+    }
+
+    /// Occupy the engine (a queue place, then the worker) until the guard is dropped: for tests
+    /// of queueing and for maintenance.
+    pub fn hold(&self) -> Result<HoldGuard, SubmitError> {
+        let slot = self.shared.queue.admit()?;
+        let (tx, rx) = mpsc::channel();
+        self.shared
+            .jobs
+            .send(Work::Hold(rx, slot))
+            .map_err(|_| SubmitError::WorkerGone)?;
+        Ok(HoldGuard { _release: tx })
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn worker_loop(mut engine: Engine, rx: mpsc::Receiver<Work>, metrics: Metrics) {
+    for work in rx {
+        match work {
+            Work::Hold(release, mut slot) => {
+                slot.take();
+                metrics.running.inc();
+                let _ = release.recv();
+                metrics.running.dec();
+            }
+            Work::Job(job) => {
+                let Job {
+                    sub,
+                    events,
+                    enqueued,
+                    mut slot,
+                } = *job;
+                slot.take();
+                metrics
+                    .queue_seconds
+                    .observe(enqueued.elapsed().as_secs_f64());
+                if events.is_closed() {
+                    tracing::info!(endpoint = sub.endpoint, "client went away while queued");
+                    continue;
+                }
+                metrics.running.inc();
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    run_job(&mut engine, &sub, &events)
+                }));
+                metrics.running.dec();
+                let event = match result {
+                    Ok(Ok(out)) => {
+                        record_done(&metrics, sub.endpoint, &out);
+                        Event::Done(out)
+                    }
+                    Ok(Err(e)) => {
+                        tracing::info!(endpoint = sub.endpoint, "request rejected: {e}");
+                        Event::Failed(e)
+                    }
+                    Err(panic) => {
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "unknown panic".to_string());
+                        tracing::error!(endpoint = sub.endpoint, "engine panicked: {msg}");
+                        Event::Failed(RequestError::Internal(format!("engine panicked: {msg}")))
+                    }
+                };
+                // Free the queue place first: a client that sends its next request as soon as
+                // this one answers must find it free.
+                drop(slot);
+                let _ = events.send(event);
+            }
+        }
+    }
+    tracing::debug!("engine worker stopped");
+}
+
+/// Template, tokenize, validate and generate one job (on the worker thread).
+fn run_job(
+    engine: &mut Engine,
+    sub: &Submission,
+    events: &UnboundedSender<Event>,
+) -> Result<GenerateOutput, RequestError> {
+    let tokens = match &sub.prompt {
+        Prompt::Chat(messages) => engine.chat_prompt_tokens(messages)?,
+        Prompt::Text(text) => engine.tokenize(text)?,
+        Prompt::Tokens(ids) => ids.clone(),
+    };
+    let mut req = sub.request.clone();
+    req.prompt_tokens = tokens;
+    if req.max_tokens.is_none() {
+        if let Some(d) = sub.default_max_tokens {
+            let room = engine
+                .context_length()
+                .saturating_sub(req.prompt_tokens.len());
+            req.max_tokens = Some(d.min(room));
+        }
+    }
+    engine.validate(&req)?;
+    if events
+        .send(Event::Started {
+            prompt_tokens: req.prompt_tokens.len(),
+        })
+        .is_err()
+    {
+        return Err(RequestError::Internal("client went away".to_string()));
+    }
+    let stream = sub.stream;
+    let mut on_delta = |d: &StreamDelta| {
+        if stream {
+            events.send(Event::Delta(d.clone())).is_ok()
+        } else {
+            !events.is_closed()
+        }
+    };
+    engine.generate(&req, &mut on_delta)
+}
+
+/// Metrics and the per-request log line.
+fn record_done(metrics: &Metrics, endpoint: &str, out: &GenerateOutput) {
+    let s = &out.stats;
+    metrics.prompt_tokens.inc_by(s.prompt_tokens as u64);
+    metrics.completion_tokens.inc_by(s.completion_tokens as u64);
+    metrics.generation_seconds.observe(s.prefill_s + s.decode_s);
+    metrics.prefill_seconds.observe(s.prefill_s);
+    metrics
+        .finished
+        .with_label_values(&[out.finish_reason.as_str()])
+        .inc();
+    let rate = |n: usize, secs: f64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+    tracing::info!(
+        endpoint,
+        prompt_tokens = s.prompt_tokens,
+        completion_tokens = s.completion_tokens,
+        finish_reason = out.finish_reason.as_str(),
+        prefill_tok_s = format_args!("{:.1}", rate(s.prompt_tokens, s.prefill_s)),
+        decode_tok_s = format_args!("{:.1}", rate(s.completion_tokens, s.decode_s)),
+        "request finished in {:.3}s",
+        s.prefill_s + s.decode_s
+    );
+}

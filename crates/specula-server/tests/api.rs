@@ -1,0 +1,923 @@
+//! The HTTP API over the tiny random model, through the router (`tower::ServiceExt::oneshot`).
+
+mod common;
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use common::*;
+use serde_json::{json, Value};
+use specula_engine::{ChatMessage, SamplingParams};
+
+fn messages() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("system", "You are terse."),
+        ChatMessage::new("user", "the thin thing in the hen"),
+    ]
+}
+
+fn messages_json() -> Value {
+    serde_json::to_value(messages()).unwrap()
+}
+
+#[tokio::test]
+async fn chat_non_stream_shape_and_usage() {
+    let (app, _h) = app();
+    let mut eng = engine();
+    let prompt = eng.chat_prompt_tokens(&messages()).unwrap();
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": messages_json(), "temperature": 0, "max_tokens": 12, "user": "x", "tools": []}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/json"));
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"), "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], MODEL);
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 1);
+    let c = &choices[0];
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["message"]["role"], "assistant");
+    assert!(c["message"]["content"].is_string());
+    assert_eq!(c["logprobs"], Value::Null);
+
+    let want = direct(&mut eng, prompt.clone(), SamplingParams::greedy(), 12, None);
+    assert_eq!(c["finish_reason"], want.finish_reason.as_str());
+    let u = &v["usage"];
+    assert_eq!(u["prompt_tokens"], prompt.len());
+    assert_eq!(u["completion_tokens"], want.stats.completion_tokens);
+    assert_eq!(
+        u["total_tokens"],
+        prompt.len() + want.stats.completion_tokens
+    );
+}
+
+#[tokio::test]
+async fn chat_greedy_equals_engine_generate() {
+    let (app, _h) = app();
+    let mut eng = engine();
+    for max_tokens in [1usize, 7, 40] {
+        let r = post(
+            &app,
+            "/v1/chat/completions",
+            json!({"messages": messages_json(), "temperature": 0.0, "max_completion_tokens": max_tokens}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+        let v = r.json();
+        let want = direct_chat(&mut eng, SamplingParams::greedy(), max_tokens, None);
+        let got = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(
+            got.as_bytes(),
+            want.text.as_bytes(),
+            "max_tokens {max_tokens}"
+        );
+        assert_eq!(
+            v["choices"][0]["finish_reason"],
+            want.finish_reason.as_str()
+        );
+        assert_eq!(
+            v["usage"]["completion_tokens"],
+            want.stats.completion_tokens
+        );
+    }
+}
+
+#[tokio::test]
+async fn chat_seeded_sampling_equals_engine_generate() {
+    let (app, _h) = app();
+    let mut eng = engine();
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({
+            "messages": messages_json(), "max_tokens": 30, "seed": 1234,
+            "temperature": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.01,
+            "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1,
+        }),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let sampling = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.01,
+        repetition_penalty: 1.1,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.25,
+        seed: Some(1234),
+    };
+    let want = direct_chat(&mut eng, sampling, 30, None);
+    assert_eq!(
+        r.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap(),
+        want.text
+    );
+}
+
+#[tokio::test]
+async fn chat_stream_matches_non_stream() {
+    let (app, _h) = app();
+    let body =
+        json!({"messages": messages_json(), "temperature": 0, "max_tokens": 40, "stop": ["zz"]});
+    let full = post(&app, "/v1/chat/completions", body.clone())
+        .await
+        .json();
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let r = post(&app, "/v1/chat/completions", sbody).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let events = r.sse_data();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        r.text
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(chunks.len() >= 3, "{}", r.text);
+    let id = chunks[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-"));
+    for c in &chunks {
+        assert_eq!(c["id"], id);
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["model"], MODEL);
+    }
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    let (usage_chunk, rest) = chunks.split_last().unwrap();
+    let (finish_chunk, deltas) = rest.split_last().unwrap();
+    let text: String = deltas[1..]
+        .iter()
+        .map(|c| {
+            assert_eq!(c["choices"][0]["finish_reason"], Value::Null);
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        text,
+        full["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_eq!(finish_chunk["choices"][0]["delta"], json!({}));
+    assert_eq!(
+        finish_chunk["choices"][0]["finish_reason"],
+        full["choices"][0]["finish_reason"]
+    );
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"], full["usage"]);
+
+    // Without include_usage there is no usage chunk.
+    let mut sbody = body;
+    sbody["stream"] = json!(true);
+    let events = post(&app, "/v1/chat/completions", sbody).await.sse_data();
+    let last_chunk: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(
+        last_chunk["choices"][0]["finish_reason"],
+        full["choices"][0]["finish_reason"]
+    );
+    assert!(events.iter().all(|e| !e.contains("\"usage\"")));
+}
+
+#[tokio::test]
+async fn chat_content_parts_are_joined() {
+    let (app, _h) = app();
+    let eng = engine();
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"max_tokens": 1, "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": [
+            {"type": "text", "text": "the hen"}, {"type": "text", "text": "in the thin"}]}]}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let want = eng
+        .chat_prompt_tokens(&[
+            ChatMessage::new("system", "be brief"),
+            ChatMessage::new("user", "the hen\nin the thin"),
+        ])
+        .unwrap();
+    assert_eq!(r.json()["usage"]["prompt_tokens"], want.len());
+}
+
+#[tokio::test]
+async fn chat_logprobs_openai_format() {
+    let (app, _h) = app();
+    let mut eng = engine();
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": messages_json(), "temperature": 0, "max_tokens": 8, "logprobs": true, "top_logprobs": 3}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let v = r.json();
+    let want = direct_chat(&mut eng, SamplingParams::greedy(), 8, Some(3));
+    let want_lps = want.logprobs.unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), want_lps.len());
+    assert_eq!(content.len(), want.stats.completion_tokens);
+    for (c, w) in content.iter().zip(&want_lps) {
+        assert_eq!(c["token"], w.token.as_str());
+        assert!((c["logprob"].as_f64().unwrap() - w.logprob as f64).abs() < 1e-5);
+        let top = c["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy picks the most likely token.
+        assert_eq!(top[0]["token"], c["token"]);
+        assert!(top[0]["logprob"].as_f64().unwrap() >= top[1]["logprob"].as_f64().unwrap());
+        let bytes: Vec<u8> = c["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        if !w.token.contains('\u{FFFD}') {
+            assert_eq!(bytes, w.token.as_bytes());
+        } else {
+            assert_eq!(bytes.len(), 1, "a byte token has one byte");
+        }
+    }
+
+    // Streaming carries the same logprobs, spread over the chunks.
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": messages_json(), "temperature": 0, "max_tokens": 8, "logprobs": true, "top_logprobs": 3, "stream": true}),
+    )
+    .await;
+    let streamed: Vec<Value> = r
+        .sse_data()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&streamed, content);
+}
+
+#[tokio::test]
+async fn completions_match_engine_generate() {
+    let (app, _h) = app();
+    let mut eng = engine();
+    let prompt = "the thin hen";
+    let tokens = eng.tokenize(prompt).unwrap();
+    let want = direct(&mut eng, tokens.clone(), SamplingParams::greedy(), 10, None);
+    for p in [
+        json!(prompt),
+        json!([prompt]),
+        json!(tokens),
+        json!([tokens]),
+    ] {
+        let r = post(
+            &app,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": p, "max_tokens": 10, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+        let v = r.json();
+        assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+        assert_eq!(v["object"], "text_completion");
+        assert_eq!(v["model"], MODEL);
+        assert_eq!(v["choices"][0]["index"], 0);
+        assert_eq!(
+            v["choices"][0]["text"].as_str().unwrap(),
+            want.text,
+            "prompt {p}"
+        );
+        assert_eq!(
+            v["choices"][0]["finish_reason"],
+            want.finish_reason.as_str()
+        );
+        assert_eq!(v["choices"][0]["logprobs"], Value::Null);
+        assert_eq!(v["usage"]["prompt_tokens"], tokens.len());
+        assert_eq!(
+            v["usage"]["completion_tokens"],
+            want.stats.completion_tokens
+        );
+        assert_eq!(
+            v["usage"]["total_tokens"],
+            tokens.len() + want.stats.completion_tokens
+        );
+    }
+}
+
+#[tokio::test]
+async fn completions_default_max_tokens_is_16() {
+    let (app, _h) = app();
+    let r = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "the hen", "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // Near the end of the context the default shrinks to the room left.
+    let tokens: Vec<u32> = (0..250).map(|i| 97 + (i % 20)).collect();
+    let r = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": tokens, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 6);
+}
+
+#[tokio::test]
+async fn completions_stream_and_logprobs() {
+    let (app, _h) = app();
+    let body = json!({"prompt": "in the thin", "max_tokens": 20, "temperature": 0, "logprobs": 2});
+    let full = post(&app, "/v1/completions", body.clone()).await.json();
+    let n = full["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    let lp = &full["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), n);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n);
+    let tops = lp["top_logprobs"].as_array().unwrap();
+    assert_eq!(tops.len(), n);
+    assert!(tops
+        .iter()
+        .all(|t| (1..=2).contains(&t.as_object().unwrap().len())));
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets.first(), Some(&0));
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+
+    let mut sbody = body;
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let r = post(&app, "/v1/completions", sbody).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let events = r.sse_data();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    let (usage, rest) = chunks.split_last().unwrap();
+    let text: String = rest
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, full["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(
+        rest.last().unwrap()["choices"][0]["finish_reason"],
+        full["choices"][0]["finish_reason"]
+    );
+    assert_eq!(usage["usage"], full["usage"]);
+    let stream_tokens: Vec<Value> = rest
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["tokens"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&stream_tokens, lp["tokens"].as_array().unwrap());
+    let stream_offsets: Vec<Value> = rest
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["logprobs"]["text_offset"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .collect();
+    assert_eq!(&stream_offsets, lp["text_offset"].as_array().unwrap());
+}
+
+/// (path, body, status, param, code)
+type ErrorCase<'a> = (&'a str, Value, StatusCode, Option<&'a str>, Option<&'a str>);
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors() {
+    let (app, _h) = app();
+    let chat = "/v1/chat/completions";
+    let msgs = messages_json();
+    let long_text = "the thin hen ".repeat(200);
+    let long_ids: Vec<u32> = vec![97; 300];
+    let cases: Vec<ErrorCase> = vec![
+        (chat, json!([1, 2]), StatusCode::BAD_REQUEST, None, None),
+        (
+            chat,
+            json!({"model": MODEL}),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+            Some("missing_required_parameter"),
+        ),
+        (
+            chat,
+            json!({"messages": []}),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+            Some("empty_array"),
+        ),
+        (
+            chat,
+            json!({"messages": "hi"}),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+            Some("invalid_type"),
+        ),
+        (
+            chat,
+            json!({"messages": [{"content": "hi"}]}),
+            StatusCode::BAD_REQUEST,
+            Some("messages[0].role"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            StatusCode::BAD_REQUEST,
+            Some("messages[0].content"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            StatusCode::BAD_REQUEST,
+            Some("messages[0].content[0].type"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "model": "gpt-4o"}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+            Some("model_not_found"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "model": 3}),
+            StatusCode::BAD_REQUEST,
+            Some("model"),
+            Some("invalid_type"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "temperature": "hot"}),
+            StatusCode::BAD_REQUEST,
+            Some("temperature"),
+            Some("invalid_type"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "temperature": -0.5}),
+            StatusCode::BAD_REQUEST,
+            Some("temperature"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "top_p": 1.5}),
+            StatusCode::BAD_REQUEST,
+            Some("top_p"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "top_p": 0}),
+            StatusCode::BAD_REQUEST,
+            Some("top_p"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "presence_penalty": 3}),
+            StatusCode::BAD_REQUEST,
+            Some("presence_penalty"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "n": 2}),
+            StatusCode::BAD_REQUEST,
+            Some("n"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logprobs": true, "top_logprobs": 21}),
+            StatusCode::BAD_REQUEST,
+            Some("top_logprobs"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "top_logprobs": 2}),
+            StatusCode::BAD_REQUEST,
+            Some("top_logprobs"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "max_tokens": 0}),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "max_tokens": -3}),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "max_tokens": 1000}),
+            StatusCode::BAD_REQUEST,
+            Some("max_tokens"),
+            Some("context_length_exceeded"),
+        ),
+        (
+            chat,
+            json!({"messages": [{"role": "user", "content": long_text}]}),
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+            Some("context_length_exceeded"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "stop": 5}),
+            StatusCode::BAD_REQUEST,
+            Some("stop"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "stream": "yes"}),
+            StatusCode::BAD_REQUEST,
+            Some("stream"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "seed": "x"}),
+            StatusCode::BAD_REQUEST,
+            Some("seed"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"max_tokens": 3}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+            Some("missing_required_parameter"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ""}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ["a", "b"]}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, -2]}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, 99999]}),
+            StatusCode::BAD_REQUEST,
+            None,
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": long_ids}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+            Some("context_length_exceeded"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "echo": true}),
+            StatusCode::BAD_REQUEST,
+            Some("echo"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logprobs": 21}),
+            StatusCode::BAD_REQUEST,
+            Some("logprobs"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "logprobs": true}),
+            StatusCode::BAD_REQUEST,
+            Some("logprobs"),
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "model": "nope"}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+            Some("model_not_found"),
+        ),
+    ];
+    for (path, body, status, param, code) in cases {
+        let r = post(&app, path, body.clone()).await;
+        let e = assert_error(&r, status, param);
+        if let Some(code) = code {
+            assert_eq!(e["code"], code, "{path} {body}: {}", r.text);
+        }
+    }
+    // The context-length messages come from the engine and say what is wrong.
+    let r = post(&app, chat, json!({"messages": msgs, "max_tokens": 1000})).await;
+    let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("max_tokens"));
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("context window of 256 tokens"),
+        "{}",
+        r.text
+    );
+
+    // Malformed JSON, and a body without a JSON content type.
+    let r = post_raw(&app, chat, "{\"messages\": [").await;
+    let e = assert_error(&r, StatusCode::BAD_REQUEST, None);
+    assert!(
+        e["message"].as_str().unwrap().contains("JSON"),
+        "{}",
+        r.text
+    );
+    let req = axum::http::Request::post(chat)
+        .body(axum::body::Body::from(
+            json!({"messages": msgs}).to_string(),
+        ))
+        .unwrap();
+    let r = send(&app, req).await;
+    assert_error(&r, StatusCode::UNSUPPORTED_MEDIA_TYPE, None);
+
+    // Unknown routes and wrong methods.
+    let r = get(&app, "/v1/nothing").await;
+    let e = assert_error(&r, StatusCode::NOT_FOUND, None);
+    assert!(e["message"].as_str().unwrap().contains("/v1/nothing"));
+    let r = get(&app, chat).await;
+    assert_error(&r, StatusCode::METHOD_NOT_ALLOWED, None);
+
+    // Errors cost no generation.
+    let m = get(&app, "/metrics").await.text;
+    assert!(m.contains("specula_completion_tokens_total 0"), "{m}");
+}
+
+#[tokio::test]
+async fn queue_full_answers_429() {
+    // max_queue 0: one request may run, none may wait.
+    let (app, h) = app_with_queue(0);
+    let hold = h.hold().unwrap();
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": messages_json(), "max_tokens": 2}),
+    )
+    .await;
+    let e = assert_error(&r, StatusCode::TOO_MANY_REQUESTS, None);
+    assert_eq!(r.headers["retry-after"], "1");
+    assert_eq!(e["code"], "queue_full");
+    drop(hold);
+    wait_for(|| h.pending() == 0).await;
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": messages_json(), "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+
+    // max_queue 1: one waits; the next is refused; the waiting one completes once the engine frees.
+    let (app, h) = app_with_queue(1);
+    let hold = h.hold().unwrap();
+    wait_for(|| h.waiting() == 0).await; // the worker took the hold
+    let app2 = app.clone();
+    let waiting = tokio::spawn(async move {
+        post(
+            &app2,
+            "/v1/completions",
+            json!({"prompt": "the hen", "max_tokens": 3, "temperature": 0}),
+        )
+        .await
+    });
+    wait_for(|| h.pending() == 2).await;
+    let m = get(&app, "/metrics").await.text;
+    assert!(m.contains("specula_queue_depth 1"), "{m}");
+    assert!(m.contains("specula_requests_running 1"), "{m}");
+    let r = post(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "the hen", "max_tokens": 3}),
+    )
+    .await;
+    assert_error(&r, StatusCode::TOO_MANY_REQUESTS, None);
+    drop(hold);
+    let r = waiting.await.unwrap();
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+    let m = get(&app, "/metrics").await.text;
+    assert!(m.contains("specula_queue_depth 0"), "{m}");
+    assert!(
+        m.contains(r#"specula_requests_total{endpoint="/v1/completions",status="429"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"specula_requests_total{endpoint="/v1/completions",status="200"} 1"#),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn client_gone_while_queued_is_skipped() {
+    let (app, h) = app_with_queue(4);
+    let hold = h.hold().unwrap();
+    let app2 = app.clone();
+    let task = tokio::spawn(async move {
+        post(
+            &app2,
+            "/v1/completions",
+            json!({"prompt": "the hen", "max_tokens": 5}),
+        )
+        .await
+    });
+    wait_for(|| h.pending() == 2).await;
+    task.abort();
+    let _ = task.await;
+    drop(hold);
+    wait_for(|| h.pending() == 0).await;
+    let m = get(&app, "/metrics").await.text;
+    assert!(m.contains("specula_completion_tokens_total 0"), "{m}");
+    assert!(m.contains("specula_prompt_tokens_total 0"), "{m}");
+}
+
+#[tokio::test]
+async fn models_health_metrics() {
+    let (app, _h) = app();
+    let r = get(&app, "/v1/models").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    let data = v["data"].as_array().unwrap();
+    assert_eq!(data.len(), 1);
+    assert_eq!(data[0]["id"], MODEL);
+    assert_eq!(data[0]["object"], "model");
+    assert_eq!(data[0]["owned_by"], "specula");
+    assert_eq!(data[0]["context_length"], CONTEXT);
+    assert!(data[0]["created"].as_u64().unwrap() > 1_600_000_000);
+
+    let r = get(&app, "/v1/models/tiny").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json()["id"], MODEL);
+    let r = get(&app, "/v1/models/other").await;
+    let e = assert_error(&r, StatusCode::NOT_FOUND, None);
+    assert_eq!(e["code"], "model_not_found");
+
+    let r = get(&app, "/health").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json(), json!({"status": "ok"}));
+
+    let mut eng = engine();
+    let prompt = eng.chat_prompt_tokens(&messages()).unwrap();
+    let want = direct(&mut eng, prompt.clone(), SamplingParams::greedy(), 5, None);
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": messages_json(), "max_tokens": 5, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = post(&app, "/v1/chat/completions", json!({"messages": []})).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+
+    let r = get(&app, "/metrics").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    let m = r.text;
+    for line in [
+        r#"specula_requests_total{endpoint="/v1/chat/completions",status="200"} 1"#.to_string(),
+        r#"specula_requests_total{endpoint="/v1/chat/completions",status="400"} 1"#.to_string(),
+        r#"specula_requests_total{endpoint="/v1/models",status="200"} 1"#.to_string(),
+        r#"specula_requests_total{endpoint="/health",status="200"} 1"#.to_string(),
+        format!("specula_prompt_tokens_total {}", prompt.len()),
+        format!(
+            "specula_completion_tokens_total {}",
+            want.stats.completion_tokens
+        ),
+        "specula_queue_depth 0".to_string(),
+        "specula_generation_seconds_count 1".to_string(),
+        format!(
+            r#"specula_generations_total{{finish_reason="{}"}} 1"#,
+            want.finish_reason.as_str()
+        ),
+    ] {
+        assert!(m.lines().any(|l| l == line), "missing '{line}' in:\n{m}");
+    }
+    assert!(m.contains("# TYPE specula_generation_seconds histogram"));
+}
+
+/// Poll a condition (set by the worker thread) for up to 10 s.
+async fn wait_for(cond: impl Fn() -> bool) {
+    for _ in 0..1000 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("condition not reached in 10 s");
+}
+
+fn direct_chat(
+    eng: &mut specula_engine::Engine,
+    sampling: SamplingParams,
+    max_tokens: usize,
+    logprobs: Option<usize>,
+) -> specula_engine::GenerateOutput {
+    let prompt = eng.chat_prompt_tokens(&messages()).unwrap();
+    direct(eng, prompt, sampling, max_tokens, logprobs)
+}
+
+#[tokio::test]
+async fn client_gone_mid_stream_cancels_generation() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    // A long context so the generation is still running when the client leaves.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("long.gguf");
+    let spec = specula_engine::testing::TinySpec {
+        context: 4096,
+        ..specula_engine::testing::TinySpec::new(specula_engine::model::Family::Llama)
+    };
+    specula_engine::testing::write_tiny_gguf(&path, &spec).unwrap();
+    let eng = specula_engine::Engine::load(&path, MODEL, Default::default()).unwrap();
+    let h = specula_server::EngineHandle::spawn(eng);
+    let app = specula_server::router(h.clone());
+    let body = json!({"prompt": "the hen", "max_tokens": 4000, "ignore_eos": true, "stream": true});
+    let req = axum::http::Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body.to_string()))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(first.starts_with(b"data: {"));
+    drop(body);
+    wait_for(|| h.pending() == 0).await;
+    let m = get(&app, "/metrics").await.text;
+    assert!(
+        m.contains(r#"specula_generations_total{finish_reason="cancelled"} 1"#),
+        "{m}"
+    );
+    let done: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("specula_completion_tokens_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(done < 4000, "{done} tokens generated after the client left");
+}

@@ -1,0 +1,170 @@
+//! Test helpers: a tiny random model, a router over it, and request helpers.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use axum::body::Body;
+use axum::http::{header, HeaderMap, Request, StatusCode};
+use axum::Router;
+use http_body_util::BodyExt;
+use serde_json::Value;
+use specula_engine::model::Family;
+use specula_engine::testing::{write_tiny_gguf, TinySpec};
+use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
+use specula_server::{router, EngineHandle};
+use tower::ServiceExt;
+
+pub const MODEL: &str = "tiny";
+/// Context window of the tiny model.
+pub const CONTEXT: usize = 256;
+
+/// Path of the tiny GGUF model, written once per test process under cargo's target tmp dir
+/// (written to a unique name, then renamed, so concurrent test binaries do not collide).
+pub fn model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        std::fs::create_dir_all(&dir).expect("target tmp dir");
+        let spec = TinySpec::new(Family::Llama);
+        assert_eq!(spec.context, CONTEXT);
+        let tmp = dir.join(format!(
+            "specula-server-tiny.{}.gguf.tmp",
+            std::process::id()
+        ));
+        write_tiny_gguf(&tmp, &spec).expect("write tiny gguf");
+        let path = dir.join("specula-server-tiny.gguf");
+        std::fs::rename(&tmp, &path).expect("rename tiny gguf");
+        path
+    })
+    .clone()
+}
+
+pub fn engine() -> Engine {
+    Engine::load(&model_path(), MODEL, LoadOptions::default()).expect("load tiny model")
+}
+
+/// A router over a fresh engine worker, plus its handle.
+pub fn app_with_queue(max_queue: usize) -> (Router, EngineHandle) {
+    let handle = EngineHandle::spawn_with_queue(engine(), max_queue);
+    (router(handle.clone()), handle)
+}
+
+pub fn app() -> (Router, EngineHandle) {
+    app_with_queue(16)
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub text: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.text)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.text))
+    }
+
+    /// The `data:` payloads of an SSE body, in order.
+    pub fn sse_data(&self) -> Vec<String> {
+        self.text
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                e.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not an SSE data event: {e:?}"))
+                    .to_string()
+            })
+            .collect()
+    }
+}
+
+pub async fn send(app: &Router, req: Request<Body>) -> Reply {
+    let resp = app
+        .clone()
+        .oneshot(req)
+        .await
+        .expect("router is infallible");
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    Reply {
+        status,
+        headers,
+        text: String::from_utf8(bytes.to_vec()).expect("UTF-8 body"),
+    }
+}
+
+pub async fn post_raw(app: &Router, path: &str, body: &str) -> Reply {
+    let req = Request::post(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    send(app, req).await
+}
+
+pub async fn post(app: &Router, path: &str, body: Value) -> Reply {
+    post_raw(app, path, &body.to_string()).await
+}
+
+pub async fn get(app: &Router, path: &str) -> Reply {
+    send(
+        app,
+        Request::get(path).body(Body::empty()).expect("request"),
+    )
+    .await
+}
+
+/// Run the engine directly, as the reference for server output.
+pub fn direct(
+    engine: &mut Engine,
+    prompt_tokens: Vec<u32>,
+    sampling: SamplingParams,
+    max_tokens: usize,
+    logprobs: Option<usize>,
+) -> GenerateOutput {
+    let req = GenerateRequest {
+        prompt_tokens,
+        sampling,
+        max_tokens: Some(max_tokens),
+        stop: Vec::new(),
+        logprobs,
+        ignore_eos: false,
+    };
+    engine
+        .generate(&req, &mut |_| true)
+        .expect("direct generation")
+}
+
+/// Assert an OpenAI error body and return its `error` object.
+pub fn assert_error(reply: &Reply, status: StatusCode, param: Option<&str>) -> Value {
+    assert_eq!(reply.status, status, "body: {}", reply.text);
+    let v = reply.json();
+    let e = v
+        .get("error")
+        .unwrap_or_else(|| panic!("no error object: {}", reply.text))
+        .clone();
+    let obj = e.as_object().expect("error is an object");
+    for key in ["message", "type", "param", "code"] {
+        assert!(obj.contains_key(key), "error lacks '{key}': {}", reply.text);
+    }
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{}",
+        reply.text
+    );
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    if status != StatusCode::TOO_MANY_REQUESTS {
+        assert_eq!(e["type"], kind, "{}", reply.text);
+    }
+    if let Some(p) = param {
+        assert_eq!(e["param"], p, "{}", reply.text);
+    }
+    e
+}
