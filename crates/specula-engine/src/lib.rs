@@ -9,6 +9,7 @@ pub mod catalog;
 pub mod chat;
 pub mod emit;
 pub mod engine;
+pub mod kernels;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;

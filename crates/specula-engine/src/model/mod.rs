@@ -21,7 +21,19 @@ use anyhow::{bail, Result};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
+use crate::kernels::qmatmul::QWeight;
 use crate::kv_cache::KvCache;
+
+/// The global rayon pool (sized by `RAYON_NUM_THREADS`, else one thread per core).
+fn pool() -> &'static rayon::ThreadPool {
+    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("specula-worker-{i}"))
+            .build()
+            .unwrap_or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a 1-thread pool"))
+    })
+}
 
 /// The architecture families this file implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -81,34 +93,51 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
 }
 
+/// The weight of a [`Linear`]: our batch-invariant kernel for the 32-wide ggml block types,
+/// candle's `QMatMul` for the rest (K-quants, and dense f32).
+#[derive(Debug, Clone)]
+enum Weight {
+    Own(QWeight),
+    Candle(QMatMul),
+}
+
 /// A linear layer `y = x W^T (+ b)`, `W` of shape `[out, in]`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: QMatMul,
+    weight: Weight,
     bias: Option<Tensor>,
 }
 
 impl Linear {
-    /// From a GGUF tensor: quantized types stay quantized (candle `QMatMul`); F32/F16/BF16 are
-    /// expanded to f32.
+    /// From a GGUF tensor: quantized types stay quantized (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 in
+    /// [`QWeight`], K-quants in candle's `QMatMul`); F32/F16/BF16 are expanded to f32.
     pub fn from_qtensor(w: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Self {
-            weight: QMatMul::from_arc(w)?,
-            bias,
-        })
+        let weight = match QWeight::from_qtensor(&w)? {
+            Some(q) => Weight::Own(q),
+            None => Weight::Candle(QMatMul::from_arc(w)?),
+        };
+        Ok(Self { weight, bias })
     }
 
     /// From a dense `[out, in]` tensor (converted to f32).
     pub fn from_dense(w: Tensor, bias: Option<Tensor>) -> Result<Self> {
         Ok(Self {
-            weight: QMatMul::Tensor(w.to_dtype(DType::F32)?),
+            weight: Weight::Candle(QMatMul::Tensor(w.to_dtype(DType::F32)?)),
             bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
         })
     }
 
     /// `x`: `[n, in]` f32 → `[n, out]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.weight.forward(x)?;
+        let y = match &self.weight {
+            Weight::Own(q) => {
+                let (m, _) = x.dims2()?;
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let y = q.matmul(&xs, m);
+                Tensor::from_vec(y, (m, q.dims().0), x.device())?
+            }
+            Weight::Candle(w) => w.forward(x)?,
+        };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -265,7 +294,9 @@ impl Model {
     ///
     /// Errors: empty `tokens`, a position past the context window, a token id outside the vocab.
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, rows: LogitsRows, taps: &[usize]) -> Result<ForwardOutput> {
-        let out = self.forward_inner(tokens, kv, rows, taps);
+        // Run on a pool worker: the parallel kernels inside then split work with the other
+        // workers instead of waking the calling thread once per operation.
+        let out = pool().install(|| self.forward_inner(tokens, kv, rows, taps));
         if out.is_err() {
             kv.discard_uncommitted();
         }
