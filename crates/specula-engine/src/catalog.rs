@@ -200,7 +200,10 @@ mod tests {
         let all = catalog();
         for e in &all {
             assert_eq!(e.sha256.len(), 64, "{}", e.name);
-            assert!(e.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+            assert!(e
+                .sha256
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
             assert!(e.file_name.ends_with(".gguf"));
             assert!(!e.parts.is_empty());
             assert!(matches!(e.role, "default" | "draft" | "target"));

@@ -47,7 +47,13 @@ pub struct EmitOutcome {
 
 impl<'a> Emitter<'a> {
     /// `max_tokens` must already be capped by the room left in the context window.
-    pub fn new(tokenizer: &'a Tokenizer, eos_ids: &'a [u32], stop: Vec<String>, ignore_eos: bool, max_tokens: usize) -> Self {
+    pub fn new(
+        tokenizer: &'a Tokenizer,
+        eos_ids: &'a [u32],
+        stop: Vec<String>,
+        ignore_eos: bool,
+        max_tokens: usize,
+    ) -> Self {
         Self {
             tokenizer,
             stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
@@ -162,7 +168,10 @@ impl<'a> Emitter<'a> {
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
-        self.stop.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i)).min()
+        self.stop
+            .iter()
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i))
+            .min()
     }
 
     /// Length of the longest suffix of unreleased text that is a proper prefix of a stop string.
@@ -188,7 +197,9 @@ impl<'a> Emitter<'a> {
         if self.read_offset >= self.text_tokens.len() {
             return String::new();
         }
-        let prefix = self.tokenizer.decode(&self.text_tokens[self.prefix_offset..self.read_offset]);
+        let prefix = self
+            .tokenizer
+            .decode(&self.text_tokens[self.prefix_offset..self.read_offset]);
         let full = self.tokenizer.decode(&self.text_tokens[self.prefix_offset..]);
         if full.len() > prefix.len() && (flush || !full.ends_with('\u{FFFD}')) {
             let delta = match full.get(prefix.len()..) {

@@ -123,7 +123,10 @@ impl Engine {
 
     /// Tokenize a prompt (special-token text is parsed).
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, RequestError> {
-        self.bundle.tokenizer.encode(text).map_err(|e| RequestError::InvalidParameter(e.to_string()))
+        self.bundle
+            .tokenizer
+            .encode(text)
+            .map_err(|e| RequestError::InvalidParameter(e.to_string()))
     }
 
     /// Render and tokenize a chat prompt.
@@ -152,7 +155,11 @@ impl Engine {
                 });
             }
         }
-        if let Some(&bad) = req.prompt_tokens.iter().find(|&&t| t as usize >= self.config().vocab_size) {
+        if let Some(&bad) = req
+            .prompt_tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config().vocab_size)
+        {
             return Err(RequestError::InvalidParameter(format!(
                 "prompt token id {bad} is outside the vocabulary ({} tokens)",
                 self.config().vocab_size
@@ -160,7 +167,9 @@ impl Engine {
         }
         if let Some(n) = req.logprobs {
             if n > 20 {
-                return Err(RequestError::InvalidParameter(format!("top_logprobs must be at most 20, got {n}")));
+                return Err(RequestError::InvalidParameter(format!(
+                    "top_logprobs must be at most 20, got {n}"
+                )));
             }
         }
         Ok(())
@@ -172,7 +181,11 @@ impl Engine {
         let mut last = None;
         let n_chunks = tokens.len().div_ceil(chunk);
         for (i, c) in tokens.chunks(chunk).enumerate() {
-            let rows = if i + 1 == n_chunks { LogitsRows::Last } else { LogitsRows::None };
+            let rows = if i + 1 == n_chunks {
+                LogitsRows::Last
+            } else {
+                LogitsRows::None
+            };
             let out = self.bundle.model.forward(c, &mut self.kv, rows, &[])?;
             if i + 1 == n_chunks {
                 last = Some(out.logits);
@@ -218,8 +231,7 @@ impl Engine {
         let mut logits = self.prefill(&req.prompt_tokens).map_err(internal)?;
         stats.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut finish = emitter.finished();
-        while finish.is_none() {
+        while emitter.finished().is_none() {
             let lp = req.logprobs.map(|n| self.token_logprobs(&logits, n));
             let tok = sampler.sample(&mut logits);
             sampler.observe(tok);
@@ -232,14 +244,12 @@ impl Engine {
                 }]
             });
             let outcome = emitter.emit_block(&[tok], lps.as_deref());
-            if !outcome.delta.text.is_empty() || !outcome.delta.token_ids.is_empty() {
-                if !on_delta(&outcome.delta) {
-                    emitter.finish_with(FinishReason::Cancelled);
-                    break;
-                }
+            let has_output = !outcome.delta.text.is_empty() || !outcome.delta.token_ids.is_empty();
+            if has_output && !on_delta(&outcome.delta) {
+                emitter.finish_with(FinishReason::Cancelled);
+                break;
             }
-            if let Some(f) = outcome.finished {
-                finish = Some(f);
+            if outcome.finished.is_some() {
                 break;
             }
             if self.kv.len() + 1 > ctx {
@@ -253,9 +263,12 @@ impl Engine {
                 .forward(&[tok], &mut self.kv, LogitsRows::Last, &[])
                 .map_err(internal)?;
             stats.decode_steps += 1;
-            logits = out.logits.squeeze(0).and_then(|t| t.to_vec1::<f32>()).map_err(|e| internal(e.into()))?;
+            logits = out
+                .logits
+                .squeeze(0)
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(|e| internal(e.into()))?;
         }
-        let _ = finish;
         stats.decode_s = t1.elapsed().as_secs_f64();
         stats.completion_tokens = emitter.tokens().len();
         let finish_reason = emitter.finished().unwrap_or(FinishReason::Length);

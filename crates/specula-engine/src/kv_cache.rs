@@ -77,13 +77,21 @@ impl KvCache {
     /// `len .. len + n`. The new positions count once [`KvCache::advance`] is called after every
     /// layer has appended.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        if k.len() != v.len() || k.len() % self.stride != 0 {
-            bail!("kv append: bad row sizes {} / {} for stride {}", k.len(), v.len(), self.stride);
+        if k.len() != v.len() || !k.len().is_multiple_of(self.stride) {
+            bail!(
+                "kv append: bad row sizes {} / {} for stride {}",
+                k.len(),
+                v.len(),
+                self.stride
+            );
         }
         let expected = self.len * self.stride;
         let (kl, vl) = (&mut self.keys[layer], &mut self.values[layer]);
         if kl.len() != expected {
-            bail!("kv append: layer {layer} holds {} floats, expected {expected}", kl.len());
+            bail!(
+                "kv append: layer {layer} holds {} floats, expected {expected}",
+                kl.len()
+            );
         }
         if self.len + k.len() / self.stride > self.capacity {
             bail!("kv cache full ({} positions)", self.capacity);

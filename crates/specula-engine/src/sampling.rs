@@ -85,9 +85,15 @@ impl SamplingParams {
             return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+            return bad(format!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            ));
         }
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
             if !(-2.0..=2.0).contains(&v) {
                 return bad(format!("{name} must be in [-2, 2], got {v}"));
             }
@@ -134,7 +140,9 @@ impl Sampler {
         }
         let p = &self.params;
         for &(tok, count) in &self.counts {
-            let Some(l) = logits.get_mut(tok as usize) else { continue };
+            let Some(l) = logits.get_mut(tok as usize) else {
+                continue;
+            };
             if p.repetition_penalty != 1.0 {
                 if *l > 0.0 {
                     *l /= p.repetition_penalty;
@@ -277,31 +285,49 @@ mod tests {
 
     #[test]
     fn same_seed_same_draws() {
-        let p = SamplingParams { seed: Some(7), ..Default::default() };
+        let p = SamplingParams {
+            seed: Some(7),
+            ..Default::default()
+        };
         let logits = vec![0.5f32, 0.4, 0.3, 0.2, 0.1];
         let mut a = Sampler::new(p.clone());
         let mut b = Sampler::new(p);
         let xa: Vec<u32> = (0..50).map(|_| a.sample(&mut logits.clone())).collect();
         let xb: Vec<u32> = (0..50).map(|_| b.sample(&mut logits.clone())).collect();
         assert_eq!(xa, xb);
-        assert!(xa.iter().any(|&t| t != xa[0]), "temperature 1 over near-uniform logits must vary");
+        assert!(
+            xa.iter().any(|&t| t != xa[0]),
+            "temperature 1 over near-uniform logits must vary"
+        );
     }
 
     #[test]
     fn top_k_top_p_min_p_filter() {
         let logits = [2.0f32, 1.0, 0.0, -1.0];
-        let s = Sampler::new(SamplingParams { top_k: 2, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            top_k: 2,
+            ..Default::default()
+        });
         let d = s.distribution(&logits);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1]);
         let e1 = (1.0f32).exp();
         assert!((d[0].1 - e1 / (e1 + 1.0)).abs() < 1e-6);
 
         // probabilities of [2,1,0,-1]: 0.6439, 0.2369, 0.0871, 0.0321
-        let s = Sampler::new(SamplingParams { top_p: 0.85, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            top_p: 0.85,
+            ..Default::default()
+        });
         assert_eq!(s.distribution(&logits).len(), 2);
-        let s = Sampler::new(SamplingParams { top_p: 0.95, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            top_p: 0.95,
+            ..Default::default()
+        });
         assert_eq!(s.distribution(&logits).len(), 3);
-        let s = Sampler::new(SamplingParams { min_p: 0.2, ..Default::default() });
+        let s = Sampler::new(SamplingParams {
+            min_p: 0.2,
+            ..Default::default()
+        });
         assert_eq!(s.distribution(&logits).len(), 2);
     }
 
@@ -324,9 +350,24 @@ mod tests {
 
     #[test]
     fn validate_rejects_bad_ranges() {
-        assert!(SamplingParams { temperature: -0.1, ..Default::default() }.validate().is_err());
-        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
-        assert!(SamplingParams { repetition_penalty: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams {
+            temperature: -0.1,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            repetition_penalty: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
         assert!(SamplingParams::default().validate().is_ok());
     }
 

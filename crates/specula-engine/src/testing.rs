@@ -45,7 +45,10 @@ impl TinySpec {
 
 /// GPT-2's byte → printable-char table (the byte-level BPE alphabet).
 pub fn bytes_to_unicode() -> Vec<char> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut cs = bs.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -102,8 +105,14 @@ fn tiny_weights(spec: &TinySpec, vocab: usize) -> Result<Vec<(String, Tensor)>> 
         let ones = |n: usize| Tensor::ones(n, candle_core::DType::F32, &dev);
         w.push((format!("{p}.input_layernorm.weight"), (ones(h)? + rand(&[h], 0.1)?)?));
         w.push((format!("{p}.self_attn.q_proj.weight"), rand(&[spec.heads * d, h], 0.3)?));
-        w.push((format!("{p}.self_attn.k_proj.weight"), rand(&[spec.kv_heads * d, h], 0.3)?));
-        w.push((format!("{p}.self_attn.v_proj.weight"), rand(&[spec.kv_heads * d, h], 0.3)?));
+        w.push((
+            format!("{p}.self_attn.k_proj.weight"),
+            rand(&[spec.kv_heads * d, h], 0.3)?,
+        ));
+        w.push((
+            format!("{p}.self_attn.v_proj.weight"),
+            rand(&[spec.kv_heads * d, h], 0.3)?,
+        ));
         w.push((format!("{p}.self_attn.o_proj.weight"), rand(&[h, spec.heads * d], 0.3)?));
         if spec.family == Family::Qwen2 {
             w.push((format!("{p}.self_attn.q_proj.bias"), rand(&[spec.heads * d], 0.1)?));
@@ -114,12 +123,18 @@ fn tiny_weights(spec: &TinySpec, vocab: usize) -> Result<Vec<(String, Tensor)>> 
             w.push((format!("{p}.self_attn.q_norm.weight"), (ones(d)? + rand(&[d], 0.1)?)?));
             w.push((format!("{p}.self_attn.k_norm.weight"), (ones(d)? + rand(&[d], 0.1)?)?));
         }
-        w.push((format!("{p}.post_attention_layernorm.weight"), (ones(h)? + rand(&[h], 0.1)?)?));
+        w.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            (ones(h)? + rand(&[h], 0.1)?)?,
+        ));
         w.push((format!("{p}.mlp.gate_proj.weight"), rand(&[i, h], 0.3)?));
         w.push((format!("{p}.mlp.up_proj.weight"), rand(&[i, h], 0.3)?));
         w.push((format!("{p}.mlp.down_proj.weight"), rand(&[h, i], 0.3)?));
     }
-    w.push(("model.norm.weight".to_string(), Tensor::ones(h, candle_core::DType::F32, &dev)?));
+    w.push((
+        "model.norm.weight".to_string(),
+        Tensor::ones(h, candle_core::DType::F32, &dev)?,
+    ));
     w.push(("lm_head.weight".to_string(), rand(&[vocab, h], 0.5)?));
     Ok(w)
 }
@@ -172,7 +187,11 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
     let mut qtensors: Vec<(String, QTensor)> = Vec::new();
     for (name, t) in &weights {
         let t = if spec.family == Family::Llama && (name.contains("q_proj") || name.contains("k_proj")) {
-            let heads = if name.contains("q_proj") { spec.heads } else { spec.kv_heads };
+            let heads = if name.contains("q_proj") {
+                spec.heads
+            } else {
+                spec.kv_heads
+            };
             permute_for_interleaved(t, heads)?
         } else {
             t.clone()
@@ -196,9 +215,18 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
         (format!("{arch}.rope.freq_base"), V::F32(10_000.0)),
         ("tokenizer.ggml.model".into(), V::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), V::String("qwen2".into())),
-        ("tokenizer.ggml.tokens".into(), V::Array(tokens.iter().map(|t| V::String(t.clone())).collect())),
-        ("tokenizer.ggml.merges".into(), V::Array(merges.iter().map(|t| V::String(t.clone())).collect())),
-        ("tokenizer.ggml.token_type".into(), V::Array(types.iter().map(|&t| V::I32(t)).collect())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            V::Array(tokens.iter().map(|t| V::String(t.clone())).collect()),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            V::Array(merges.iter().map(|t| V::String(t.clone())).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            V::Array(types.iter().map(|&t| V::I32(t)).collect()),
+        ),
         ("tokenizer.ggml.eos_token_id".into(), V::U32(tokens.len() as u32 - 1)),
         ("tokenizer.chat_template".into(), V::String(TINY_TEMPLATE.into())),
     ];
@@ -238,9 +266,18 @@ pub fn write_tiny_hf(dir: &Path, spec: &TinySpec) -> Result<()> {
     use gguf_file::Value as V;
     md.insert("tokenizer.ggml.model".to_string(), V::String("gpt2".into()));
     md.insert("tokenizer.ggml.pre".to_string(), V::String("qwen2".into()));
-    md.insert("tokenizer.ggml.tokens".to_string(), V::Array(tokens.iter().map(|t| V::String(t.clone())).collect()));
-    md.insert("tokenizer.ggml.merges".to_string(), V::Array(merges.iter().map(|t| V::String(t.clone())).collect()));
-    md.insert("tokenizer.ggml.token_type".to_string(), V::Array(types.iter().map(|&t| V::I32(t)).collect()));
+    md.insert(
+        "tokenizer.ggml.tokens".to_string(),
+        V::Array(tokens.iter().map(|t| V::String(t.clone())).collect()),
+    );
+    md.insert(
+        "tokenizer.ggml.merges".to_string(),
+        V::Array(merges.iter().map(|t| V::String(t.clone())).collect()),
+    );
+    md.insert(
+        "tokenizer.ggml.token_type".to_string(),
+        V::Array(types.iter().map(|&t| V::I32(t)).collect()),
+    );
     let tok = crate::tokenizer::Tokenizer::from_gguf(&md)?;
     tok.inner()
         .save(dir.join("tokenizer.json"), false)
@@ -250,6 +287,9 @@ pub fn write_tiny_hf(dir: &Path, spec: &TinySpec) -> Result<()> {
         "add_bos_token": false,
         "chat_template": TINY_TEMPLATE,
     });
-    std::fs::write(dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&tok_cfg)?)?;
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tok_cfg)?,
+    )?;
     Ok(())
 }

@@ -69,7 +69,8 @@ fn meta_str<'a>(md: &'a HashMap<String, gguf_file::Value>, key: &str) -> Option<
 }
 
 fn meta_u32(md: &HashMap<String, gguf_file::Value>, key: &str) -> Option<u32> {
-    md.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|x| x as u32)))
+    md.get(key)
+        .and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|x| x as u32)))
 }
 
 fn meta_strings(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Vec<String>> {
@@ -77,7 +78,11 @@ fn meta_strings(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Vec
     v.to_vec()
         .map_err(|e| anyhow!("metadata '{key}' is not an array: {e}"))?
         .iter()
-        .map(|x| x.to_string().cloned().map_err(|e| anyhow!("metadata '{key}' holds a non-string: {e}")))
+        .map(|x| {
+            x.to_string()
+                .cloned()
+                .map_err(|e| anyhow!("metadata '{key}' holds a non-string: {e}"))
+        })
         .collect()
 }
 
@@ -85,7 +90,8 @@ impl Tokenizer {
     /// Build from GGUF metadata (the `tokenizer.ggml.*` keys). Errors name the missing or
     /// unsupported key.
     pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
-        let model = meta_str(md, "tokenizer.ggml.model").ok_or_else(|| anyhow!("missing metadata key 'tokenizer.ggml.model'"))?;
+        let model = meta_str(md, "tokenizer.ggml.model")
+            .ok_or_else(|| anyhow!("missing metadata key 'tokenizer.ggml.model'"))?;
         if model != "gpt2" {
             bail!("tokenizer.ggml.model = '{model}' is not supported (only byte-level BPE, 'gpt2')");
         }
@@ -102,7 +108,11 @@ impl Tokenizer {
             None => vec![1; tokens.len()],
         };
         if types.len() != tokens.len() {
-            bail!("tokenizer.ggml.token_type has {} entries for {} tokens", types.len(), tokens.len());
+            bail!(
+                "tokenizer.ggml.token_type has {} entries for {} tokens",
+                types.len(),
+                tokens.len()
+            );
         }
         let mut vocab = Vocab::default();
         for (i, t) in tokens.iter().enumerate() {
@@ -126,8 +136,12 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let mut pretoks: Vec<PreTokenizerWrapper> = Vec::new();
         for re in pre_tokenizer_regexes(pre)? {
-            let split = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
-                .map_err(|e| anyhow!("pre-tokenizer regex for '{pre}': {e}"))?;
+            let split = Split::new(
+                SplitPattern::Regex(re.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|e| anyhow!("pre-tokenizer regex for '{pre}': {e}"))?;
             pretoks.push(split.into());
         }
         pretoks.push(ByteLevel::new(false, false, false).into());
@@ -147,7 +161,10 @@ impl Tokenizer {
             inner,
             bos_token: tok("tokenizer.ggml.bos_token_id"),
             eos_token: tok("tokenizer.ggml.eos_token_id"),
-            add_bos: md.get("tokenizer.ggml.add_bos_token").and_then(|v| v.to_bool().ok()).unwrap_or(false),
+            add_bos: md
+                .get("tokenizer.ggml.add_bos_token")
+                .and_then(|v| v.to_bool().ok())
+                .unwrap_or(false),
         })
     }
 
@@ -172,7 +189,10 @@ impl Tokenizer {
     /// Encode text; special-token text (e.g. `<|im_start|>`) maps to its token. BOS is prepended
     /// when the model asks for it and the text does not already start with it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(|e| anyhow!("tokenization failed: {e}"))?;
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
         let mut ids = enc.get_ids().to_vec();
         if self.add_bos {
             if let Some((bos, _)) = &self.bos_token {

@@ -109,7 +109,9 @@ pub struct GenerateOutput {
 pub enum RequestError {
     #[error("the prompt has {prompt} tokens, but the model's context window is {context} tokens")]
     PromptTooLong { prompt: usize, context: usize },
-    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's context window of {context} tokens")]
+    #[error(
+        "prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's context window of {context} tokens"
+    )]
     MaxTokensTooLarge {
         prompt: usize,
         max_tokens: usize,

@@ -21,7 +21,10 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
     let path = common::model_path(name);
     let mut engine = Engine::load(&path, name, LoadOptions::default()).expect("model loads");
     let prompts = common::fixture_lines("prompts.jsonl");
-    let refs = common::fixture_lines(&format!("reference/{}", std::env::var("REFFILE").unwrap_or(reference.to_string())));
+    let refs = common::fixture_lines(&format!(
+        "reference/{}",
+        std::env::var("REFFILE").unwrap_or(reference.to_string())
+    ));
     assert_eq!(prompts.len(), refs.len());
     let mut rep = ModelReport {
         prompts: 0,
@@ -36,7 +39,10 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
         let messages: Vec<ChatMessage> = serde_json::from_value(p["messages"].clone()).expect("messages");
         let tokens = engine.chat_prompt_tokens(&messages).expect("template renders");
         let want: Vec<u32> = serde_json::from_value(r["prompt_tokens"].clone()).expect("prompt_tokens");
-        assert_eq!(tokens, want, "{name} {id}: rendered prompt tokens differ from llama.cpp's");
+        assert_eq!(
+            tokens, want,
+            "{name} {id}: rendered prompt tokens differ from llama.cpp's"
+        );
 
         let completion: Vec<u32> = serde_json::from_value(r["completion_tokens"].clone()).expect("completion_tokens");
         let mut seq = want.clone();
@@ -49,7 +55,11 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
         if argmax(first) == completion[0] {
             rep.first_token_equal += 1;
         } else {
-            eprintln!("{name} {id}: first token {} != reference {}", argmax(first), completion[0]);
+            eprintln!(
+                "{name} {id}: first token {} != reference {}",
+                argmax(first),
+                completion[0]
+            );
         }
         let lp = log_softmax(first);
         if std::env::var("SHOW").is_ok() {
@@ -85,10 +95,20 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
 
 fn assert_report(name: &str, rep: &ModelReport) {
     assert_eq!(rep.prompts, 24, "{name}: all prompts checked");
-    assert_eq!(rep.first_token_equal, rep.prompts, "{name}: every first token equals llama.cpp's");
-    assert!(rep.max_top5_diff <= 0.1, "{name}: top-5 logprobs within 0.1 of llama.cpp's, got {}", rep.max_top5_diff);
+    assert_eq!(
+        rep.first_token_equal, rep.prompts,
+        "{name}: every first token equals llama.cpp's"
+    );
+    assert!(
+        rep.max_top5_diff <= 0.1,
+        "{name}: top-5 logprobs within 0.1 of llama.cpp's, got {}",
+        rep.max_top5_diff
+    );
     let agree = rep.tf_equal as f64 / rep.tf_total as f64;
-    assert!(agree >= 0.97, "{name}: teacher-forced argmax agreement {agree:.4} < 0.97");
+    assert!(
+        agree >= 0.97,
+        "{name}: teacher-forced argmax agreement {agree:.4} < 0.97"
+    );
 }
 
 #[test]

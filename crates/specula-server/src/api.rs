@@ -69,11 +69,7 @@ fn unix_now() -> u64 {
 fn new_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     static SALT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let salt = *SALT.get_or_init(|| {
-        std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish()
-    });
+    let salt = *SALT.get_or_init(|| std::collections::hash_map::RandomState::new().build_hasher().finish());
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     format!("{prefix}-{:016x}{:08x}", salt, n)
 }
@@ -117,27 +113,20 @@ fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let common = params::common(&b, &h.model().id, &["max_tokens"])?;
     let prompt = params::prompt(&b)?;
     if b.bool("echo")?.unwrap_or(false) {
-        return Err(ApiError::invalid("echo is not supported.", Some("echo"))
-            .with_code("unsupported_parameter"));
+        return Err(ApiError::invalid("echo is not supported.", Some("echo")).with_code("unsupported_parameter"));
     }
     if let Some(n) = b.int("best_of")? {
         if n != 1 {
-            return Err(ApiError::invalid(
-                format!("Only best_of = 1 is supported, got {n}."),
-                Some("best_of"),
-            )
-            .with_code("unsupported_parameter"));
+            return Err(
+                ApiError::invalid(format!("Only best_of = 1 is supported, got {n}."), Some("best_of"))
+                    .with_code("unsupported_parameter"),
+            );
         }
     }
     if b.str("suffix")?.is_some_and(|s| !s.is_empty()) {
-        return Err(
-            ApiError::invalid("suffix is not supported.", Some("suffix"))
-                .with_code("unsupported_parameter"),
-        );
+        return Err(ApiError::invalid("suffix is not supported.", Some("suffix")).with_code("unsupported_parameter"));
     }
-    let logprobs = b
-        .int_in("logprobs", 0, MAX_TOP_LOGPROBS as i128)?
-        .map(|n| n as usize);
+    let logprobs = b.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i128)?.map(|n| n as usize);
     Ok(Parsed {
         kind: Kind::Completion,
         prompt,
@@ -146,10 +135,7 @@ fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     })
 }
 
-pub async fn chat_completions(
-    State(h): State<EngineHandle>,
-    body: Result<Json<Value>, JsonRejection>,
-) -> Response {
+pub async fn chat_completions(State(h): State<EngineHandle>, body: Result<Json<Value>, JsonRejection>) -> Response {
     let parsed = parse_body(body).and_then(|v| parse_chat(&h, &v));
     match parsed {
         Ok(p) => generate(h, p).await,
@@ -157,10 +143,7 @@ pub async fn chat_completions(
     }
 }
 
-pub async fn completions(
-    State(h): State<EngineHandle>,
-    body: Result<Json<Value>, JsonRejection>,
-) -> Response {
+pub async fn completions(State(h): State<EngineHandle>, body: Result<Json<Value>, JsonRejection>) -> Response {
     let parsed = parse_body(body).and_then(|v| parse_completion(&h, &v));
     match parsed {
         Ok(p) => generate(h, p).await,
@@ -189,27 +172,17 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
     let mut rx = match h.submit(sub) {
         Ok(rx) => rx,
         Err(SubmitError::QueueFull) => return ApiError::queue_full(h.max_queue()).into_response(),
-        Err(SubmitError::WorkerGone) => {
-            return ApiError::internal("the engine worker is not running").into_response()
-        }
+        Err(SubmitError::WorkerGone) => return ApiError::internal("the engine worker is not running").into_response(),
     };
     match rx.recv().await {
         Some(Event::Started { .. }) => {}
-        Some(Event::Failed(e)) => {
-            return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response()
-        }
-        Some(other) => {
-            return ApiError::internal(format!("unexpected engine event {other:?}")).into_response()
-        }
+        Some(Event::Failed(e)) => return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response(),
+        Some(other) => return ApiError::internal(format!("unexpected engine event {other:?}")).into_response(),
         None => return ApiError::internal("the engine worker stopped").into_response(),
     }
     let ctx = ResponseCtx {
         kind: p.kind,
-        id: new_id(if p.kind == Kind::Chat {
-            "chatcmpl"
-        } else {
-            "cmpl"
-        }),
+        id: new_id(if p.kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
         created: unix_now(),
         model: h.model().id.clone(),
         logprobs: p.logprobs.is_some(),
@@ -362,10 +335,7 @@ fn data(v: &Value) -> SseEvent {
 
 /// The SSE body: a chunk per delta, the finish chunk, the usage chunk (when asked for), then
 /// `[DONE]`. Dropping it (client gone) drops the receiver, which cancels the generation.
-fn sse_stream(
-    ctx: ResponseCtx,
-    rx: UnboundedReceiver<Event>,
-) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+fn sse_stream(ctx: ResponseCtx, rx: UnboundedReceiver<Event>) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let mut buf = VecDeque::new();
     if let Some(first) = ctx.first_chunk() {
         buf.push_back(data(&first));
@@ -450,10 +420,7 @@ pub async fn health() -> Json<Value> {
 
 pub async fn metrics(State(h): State<EngineHandle>) -> Response {
     (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         h.metrics().render(),
     )
         .into_response()

@@ -149,8 +149,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
     }
@@ -165,10 +164,9 @@ impl From<JsonRejection> for ApiError {
             "invalid_request_error"
         };
         let message = match &r {
-            JsonRejection::JsonSyntaxError(_) => format!(
-                "We could not parse the JSON body of your request. ({})",
-                r.body_text()
-            ),
+            JsonRejection::JsonSyntaxError(_) => {
+                format!("We could not parse the JSON body of your request. ({})", r.body_text())
+            }
             _ => r.body_text(),
         };
         Self::new(status, kind, message)

@@ -26,9 +26,7 @@ use tokio::net::TcpListener;
 
 pub use error::ApiError;
 pub use metrics::Metrics;
-pub use worker::{
-    EngineHandle, Event, HoldGuard, ModelInfo, Prompt, Submission, SubmitError, DEFAULT_MAX_QUEUE,
-};
+pub use worker::{EngineHandle, Event, HoldGuard, ModelInfo, Prompt, Submission, SubmitError, DEFAULT_MAX_QUEUE};
 
 /// Largest request body accepted (long prompts given as token-id arrays are verbose).
 pub const MAX_BODY_BYTES: usize = 32 << 20;
@@ -66,10 +64,7 @@ pub fn router(handle: EngineHandle) -> Router {
         .route("/metrics", get(api::metrics))
         .method_not_allowed_fallback(api::method_not_allowed)
         .fallback(api::not_found)
-        .layer(axum::middleware::from_fn_with_state(
-            handle.clone(),
-            api::track,
-        ))
+        .layer(axum::middleware::from_fn_with_state(handle.clone(), api::track))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(handle)
 }

@@ -24,10 +24,7 @@ impl TokenBytes {
             .enumerate()
             .map(|(b, c)| (c, b as u8))
             .collect();
-        Self {
-            tokenizer,
-            byte_level,
-        }
+        Self { tokenizer, byte_level }
     }
 
     /// The bytes of token `id` whose decoded text is `text`. The text is exact unless the token is
@@ -43,10 +40,7 @@ impl TokenBytes {
                     return vec![b];
                 }
             }
-            let mapped: Option<Vec<u8>> = piece
-                .chars()
-                .map(|c| self.byte_level.get(&c).copied())
-                .collect();
+            let mapped: Option<Vec<u8>> = piece.chars().map(|c| self.byte_level.get(&c).copied()).collect();
             if let Some(b) = mapped {
                 return b;
             }

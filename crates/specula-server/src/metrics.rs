@@ -1,9 +1,6 @@
 //! Prometheus metrics, one registry per [`crate::EngineHandle`].
 
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
-};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 
 /// The server's metrics.
 #[derive(Clone)]
@@ -43,33 +40,20 @@ impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new(
-                "specula_requests_total",
-                "HTTP requests by endpoint and status code.",
-            ),
+            Opts::new("specula_requests_total", "HTTP requests by endpoint and status code."),
             &["endpoint", "status"],
         )
         .expect("valid metric");
         let prompt_tokens =
-            IntCounter::new("specula_prompt_tokens_total", "Prompt tokens prefilled.")
-                .expect("valid metric");
-        let completion_tokens = IntCounter::new(
-            "specula_completion_tokens_total",
-            "Completion tokens generated.",
-        )
-        .expect("valid metric");
-        let queue_depth = IntGauge::new("specula_queue_depth", "Requests waiting for the engine.")
-            .expect("valid metric");
-        let running = IntGauge::new(
-            "specula_requests_running",
-            "Requests the engine is working on.",
-        )
-        .expect("valid metric");
+            IntCounter::new("specula_prompt_tokens_total", "Prompt tokens prefilled.").expect("valid metric");
+        let completion_tokens =
+            IntCounter::new("specula_completion_tokens_total", "Completion tokens generated.").expect("valid metric");
+        let queue_depth =
+            IntGauge::new("specula_queue_depth", "Requests waiting for the engine.").expect("valid metric");
+        let running =
+            IntGauge::new("specula_requests_running", "Requests the engine is working on.").expect("valid metric");
         let finished = IntCounterVec::new(
-            Opts::new(
-                "specula_generations_total",
-                "Finished generations by finish reason.",
-            ),
+            Opts::new("specula_generations_total", "Finished generations by finish reason."),
             &["finish_reason"],
         )
         .expect("valid metric");
@@ -81,14 +65,8 @@ impl Metrics {
             "specula_generation_seconds",
             "Seconds per generation (prefill + decode).",
         );
-        let prefill_seconds = hist(
-            "specula_prefill_seconds",
-            "Seconds of prefill per generation.",
-        );
-        let queue_seconds = hist(
-            "specula_queue_seconds",
-            "Seconds a request waited for the engine.",
-        );
+        let prefill_seconds = hist("specula_prefill_seconds", "Seconds of prefill per generation.");
+        let queue_seconds = hist("specula_queue_seconds", "Seconds a request waited for the engine.");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(prompt_tokens.clone()),

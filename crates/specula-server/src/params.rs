@@ -42,11 +42,8 @@ fn bad_value(param: &str, message: String) -> ApiError {
 }
 
 fn missing(param: &str) -> ApiError {
-    ApiError::invalid(
-        format!("Missing required parameter: '{param}'."),
-        Some(param),
-    )
-    .with_code("missing_required_parameter")
+    ApiError::invalid(format!("Missing required parameter: '{param}'."), Some(param))
+        .with_code("missing_required_parameter")
 }
 
 /// A JSON number that is a whole number (`3` or `3.0`).
@@ -66,10 +63,7 @@ impl<'a> Body<'a> {
         match v {
             Value::Object(m) => Ok(Self(m)),
             other => Err(ApiError::invalid(
-                format!(
-                    "The request body must be a JSON object, but got {}.",
-                    type_name(other)
-                ),
+                format!("The request body must be a JSON object, but got {}.", type_name(other)),
                 None,
             )),
         }
@@ -93,9 +87,7 @@ impl<'a> Body<'a> {
     pub fn int(&self, key: &str) -> Result<Option<i128>, ApiError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => as_integer(v)
-                .map(Some)
-                .ok_or_else(|| bad_type(key, "an integer", v)),
+            Some(v) => as_integer(v).map(Some).ok_or_else(|| bad_type(key, "an integer", v)),
         }
     }
 
@@ -104,11 +96,15 @@ impl<'a> Body<'a> {
         match self.int(key)? {
             Some(i) if i < min => Err(bad_value(
                 key,
-                format!("Invalid '{key}': integer below minimum value. Expected a value >= {min}, but got {i} instead."),
+                format!(
+                    "Invalid '{key}': integer below minimum value. Expected a value >= {min}, but got {i} instead."
+                ),
             )),
             Some(i) if i > max => Err(bad_value(
                 key,
-                format!("Invalid '{key}': integer above maximum value. Expected a value <= {max}, but got {i} instead."),
+                format!(
+                    "Invalid '{key}': integer above maximum value. Expected a value <= {max}, but got {i} instead."
+                ),
             )),
             x => Ok(x),
         }
@@ -117,20 +113,14 @@ impl<'a> Body<'a> {
     pub fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_bool()
-                .map(Some)
-                .ok_or_else(|| bad_type(key, "a boolean", v)),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| bad_type(key, "a boolean", v)),
         }
     }
 
     pub fn str(&self, key: &str) -> Result<Option<&'a str>, ApiError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| bad_type(key, "a string", v)),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| bad_type(key, "a string", v)),
         }
     }
 }
@@ -230,9 +220,7 @@ pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Comm
 /// Chat `messages`: role + content (a string, or text parts joined with newlines).
 pub fn messages(b: &Body) -> Result<Vec<ChatMessage>, ApiError> {
     let v = b.get("messages").ok_or_else(|| missing("messages"))?;
-    let items = v
-        .as_array()
-        .ok_or_else(|| bad_type("messages", "an array", v))?;
+    let items = v.as_array().ok_or_else(|| bad_type("messages", "an array", v))?;
     if items.is_empty() {
         return Err(ApiError::invalid(
             "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
@@ -266,7 +254,11 @@ pub fn messages(b: &Body) -> Result<Vec<ChatMessage>, ApiError> {
                         match (kind, p.get("text")) {
                             (Some("text"), Some(Value::String(t))) => texts.push(t.as_str()),
                             (Some("text"), other) => {
-                                return Err(bad_type(&format!("{part_param}.text"), "a string", other.unwrap_or(&Value::Null)))
+                                return Err(bad_type(
+                                    &format!("{part_param}.text"),
+                                    "a string",
+                                    other.unwrap_or(&Value::Null),
+                                ))
                             }
                             (Some(k), _) => {
                                 return Err(ApiError::invalid(
@@ -300,10 +292,7 @@ pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
             .iter()
             .map(|t| match as_integer(t) {
                 Some(i) if (0..=u32::MAX as i128).contains(&i) => Ok(i as u32),
-                Some(i) => Err(bad_value(
-                    "prompt",
-                    format!("Invalid token id {i} in 'prompt'."),
-                )),
+                Some(i) => Err(bad_value("prompt", format!("Invalid token id {i} in 'prompt'."))),
                 None => Err(bad_type("prompt", expected, t)),
             })
             .collect()
@@ -313,8 +302,7 @@ pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
         Value::Array(items) => {
             let Some(first) = items.first() else {
                 return Err(
-                    ApiError::invalid("Invalid 'prompt': empty array.", Some("prompt"))
-                        .with_code("empty_array"),
+                    ApiError::invalid("Invalid 'prompt': empty array.", Some("prompt")).with_code("empty_array")
                 );
             };
             let single = || {
@@ -323,10 +311,7 @@ pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
                 } else {
                     Err(bad_value(
                         "prompt",
-                        format!(
-                            "Only one prompt per request is supported, got {}.",
-                            items.len()
-                        ),
+                        format!("Only one prompt per request is supported, got {}.", items.len()),
                     ))
                 }
             };

@@ -11,9 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use specula_engine::{
-    ChatMessage, Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta,
-};
+use specula_engine::{ChatMessage, Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::logprobs::TokenBytes;
@@ -111,9 +109,7 @@ impl Queue {
     fn admit(self: &Arc<Self>) -> Result<Slot, SubmitError> {
         let limit = self.max_queue.saturating_add(1);
         self.pending
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| {
-                (p < limit).then_some(p + 1)
-            })
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| (p < limit).then_some(p + 1))
             .map_err(|_| SubmitError::QueueFull)?;
         let w = self.waiting.fetch_add(1, Ordering::SeqCst) + 1;
         self.metrics.queue_depth.set(w as i64);
@@ -296,17 +292,13 @@ fn worker_loop(mut engine: Engine, rx: mpsc::Receiver<Work>, metrics: Metrics) {
                     mut slot,
                 } = *job;
                 slot.take();
-                metrics
-                    .queue_seconds
-                    .observe(enqueued.elapsed().as_secs_f64());
+                metrics.queue_seconds.observe(enqueued.elapsed().as_secs_f64());
                 if events.is_closed() {
                     tracing::info!(endpoint = sub.endpoint, "client went away while queued");
                     continue;
                 }
                 metrics.running.inc();
-                let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    run_job(&mut engine, &sub, &events)
-                }));
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| run_job(&mut engine, &sub, &events)));
                 metrics.running.dec();
                 let event = match result {
                     Ok(Ok(out)) => {
@@ -352,9 +344,7 @@ fn run_job(
     req.prompt_tokens = tokens;
     if req.max_tokens.is_none() {
         if let Some(d) = sub.default_max_tokens {
-            let room = engine
-                .context_length()
-                .saturating_sub(req.prompt_tokens.len());
+            let room = engine.context_length().saturating_sub(req.prompt_tokens.len());
             req.max_tokens = Some(d.min(room));
         }
     }
@@ -385,10 +375,7 @@ fn record_done(metrics: &Metrics, endpoint: &str, out: &GenerateOutput) {
     metrics.completion_tokens.inc_by(s.completion_tokens as u64);
     metrics.generation_seconds.observe(s.prefill_s + s.decode_s);
     metrics.prefill_seconds.observe(s.prefill_s);
-    metrics
-        .finished
-        .with_label_values(&[out.finish_reason.as_str()])
-        .inc();
+    metrics.finished.with_label_values(&[out.finish_reason.as_str()]).inc();
     let rate = |n: usize, secs: f64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
     tracing::info!(
         endpoint,

@@ -54,10 +54,7 @@ async fn chat_non_stream_shape_and_usage() {
     let u = &v["usage"];
     assert_eq!(u["prompt_tokens"], prompt.len());
     assert_eq!(u["completion_tokens"], want.stats.completion_tokens);
-    assert_eq!(
-        u["total_tokens"],
-        prompt.len() + want.stats.completion_tokens
-    );
+    assert_eq!(u["total_tokens"], prompt.len() + want.stats.completion_tokens);
 }
 
 #[tokio::test]
@@ -75,19 +72,9 @@ async fn chat_greedy_equals_engine_generate() {
         let v = r.json();
         let want = direct_chat(&mut eng, SamplingParams::greedy(), max_tokens, None);
         let got = v["choices"][0]["message"]["content"].as_str().unwrap();
-        assert_eq!(
-            got.as_bytes(),
-            want.text.as_bytes(),
-            "max_tokens {max_tokens}"
-        );
-        assert_eq!(
-            v["choices"][0]["finish_reason"],
-            want.finish_reason.as_str()
-        );
-        assert_eq!(
-            v["usage"]["completion_tokens"],
-            want.stats.completion_tokens
-        );
+        assert_eq!(got.as_bytes(), want.text.as_bytes(), "max_tokens {max_tokens}");
+        assert_eq!(v["choices"][0]["finish_reason"], want.finish_reason.as_str());
+        assert_eq!(v["usage"]["completion_tokens"], want.stats.completion_tokens);
     }
 }
 
@@ -118,9 +105,7 @@ async fn chat_seeded_sampling_equals_engine_generate() {
     };
     let want = direct_chat(&mut eng, sampling, 30, None);
     assert_eq!(
-        r.json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap(),
+        r.json()["choices"][0]["message"]["content"].as_str().unwrap(),
         want.text
     );
 }
@@ -128,11 +113,8 @@ async fn chat_seeded_sampling_equals_engine_generate() {
 #[tokio::test]
 async fn chat_stream_matches_non_stream() {
     let (app, _h) = app();
-    let body =
-        json!({"messages": messages_json(), "temperature": 0, "max_tokens": 40, "stop": ["zz"]});
-    let full = post(&app, "/v1/chat/completions", body.clone())
-        .await
-        .json();
+    let body = json!({"messages": messages_json(), "temperature": 0, "max_tokens": 40, "stop": ["zz"]});
+    let full = post(&app, "/v1/chat/completions", body.clone()).await.json();
     let mut sbody = body.clone();
     sbody["stream"] = json!(true);
     sbody["stream_options"] = json!({"include_usage": true});
@@ -143,12 +125,7 @@ async fn chat_stream_matches_non_stream() {
         .unwrap()
         .starts_with("text/event-stream"));
     let events = r.sse_data();
-    assert_eq!(
-        events.last().map(String::as_str),
-        Some("[DONE]"),
-        "{}",
-        r.text
-    );
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", r.text);
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
@@ -171,16 +148,10 @@ async fn chat_stream_matches_non_stream() {
         .iter()
         .map(|c| {
             assert_eq!(c["choices"][0]["finish_reason"], Value::Null);
-            c["choices"][0]["delta"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string()
+            c["choices"][0]["delta"]["content"].as_str().unwrap().to_string()
         })
         .collect();
-    assert_eq!(
-        text,
-        full["choices"][0]["message"]["content"].as_str().unwrap()
-    );
+    assert_eq!(text, full["choices"][0]["message"]["content"].as_str().unwrap());
     assert_eq!(finish_chunk["choices"][0]["delta"], json!({}));
     assert_eq!(
         finish_chunk["choices"][0]["finish_reason"],
@@ -285,12 +256,7 @@ async fn completions_match_engine_generate() {
     let prompt = "the thin hen";
     let tokens = eng.tokenize(prompt).unwrap();
     let want = direct(&mut eng, tokens.clone(), SamplingParams::greedy(), 10, None);
-    for p in [
-        json!(prompt),
-        json!([prompt]),
-        json!(tokens),
-        json!([tokens]),
-    ] {
+    for p in [json!(prompt), json!([prompt]), json!(tokens), json!([tokens])] {
         let r = post(
             &app,
             "/v1/completions",
@@ -303,25 +269,12 @@ async fn completions_match_engine_generate() {
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["model"], MODEL);
         assert_eq!(v["choices"][0]["index"], 0);
-        assert_eq!(
-            v["choices"][0]["text"].as_str().unwrap(),
-            want.text,
-            "prompt {p}"
-        );
-        assert_eq!(
-            v["choices"][0]["finish_reason"],
-            want.finish_reason.as_str()
-        );
+        assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want.text, "prompt {p}");
+        assert_eq!(v["choices"][0]["finish_reason"], want.finish_reason.as_str());
         assert_eq!(v["choices"][0]["logprobs"], Value::Null);
         assert_eq!(v["usage"]["prompt_tokens"], tokens.len());
-        assert_eq!(
-            v["usage"]["completion_tokens"],
-            want.stats.completion_tokens
-        );
-        assert_eq!(
-            v["usage"]["total_tokens"],
-            tokens.len() + want.stats.completion_tokens
-        );
+        assert_eq!(v["usage"]["completion_tokens"], want.stats.completion_tokens);
+        assert_eq!(v["usage"]["total_tokens"], tokens.len() + want.stats.completion_tokens);
     }
 }
 
@@ -340,12 +293,7 @@ async fn completions_default_max_tokens_is_16() {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     // Near the end of the context the default shrinks to the room left.
     let tokens: Vec<u32> = (0..250).map(|i| 97 + (i % 20)).collect();
-    let r = post(
-        &app,
-        "/v1/completions",
-        json!({"prompt": tokens, "ignore_eos": true}),
-    )
-    .await;
+    let r = post(&app, "/v1/completions", json!({"prompt": tokens, "ignore_eos": true})).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(r.json()["usage"]["completion_tokens"], 6);
 }
@@ -361,9 +309,7 @@ async fn completions_stream_and_logprobs() {
     assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), n);
     let tops = lp["top_logprobs"].as_array().unwrap();
     assert_eq!(tops.len(), n);
-    assert!(tops
-        .iter()
-        .all(|t| (1..=2).contains(&t.as_object().unwrap().len())));
+    assert!(tops.iter().all(|t| (1..=2).contains(&t.as_object().unwrap().len())));
     let offsets: Vec<u64> = lp["text_offset"]
         .as_array()
         .unwrap()
@@ -404,11 +350,7 @@ async fn completions_stream_and_logprobs() {
     assert_eq!(&stream_tokens, lp["tokens"].as_array().unwrap());
     let stream_offsets: Vec<Value> = rest
         .iter()
-        .filter_map(|c| {
-            c["choices"][0]["logprobs"]["text_offset"]
-                .as_array()
-                .cloned()
-        })
+        .filter_map(|c| c["choices"][0]["logprobs"]["text_offset"].as_array().cloned())
         .flatten()
         .collect();
     assert_eq!(&stream_offsets, lp["text_offset"].as_array().unwrap());
@@ -669,10 +611,7 @@ async fn bad_requests_get_openai_errors() {
     let r = post(&app, chat, json!({"messages": msgs, "max_tokens": 1000})).await;
     let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("max_tokens"));
     assert!(
-        e["message"]
-            .as_str()
-            .unwrap()
-            .contains("context window of 256 tokens"),
+        e["message"].as_str().unwrap().contains("context window of 256 tokens"),
         "{}",
         r.text
     );
@@ -680,15 +619,9 @@ async fn bad_requests_get_openai_errors() {
     // Malformed JSON, and a body without a JSON content type.
     let r = post_raw(&app, chat, "{\"messages\": [").await;
     let e = assert_error(&r, StatusCode::BAD_REQUEST, None);
-    assert!(
-        e["message"].as_str().unwrap().contains("JSON"),
-        "{}",
-        r.text
-    );
+    assert!(e["message"].as_str().unwrap().contains("JSON"), "{}", r.text);
     let req = axum::http::Request::post(chat)
-        .body(axum::body::Body::from(
-            json!({"messages": msgs}).to_string(),
-        ))
+        .body(axum::body::Body::from(json!({"messages": msgs}).to_string()))
         .unwrap();
     let r = send(&app, req).await;
     assert_error(&r, StatusCode::UNSUPPORTED_MEDIA_TYPE, None);
@@ -746,12 +679,7 @@ async fn queue_full_answers_429() {
     let m = get(&app, "/metrics").await.text;
     assert!(m.contains("specula_queue_depth 1"), "{m}");
     assert!(m.contains("specula_requests_running 1"), "{m}");
-    let r = post(
-        &app,
-        "/v1/completions",
-        json!({"prompt": "the hen", "max_tokens": 3}),
-    )
-    .await;
+    let r = post(&app, "/v1/completions", json!({"prompt": "the hen", "max_tokens": 3})).await;
     assert_error(&r, StatusCode::TOO_MANY_REQUESTS, None);
     drop(hold);
     let r = waiting.await.unwrap();
@@ -774,14 +702,10 @@ async fn client_gone_while_queued_is_skipped() {
     let (app, h) = app_with_queue(4);
     let hold = h.hold().unwrap();
     let app2 = app.clone();
-    let task = tokio::spawn(async move {
-        post(
-            &app2,
-            "/v1/completions",
-            json!({"prompt": "the hen", "max_tokens": 5}),
-        )
-        .await
-    });
+    let task =
+        tokio::spawn(
+            async move { post(&app2, "/v1/completions", json!({"prompt": "the hen", "max_tokens": 5})).await },
+        );
     wait_for(|| h.pending() == 2).await;
     task.abort();
     let _ = task.await;
@@ -833,10 +757,7 @@ async fn models_health_metrics() {
 
     let r = get(&app, "/metrics").await;
     assert_eq!(r.status, StatusCode::OK);
-    assert!(r.headers["content-type"]
-        .to_str()
-        .unwrap()
-        .starts_with("text/plain"));
+    assert!(r.headers["content-type"].to_str().unwrap().starts_with("text/plain"));
     let m = r.text;
     for line in [
         r#"specula_requests_total{endpoint="/v1/chat/completions",status="200"} 1"#.to_string(),
@@ -844,10 +765,7 @@ async fn models_health_metrics() {
         r#"specula_requests_total{endpoint="/v1/models",status="200"} 1"#.to_string(),
         r#"specula_requests_total{endpoint="/health",status="200"} 1"#.to_string(),
         format!("specula_prompt_tokens_total {}", prompt.len()),
-        format!(
-            "specula_completion_tokens_total {}",
-            want.stats.completion_tokens
-        ),
+        format!("specula_completion_tokens_total {}", want.stats.completion_tokens),
         "specula_queue_depth 0".to_string(),
         "specula_generation_seconds_count 1".to_string(),
         format!(

@@ -43,10 +43,7 @@ async fn serves_over_tcp_and_shuts_down() {
     let resp = http(addr, raw).await;
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
     assert!(resp.contains("content-type: text/event-stream"), "{resp}");
-    assert!(
-        resp.contains("data: {\"choices\":[],"),
-        "usage chunk missing: {resp}"
-    );
+    assert!(resp.contains("data: {\"choices\":[],"), "usage chunk missing: {resp}");
     assert!(resp.contains("\"completion_tokens\":"), "{resp}");
     assert!(resp.contains("data: [DONE]"), "{resp}");
 

@@ -146,7 +146,8 @@ fn main() {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -168,8 +169,12 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(a) => serve(a),
         Command::Generate(a) => generate(a),
         Command::Pull { name } => {
-            let entry = catalog::lookup(&name)
-                .with_context(|| format!("'{name}' is not a catalog model (known: {})", catalog::names().join(", ")))?;
+            let entry = catalog::lookup(&name).with_context(|| {
+                format!(
+                    "'{name}' is not a catalog model (known: {})",
+                    catalog::names().join(", ")
+                )
+            })?;
             let path = pull::pull(&entry, true)?;
             println!("{}", path.display());
             Ok(())
@@ -181,7 +186,14 @@ fn run(cli: Cli) -> Result<()> {
                     None => "not pulled".to_string(),
                 };
                 let default = if entry.is_default() { " (default)" } else { "" };
-                println!("{}{default}\n  {}\n  {} MB, {}; {}", entry.name, entry.description, entry.size_bytes / 1_000_000, entry.arch, state);
+                println!(
+                    "{}{default}\n  {}\n  {} MB, {}; {}",
+                    entry.name,
+                    entry.description,
+                    entry.size_bytes / 1_000_000,
+                    entry.arch,
+                    state
+                );
             }
             println!("cache: {}", pull::cache_dir().display());
             Ok(())
@@ -197,11 +209,14 @@ fn load(spec: &str, id: Option<String>) -> Result<Engine> {
         if catalog::lookup(spec).is_some() {
             spec.to_string()
         } else {
-            path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| spec.to_string())
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| spec.to_string())
         }
     });
     let t = std::time::Instant::now();
-    let engine = Engine::load(&path, &id, LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
+    let engine =
+        Engine::load(&path, &id, LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
     tracing::info!(
         model = %id,
         path = %path.display(),
@@ -215,7 +230,10 @@ fn load(spec: &str, id: Option<String>) -> Result<Engine> {
 
 fn serve(a: ServeArgs) -> Result<()> {
     let engine = load(&a.model, a.served_model_name.clone())?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(specula_server::serve(
         engine,
         specula_server::ServeOptions {
@@ -305,13 +323,17 @@ fn bench(a: BenchArgs) -> Result<()> {
         let s = out.stats;
         let pp = s.prompt_tokens as f64 / s.prefill_s;
         let tg = s.decode_steps as f64 / s.decode_s;
-        eprintln!("run {run}: prefill {pp:.1} tok/s ({} tokens), decode {tg:.1} tok/s ({} steps)", s.prompt_tokens, s.decode_steps);
+        eprintln!(
+            "run {run}: prefill {pp:.1} tok/s ({} tokens), decode {tg:.1} tok/s ({} steps)",
+            s.prompt_tokens, s.decode_steps
+        );
         prefill.push(pp);
         decode.push(tg);
     }
-    let threads = std::env::var("RAYON_NUM_THREADS").ok().and_then(|s| s.parse::<usize>().ok()).unwrap_or_else(|| {
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-    });
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let (pp, tg) = (median(prefill), median(decode));
     if a.json {
         println!(

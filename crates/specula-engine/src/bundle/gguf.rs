@@ -26,7 +26,8 @@ impl GgufHeader {
     /// Read the header (metadata and tensor infos, no tensor data).
     pub fn read(path: &Path) -> Result<Self> {
         let mut f = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
-        let content = gguf_file::Content::read(&mut f).map_err(|e| anyhow!("{}: not a readable GGUF file: {e}", path.display()))?;
+        let content = gguf_file::Content::read(&mut f)
+            .map_err(|e| anyhow!("{}: not a readable GGUF file: {e}", path.display()))?;
         Ok(Self { content })
     }
 
@@ -35,7 +36,10 @@ impl GgufHeader {
     }
 
     pub fn get_str(&self, key: &str) -> Option<&str> {
-        self.metadata().get(key).and_then(|v| v.to_string().ok()).map(|s| s.as_str())
+        self.metadata()
+            .get(key)
+            .and_then(|v| v.to_string().ok())
+            .map(|s| s.as_str())
     }
 
     /// An unsigned integer metadata value (any integer width).
@@ -63,14 +67,18 @@ impl GgufHeader {
     /// Model hyper-parameters from `{arch}.*` keys.
     pub fn config(&self) -> Result<ModelConfig> {
         let arch = self.architecture()?;
-        let family = Family::parse(arch).ok_or_else(|| anyhow!("general.architecture = '{arch}' is not supported (llama, qwen2, qwen3)"))?;
+        let family = Family::parse(arch)
+            .ok_or_else(|| anyhow!("general.architecture = '{arch}' is not supported (llama, qwen2, qwen3)"))?;
         let req = |k: &str| -> Result<usize> {
             let key = format!("{arch}.{k}");
-            self.get_usize(&key).ok_or_else(|| anyhow!("missing metadata key '{key}'"))
+            self.get_usize(&key)
+                .ok_or_else(|| anyhow!("missing metadata key '{key}'"))
         };
         let hidden = req("embedding_length")?;
         let heads = req("attention.head_count")?;
-        let kv_heads = self.get_usize(&format!("{arch}.attention.head_count_kv")).unwrap_or(heads);
+        let kv_heads = self
+            .get_usize(&format!("{arch}.attention.head_count_kv"))
+            .unwrap_or(heads);
         let head_dim = self
             .get_usize(&format!("{arch}.attention.key_length"))
             .unwrap_or(hidden / heads.max(1));
@@ -87,7 +95,9 @@ impl GgufHeader {
             num_heads: heads,
             num_kv_heads: kv_heads,
             head_dim,
-            rms_norm_eps: self.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
+            rms_norm_eps: self
+                .get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6),
             rope_theta: self.get_f64(&format!("{arch}.rope.freq_base")).unwrap_or(10_000.0),
             context_length: req("context_length")?,
             rope_style: match family {
@@ -146,7 +156,8 @@ impl TensorReader<'_> {
 pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
     let header = GgufHeader::read(path)?;
     let config = header.config().with_context(|| format!("{}", path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(header.metadata()).with_context(|| format!("{}: tokenizer", path.display()))?;
+    let tokenizer =
+        Tokenizer::from_gguf(header.metadata()).with_context(|| format!("{}: tokenizer", path.display()))?;
     let template = match header.get_str("tokenizer.chat_template") {
         Some(src) => Some(
             ChatTemplate::new(
@@ -158,15 +169,22 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
         ),
         None => None,
     };
-    let mut eos: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
-        .iter()
-        .filter_map(|k| header.get_usize(k).map(|x| x as u32))
-        .collect();
+    let mut eos: Vec<u32> = [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ]
+    .iter()
+    .filter_map(|k| header.get_usize(k).map(|x| x as u32))
+    .collect();
     eos.extend(end_of_generation_ids(&tokenizer));
     eos.sort_unstable();
     eos.dedup();
 
-    let file = BufReader::with_capacity(1 << 20, File::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let file = BufReader::with_capacity(
+        1 << 20,
+        File::open(path).with_context(|| format!("opening {}", path.display()))?,
+    );
     let mut r = TensorReader {
         header: &header,
         file,
@@ -202,11 +220,20 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
         None => None,
     };
     let embedding = Embedding::Quantized(embd);
-    let model = Model::new(config, embedding, blocks, output_norm, lm_head, rope_factors, device.clone())?;
-    let name = header
-        .get_str("general.name")
-        .map(str::to_string)
-        .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default());
+    let model = Model::new(
+        config,
+        embedding,
+        blocks,
+        output_norm,
+        lm_head,
+        rope_factors,
+        device.clone(),
+    )?;
+    let name = header.get_str("general.name").map(str::to_string).unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    });
     Ok(LoadedBundle {
         model,
         tokenizer,
@@ -225,5 +252,8 @@ fn quantization_summary(header: &GgufHeader) -> String {
     }
     let mut v: Vec<_> = counts.into_iter().collect();
     v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    v.iter().map(|(k, n)| format!("{k} x{n}")).collect::<Vec<_>>().join(", ")
+    v.iter()
+        .map(|(k, n)| format!("{k} x{n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -35,7 +35,12 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         .get("model_type")
         .and_then(Json::as_str)
         .ok_or_else(|| anyhow!("{}: missing field 'model_type'", path.display()))?;
-    let family = Family::parse(mt).ok_or_else(|| anyhow!("{}: model_type '{mt}' is not supported (llama, qwen2, qwen3)", path.display()))?;
+    let family = Family::parse(mt).ok_or_else(|| {
+        anyhow!(
+            "{}: model_type '{mt}' is not supported (llama, qwen2, qwen3)",
+            path.display()
+        )
+    })?;
     let hidden = field("hidden_size")?;
     let heads = field("num_attention_heads")?;
     Ok(ModelConfig {
@@ -45,8 +50,16 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         intermediate_size: field("intermediate_size")?,
         num_layers: field("num_hidden_layers")?,
         num_heads: heads,
-        num_kv_heads: c.get("num_key_value_heads").and_then(Json::as_u64).map(|x| x as usize).unwrap_or(heads),
-        head_dim: c.get("head_dim").and_then(Json::as_u64).map(|x| x as usize).unwrap_or(hidden / heads.max(1)),
+        num_kv_heads: c
+            .get("num_key_value_heads")
+            .and_then(Json::as_u64)
+            .map(|x| x as usize)
+            .unwrap_or(heads),
+        head_dim: c
+            .get("head_dim")
+            .and_then(Json::as_u64)
+            .map(|x| x as usize)
+            .unwrap_or(hidden / heads.max(1)),
         rms_norm_eps: c.get("rms_norm_eps").and_then(Json::as_f64).unwrap_or(1e-6),
         rope_theta: c.get("rope_theta").and_then(Json::as_f64).unwrap_or(10_000.0),
         context_length: field("max_position_embeddings")?,
@@ -72,7 +85,10 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     if single.exists() {
         return Ok(vec![single]);
     }
-    bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display())
+    bail!(
+        "{}: no model.safetensors or model.safetensors.index.json",
+        dir.display()
+    )
 }
 
 struct Weights {
@@ -88,7 +104,10 @@ impl Weights {
             .ok_or_else(|| anyhow!("{}: missing tensor '{name}'", self.dir))?;
         match t.dtype() {
             DType::F32 | DType::F16 | DType::BF16 => Ok(t.to_dtype(DType::F32)?),
-            other => bail!("{}: tensor '{name}' has dtype {other:?} (f32, f16 or bf16 expected)", self.dir),
+            other => bail!(
+                "{}: tensor '{name}' has dtype {other:?} (f32, f16 or bf16 expected)",
+                self.dir
+            ),
         }
     }
 
@@ -119,7 +138,11 @@ fn token_string(v: Option<&Json>) -> Option<String> {
 pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
     let config = read_config(dir)?;
     let tok_cfg_path = dir.join("tokenizer_config.json");
-    let tok_cfg = if tok_cfg_path.exists() { read_json(&tok_cfg_path)? } else { Json::Null };
+    let tok_cfg = if tok_cfg_path.exists() {
+        read_json(&tok_cfg_path)?
+    } else {
+        Json::Null
+    };
     let tokenizer_path = dir.join("tokenizer.json");
     if !tokenizer_path.exists() {
         bail!("{}: missing tokenizer.json", dir.display());
@@ -131,7 +154,10 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
         tok_cfg.get("add_bos_token").and_then(Json::as_bool).unwrap_or(false),
     )?;
     let template_src = if dir.join("chat_template.jinja").exists() {
-        Some(std::fs::read_to_string(dir.join("chat_template.jinja")).with_context(|| format!("reading {}/chat_template.jinja", dir.display()))?)
+        Some(
+            std::fs::read_to_string(dir.join("chat_template.jinja"))
+                .with_context(|| format!("reading {}/chat_template.jinja", dir.display()))?,
+        )
     } else {
         match tok_cfg.get("chat_template") {
             Some(Json::String(s)) => Some(s.clone()),
@@ -200,8 +226,19 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
         Some(t) => Linear::from_dense(t, None)?,
         None => Linear::from_dense(embed.clone(), None)?,
     };
-    let model = Model::new(config, Embedding::Dense(embed), blocks, output_norm, lm_head, None, device.clone())?;
-    let name = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let model = Model::new(
+        config,
+        Embedding::Dense(embed),
+        blocks,
+        output_norm,
+        lm_head,
+        None,
+        device.clone(),
+    )?;
+    let name = dir
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
     Ok(LoadedBundle {
         model,
         tokenizer,

@@ -50,7 +50,10 @@ pub fn kind_of(path: &Path) -> Result<BundleKind> {
         if ggufs.len() == 1 {
             return Ok(BundleKind::Gguf);
         }
-        bail!("{}: a directory without config.json (and not exactly one .gguf file)", path.display());
+        bail!(
+            "{}: a directory without config.json (and not exactly one .gguf file)",
+            path.display()
+        );
     }
     let mut magic = [0u8; 4];
     use std::io::Read;
@@ -58,7 +61,10 @@ pub fn kind_of(path: &Path) -> Result<BundleKind> {
     if f.read_exact(&mut magic).is_ok() && &magic == b"GGUF" {
         return Ok(BundleKind::Gguf);
     }
-    bail!("{}: not a GGUF file (bad magic) and not a bundle directory", path.display())
+    bail!(
+        "{}: not a GGUF file (bad magic) and not a bundle directory",
+        path.display()
+    )
 }
 
 /// Load a bundle from a GGUF file, a directory holding one GGUF file, or an HF directory.
@@ -82,8 +88,17 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
 /// Tokens that end a turn by name, as llama.cpp detects end-of-generation tokens
 /// (`llama_vocab::impl::load`, the EOG list).
 pub(crate) fn end_of_generation_ids(tok: &Tokenizer) -> Vec<u32> {
-    ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|return|>", "</s>"]
-        .iter()
-        .filter_map(|t| tok.token_to_id(t))
-        .collect()
+    [
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<end_of_turn>",
+        "<|end|>",
+        "<|return|>",
+        "</s>",
+    ]
+    .iter()
+    .filter_map(|t| tok.token_to_id(t))
+    .collect()
 }

@@ -139,7 +139,7 @@ impl QWeight {
             return Ok(None);
         };
         let (n, k) = t.shape().dims2()?;
-        if k % QK != 0 {
+        if !k.is_multiple_of(QK) {
             return Ok(None);
         }
         let data = t.data()?;
@@ -190,15 +190,29 @@ impl QWeight {
         RowRef {
             kind: self.kind,
             d: &self.d[j * nb..(j + 1) * nb],
-            m: if self.m.is_empty() { &[] } else { &self.m[j * nb..(j + 1) * nb] },
+            m: if self.m.is_empty() {
+                &[]
+            } else {
+                &self.m[j * nb..(j + 1) * nb]
+            },
             qs: &self.qs[j * nb * ql..(j + 1) * nb * ql],
-            qh: if self.qh.is_empty() { &[] } else { &self.qh[j * nb..(j + 1) * nb] },
+            qh: if self.qh.is_empty() {
+                &[]
+            } else {
+                &self.qh[j * nb..(j + 1) * nb]
+            },
         }
     }
 
     /// `x`: `[m, k]` row-major f32 → `[m, n]` row-major f32.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        assert_eq!(x.len(), m * self.k, "matmul: x has {} floats, expected {m} x {}", x.len(), self.k);
+        assert_eq!(
+            x.len(),
+            m * self.k,
+            "matmul: x has {} floats, expected {m} x {}",
+            x.len(),
+            self.k
+        );
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
         let n = self.n;
         let mut out_t = vec![0f32; n * m];
@@ -346,7 +360,12 @@ mod avx2_impl {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn bits(qh: u32) -> __m256i {
-        let shuf = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+        let shuf = _mm256_setr_epi64x(
+            0x0000000000000000,
+            0x0101010101010101,
+            0x0202020202020202,
+            0x0303030303030303,
+        );
         let r = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), shuf);
         let mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe_u64 as i64);
         let r = _mm256_or_si256(r, mask);
@@ -433,11 +452,23 @@ mod tests {
     fn weight(dt: GgmlDType, n: usize, k: usize) -> (QTensor, Vec<f32>) {
         let w = Tensor::from_vec(pseudo(n * k, 3), (n, k), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&w, dt).unwrap();
-        let deq = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let deq = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         (q, deq)
     }
 
-    const KINDS: [GgmlDType; 5] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0];
+    const KINDS: [GgmlDType; 5] = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_0,
+        GgmlDType::Q5_1,
+        GgmlDType::Q8_0,
+    ];
 
     #[test]
     fn close_to_dequantized_product() {
@@ -452,7 +483,10 @@ mod tests {
                     let want: f32 = (0..k).map(|t| x[i * k + t] * deq[j * k + t]).sum();
                     let got = y[i * n + j];
                     // Q8 activation rounding: relative error ~1% of the row norm.
-                    assert!((want - got).abs() < 0.05 * (k as f32).sqrt(), "{dt:?} [{i},{j}] {want} vs {got}");
+                    assert!(
+                        (want - got).abs() < 0.05 * (k as f32).sqrt(),
+                        "{dt:?} [{i},{j}] {want} vs {got}"
+                    );
                 }
             }
         }
@@ -478,7 +512,11 @@ mod tests {
             for j in 0..n {
                 let p = vec_dot_portable(w.row(j), &qr);
                 let f = vec_dot(w.row(j), &qr, has_avx2());
-                assert_eq!(p.to_bits(), f.to_bits(), "{dt:?} row {j}: portable and SIMD paths differ");
+                assert_eq!(
+                    p.to_bits(),
+                    f.to_bits(),
+                    "{dt:?} row {j}: portable and SIMD paths differ"
+                );
             }
         }
     }

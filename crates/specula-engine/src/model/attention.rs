@@ -105,16 +105,36 @@ mod tests {
         let rows = 9;
         let start = pos - rows;
         let q = pseudo(rows * h * d, 3);
-        let many = attend(&q, &keys, &values, &AttnShape { rows, start, num_heads: h, num_kv_heads: kvh, head_dim: d });
+        let many = attend(
+            &q,
+            &keys,
+            &values,
+            &AttnShape {
+                rows,
+                start,
+                num_heads: h,
+                num_kv_heads: kvh,
+                head_dim: d,
+            },
+        );
         for r in 0..rows {
             let one = attend(
                 &q[r * h * d..(r + 1) * h * d],
                 &keys,
                 &values,
-                &AttnShape { rows: 1, start: start + r, num_heads: h, num_kv_heads: kvh, head_dim: d },
+                &AttnShape {
+                    rows: 1,
+                    start: start + r,
+                    num_heads: h,
+                    num_kv_heads: kvh,
+                    head_dim: d,
+                },
             );
             assert_eq!(
-                many[r * h * d..(r + 1) * h * d].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                many[r * h * d..(r + 1) * h * d]
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
                 one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "row {r}"
             );
@@ -127,12 +147,29 @@ mod tests {
         let keys = pseudo(rows * kvh * d, 4);
         let values = pseudo(rows * kvh * d, 5);
         let q = pseudo(rows * h * d, 6);
-        let out = attend(&q, &keys, &values, &AttnShape { rows, start: 0, num_heads: h, num_kv_heads: kvh, head_dim: d });
+        let out = attend(
+            &q,
+            &keys,
+            &values,
+            &AttnShape {
+                rows,
+                start: 0,
+                num_heads: h,
+                num_kv_heads: kvh,
+                head_dim: d,
+            },
+        );
         for r in 0..rows {
             for hh in 0..h {
                 let qv = &q[(r * h + hh) * d..][..d];
                 let sc: Vec<f64> = (0..=r)
-                    .map(|j| qv.iter().zip(&keys[j * d..(j + 1) * d]).map(|(a, b)| (*a * *b) as f64).sum::<f64>() / (d as f64).sqrt())
+                    .map(|j| {
+                        qv.iter()
+                            .zip(&keys[j * d..(j + 1) * d])
+                            .map(|(a, b)| (*a * *b) as f64)
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
                     .collect();
                 let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();

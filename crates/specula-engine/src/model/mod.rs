@@ -31,7 +31,12 @@ fn pool() -> &'static rayon::ThreadPool {
         rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("specula-worker-{i}"))
             .build()
-            .unwrap_or_else(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("a 1-thread pool"))
+            .unwrap_or_else(|_| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .expect("a 1-thread pool")
+            })
     })
 }
 
@@ -230,14 +235,14 @@ impl Model {
         if blocks.len() != config.num_layers {
             bail!("expected {} blocks, got {}", config.num_layers, blocks.len());
         }
-        if config.num_heads == 0 || config.num_kv_heads == 0 || config.num_heads % config.num_kv_heads != 0 {
+        if config.num_heads == 0 || config.num_kv_heads == 0 || !config.num_heads.is_multiple_of(config.num_kv_heads) {
             bail!(
                 "num_heads ({}) must be a positive multiple of num_kv_heads ({})",
                 config.num_heads,
                 config.num_kv_heads
             );
         }
-        if config.head_dim % 2 != 0 {
+        if !config.head_dim.is_multiple_of(2) {
             bail!("head_dim must be even, got {}", config.head_dim);
         }
         let half = config.head_dim / 2;
@@ -303,7 +308,13 @@ impl Model {
         out
     }
 
-    fn forward_inner(&self, tokens: &[u32], kv: &mut KvCache, rows: LogitsRows, taps: &[usize]) -> Result<ForwardOutput> {
+    fn forward_inner(
+        &self,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        rows: LogitsRows,
+        taps: &[usize],
+    ) -> Result<ForwardOutput> {
         let n = tokens.len();
         let start = kv.len();
         let cfg = &self.config;
@@ -320,6 +331,9 @@ impl Model {
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
             bail!("token id {bad} is outside the vocabulary ({} tokens)", cfg.vocab_size);
+        }
+        if let Some(&bad) = taps.iter().find(|&&t| t > cfg.num_layers) {
+            bail!("hidden-state tap {bad} is out of range (0..={})", cfg.num_layers);
         }
         let eps = cfg.rms_norm_eps as f32;
         let mut x = self.embedding.forward(tokens, &self.device)?;
@@ -346,11 +360,7 @@ impl Model {
                 *slot = Some(normed.clone());
             }
         }
-        let hidden = hidden
-            .into_iter()
-            .zip(taps)
-            .map(|(h, &t)| h.ok_or_else(|| anyhow::anyhow!("hidden-state tap {t} is out of range (0..={})", cfg.num_layers)))
-            .collect::<Result<Vec<_>>>()?;
+        let hidden = hidden.into_iter().flatten().collect();
         let logits = match rows {
             LogitsRows::All => self.lm_head.forward(&normed)?,
             LogitsRows::Last => self.lm_head.forward(&normed.narrow(0, n - 1, 1)?)?,
@@ -378,12 +388,6 @@ impl Model {
         let v = v.flatten_all()?.to_vec1::<f32>()?;
         self.apply_rope(&mut q, cfg.num_heads, start);
         self.apply_rope(&mut k, cfg.num_kv_heads, start);
-        if std::env::var("SPECULA_F16KV").is_ok() {
-            for x in q.iter_mut().chain(k.iter_mut()) {
-                *x = half::f16::from_f32(*x).to_f32();
-            }
-        }
-        let v: Vec<f32> = if std::env::var("SPECULA_F16KV").is_ok() { v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect() } else { v };
         kv.append(li, &k, &v)?;
         let (keys, values) = kv.layer(li, start + n);
         let out = attention::attend(

@@ -29,5 +29,8 @@ pub fn repo_root() -> PathBuf {
 pub fn fixture_lines(rel: &str) -> Vec<Value> {
     let p = repo_root().join("tests/fixtures").join(rel);
     let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-    s.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).expect("fixture line is JSON")).collect()
+    s.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).expect("fixture line is JSON"))
+        .collect()
 }

@@ -29,10 +29,7 @@ pub fn model_path() -> PathBuf {
         std::fs::create_dir_all(&dir).expect("target tmp dir");
         let spec = TinySpec::new(Family::Llama);
         assert_eq!(spec.context, CONTEXT);
-        let tmp = dir.join(format!(
-            "specula-server-tiny.{}.gguf.tmp",
-            std::process::id()
-        ));
+        let tmp = dir.join(format!("specula-server-tiny.{}.gguf.tmp", std::process::id()));
         write_tiny_gguf(&tmp, &spec).expect("write tiny gguf");
         let path = dir.join("specula-server-tiny.gguf");
         std::fs::rename(&tmp, &path).expect("rename tiny gguf");
@@ -63,8 +60,7 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_str(&self.text)
-            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.text))
+        serde_json::from_str(&self.text).unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.text))
     }
 
     /// The `data:` payloads of an SSE body, in order.
@@ -82,11 +78,7 @@ impl Reply {
 }
 
 pub async fn send(app: &Router, req: Request<Body>) -> Reply {
-    let resp = app
-        .clone()
-        .oneshot(req)
-        .await
-        .expect("router is infallible");
+    let resp = app.clone().oneshot(req).await.expect("router is infallible");
     let status = resp.status();
     let headers = resp.headers().clone();
     let bytes = resp.into_body().collect().await.expect("body").to_bytes();
@@ -110,11 +102,7 @@ pub async fn post(app: &Router, path: &str, body: Value) -> Reply {
 }
 
 pub async fn get(app: &Router, path: &str) -> Reply {
-    send(
-        app,
-        Request::get(path).body(Body::empty()).expect("request"),
-    )
-    .await
+    send(app, Request::get(path).body(Body::empty()).expect("request")).await
 }
 
 /// Run the engine directly, as the reference for server output.
@@ -133,9 +121,7 @@ pub fn direct(
         logprobs,
         ignore_eos: false,
     };
-    engine
-        .generate(&req, &mut |_| true)
-        .expect("direct generation")
+    engine.generate(&req, &mut |_| true).expect("direct generation")
 }
 
 /// Assert an OpenAI error body and return its `error` object.
@@ -150,11 +136,7 @@ pub fn assert_error(reply: &Reply, status: StatusCode, param: Option<&str>) -> V
     for key in ["message", "type", "param", "code"] {
         assert!(obj.contains_key(key), "error lacks '{key}': {}", reply.text);
     }
-    assert!(
-        e["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "{}",
-        reply.text
-    );
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{}", reply.text);
     let kind = if status.is_server_error() {
         "server_error"
     } else {

@@ -1,0 +1,406 @@
+//! End-to-end tests of the `specula` binary against the real, cached SmolLM2 model: the library,
+//! the CLI and the HTTP server must produce byte-identical greedy output; the official OpenAI
+//! Python client must work against the server; CLI errors must be helpful; `bench` must run.
+//!
+//! The models are expected in the cache (`specula pull NAME`); a missing model fails the test
+//! with that command rather than skipping it.
+
+mod support;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use specula_engine::catalog;
+use specula_engine::{ChatMessage, Engine, GenerateRequest, SamplingParams};
+use support::{library_engine, require_model, run, specula, FixturePrompt, Server, MODEL};
+
+const CLI_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// One greedy generation, as seen through one interface.
+#[derive(Debug, Clone, PartialEq)]
+struct Gen {
+    text: String,
+    token_ids: Option<Vec<u32>>,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    finish_reason: String,
+}
+
+fn library_generate(engine: &mut Engine, prompt_tokens: Vec<u32>, max_tokens: usize) -> Gen {
+    let req = GenerateRequest {
+        prompt_tokens,
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(max_tokens),
+        stop: vec![],
+        logprobs: None,
+        ignore_eos: false,
+    };
+    let out = engine.generate(&req, &mut |_| true).expect("library generate");
+    Gen {
+        text: out.text,
+        token_ids: Some(out.token_ids),
+        prompt_tokens: out.stats.prompt_tokens as u64,
+        completion_tokens: out.stats.completion_tokens as u64,
+        finish_reason: out.finish_reason.as_str().to_string(),
+    }
+}
+
+fn library_chat(engine: &mut Engine, messages: &[ChatMessage], max_tokens: usize) -> Gen {
+    let tokens = engine.chat_prompt_tokens(messages).expect("chat_prompt_tokens");
+    library_generate(engine, tokens, max_tokens)
+}
+
+fn messages_json(messages: &[ChatMessage]) -> Value {
+    Value::Array(
+        messages
+            .iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect(),
+    )
+}
+
+fn u64_at(v: &Value, ptr: &str) -> u64 {
+    v.pointer(ptr)
+        .and_then(Value::as_u64)
+        .unwrap_or_else(|| panic!("no integer at {ptr} in {v}"))
+}
+
+fn str_at<'a>(v: &'a Value, ptr: &str) -> &'a str {
+    v.pointer(ptr)
+        .and_then(Value::as_str)
+        .unwrap_or_else(|| panic!("no string at {ptr} in {v}"))
+}
+
+/// The first fixture prompt of each of three kinds (prose, qa, code).
+fn three_prompts() -> Vec<FixturePrompt> {
+    let all = support::fixture_prompts();
+    let picked: Vec<FixturePrompt> = ["prose", "qa", "code"]
+        .iter()
+        .map(|kind| {
+            all.iter()
+                .find(|p| p.kind == *kind)
+                .cloned()
+                .unwrap_or_else(|| panic!("no '{kind}' prompt in the fixtures"))
+        })
+        .collect();
+    for p in &picked {
+        assert!(
+            p.messages.len() == 1 && p.messages[0].role == "user",
+            "prompt {} must be one user message (the CLI's --chat sends exactly that)",
+            p.id
+        );
+    }
+    picked
+}
+
+fn assert_same(what: &str, id: &str, got: &Gen, want: &Gen) {
+    assert_eq!(
+        got.text.as_bytes(),
+        want.text.as_bytes(),
+        "prompt {id}: {what} text differs from the library's\n{what}: {:?}\nlibrary: {:?}",
+        got.text,
+        want.text
+    );
+    assert_eq!(
+        got.prompt_tokens, want.prompt_tokens,
+        "prompt {id}: {what} prompt_tokens"
+    );
+    assert_eq!(
+        got.completion_tokens, want.completion_tokens,
+        "prompt {id}: {what} completion_tokens"
+    );
+    assert_eq!(
+        got.finish_reason, want.finish_reason,
+        "prompt {id}: {what} finish_reason"
+    );
+    if let (Some(a), Some(b)) = (&got.token_ids, &want.token_ids) {
+        assert_eq!(a, b, "prompt {id}: {what} token ids");
+    }
+}
+
+#[test]
+fn greedy_same_bytes_everywhere() {
+    const MAX_TOKENS: usize = 48;
+    let t0 = Instant::now();
+    require_model(MODEL);
+    let prompts = three_prompts();
+    // Start the server first so it loads while the library and the CLI run.
+    let mut server = Server::spawn(MODEL);
+
+    // (a) the library
+    let lib: Vec<Gen> = {
+        let mut engine = library_engine();
+        prompts
+            .iter()
+            .map(|p| library_chat(&mut engine, &p.messages, MAX_TOKENS))
+            .collect()
+    };
+    for (p, g) in prompts.iter().zip(&lib) {
+        assert!(
+            !g.text.is_empty() && g.completion_tokens > 0,
+            "prompt {}: empty library output {g:?}",
+            p.id
+        );
+        assert!(g.completion_tokens <= MAX_TOKENS as u64, "prompt {}: {g:?}", p.id);
+    }
+    let t_lib = t0.elapsed();
+
+    // (b) the CLI
+    for (p, want) in prompts.iter().zip(&lib) {
+        let out = run(
+            specula().args([
+                "generate",
+                "--model",
+                MODEL,
+                "--chat",
+                "--prompt",
+                &p.messages[0].content,
+                "--max-tokens",
+                &MAX_TOKENS.to_string(),
+                "--temperature",
+                "0",
+                "--json",
+            ]),
+            CLI_TIMEOUT,
+        );
+        assert!(
+            out.status.success(),
+            "specula generate failed for {}:\n{}",
+            p.id,
+            out.describe()
+        );
+        let v: Value = serde_json::from_str(out.stdout.trim())
+            .unwrap_or_else(|e| panic!("generate --json printed no JSON ({e}):\n{}", out.describe()));
+        let token_ids = v["token_ids"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no token_ids in {v}"))
+            .iter()
+            .map(|t| t.as_u64().expect("token id") as u32)
+            .collect();
+        let got = Gen {
+            text: str_at(&v, "/text").to_string(),
+            token_ids: Some(token_ids),
+            prompt_tokens: u64_at(&v, "/usage/prompt_tokens"),
+            completion_tokens: u64_at(&v, "/usage/completion_tokens"),
+            finish_reason: str_at(&v, "/finish_reason").to_string(),
+        };
+        assert_same("CLI", &p.id, &got, want);
+    }
+    let t_cli = t0.elapsed();
+
+    // (c) the server
+    server.wait_ready();
+    for (p, want) in prompts.iter().zip(&lib) {
+        let body = json!({
+            "model": MODEL,
+            "messages": messages_json(&p.messages),
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        });
+        let resp = server.post("/v1/chat/completions", &body);
+        assert_eq!(resp.status, 200, "prompt {}: {}", p.id, resp.body);
+        let v = resp.json();
+        assert_eq!(str_at(&v, "/object"), "chat.completion", "{v}");
+        assert_eq!(str_at(&v, "/model"), MODEL, "{v}");
+        assert_eq!(str_at(&v, "/choices/0/message/role"), "assistant", "{v}");
+        let got = Gen {
+            text: str_at(&v, "/choices/0/message/content").to_string(),
+            token_ids: None,
+            prompt_tokens: u64_at(&v, "/usage/prompt_tokens"),
+            completion_tokens: u64_at(&v, "/usage/completion_tokens"),
+            finish_reason: str_at(&v, "/choices/0/finish_reason").to_string(),
+        };
+        assert_eq!(
+            u64_at(&v, "/usage/total_tokens"),
+            got.prompt_tokens + got.completion_tokens,
+            "{v}"
+        );
+        assert_same("server", &p.id, &got, want);
+    }
+    drop(server);
+    eprintln!(
+        "greedy_same_bytes_everywhere: library {:.1}s, CLI {:.1}s, server {:.1}s (cumulative)",
+        t_lib.as_secs_f64(),
+        t_cli.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn openai_python_client() {
+    const CHAT_MAX_TOKENS: usize = 32;
+    const COMPLETION_MAX_TOKENS: usize = 16;
+    const COMPLETION_PROMPT: &str = "The three primary colours are";
+    let t0 = Instant::now();
+    require_model(MODEL);
+    let mut server = Server::spawn(MODEL);
+
+    // Expected numbers (and texts) from the library, with the same greedy parameters.
+    let chat_prompt = support::fixture_prompts()
+        .into_iter()
+        .find(|p| p.kind == "qa")
+        .expect("a 'qa' prompt in the fixtures");
+    let (chat, completion) = {
+        let mut engine = library_engine();
+        let chat = library_chat(&mut engine, &chat_prompt.messages, CHAT_MAX_TOKENS);
+        let tokens = engine.tokenize(COMPLETION_PROMPT).expect("tokenize");
+        let completion = library_generate(&mut engine, tokens, COMPLETION_MAX_TOKENS);
+        (chat, completion)
+    };
+    let expect = json!({
+        "model": MODEL,
+        "chat": {
+            "messages": messages_json(&chat_prompt.messages),
+            "max_tokens": CHAT_MAX_TOKENS,
+            "text": chat.text,
+            "finish_reason": chat.finish_reason,
+            "prompt_tokens": chat.prompt_tokens,
+            "completion_tokens": chat.completion_tokens,
+        },
+        "completion": {
+            "prompt": COMPLETION_PROMPT,
+            "max_tokens": COMPLETION_MAX_TOKENS,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": completion.completion_tokens,
+        },
+    });
+    let expect_file = tempfile::Builder::new().suffix(".json").tempfile().expect("temp file");
+    std::fs::write(expect_file.path(), serde_json::to_vec_pretty(&expect).expect("json")).expect("write expect file");
+
+    server.wait_ready();
+    let script = support::repo_root().join("tests/openai_client.py");
+    let mut cmd = Command::new("python3");
+    cmd.arg(&script)
+        .arg("--base-url")
+        .arg(server.base_url())
+        .arg("--expect")
+        .arg(expect_file.path());
+    // Talk to 127.0.0.1 directly, whatever proxy the environment configures.
+    for var in [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("NO_PROXY", "127.0.0.1,localhost")
+        .env("no_proxy", "127.0.0.1,localhost");
+    let out = run(&mut cmd, CLI_TIMEOUT);
+    if out.status.code() == Some(2) && out.stderr.contains("pip install openai") {
+        panic!(
+            "the Python `openai` package is not installed: run `pip install openai`\n{}",
+            out.describe()
+        );
+    }
+    assert!(
+        out.status.success(),
+        "tests/openai_client.py failed:\n{}\n--- server log ---\n{}",
+        out.describe(),
+        server.log()
+    );
+    let oks = out.stdout.lines().filter(|l| l.starts_with("OK")).count();
+    assert!(oks >= 4, "expected OK lines from the script:\n{}", out.describe());
+    eprint!("{}", out.stdout);
+    drop(server);
+    eprintln!("openai_python_client: {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+#[test]
+fn cli_errors() {
+    let t0 = Instant::now();
+    let names = catalog::names();
+    assert_eq!(names.len(), 3, "catalog: {names:?}");
+
+    // A path that does not exist is named in the error.
+    let out = run(
+        specula().args(["generate", "--model", "/nonexistent.gguf", "--prompt", "hi"]),
+        CLI_TIMEOUT,
+    );
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(out.stderr.contains("/nonexistent.gguf"), "{}", out.describe());
+    assert!(out.stdout.trim().is_empty(), "{}", out.describe());
+
+    // An unknown name mentions the catalog and lists its names.
+    let out = run(
+        specula().args(["generate", "--model", "nonexistent-name", "--prompt", "hi"]),
+        CLI_TIMEOUT,
+    );
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(out.stderr.contains("nonexistent-name"), "{}", out.describe());
+    assert!(out.stderr.contains("catalog"), "{}", out.describe());
+    for name in &names {
+        assert!(out.stderr.contains(name), "missing {name}:\n{}", out.describe());
+    }
+
+    // `pull` of an unknown name lists the known names (and downloads nothing).
+    let out = run(specula().args(["pull", "nope"]), CLI_TIMEOUT);
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(out.stderr.contains("nope"), "{}", out.describe());
+    for name in &names {
+        assert!(out.stderr.contains(name), "missing {name}:\n{}", out.describe());
+    }
+
+    // `list` shows the three catalog models.
+    let out = run(specula().arg("list"), CLI_TIMEOUT);
+    assert!(out.status.success(), "{}", out.describe());
+    for name in &names {
+        assert!(out.stdout.contains(name), "missing {name}:\n{}", out.describe());
+    }
+    for name in [
+        "smollm2-135m-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+        "qwen2.5-coder-1.5b-instruct",
+    ] {
+        assert!(out.stdout.contains(name), "missing {name}:\n{}", out.describe());
+    }
+
+    // `--help` lists the subcommands.
+    let out = run(specula().arg("--help"), CLI_TIMEOUT);
+    assert!(out.status.success(), "{}", out.describe());
+    for sub in ["serve", "generate", "pull", "list", "bench"] {
+        assert!(
+            out.stdout.lines().any(|l| l.trim_start().starts_with(sub)),
+            "--help does not list {sub}:\n{}",
+            out.describe()
+        );
+    }
+    eprintln!("cli_errors: {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+#[test]
+fn bench_runs() {
+    let t0 = Instant::now();
+    require_model(MODEL);
+    let out = run(
+        specula().args([
+            "bench",
+            "--prompt-tokens",
+            "32",
+            "--gen-tokens",
+            "8",
+            "--runs",
+            "1",
+            "--json",
+        ]),
+        CLI_TIMEOUT,
+    );
+    assert!(out.status.success(), "{}", out.describe());
+    let v: Value = serde_json::from_str(out.stdout.trim())
+        .unwrap_or_else(|e| panic!("bench --json printed no JSON ({e}):\n{}", out.describe()));
+    for key in ["prefill_tok_s", "decode_tok_s"] {
+        let x = v[key].as_f64().unwrap_or_else(|| panic!("no number {key} in {v}"));
+        assert!(x.is_finite() && x > 0.0, "{key} = {x} in {v}");
+    }
+    assert_eq!(str_at(&v, "/model"), MODEL, "{v}");
+    assert_eq!(u64_at(&v, "/prompt_tokens"), 32, "{v}");
+    assert_eq!(u64_at(&v, "/gen_tokens"), 8, "{v}");
+    assert_eq!(u64_at(&v, "/runs"), 1, "{v}");
+    assert_eq!(u64_at(&v, "/threads"), support::THREADS.parse::<u64>().unwrap(), "{v}");
+    eprintln!("bench_runs: {:.1}s: {v}", t0.elapsed().as_secs_f64());
+}

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Exercise a running Specula server with the official OpenAI Python client, unmodified.
+
+Usage:
+    python3 tests/openai_client.py --base-url http://127.0.0.1:8000/v1 [--expect FILE]
+
+Checks (greedy, temperature 0):
+  * a chat completion (max_tokens 32);
+  * the same request streamed with stream_options={"include_usage": True}: the collected deltas
+    equal the non-streamed content, the last chunk with a choice carries the finish_reason, and
+    the final chunk carries the usage (no choices);
+  * the same request streamed without include_usage: same content, no usage chunk;
+  * a legacy completion (max_tokens 16).
+
+--expect FILE is a JSON file written by the Rust end-to-end test (crates/specula/tests/e2e.rs)
+with the inputs and the expected results computed with the library and the model's tokenizer:
+
+    {"model": "...",
+     "chat": {"messages": [...], "max_tokens": 32, "text": "...", "finish_reason": "...",
+              "prompt_tokens": N, "completion_tokens": N},
+     "completion": {"prompt": "...", "max_tokens": 16, "text": "...", "finish_reason": "...",
+                    "prompt_tokens": N, "completion_tokens": N}}
+
+Any key may be left out; what is given is asserted. Without --expect only the server's
+self-consistency is checked. Prints one "OK ..." line per passed check; exits 1 with a message
+on the first mismatch, 2 when the `openai` package is missing.
+"""
+
+import argparse
+import json
+import sys
+import traceback
+
+try:
+    from openai import OpenAI
+except ImportError as e:  # pragma: no cover - depends on the environment
+    print(f"error: cannot import the openai package ({e}); run `pip install openai`", file=sys.stderr)
+    sys.exit(2)
+
+
+class Mismatch(Exception):
+    pass
+
+
+def check(cond, message):
+    if not cond:
+        raise Mismatch(message)
+
+
+def check_eq(what, got, want):
+    check(got == want, f"{what}: got {got!r}, expected {want!r}")
+
+
+def ok(message):
+    print(f"OK {message}", flush=True)
+
+
+def check_expected(what, exp, text, finish_reason, usage):
+    """Compare a result with the expected values from --expect (keys that are present)."""
+    if "text" in exp:
+        check_eq(f"{what} text", text, exp["text"])
+    if "finish_reason" in exp:
+        check_eq(f"{what} finish_reason", finish_reason, exp["finish_reason"])
+    if "prompt_tokens" in exp:
+        check_eq(f"{what} usage.prompt_tokens", usage.prompt_tokens, exp["prompt_tokens"])
+    if "completion_tokens" in exp:
+        check_eq(f"{what} usage.completion_tokens", usage.completion_tokens, exp["completion_tokens"])
+
+
+def check_usage(what, usage):
+    check(usage is not None, f"{what}: no usage")
+    check(usage.prompt_tokens > 0, f"{what}: usage.prompt_tokens = {usage.prompt_tokens}")
+    check(usage.completion_tokens > 0, f"{what}: usage.completion_tokens = {usage.completion_tokens}")
+    check_eq(f"{what} usage.total_tokens", usage.total_tokens, usage.prompt_tokens + usage.completion_tokens)
+
+
+def collect_stream(stream, what):
+    """Returns (content, finish_reason, usage, chunks) of a streamed chat completion."""
+    chunks = list(stream)
+    check(len(chunks) >= 2, f"{what}: only {len(chunks)} chunks")
+    parts = []
+    finish_reason = None
+    finish_index = None
+    for i, chunk in enumerate(chunks):
+        check_eq(f"{what} chunk {i} object", chunk.object, "chat.completion.chunk")
+        for choice in chunk.choices:
+            check_eq(f"{what} chunk {i} choice index", choice.index, 0)
+            check(finish_reason is None, f"{what}: chunk {i} has a choice after the finish_reason chunk")
+            if choice.delta is not None and choice.delta.content:
+                parts.append(choice.delta.content)
+            if choice.finish_reason is not None:
+                finish_reason = choice.finish_reason
+                finish_index = i
+    check(finish_reason is not None, f"{what}: no chunk carries a finish_reason")
+    ids = {c.id for c in chunks}
+    check(len(ids) == 1, f"{what}: chunks have different ids {ids}")
+    return "".join(parts), finish_reason, finish_index, chunks
+
+
+def run(args, expect):
+    client = OpenAI(base_url=args.base_url, api_key="specula-test", max_retries=0, timeout=args.timeout)
+
+    models = [m.id for m in client.models.list().data]
+    model = expect.get("model") or (models[0] if models else None)
+    check(model in models, f"models.list(): {model!r} not in {models}")
+    ok(f"models.list() -> {models}")
+
+    # --- chat completion ---------------------------------------------------------------------
+    exp = expect.get("chat", {})
+    messages = exp.get("messages") or [{"role": "user", "content": "What is the capital city of Australia?"}]
+    max_tokens = exp.get("max_tokens", 32)
+    params = dict(model=model, messages=messages, temperature=0, max_tokens=max_tokens)
+
+    resp = client.chat.completions.create(**params)
+    check_eq("chat object", resp.object, "chat.completion")
+    check_eq("chat model", resp.model, model)
+    check_eq("chat choices", len(resp.choices), 1)
+    choice = resp.choices[0]
+    check_eq("chat message.role", choice.message.role, "assistant")
+    content = choice.message.content
+    check(isinstance(content, str) and content, f"chat: empty content {content!r}")
+    check(choice.finish_reason in ("stop", "length"), f"chat: finish_reason {choice.finish_reason!r}")
+    check_usage("chat", resp.usage)
+    check(resp.usage.completion_tokens <= max_tokens, f"chat: {resp.usage.completion_tokens} > {max_tokens} tokens")
+    check_expected("chat", exp, content, choice.finish_reason, resp.usage)
+    ok(
+        f"chat.completions.create: {resp.usage.prompt_tokens} prompt + {resp.usage.completion_tokens} completion "
+        f"tokens, finish_reason={choice.finish_reason}, content={content!r}"
+    )
+
+    # --- streamed, with usage ----------------------------------------------------------------
+    stream = client.chat.completions.create(**params, stream=True, stream_options={"include_usage": True})
+    s_content, s_finish, s_finish_index, chunks = collect_stream(stream, "stream(include_usage)")
+    check_eq("stream content vs non-stream content", s_content, content)
+    check_eq("stream finish_reason vs non-stream", s_finish, choice.finish_reason)
+    last = chunks[-1]
+    check_eq("stream: choices of the last (usage) chunk", last.choices, [])
+    check_eq("stream: the finish_reason chunk is the one before the usage chunk", s_finish_index, len(chunks) - 2)
+    check_usage("stream last chunk", last.usage)
+    check_eq("stream usage.prompt_tokens", last.usage.prompt_tokens, resp.usage.prompt_tokens)
+    check_eq("stream usage.completion_tokens", last.usage.completion_tokens, resp.usage.completion_tokens)
+    check_expected("stream", exp, s_content, s_finish, last.usage)
+    for i, c in enumerate(chunks[:-1]):
+        check(getattr(c, "usage", None) is None, f"stream: chunk {i} (not the last) has usage {c.usage}")
+    ok(f"streamed chat ({len(chunks)} chunks) equals the non-streamed content; last chunk usage matches")
+
+    # --- streamed, without usage -------------------------------------------------------------
+    stream = client.chat.completions.create(**params, stream=True)
+    p_content, p_finish, p_finish_index, chunks = collect_stream(stream, "stream")
+    check_eq("plain stream content vs non-stream content", p_content, content)
+    check_eq("plain stream finish_reason", p_finish, choice.finish_reason)
+    check_eq("plain stream: the last chunk carries the finish_reason", p_finish_index, len(chunks) - 1)
+    for i, c in enumerate(chunks):
+        check(getattr(c, "usage", None) is None, f"plain stream: chunk {i} has usage {c.usage} (not asked for)")
+    ok(f"streamed chat without include_usage ({len(chunks)} chunks): same content, no usage chunk")
+
+    # --- legacy completion -------------------------------------------------------------------
+    exp = expect.get("completion", {})
+    prompt = exp.get("prompt", "The three primary colours are")
+    max_tokens = exp.get("max_tokens", 16)
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    check_eq("completion object", resp.object, "text_completion")
+    check_eq("completion model", resp.model, model)
+    check_eq("completion choices", len(resp.choices), 1)
+    choice = resp.choices[0]
+    check(isinstance(choice.text, str) and choice.text, f"completion: empty text {choice.text!r}")
+    check(choice.finish_reason in ("stop", "length"), f"completion: finish_reason {choice.finish_reason!r}")
+    check_usage("completion", resp.usage)
+    check(resp.usage.completion_tokens <= max_tokens, f"completion: {resp.usage.completion_tokens} > {max_tokens}")
+    check_expected("completion", exp, choice.text, choice.finish_reason, resp.usage)
+    ok(
+        f"completions.create: {resp.usage.prompt_tokens} prompt + {resp.usage.completion_tokens} completion "
+        f"tokens, finish_reason={choice.finish_reason}, text={choice.text!r}"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    ap.add_argument("--expect", help="JSON file with inputs and expected results (see the module docstring)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
+    args = ap.parse_args()
+    expect = {}
+    if args.expect:
+        with open(args.expect, encoding="utf-8") as f:
+            expect = json.load(f)
+    try:
+        run(args, expect)
+    except Mismatch as e:
+        print(f"FAIL {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # connection errors, API errors, bad response shapes
+        traceback.print_exc()
+        print(f"FAIL {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print("OK all checks passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
