@@ -338,6 +338,15 @@ fn cli_errors() {
         assert!(out.stderr.contains(name), "missing {name}:\n{}", out.describe());
     }
 
+    // `serve` of a missing file exits at once, naming it (and the server helper reports that).
+    let mut server = Server::spawn("/nonexistent.gguf");
+    let err = server.try_wait_ready().expect_err("serve /nonexistent.gguf must fail");
+    assert!(
+        err.contains("exited early") && err.contains("/nonexistent.gguf"),
+        "{err}"
+    );
+    drop(server);
+
     // `pull` of an unknown name lists the known names (and downloads nothing).
     let out = run(specula().args(["pull", "nope"]), CLI_TIMEOUT);
     assert!(!out.status.success(), "{}", out.describe());

@@ -179,41 +179,82 @@ pub fn free_port() -> u16 {
 pub struct Server {
     child: Child,
     pub port: u16,
+    model: String,
     log: tempfile::NamedTempFile,
 }
 
+/// Spawns `specula serve MODEL --port PORT`, stdout and stderr appended to `log`.
+fn spawn_serve(model: &str, port: u16, log: &Path) -> Child {
+    let open = || {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(log)
+            .expect("server log file")
+    };
+    specula()
+        .args(["serve", model, "--port", &port.to_string()])
+        .stdout(open())
+        .stderr(open())
+        .spawn()
+        .expect("spawning specula serve")
+}
+
 impl Server {
-    /// Spawns `specula serve MODEL --port P` on a free port (see [`Server::wait_ready`]).
+    /// Spawns `specula serve MODEL --port P` on a free port; it loads the model in the background
+    /// (see [`Server::wait_ready`]).
     pub fn spawn(model: &str) -> Server {
         let log = tempfile::NamedTempFile::new().expect("server log file");
         let port = free_port();
-        let child = specula()
-            .args(["serve", model, "--port", &port.to_string()])
-            .stdout(log.reopen().expect("log handle"))
-            .stderr(log.reopen().expect("log handle"))
-            .spawn()
-            .expect("spawning specula serve");
-        Server { child, port, log }
+        let child = spawn_serve(model, port, log.path());
+        Server {
+            child,
+            port,
+            model: model.to_string(),
+            log,
+        }
     }
 
     /// Waits until `GET /health` answers 200 (up to 60 s); panics with the server's log otherwise.
     pub fn wait_ready(&mut self) -> &mut Self {
+        if let Err(e) = self.try_wait_ready() {
+            panic!("{e}");
+        }
+        self
+    }
+
+    /// Like [`Server::wait_ready`], but returns the failure (with the server's log) instead.
+    /// If the port was taken by someone else in the meantime, retries on another one.
+    pub fn try_wait_ready(&mut self) -> Result<(), String> {
         let t0 = Instant::now();
+        let mut retries = 3;
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
-                panic!("specula serve exited early ({status}):\n{}", self.log());
+                let log = self.log();
+                if retries > 0 && log.contains(&format!("binding 127.0.0.1:{}", self.port)) {
+                    retries -= 1;
+                    eprintln!("port {} was taken; retrying on another port", self.port);
+                    self.port = free_port();
+                    self.child = spawn_serve(&self.model, self.port, self.log.path());
+                    continue;
+                }
+                return Err(format!("specula serve exited early ({status}):\n{log}"));
             }
             if let Ok(resp) = try_request(self.port, "GET", "/health", None, Duration::from_secs(5)) {
-                assert_eq!(resp.status, 200, "GET /health: {}", resp.body);
+                if resp.status != 200 {
+                    return Err(format!("GET /health answered {}: {}", resp.status, resp.body));
+                }
                 eprintln!(
                     "server on port {} ready after {:.1}s",
                     self.port,
                     t0.elapsed().as_secs_f64()
                 );
-                return self;
+                return Ok(());
             }
             if t0.elapsed() > Duration::from_secs(60) {
-                panic!("specula serve did not answer GET /health within 60 s:\n{}", self.log());
+                return Err(format!(
+                    "specula serve did not answer GET /health within 60 s:\n{}",
+                    self.log()
+                ));
             }
             std::thread::sleep(Duration::from_millis(200));
         }
