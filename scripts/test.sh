@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 if ! python3 -c 'import openai' 2>/dev/null; then
     echo "== installing the openai Python package (for the API compatibility test)"
-    python3 -m pip install --quiet --disable-pip-version-check 'openai>=1.40,<3'
+    python3 -m pip install --quiet --disable-pip-version-check 'openai>=1.55.3,<3'
 fi
 
 echo "== building"
