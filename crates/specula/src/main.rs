@@ -107,9 +107,9 @@ struct GenerateArgs {
     /// Wrap the prompt as one user message in the model's chat template.
     #[arg(long)]
     chat: bool,
-    /// Maximum tokens to generate.
-    #[arg(long, default_value_t = 256)]
-    max_tokens: usize,
+    /// Maximum tokens to generate (at least 1).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    max_tokens: u64,
     /// Stop string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -254,7 +254,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let req = GenerateRequest {
         prompt_tokens,
         sampling: a.sampling.params(),
-        max_tokens: Some(a.max_tokens),
+        max_tokens: Some(a.max_tokens as usize),
         stop: a.stop.clone(),
         logprobs: None,
         ignore_eos: a.ignore_eos,
@@ -298,8 +298,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
-    if a.runs == 0 || a.prompt_tokens == 0 || a.gen_tokens < 2 {
-        bail!("--runs and --prompt-tokens must be >= 1, --gen-tokens >= 2");
+    if a.runs == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
+        bail!("--runs, --prompt-tokens and --gen-tokens must be >= 1");
     }
     let mut engine = load(&a.model, None)?;
     // A deterministic prompt of exactly `prompt_tokens` tokens: a fixed text repeated.
@@ -310,25 +310,27 @@ fn bench(a: BenchArgs) -> Result<()> {
     let prompt: Vec<u32> = base.iter().copied().cycle().take(a.prompt_tokens).collect();
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
+    // As llama-bench measures: pp = one prefill of `prompt_tokens` tokens into an empty cache;
+    // tg = `gen_tokens` decode steps from a one-token prompt.
+    let request = |prompt_tokens: Vec<u32>, max_tokens: usize| GenerateRequest {
+        prompt_tokens,
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(max_tokens),
+        stop: vec![],
+        logprobs: None,
+        ignore_eos: true,
+    };
     for run in 0..a.runs {
-        let req = GenerateRequest {
-            prompt_tokens: prompt.clone(),
-            sampling: SamplingParams::greedy(),
-            max_tokens: Some(a.gen_tokens),
-            stop: vec![],
-            logprobs: None,
-            ignore_eos: true,
-        };
-        let out = engine.generate(&req, &mut |_| true)?;
-        let s = out.stats;
-        let pp = s.prompt_tokens as f64 / s.prefill_s;
-        let tg = s.decode_steps as f64 / s.decode_s;
+        let pp = engine.generate(&request(prompt.clone(), 1), &mut |_| true)?.stats;
+        let tg = engine.generate(&request(prompt[..1].to_vec(), a.gen_tokens + 1), &mut |_| true)?.stats;
+        let pp_rate = pp.prompt_tokens as f64 / pp.prefill_s;
+        let tg_rate = tg.decode_steps as f64 / tg.decode_s;
         eprintln!(
-            "run {run}: prefill {pp:.1} tok/s ({} tokens), decode {tg:.1} tok/s ({} steps)",
-            s.prompt_tokens, s.decode_steps
+            "run {run}: prefill {pp_rate:.1} tok/s ({} tokens), decode {tg_rate:.1} tok/s ({} steps)",
+            pp.prompt_tokens, tg.decode_steps
         );
-        prefill.push(pp);
-        decode.push(tg);
+        prefill.push(pp_rate);
+        decode.push(tg_rate);
     }
     let threads = std::env::var("RAYON_NUM_THREADS")
         .ok()

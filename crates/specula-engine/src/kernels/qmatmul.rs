@@ -96,7 +96,7 @@ pub fn quantize_row(x: &[f32]) -> QuantRow {
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in qs[b * QK..(b + 1) * QK].iter_mut().zip(chunk) {
-            let r = (v * id).round_ties_even() as i32;
+            let r = nearest_int(v * id);
             *q = r as i8;
             sum += r;
         }
@@ -106,16 +106,24 @@ pub fn quantize_row(x: &[f32]) -> QuantRow {
     QuantRow { d, s, qs }
 }
 
+/// Round half to even for |v| < 2^22, as ggml's `nearest_int` (the 1.5 * 2^23 trick) and
+/// `_mm256_round_ps(_MM_ROUND_NEAREST)` do.
+#[inline]
+fn nearest_int(v: f32) -> i32 {
+    let t = v + 12_582_912.0;
+    (t.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
 /// A weight matrix `[n, k]` in one of the [`QKind`] block formats, in owned memory.
 #[derive(Debug, Clone)]
 pub struct QWeight {
     kind: QKind,
     n: usize,
     k: usize,
-    /// Per block, the scale `d` (f16 widened to f32), `[n * k / 32]`.
-    d: Vec<f32>,
-    /// Per block, the minimum `m` for the `_1` types (else empty).
-    m: Vec<f32>,
+    /// Per block, the scale `d` (f16 bits, as stored), `[n * k / 32]`.
+    d: Vec<u16>,
+    /// Per block, the minimum `m` for the `_1` types (f16 bits; else empty).
+    m: Vec<u16>,
     /// Per block, the packed quants: 16 bytes of nibbles (4/5-bit types) or 32 signed bytes (Q8_0).
     qs: Vec<u8>,
     /// Per block, the fifth bits of the 5-bit types (else empty).
@@ -126,8 +134,8 @@ pub struct QWeight {
 #[derive(Clone, Copy)]
 pub struct RowRef<'a> {
     kind: QKind,
-    d: &'a [f32],
-    m: &'a [f32],
+    d: &'a [u16],
+    m: &'a [u16],
     qs: &'a [u8],
     qh: &'a [u32],
 }
@@ -159,10 +167,10 @@ impl QWeight {
             qh: Vec::new(),
         };
         for b in data.chunks_exact(bb) {
-            w.d.push(rd_f16(b, 0));
+            w.d.push(u16::from_le_bytes([b[0], b[1]]));
             let mut at = 2;
             if kind.has_min() {
-                w.m.push(rd_f16(b, 2));
+                w.m.push(u16::from_le_bytes([b[2], b[3]]));
                 at = 4;
             }
             if matches!(kind, QKind::Q5_0 | QKind::Q5_1) {
@@ -227,7 +235,16 @@ impl QWeight {
             let rows_here = chunk.len() / m;
             for t0 in (0..rows_here).step_by(TILE) {
                 let t1 = (t0 + TILE).min(rows_here);
-                for (i, qr) in rows.iter().enumerate() {
+                let mut i = 0;
+                while i + 4 <= m {
+                    let xs = [&rows[i], &rows[i + 1], &rows[i + 2], &rows[i + 3]];
+                    for jj in t0..t1 {
+                        let y = vec_dot4(self.row(j0 + jj), xs, avx2);
+                        chunk[jj * m + i..jj * m + i + 4].copy_from_slice(&y);
+                    }
+                    i += 4;
+                }
+                for (i, qr) in rows.iter().enumerate().skip(i) {
                     for jj in t0..t1 {
                         chunk[jj * m + i] = vec_dot(self.row(j0 + jj), qr, avx2);
                     }
@@ -253,17 +270,14 @@ impl QWeight {
 fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
     }
-}
-
-#[inline]
-fn rd_f16(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// ggml's `hsum_float_8`: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
@@ -311,11 +325,23 @@ fn expand_block(w: &RowRef<'_>, b: usize, v: &mut [i32; 32]) {
 pub fn vec_dot(w: RowRef<'_>, x: &QuantRow, avx2: bool) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if avx2 {
-        // SAFETY: AVX2 and FMA were detected at run time.
+        // SAFETY: AVX2, FMA and F16C were detected at run time.
         return unsafe { avx2_impl::vec_dot(w, x) };
     }
     let _ = avx2;
     vec_dot_portable(w, x)
+}
+
+/// Four activation rows against one weight row; each result is bitwise [`vec_dot`]'s.
+#[inline]
+pub fn vec_dot4(w: RowRef<'_>, x: [&QuantRow; 4], avx2: bool) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: AVX2, FMA and F16C were detected at run time.
+        return unsafe { avx2_impl::vec_dot4(w, x) };
+    }
+    let _ = avx2;
+    x.map(|xr| vec_dot_portable(w, xr))
 }
 
 /// The portable reference: the same integer lane sums and float operations as the AVX2 path.
@@ -326,9 +352,9 @@ pub fn vec_dot_portable(w: RowRef<'_>, x: &QuantRow) -> f32 {
     for b in 0..w.d.len() {
         expand_block(&w, b, &mut v);
         let qx = &x.qs[b * QK..(b + 1) * QK];
-        let d = w.d[b] * x.d[b];
+        let d = f16::from_bits(w.d[b]).to_f32() * x.d[b];
         if w.kind.has_min() {
-            summs = w.m[b].mul_add(x.s[b], summs);
+            summs = f16::from_bits(w.m[b]).to_f32().mul_add(x.s[b], summs);
         }
         for (l, a) in acc.iter_mut().enumerate() {
             let mut s = 0i32;
@@ -389,7 +415,67 @@ mod avx2_impl {
         us8_pairs(ax, sy)
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    /// f16 bits → f32 with F16C (exact, like `half`).
+    #[inline]
+    #[target_feature(enable = "f16c")]
+    unsafe fn h2f(h: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+
+    /// The weight block's 32 values as bytes for the integer product, and whether they are
+    /// signed (`i8_pairs`) or unsigned (`us8_pairs`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_block(w: &RowRef<'_>, b: usize) -> (__m256i, bool) {
+        let qs = w.qs.as_ptr();
+        match w.kind {
+            QKind::Q4_0 => (_mm256_sub_epi8(nibbles(qs.add(b * 16)), _mm256_set1_epi8(8)), true),
+            QKind::Q4_1 => (nibbles(qs.add(b * 16)), false),
+            QKind::Q5_0 => {
+                let hi = _mm256_andnot_si256(bits(*w.qh.get_unchecked(b)), _mm256_set1_epi8(0xF0u8 as i8));
+                (_mm256_or_si256(nibbles(qs.add(b * 16)), hi), true)
+            }
+            QKind::Q5_1 => {
+                let hi = _mm256_and_si256(bits(*w.qh.get_unchecked(b)), _mm256_set1_epi8(0x10));
+                (_mm256_or_si256(nibbles(qs.add(b * 16)), hi), false)
+            }
+            QKind::Q8_0 => (_mm256_loadu_si256(qs.add(b * 32) as *const __m256i), true),
+        }
+    }
+
+    /// Four activation rows against one weight row: per (row, block) exactly the operations of
+    /// [`vec_dot`], with the weight block unpacked once.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot4(w: RowRef<'_>, x: [&QuantRow; 4]) -> [f32; 4] {
+        let nb = w.d.len();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        let has_min = w.kind.has_min();
+        for b in 0..nb {
+            let (qx, signed) = load_block(&w, b);
+            let dw = h2f(*w.d.get_unchecked(b));
+            let mw = if has_min { h2f(*w.m.get_unchecked(b)) } else { 0.0 };
+            for r in 0..4 {
+                let xr = x[r];
+                let qy = _mm256_loadu_si256(xr.qs.as_ptr().add(b * QK) as *const __m256i);
+                let d = _mm256_set1_ps(dw * *xr.d.get_unchecked(b));
+                if has_min {
+                    summs[r] = mw.mul_add(*xr.s.get_unchecked(b), summs[r]);
+                }
+                let q = if signed { i8_pairs(qx, qy) } else { us8_pairs(qx, qy) };
+                acc[r] = _mm256_fmadd_ps(q, d, acc[r]);
+            }
+        }
+        let mut out = [0f32; 4];
+        for r in 0..4 {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+            out[r] = hsum8(&lanes) + summs[r];
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot(w: RowRef<'_>, x: &QuantRow) -> f32 {
         let nb = w.d.len();
         let mut acc = _mm256_setzero_ps();
@@ -398,14 +484,14 @@ mod avx2_impl {
         let xq = x.qs.as_ptr();
         for b in 0..nb {
             let qy = _mm256_loadu_si256(xq.add(b * QK) as *const __m256i);
-            let d = _mm256_set1_ps(*w.d.get_unchecked(b) * *x.d.get_unchecked(b));
+            let d = _mm256_set1_ps(h2f(*w.d.get_unchecked(b)) * *x.d.get_unchecked(b));
             let q = match w.kind {
                 QKind::Q4_0 => {
                     let qx = _mm256_sub_epi8(nibbles(qs.add(b * 16)), _mm256_set1_epi8(8));
                     i8_pairs(qx, qy)
                 }
                 QKind::Q4_1 => {
-                    summs = (*w.m.get_unchecked(b)).mul_add(*x.s.get_unchecked(b), summs);
+                    summs = h2f(*w.m.get_unchecked(b)).mul_add(*x.s.get_unchecked(b), summs);
                     us8_pairs(nibbles(qs.add(b * 16)), qy)
                 }
                 QKind::Q5_0 => {
@@ -414,7 +500,7 @@ mod avx2_impl {
                     i8_pairs(qx, qy)
                 }
                 QKind::Q5_1 => {
-                    summs = (*w.m.get_unchecked(b)).mul_add(*x.s.get_unchecked(b), summs);
+                    summs = h2f(*w.m.get_unchecked(b)).mul_add(*x.s.get_unchecked(b), summs);
                     let hi = _mm256_and_si256(bits(*w.qh.get_unchecked(b)), _mm256_set1_epi8(0x10));
                     let qx = _mm256_or_si256(nibbles(qs.add(b * 16)), hi);
                     us8_pairs(qx, qy)
@@ -518,6 +604,13 @@ mod tests {
                     "{dt:?} row {j}: portable and SIMD paths differ"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn nearest_int_is_round_half_even() {
+        for v in [-127.5f32, -63.5, -2.5, -1.5, -0.5, -0.49, 0.0, 0.5, 1.5, 2.5, 3.7, 126.5, 127.0] {
+            assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
         }
     }
 
