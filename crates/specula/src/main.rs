@@ -322,7 +322,9 @@ fn bench(a: BenchArgs) -> Result<()> {
     };
     for run in 0..a.runs {
         let pp = engine.generate(&request(prompt.clone(), 1), &mut |_| true)?.stats;
-        let tg = engine.generate(&request(prompt[..1].to_vec(), a.gen_tokens + 1), &mut |_| true)?.stats;
+        let tg = engine
+            .generate(&request(prompt[..1].to_vec(), a.gen_tokens + 1), &mut |_| true)?
+            .stats;
         let pp_rate = pp.prompt_tokens as f64 / pp.prefill_s;
         let tg_rate = tg.decode_steps as f64 / tg.decode_s;
         eprintln!(

@@ -609,7 +609,9 @@ mod tests {
 
     #[test]
     fn nearest_int_is_round_half_even() {
-        for v in [-127.5f32, -63.5, -2.5, -1.5, -0.5, -0.49, 0.0, 0.5, 1.5, 2.5, 3.7, 126.5, 127.0] {
+        for v in [
+            -127.5f32, -63.5, -2.5, -1.5, -0.5, -0.49, 0.0, 0.5, 1.5, 2.5, 3.7, 126.5, 127.0,
+        ] {
             assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
         }
     }
