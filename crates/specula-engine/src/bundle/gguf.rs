@@ -12,8 +12,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{Device, Tensor};
 
-use super::{end_of_generation_ids, LoadedBundle};
-use crate::chat::ChatTemplate;
+use super::{compile_template, end_of_generation_ids, LoadedBundle};
 use crate::model::{Block, Embedding, Family, Linear, Model, ModelConfig, RopeStyle};
 use crate::tokenizer::Tokenizer;
 
@@ -158,17 +157,10 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
     let config = header.config().with_context(|| format!("{}", path.display()))?;
     let tokenizer =
         Tokenizer::from_gguf(header.metadata()).with_context(|| format!("{}: tokenizer", path.display()))?;
-    let template = match header.get_str("tokenizer.chat_template") {
-        Some(src) => Some(
-            ChatTemplate::new(
-                src,
-                tokenizer.bos_token.as_ref().map(|t| t.1.as_str()).unwrap_or(""),
-                tokenizer.eos_token.as_ref().map(|t| t.1.as_str()).unwrap_or(""),
-            )
-            .map_err(|e| anyhow!("{}: tokenizer.chat_template does not compile: {e}", path.display()))?,
-        ),
-        None => None,
-    };
+    let template = header
+        .get_str("tokenizer.chat_template")
+        .map(|src| compile_template(src, &tokenizer, &format!("{}: tokenizer.chat_template", path.display())))
+        .transpose()?;
     let mut eos: Vec<u32> = [
         "tokenizer.ggml.eos_token_id",
         "tokenizer.ggml.eot_token_id",

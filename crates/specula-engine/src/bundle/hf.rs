@@ -10,8 +10,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value as Json;
 
-use super::{end_of_generation_ids, LoadedBundle};
-use crate::chat::ChatTemplate;
+use super::{compile_template, end_of_generation_ids, LoadedBundle};
 use crate::model::{Block, Embedding, Family, Linear, Model, ModelConfig, RopeStyle};
 use crate::tokenizer::Tokenizer;
 
@@ -170,17 +169,9 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
             _ => None,
         }
     };
-    let template = match template_src {
-        Some(src) => Some(
-            ChatTemplate::new(
-                &src,
-                tokenizer.bos_token.as_ref().map(|t| t.1.as_str()).unwrap_or(""),
-                tokenizer.eos_token.as_ref().map(|t| t.1.as_str()).unwrap_or(""),
-            )
-            .map_err(|e| anyhow!("{}: chat template does not compile: {e}", dir.display()))?,
-        ),
-        None => None,
-    };
+    let template = template_src
+        .map(|src| compile_template(&src, &tokenizer, &format!("{}: chat template", dir.display())))
+        .transpose()?;
     let mut eos: Vec<u32> = tokenizer.eos_token.iter().map(|t| t.0).collect();
     let gen_cfg = dir.join("generation_config.json");
     if gen_cfg.exists() {

@@ -85,6 +85,14 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
     }
 }
 
+/// Compile a bundle's chat template with the tokenizer's BOS/EOS strings; `origin` names the
+/// file and field for the error.
+pub(crate) fn compile_template(src: &str, tok: &Tokenizer, origin: &str) -> Result<ChatTemplate> {
+    let text = |t: &Option<(u32, String)>| t.as_ref().map(|t| t.1.clone()).unwrap_or_default();
+    ChatTemplate::new(src, &text(&tok.bos_token), &text(&tok.eos_token))
+        .map_err(|e| anyhow::anyhow!("{origin} does not compile: {e}"))
+}
+
 /// Tokens that end a turn by name, as llama.cpp detects end-of-generation tokens
 /// (`llama_vocab::impl::load`, the EOG list).
 pub(crate) fn end_of_generation_ids(tok: &Tokenizer) -> Vec<u32> {
