@@ -13,6 +13,8 @@ use crate::emit::Emitter;
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig};
 use crate::sampling::{self, Sampler};
+use crate::spec::ngram::NgramDrafter;
+use crate::spec::{verify, DraftLength, Drafter, SpecMode};
 use crate::tokenizer::Tokenizer;
 use crate::types::{
     FinishReason, GenerateOutput, GenerateRequest, GenerationStats, RequestError, StreamDelta, TokenLogprob, TopLogprob,
@@ -228,22 +230,69 @@ impl Engine {
 
         let t0 = Instant::now();
         self.kv.clear();
-        let mut logits = self.prefill(&req.prompt_tokens).map_err(internal)?;
+        let logits = self.prefill(&req.prompt_tokens).map_err(internal)?;
         stats.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
+
+        // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
+        // stats say why.
+        let mut drafter: Option<Box<dyn Drafter>> = None;
+        stats.spec.decode_path = match req.spec.mode {
+            SpecMode::Off => "ar".into(),
+            SpecMode::Ngram if !req.sampling.is_greedy() => {
+                "ar (speculation with sampling is not implemented yet)".into()
+            }
+            SpecMode::Ngram if !self.bundle.model.batch_invariant() => {
+                "ar (this model's kernels are not batch-invariant: K-quant or f32 weights)".into()
+            }
+            SpecMode::Ngram => {
+                drafter = Some(Box::new(NgramDrafter::default()));
+                "ngram".into()
+            }
+        };
+        let mut k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
+        let mut context = req.prompt_tokens.clone();
+
+        // The first token comes from the prefill's last row.
+        let mut rows = vec![logits];
+        let mut draft: Vec<u32> = Vec::new();
         while emitter.finished().is_none() {
-            let lp = req.logprobs.map(|n| self.token_logprobs(&logits, n));
-            let tok = sampler.sample(&mut logits);
-            sampler.observe(tok);
-            let lps = lp.map(|(all, top)| {
-                vec![TokenLogprob {
-                    id: tok,
-                    token: tokenizer.token_text(tok),
-                    logprob: all[tok as usize],
-                    top,
-                }]
+            // rows[i] = logits after the committed prefix and draft[..i].
+            let lps = req
+                .logprobs
+                .map(|n| rows.iter().map(|r| self.token_logprobs(r, n)).collect::<Vec<_>>());
+            let (accepted, next) = if draft.is_empty() {
+                (0, sampler.sample(&mut rows[0]))
+            } else {
+                verify::accept_greedy(&draft, &mut rows, &mut sampler)
+            };
+            sampler.observe(next);
+            if !draft.is_empty() {
+                stats.spec.record(draft.len(), accepted);
+                k_ctl.update(accepted);
+                if let Some(d) = drafter.as_mut() {
+                    d.accepted(accepted);
+                }
+            }
+            let mut block = draft[..accepted].to_vec();
+            block.push(next);
+            let block_lps = lps.map(|l| {
+                block
+                    .iter()
+                    .zip(l)
+                    .map(|(&id, (all, top))| TokenLogprob {
+                        id,
+                        token: tokenizer.token_text(id),
+                        logprob: all[id as usize],
+                        top,
+                    })
+                    .collect::<Vec<_>>()
             });
-            let outcome = emitter.emit_block(&[tok], lps.as_deref());
+            let outcome = emitter.emit_block(&block, block_lps.as_deref());
+            if stats.decode_steps > 0 {
+                // Tokens committed by target decode steps (the first token came from prefill).
+                stats.spec.committed += outcome.committed;
+            }
             let has_output = !outcome.delta.text.is_empty() || !outcome.delta.token_ids.is_empty();
             if has_output && !on_delta(&outcome.delta) {
                 emitter.finish_with(FinishReason::Cancelled);
@@ -252,25 +301,54 @@ impl Engine {
             if outcome.finished.is_some() {
                 break;
             }
-            if self.kv.len() + 1 > ctx {
+            // Keep the committed part of the verified block in the KV cache: the pending token
+            // before the draft plus the accepted drafts (`next` is not in the cache yet).
+            let keep = self.kv.len() - draft.len() + accepted;
+            self.kv.truncate(keep);
+            context.extend_from_slice(&block);
+
+            // Next step: forward [next, draft...] and get one row per position.
+            let room_ctx = ctx.saturating_sub(self.kv.len() + 1);
+            let room_out = max_tokens.saturating_sub(emitter.tokens().len() + 1);
+            let k = k_ctl.next().min(room_ctx).min(room_out);
+            draft = match drafter.as_mut() {
+                Some(d) if k > 0 => d.propose(&context, k),
+                _ => Vec::new(),
+            };
+            draft.truncate(k);
+            if self.kv.len() + 1 + draft.len() > ctx {
                 let d = emitter.finish_with(FinishReason::Length);
                 on_delta(&d);
                 break;
             }
+            let mut input = Vec::with_capacity(1 + draft.len());
+            input.push(next);
+            input.extend_from_slice(&draft);
+            let which = if draft.is_empty() {
+                LogitsRows::Last
+            } else {
+                LogitsRows::All
+            };
             let out = self
                 .bundle
                 .model
-                .forward(&[tok], &mut self.kv, LogitsRows::Last, &[])
+                .forward(&input, &mut self.kv, which, &[])
                 .map_err(internal)?;
             stats.decode_steps += 1;
-            logits = out
-                .logits
-                .squeeze(0)
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(|e| internal(e.into()))?;
+            rows = out.logits.to_vec2::<f32>().map_err(|e| internal(e.into()))?;
         }
+        stats.spec.target_steps = stats.decode_steps;
         stats.decode_s = t1.elapsed().as_secs_f64();
         stats.completion_tokens = emitter.tokens().len();
+        if let Some(d) = &drafter {
+            tracing::debug!(
+                drafter = d.name(),
+                drafted = stats.spec.drafted,
+                accepted = stats.spec.accepted,
+                tau = stats.spec.tau(),
+                "speculation"
+            );
+        }
         let finish_reason = emitter.finished().unwrap_or(FinishReason::Length);
         Ok(GenerateOutput {
             text: emitter.text().to_string(),

@@ -13,6 +13,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;
+pub mod spec;
 pub mod testing;
 pub mod tokenizer;
 pub mod types;

@@ -65,6 +65,8 @@ pub struct GenerateRequest {
     pub logprobs: Option<usize>,
     /// Keep going past the model's end-of-generation tokens.
     pub ignore_eos: bool,
+    /// Speculative decoding settings (default: off).
+    pub spec: crate::spec::SpecOptions,
 }
 
 /// A streamed piece of output: the text that became final since the last delta, and the tokens
@@ -89,6 +91,8 @@ pub struct GenerationStats {
     pub decode_s: f64,
     /// Target forward passes made while decoding.
     pub decode_steps: usize,
+    /// Speculative decoding counters (decode path, drafted, accepted, tau inputs).
+    pub spec: crate::spec::SpecStats,
 }
 
 /// The finished result of one request.

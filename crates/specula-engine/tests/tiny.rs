@@ -198,6 +198,7 @@ fn generation_is_deterministic_and_seeded() {
         stop: vec![],
         logprobs: Some(3),
         ignore_eos: true,
+        spec: Default::default(),
     };
     let a = e.generate(&req(SamplingParams::greedy()), &mut |_| true).expect("gen");
     let b = e.generate(&req(SamplingParams::greedy()), &mut |_| true).expect("gen");
@@ -243,6 +244,7 @@ fn streamed_deltas_concatenate_to_the_text_and_cancel_stops() {
         stop: vec![],
         logprobs: None,
         ignore_eos: true,
+        spec: Default::default(),
     };
     let mut streamed = String::new();
     let out = e
@@ -274,6 +276,7 @@ fn request_validation_errors() {
         stop: vec![],
         logprobs: None,
         ignore_eos: false,
+        spec: Default::default(),
     };
     let mut r = base.clone();
     r.prompt_tokens = vec![];

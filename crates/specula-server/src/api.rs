@@ -164,6 +164,7 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
             stop: c.stop.clone(),
             logprobs: p.logprobs,
             ignore_eos: c.ignore_eos,
+            spec: Default::default(),
         },
         default_max_tokens: (p.kind == Kind::Completion).then_some(COMPLETIONS_DEFAULT_MAX_TOKENS),
         stream: c.stream,

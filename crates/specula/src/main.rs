@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use specula_engine::catalog::{self, DEFAULT_MODEL};
+use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, Engine, GenerateRequest, LoadOptions, SamplingParams};
 
 /// Specula: a local LLM inference server with exact speculative decoding.
@@ -121,6 +122,41 @@ struct GenerateArgs {
     json: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
+}
+
+#[derive(Args, Debug, Clone)]
+struct SpecArgs {
+    /// Speculative decoding: off, or ngram (prompt lookup). Greedy output is byte-identical either
+    /// way; requests it cannot serve exactly fall back to plain decoding (see the stats).
+    #[arg(long, value_enum, default_value = "off")]
+    spec: SpecArg,
+    /// Maximum draft length k per target step.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=32))]
+    draft_max: u64,
+    /// Use a fixed k = --draft-max instead of adapting k to recent acceptance.
+    #[arg(long)]
+    fixed_k: bool,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy)]
+enum SpecArg {
+    Off,
+    Ngram,
+}
+
+impl SpecArgs {
+    fn options(&self) -> SpecOptions {
+        SpecOptions {
+            mode: match self.spec {
+                SpecArg::Off => SpecMode::Off,
+                SpecArg::Ngram => SpecMode::Ngram,
+            },
+            draft_max: self.draft_max as usize,
+            adaptive: !self.fixed_k,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -258,6 +294,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         stop: a.stop.clone(),
         logprobs: None,
         ignore_eos: a.ignore_eos,
+        spec: a.spec.options(),
     };
     let json = a.json;
     let mut stdout = std::io::stdout();
@@ -276,17 +313,29 @@ fn generate(a: GenerateArgs) -> Result<()> {
             "finish_reason": out.finish_reason.as_str(),
             "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens},
             "timings": {"prefill_s": s.prefill_s, "decode_s": s.decode_s, "decode_steps": s.decode_steps},
+            "speculative": {
+                "decode_path": s.spec.decode_path,
+                "drafted": s.spec.drafted,
+                "accepted": s.spec.accepted,
+                "acceptance_rate": s.spec.acceptance_rate(),
+                "tau": s.spec.tau(),
+                "accepted_by_position": s.spec.accepted_by_position,
+                "drafted_by_position": s.spec.drafted_by_position,
+            },
         });
         println!("{v}");
     } else {
         println!();
         eprintln!(
-            "[{} prompt tokens, {} generated, finish: {}; prefill {:.1} tok/s, decode {:.1} tok/s]",
+            "[{} prompt tokens, {} generated, finish: {}; prefill {:.1} tok/s, decode {:.1} tok/s; path {}, tau {:.2}, acceptance {:.2}]",
             s.prompt_tokens,
             s.completion_tokens,
             out.finish_reason.as_str(),
             s.prompt_tokens as f64 / s.prefill_s.max(1e-9),
-            s.decode_steps as f64 / s.decode_s.max(1e-9)
+            s.completion_tokens.saturating_sub(1) as f64 / s.decode_s.max(1e-9),
+            s.spec.decode_path,
+            s.spec.tau(),
+            s.spec.acceptance_rate()
         );
     }
     Ok(())
@@ -319,6 +368,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         stop: vec![],
         logprobs: None,
         ignore_eos: true,
+        spec: Default::default(),
     };
     for run in 0..a.runs {
         let pp = engine.generate(&request(prompt.clone(), 1), &mut |_| true)?.stats;

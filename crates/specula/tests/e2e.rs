@@ -35,6 +35,7 @@ fn library_generate(engine: &mut Engine, prompt_tokens: Vec<u32>, max_tokens: us
         stop: vec![],
         logprobs: None,
         ignore_eos: false,
+        spec: Default::default(),
     };
     let out = engine.generate(&req, &mut |_| true).expect("library generate");
     Gen {

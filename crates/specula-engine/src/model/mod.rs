@@ -132,6 +132,12 @@ impl Linear {
         })
     }
 
+    /// Is row i of an n-row product bitwise equal to the 1-row product? True for our own
+    /// kernel; false for candle's K-quant and dense paths (see DESIGN.md).
+    pub fn is_batch_invariant(&self) -> bool {
+        matches!(self.weight, Weight::Own(_))
+    }
+
     /// `x`: `[n, in]` f32 → `[n, out]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
@@ -281,6 +287,18 @@ impl Model {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Are the logits of row i of a multi-row forward bitwise equal to a one-row forward at the
+    /// same position? Needs every projection on a batch-invariant kernel (attention, norms and
+    /// element-wise ops always are). Greedy speculation is exact only on such a model.
+    pub fn batch_invariant(&self) -> bool {
+        self.lm_head.is_batch_invariant()
+            && self.blocks.iter().all(|b| {
+                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]
+                    .iter()
+                    .all(|l| l.is_batch_invariant())
+            })
     }
 
     /// A KV cache sized for this model's context window.

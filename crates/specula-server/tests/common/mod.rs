@@ -120,6 +120,7 @@ pub fn direct(
         stop: Vec::new(),
         logprobs,
         ignore_eos: false,
+        spec: Default::default(),
     };
     engine.generate(&req, &mut |_| true).expect("direct generation")
 }
