@@ -177,12 +177,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Prefill `tokens` after the cache's current contents; returns the last row's logits.
-    fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+    /// Prefill `tokens` after the cache's current contents; returns the last row's logits, or
+    /// `None` when `alive` (asked between chunks) says the client has gone.
+    fn prefill(&mut self, tokens: &[u32], alive: &mut dyn FnMut() -> bool) -> Result<Option<Vec<f32>>> {
         let chunk = self.opts.prefill_chunk.max(1);
         let mut last = None;
         let n_chunks = tokens.len().div_ceil(chunk);
         for (i, c) in tokens.chunks(chunk).enumerate() {
+            if i > 0 && !alive() {
+                return Ok(None);
+            }
             let rows = if i + 1 == n_chunks {
                 LogitsRows::Last
             } else {
@@ -194,7 +198,7 @@ impl Engine {
             }
         }
         let logits = last.ok_or_else(|| anyhow::anyhow!("empty prefill"))?;
-        Ok(logits.squeeze(0)?.to_vec1::<f32>()?)
+        Ok(Some(logits.squeeze(0)?.to_vec1::<f32>()?))
     }
 
     /// Logits for every position of `tokens` (teacher forcing), from an empty cache.
@@ -206,8 +210,9 @@ impl Engine {
         Ok(out.logits)
     }
 
-    /// Generate for one request. `on_delta` receives each piece of output as it becomes final;
-    /// returning `false` cancels the request (finish reason `cancelled`).
+    /// Generate for one request. `on_delta` receives each piece of output as it becomes final,
+    /// and an empty delta between prefill chunks (a liveness probe); returning `false` cancels
+    /// the request (finish reason `cancelled`).
     pub fn generate(
         &mut self,
         req: &GenerateRequest,
@@ -230,7 +235,18 @@ impl Engine {
 
         let t0 = Instant::now();
         self.kv.clear();
-        let logits = self.prefill(&req.prompt_tokens).map_err(internal)?;
+        // Between prefill chunks, an empty delta asks the client whether it is still there.
+        let mut alive = || on_delta(&StreamDelta::default());
+        let Some(logits) = self.prefill(&req.prompt_tokens, &mut alive).map_err(internal)? else {
+            stats.prefill_s = t0.elapsed().as_secs_f64();
+            return Ok(GenerateOutput {
+                text: String::new(),
+                token_ids: Vec::new(),
+                logprobs: req.logprobs.map(|_| Vec::new()),
+                finish_reason: FinishReason::Cancelled,
+                stats,
+            });
+        };
         stats.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
 

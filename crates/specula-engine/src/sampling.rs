@@ -162,12 +162,19 @@ impl Sampler {
         if p.is_greedy() {
             return vec![(argmax(logits), 1.0)];
         }
-        let inv_t = 1.0 / p.temperature;
+        // Subtract the max before dividing by the temperature, so a tiny temperature gives
+        // (0, -large) rather than inf - inf = NaN.
+        let top = logits
+            .iter()
+            .copied()
+            .filter(|l| l.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        let t = p.temperature;
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
             .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (i as u32, l * inv_t))
+            .map(|(i, &l)| (i as u32, (l - top) / t))
             .collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 && cand.len() > p.top_k {
@@ -276,6 +283,20 @@ pub fn top_n(logprobs: &[f32], n: usize) -> Vec<(u32, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiny_temperature_is_near_greedy_not_nan() {
+        for t in [1e-38f32, 1e-40, 1e-6] {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: t,
+                seed: Some(3),
+                ..Default::default()
+            });
+            for _ in 0..20 {
+                assert_eq!(s.sample(&mut [0.5, 3.0, 2.9, -1.0]), 1, "temperature {t}");
+            }
+        }
+    }
 
     #[test]
     fn greedy_is_argmax_lowest_id_on_tie() {

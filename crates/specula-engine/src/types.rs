@@ -123,7 +123,7 @@ pub enum RequestError {
     },
     #[error("the prompt is empty")]
     EmptyPrompt,
-    #[error("invalid sampling parameter: {0}")]
+    #[error("invalid request: {0}")]
     InvalidParameter(String),
     #[error("internal error: {0}")]
     Internal(String),

@@ -415,3 +415,42 @@ fn emit_never_splits_a_utf8_character() {
     assert_eq!(o.delta.text, "\u{FFFD}");
     assert_eq!(o.finished, Some(FinishReason::Length));
 }
+
+#[test]
+fn a_client_gone_during_prefill_stops_it_between_chunks() {
+    let dir = tmp();
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::new(Family::Llama)).expect("write");
+    let mut e = Engine::load(
+        &path,
+        "tiny",
+        LoadOptions {
+            prefill_chunk: 4,
+            ..LoadOptions::default()
+        },
+    )
+    .expect("load");
+    let req = GenerateRequest {
+        prompt_tokens: (0..40).map(|i| 97 + (i % 20)).collect(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(5),
+        stop: vec![],
+        logprobs: None,
+        ignore_eos: true,
+        spec: Default::default(),
+    };
+    let mut probes = 0;
+    let out = e
+        .generate(&req, &mut |d| {
+            assert!(
+                d.text.is_empty() && d.token_ids.is_empty(),
+                "only liveness probes before output"
+            );
+            probes += 1;
+            probes < 3
+        })
+        .expect("generate");
+    assert_eq!(out.finish_reason, FinishReason::Cancelled);
+    assert!(out.token_ids.is_empty());
+    assert_eq!(probes, 3, "asked between chunks, stopped at the first 'gone'");
+}

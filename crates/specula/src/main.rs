@@ -55,6 +55,7 @@ struct ServeArgs {
 }
 
 #[derive(Args, Debug, Clone)]
+#[command(allow_negative_numbers = true)]
 struct SamplingArgs {
     /// Sampling temperature; 0 = greedy.
     #[arg(long, default_value_t = 0.0)]
@@ -186,6 +187,7 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
