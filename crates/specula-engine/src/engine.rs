@@ -326,7 +326,7 @@ impl Engine {
             // Next step: forward [next, draft...] and get one row per position.
             let room_ctx = ctx.saturating_sub(self.kv.len() + 1);
             let room_out = max_tokens.saturating_sub(emitter.tokens().len() + 1);
-            let k = k_ctl.next().min(room_ctx).min(room_out);
+            let k = k_ctl.next_k().min(room_ctx).min(room_out);
             draft = match drafter.as_mut() {
                 Some(d) if k > 0 => d.propose(&context, k),
                 _ => Vec::new(),

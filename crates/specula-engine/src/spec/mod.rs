@@ -135,7 +135,7 @@ impl DraftLength {
     }
 
     /// The k for the next step (0 = do not draft this step).
-    pub fn next(&mut self) -> usize {
+    pub fn next_k(&mut self) -> usize {
         if !self.adaptive {
             return self.max;
         }
@@ -170,23 +170,23 @@ mod tests {
     #[test]
     fn draft_length_follows_acceptance_and_backs_off() {
         let mut c = DraftLength::new(8, true);
-        assert_eq!(c.next(), 8);
+        assert_eq!(c.next_k(), 8);
         for _ in 0..10 {
             c.update(8);
         }
-        assert_eq!(c.next(), 8);
+        assert_eq!(c.next_k(), 8);
         for _ in 0..3 {
             c.update(1);
         }
-        assert!(c.next() < 8);
+        assert!(c.next_k() < 8);
         // Failures pause drafting, longer each time.
         let mut paused = Vec::new();
         for _ in 0..4 {
-            while c.next() != 0 {
+            while c.next_k() != 0 {
                 c.update(0);
             }
             let mut n = 1;
-            while c.next() == 0 {
+            while c.next_k() == 0 {
                 n += 1;
             }
             paused.push(n);
@@ -196,6 +196,6 @@ mod tests {
         assert!(paused[3] > paused[0], "{paused:?}");
         let mut fixed = DraftLength::new(3, false);
         fixed.update(0);
-        assert_eq!(fixed.next(), 3);
+        assert_eq!(fixed.next_k(), 3);
     }
 }
