@@ -42,10 +42,10 @@ pub fn pre_tokenizer_regexes(pre: &str) -> Result<Vec<&'static str>> {
     })
 }
 
-/// A tokenizer with the model's special-token knowledge.
+/// A tokenizer with the model's special-token knowledge. Cloning is cheap (shared vocabulary).
 #[derive(Clone)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: std::sync::Arc<tokenizers::Tokenizer>,
     /// BOS token, when the model has one.
     pub bos_token: Option<(u32, String)>,
     /// The end-of-sequence token named by the bundle.
@@ -158,7 +158,7 @@ impl Tokenizer {
         inner.add_special_tokens(&added);
         let tok = |key: &str| meta_u32(md, key).and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())));
         Ok(Self {
-            inner,
+            inner: inner.into(),
             bos_token: tok("tokenizer.ggml.bos_token_id"),
             eos_token: tok("tokenizer.ggml.eos_token_id"),
             add_bos: md
@@ -177,7 +177,7 @@ impl Tokenizer {
             bos_token: lookup(bos),
             eos_token: lookup(eos),
             add_bos,
-            inner,
+            inner: inner.into(),
         })
     }
 
