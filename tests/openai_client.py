@@ -10,6 +10,9 @@ Checks (greedy, temperature 0):
     equal the non-streamed content, the last chunk with a choice carries the finish_reason, and
     the final chunk carries the usage (no choices);
   * the same request streamed without include_usage: same content, no usage chunk;
+  * the same request with Specula's extension `extra_body={"spec": "ngram"}` (speculative
+    decoding), non-streamed and streamed: the same content and usage, plus a `spec_stats` object
+    (on the response; on the finish_reason chunk of the stream);
   * a legacy completion (max_tokens 16).
 
 --expect FILE is a JSON file written by the Rust end-to-end test (crates/specula/tests/e2e.rs)
@@ -19,7 +22,8 @@ with the inputs and the expected results computed with the library and the model
      "chat": {"messages": [...], "max_tokens": 32, "text": "...", "finish_reason": "...",
               "prompt_tokens": N, "completion_tokens": N},
      "completion": {"prompt": "...", "max_tokens": 16, "text": "...", "finish_reason": "...",
-                    "prompt_tokens": N, "completion_tokens": N}}
+                    "prompt_tokens": N, "completion_tokens": N},
+     "spec": {"mode": "ngram", "decode_path": "ngram"}}
 
 Any key may be left out; what is given is asserted. Without --expect only the server's
 self-consistency is checked. Prints one "OK ..." line per passed check; exits 1 with a message
@@ -153,6 +157,41 @@ def run(args, expect):
     for i, c in enumerate(chunks):
         check(getattr(c, "usage", None) is None, f"plain stream: chunk {i} has usage {c.usage} (not asked for)")
     ok(f"streamed chat without include_usage ({len(chunks)} chunks): same content, no usage chunk")
+
+    # --- speculative decoding (Specula's `spec` extension) ------------------------------------
+    exp_spec = expect.get("spec", {})
+    mode = exp_spec.get("mode", "ngram")
+    sp = client.chat.completions.create(**params, extra_body={"spec": mode})
+    check_eq(f"spec={mode} content vs plain content", sp.choices[0].message.content, content)
+    check_eq(f"spec={mode} finish_reason", sp.choices[0].finish_reason, choice.finish_reason)
+    check_eq(f"spec={mode} usage.prompt_tokens", sp.usage.prompt_tokens, resp.usage.prompt_tokens)
+    check_eq(f"spec={mode} usage.completion_tokens", sp.usage.completion_tokens, resp.usage.completion_tokens)
+    stats = getattr(sp, "spec_stats", None)
+    check(isinstance(stats, dict), f"spec={mode}: no spec_stats object ({stats!r})")
+    for key in ("decode_path", "drafted", "accepted", "target_steps", "committed", "tau"):
+        check(key in stats, f"spec={mode}: spec_stats lacks {key!r}: {stats}")
+    if "decode_path" in exp_spec:
+        check(
+            stats["decode_path"].split(" ")[0] == exp_spec["decode_path"],
+            f"spec={mode}: decode_path {stats['decode_path']!r}, expected {exp_spec['decode_path']!r}",
+        )
+    plain_stats = getattr(resp, "spec_stats", None)
+    check(
+        isinstance(plain_stats, dict) and plain_stats.get("decode_path") == "ar",
+        f"plain request: spec_stats {plain_stats!r}, expected decode_path 'ar'",
+    )
+    stream = client.chat.completions.create(**params, stream=True, extra_body={"spec": mode})
+    sp_content, sp_finish, sp_finish_index, chunks = collect_stream(stream, f"stream(spec={mode})")
+    check_eq(f"stream(spec={mode}) content", sp_content, content)
+    check_eq(f"stream(spec={mode}) finish_reason", sp_finish, choice.finish_reason)
+    s_stats = getattr(chunks[sp_finish_index], "spec_stats", None)
+    check(isinstance(s_stats, dict), f"stream(spec={mode}): the finish_reason chunk has no spec_stats")
+    check_eq(f"stream(spec={mode}) spec_stats.decode_path", s_stats.get("decode_path"), stats["decode_path"])
+    ok(
+        f"chat with extra_body={{'spec': {mode!r}}} (also streamed) equals the plain content: "
+        f"decode_path={stats['decode_path']!r}, drafted={stats['drafted']}, accepted={stats['accepted']}, "
+        f"tau={stats['tau']:.2f}"
+    )
 
     # --- legacy completion -------------------------------------------------------------------
     exp = expect.get("completion", {})

@@ -2,6 +2,7 @@
 //! target step, every token through the [`Emitter`]).
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -13,8 +14,10 @@ use crate::emit::Emitter;
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig};
 use crate::sampling::{self, Sampler};
+use crate::spec::draft_model::DraftModelDrafter;
 use crate::spec::ngram::NgramDrafter;
-use crate::spec::{verify, DraftLength, Drafter, SpecMode};
+use crate::spec::verify::{self, UniformRandomness};
+use crate::spec::{DraftLength, Drafter, Proposal, SpecMode};
 use crate::tokenizer::Tokenizer;
 use crate::types::{
     FinishReason, GenerateOutput, GenerateRequest, GenerationStats, RequestError, StreamDelta, TokenLogprob, TopLogprob,
@@ -37,12 +40,22 @@ impl Default for LoadOptions {
     }
 }
 
+/// A draft model attached to an engine (same tokenizer as the target).
+struct DraftModel {
+    model: Arc<Model>,
+    id: String,
+}
+
+/// The most draft tokens per target step a request may ask for.
+pub const MAX_DRAFT: usize = 32;
+
 /// A loaded model ready to generate.
 pub struct Engine {
     bundle: LoadedBundle,
     id: String,
     kv: KvCache,
     opts: LoadOptions,
+    draft: Option<DraftModel>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -65,6 +78,51 @@ impl Engine {
             id: id.to_string(),
             kv,
             opts,
+            draft: None,
+        }
+    }
+
+    /// Load a draft model (GGUF file or HF directory) for speculative decoding with this engine
+    /// as the target. Errors when the bundle does not load, or when its tokenizer differs from
+    /// the target's (vocabulary, merges, special tokens) or its vocabulary size does not match.
+    pub fn attach_draft_model(&mut self, path: &Path, id: &str) -> Result<()> {
+        let draft = bundle::load(path, &self.opts.device)?;
+        self.attach_draft_bundle(draft, id)
+    }
+
+    /// As [`Engine::attach_draft_model`], from a loaded bundle.
+    pub fn attach_draft_bundle(&mut self, draft: LoadedBundle, id: &str) -> Result<()> {
+        crate::tokenizer::check_same_tokenizer(&self.bundle.tokenizer, &draft.tokenizer)
+            .map_err(|e| anyhow::anyhow!("draft model {id} cannot draft for {}: {e}", self.id))?;
+        let (tv, dv) = (self.config().vocab_size, draft.model.config.vocab_size);
+        if tv != dv {
+            anyhow::bail!(
+                "draft model {id} cannot draft for {}: its LM head has {dv} rows, the target's has {tv}",
+                self.id
+            );
+        }
+        self.draft = Some(DraftModel {
+            model: Arc::new(draft.model),
+            id: id.to_string(),
+        });
+        Ok(())
+    }
+
+    /// The attached draft model's id, if any.
+    pub fn draft_model_id(&self) -> Option<&str> {
+        self.draft.as_ref().map(|d| d.id.as_str())
+    }
+
+    /// The drafter a speculative mode resolves to on this engine: `None` for AR.
+    pub fn resolve_spec_mode(&self, mode: SpecMode) -> Option<SpecMode> {
+        match mode {
+            SpecMode::Off => None,
+            SpecMode::Default | SpecMode::On => Some(if self.draft.is_some() {
+                SpecMode::Draft
+            } else {
+                SpecMode::Ngram
+            }),
+            m => Some(m),
         }
     }
 
@@ -167,6 +225,19 @@ impl Engine {
                 self.config().vocab_size
             )));
         }
+        if req.spec.mode == SpecMode::Draft && self.draft.is_none() {
+            return Err(RequestError::InvalidParameter(format!(
+                "speculative mode `draft` needs a draft model, and {} has none attached \
+                 (start the server with --draft-model)",
+                self.id
+            )));
+        }
+        if req.spec.draft_max == 0 || req.spec.draft_max > MAX_DRAFT {
+            return Err(RequestError::InvalidParameter(format!(
+                "draft_max must be between 1 and {MAX_DRAFT}, got {}",
+                req.spec.draft_max
+            )));
+        }
         if let Some(n) = req.logprobs {
             if n > 20 {
                 return Err(RequestError::InvalidParameter(format!(
@@ -253,25 +324,45 @@ impl Engine {
         // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
         // stats say why.
         let mut drafter: Option<Box<dyn Drafter>> = None;
-        stats.spec.decode_path = match req.spec.mode {
-            SpecMode::Off => "ar".into(),
-            SpecMode::Ngram if !req.sampling.is_greedy() => {
-                "ar (speculation with sampling is not implemented yet)".into()
-            }
-            SpecMode::Ngram if !self.bundle.model.batch_invariant() => {
+        let resolved = self.resolve_spec_mode(req.spec.mode);
+        stats.spec.decode_path = match resolved {
+            None => "ar".into(),
+            Some(_) if !self.bundle.model.batch_invariant() => {
                 "ar (this model's kernels are not batch-invariant: K-quant or f32 weights)".into()
             }
-            SpecMode::Ngram => {
+            Some(SpecMode::Draft) => {
+                let d = self.draft.as_ref().ok_or_else(|| {
+                    RequestError::InvalidParameter("speculative mode `draft` needs a draft model".into())
+                })?;
+                let seed = if req.sampling.is_greedy() {
+                    0
+                } else {
+                    sampler.fork_seed()
+                };
+                drafter = Some(Box::new(DraftModelDrafter::new(
+                    d.model.clone(),
+                    &req.sampling,
+                    seed,
+                    self.opts.prefill_chunk,
+                )));
+                format!("draft-model:{}", d.id)
+            }
+            Some(_) => {
                 drafter = Some(Box::new(NgramDrafter::default()));
                 "ngram".into()
             }
         };
+        // Acceptance at temperature > 0 draws from its own stream, derived from the request seed.
+        let mut accept_rng = (drafter.is_some() && !req.sampling.is_greedy()).then(|| {
+            use rand::SeedableRng;
+            UniformRandomness(rand_chacha::ChaCha20Rng::seed_from_u64(sampler.fork_seed()))
+        });
         let mut k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
         let mut context = req.prompt_tokens.clone();
 
         // The first token comes from the prefill's last row.
         let mut rows = vec![logits];
-        let mut draft: Vec<u32> = Vec::new();
+        let mut draft = Proposal::default();
         while emitter.finished().is_none() {
             // rows[i] = logits after the committed prefix and draft[..i].
             let lps = req
@@ -279,18 +370,31 @@ impl Engine {
                 .map(|n| rows.iter().map(|r| self.token_logprobs(r, n)).collect::<Vec<_>>());
             let (accepted, next) = if draft.is_empty() {
                 (0, sampler.sample(&mut rows[0]))
+            } else if let Some(rng) = accept_rng.as_mut() {
+                // Row i is processed as plain decoding would process it after committing
+                // draft[..i]: the sampler observes those drafts before row i.
+                let tokens = &draft.tokens;
+                let mut observed = 0;
+                let sampler = &mut sampler;
+                let rows = &mut rows;
+                let mut target = |i: usize| {
+                    while observed < i {
+                        sampler.observe(tokens[observed]);
+                        observed += 1;
+                    }
+                    sampler.apply_penalties(&mut rows[i]);
+                    sampler.distribution(&rows[i])
+                };
+                verify::accept_sampled(tokens, draft.q.as_deref(), &mut target, rng)
             } else {
-                verify::accept_greedy(&draft, &mut rows, &mut sampler)
+                verify::accept_greedy(&draft.tokens, &mut rows, &mut sampler)
             };
             sampler.observe(next);
             if !draft.is_empty() {
                 stats.spec.record(draft.len(), accepted);
                 k_ctl.update(accepted);
-                if let Some(d) = drafter.as_mut() {
-                    d.accepted(accepted);
-                }
             }
-            let mut block = draft[..accepted].to_vec();
+            let mut block = draft.tokens[..accepted].to_vec();
             block.push(next);
             let block_lps = lps.map(|l| {
                 block
@@ -328,8 +432,13 @@ impl Engine {
             let room_out = max_tokens.saturating_sub(emitter.tokens().len() + 1);
             let k = k_ctl.next_k().min(room_ctx).min(room_out);
             draft = match drafter.as_mut() {
-                Some(d) if k > 0 => d.propose(&context, k),
-                _ => Vec::new(),
+                Some(d) if k > 0 => {
+                    let td = Instant::now();
+                    let p = d.propose(&context, k).map_err(internal)?;
+                    stats.spec.draft_s += td.elapsed().as_secs_f64();
+                    p
+                }
+                _ => Proposal::default(),
             };
             draft.truncate(k);
             if self.kv.len() + 1 + draft.len() > ctx {
@@ -339,12 +448,13 @@ impl Engine {
             }
             let mut input = Vec::with_capacity(1 + draft.len());
             input.push(next);
-            input.extend_from_slice(&draft);
+            input.extend_from_slice(&draft.tokens);
             let which = if draft.is_empty() {
                 LogitsRows::Last
             } else {
                 LogitsRows::All
             };
+            let tv = Instant::now();
             let out = self
                 .bundle
                 .model
@@ -352,6 +462,7 @@ impl Engine {
                 .map_err(internal)?;
             stats.decode_steps += 1;
             rows = out.logits.to_vec2::<f32>().map_err(|e| internal(e.into()))?;
+            stats.spec.record_forward(input.len(), tv.elapsed().as_secs_f64());
         }
         stats.spec.target_steps = stats.decode_steps;
         stats.decode_s = t1.elapsed().as_secs_f64();

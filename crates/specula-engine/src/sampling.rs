@@ -230,8 +230,14 @@ impl Sampler {
         dist[dist.len() - 1].0
     }
 
-    /// A uniform draw in [0, 1) from this request's RNG (used by speculative acceptance).
+    /// A uniform draw in [0, 1) from this request's RNG.
     pub fn uniform(&mut self) -> f32 {
+        self.rng.gen()
+    }
+
+    /// A seed for a derived RNG (a drafter's, speculative acceptance's), drawn from this request's
+    /// RNG so a seeded request stays reproducible.
+    pub fn fork_seed(&mut self) -> u64 {
         self.rng.gen()
     }
 

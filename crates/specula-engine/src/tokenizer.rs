@@ -229,3 +229,88 @@ impl Tokenizer {
         &self.inner
     }
 }
+
+/// Check that two tokenizers encode and decode identically: same vocabulary (every id maps to the
+/// same token), same BPE merges, same added/special tokens, same pre-tokenizer and normalizer.
+/// A draft model must pass this against its target, since drafts are passed as token ids.
+///
+/// Errors name the first difference found.
+pub fn check_same_tokenizer(target: &Tokenizer, draft: &Tokenizer) -> Result<()> {
+    let json = |t: &Tokenizer| -> Result<serde_json::Value> {
+        let s = t
+            .inner()
+            .to_string(false)
+            .map_err(|e| anyhow::anyhow!("tokenizer serialization: {e}"))?;
+        Ok(serde_json::from_str(&s)?)
+    };
+    let (a, b) = (json(target)?, json(draft)?);
+    let (va, vb) = (target.vocab_size(), draft.vocab_size());
+    if va != vb {
+        anyhow::bail!("tokenizer vocabularies differ in size: target {va}, draft {vb}");
+    }
+    for id in 0..va as u32 {
+        let (ta, tb) = (target.id_to_token(id), draft.id_to_token(id));
+        if ta != tb {
+            anyhow::bail!("tokenizers differ at token id {id}: target {ta:?}, draft {tb:?}");
+        }
+    }
+    for (field, what) in [
+        ("/model/merges", "BPE merges"),
+        ("/added_tokens", "added/special tokens"),
+        ("/pre_tokenizer", "pre-tokenizer"),
+        ("/normalizer", "normalizer"),
+        ("/model/type", "tokenizer model type"),
+    ] {
+        if a.pointer(field) != b.pointer(field) {
+            anyhow::bail!("tokenizers differ in their {what}");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gguf_file::Value as V;
+
+    fn tokenizer(tokens: &[String], merges: &[String], types: &[i32]) -> Tokenizer {
+        let mut md = HashMap::new();
+        md.insert("tokenizer.ggml.model".to_string(), V::String("gpt2".into()));
+        md.insert("tokenizer.ggml.pre".to_string(), V::String("qwen2".into()));
+        md.insert(
+            "tokenizer.ggml.tokens".to_string(),
+            V::Array(tokens.iter().map(|t| V::String(t.clone())).collect()),
+        );
+        md.insert(
+            "tokenizer.ggml.merges".to_string(),
+            V::Array(merges.iter().map(|t| V::String(t.clone())).collect()),
+        );
+        md.insert(
+            "tokenizer.ggml.token_type".to_string(),
+            V::Array(types.iter().map(|&t| V::I32(t)).collect()),
+        );
+        Tokenizer::from_gguf(&md).expect("tokenizer")
+    }
+
+    #[test]
+    fn draft_tokenizer_check_names_the_first_difference() {
+        let (tokens, merges, types) = crate::testing::tiny_vocab();
+        let base = tokenizer(&tokens, &merges, &types);
+        check_same_tokenizer(&base, &tokenizer(&tokens, &merges, &types)).expect("identical");
+
+        let mut renamed = tokens.clone();
+        let id = renamed.len() - 3;
+        renamed[id].push('x');
+        let err = check_same_tokenizer(&base, &tokenizer(&renamed, &merges, &types)).expect_err("renamed token");
+        assert!(err.to_string().contains(&format!("token id {id}")), "{err}");
+
+        let shorter = &tokens[..tokens.len() - 1];
+        let err = check_same_tokenizer(&base, &tokenizer(shorter, &merges, &types[..types.len() - 1]))
+            .expect_err("smaller vocab");
+        assert!(err.to_string().contains("differ in size"), "{err}");
+
+        let fewer_merges = &merges[..merges.len() - 1];
+        let err = check_same_tokenizer(&base, &tokenizer(&tokens, fewer_merges, &types)).expect_err("merges");
+        assert!(err.to_string().contains("BPE merges"), "{err}");
+    }
+}

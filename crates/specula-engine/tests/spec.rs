@@ -178,7 +178,7 @@ fn penalties_at_temperature_zero() {
 }
 
 #[test]
-fn sampling_and_non_invariant_models_fall_back_to_ar_and_say_so() {
+fn non_invariant_models_fall_back_to_ar_and_say_so() {
     let (_d, mut e) = tiny(Family::Llama, GgmlDType::F16, 256);
     let prompt = e.tokenize("the then").expect("tokenize");
     let mut req = greedy_req(prompt, 10);
@@ -190,14 +190,242 @@ fn sampling_and_non_invariant_models_fall_back_to_ar_and_say_so() {
         .decode_path
         .starts_with("ar (this model's kernels are not batch-invariant"));
     assert_eq!(out.stats.spec.drafted, 0);
-    let (_d2, mut e2) = tiny(Family::Llama, GgmlDType::Q8_0, 256);
+}
+
+fn write_tiny(dir: &std::path::Path, name: &str, spec: TinySpec) -> std::path::PathBuf {
+    let path = dir.join(name);
+    write_tiny_gguf(&path, &spec).expect("write");
+    path
+}
+
+/// Which draft model a tiny target gets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Draft {
+    /// The target's own file: every draft is accepted.
+    Same,
+    /// The target's weights quantized to Q4_0: close to the target, most drafts accepted.
+    Requantized,
+    /// Other random weights, one layer: most drafts rejected.
+    Other,
+}
+
+/// A tiny Q8_0 target with a draft model attached.
+fn tiny_pair(draft: Draft) -> (tempfile::TempDir, Engine) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..TinySpec::new(Family::Qwen2)
+    };
+    let target = write_tiny(dir.path(), "target.gguf", base.clone());
+    let draft_spec = match draft {
+        Draft::Same => base,
+        Draft::Requantized => TinySpec {
+            dtype: GgmlDType::Q4_0,
+            ..base
+        },
+        Draft::Other => TinySpec {
+            seed: 7,
+            layers: 1,
+            dtype: GgmlDType::Q4_0,
+            ..base
+        },
+    };
+    let draft = write_tiny(dir.path(), "draft.gguf", draft_spec);
+    let mut e = Engine::load(&target, "tiny", LoadOptions::default()).expect("load");
+    e.attach_draft_model(&draft, "tiny-draft").expect("attach");
+    (dir, e)
+}
+
+fn mode(mode: SpecMode, k: usize, adaptive: bool) -> SpecOptions {
+    SpecOptions {
+        mode,
+        draft_max: k,
+        adaptive,
+    }
+}
+
+#[test]
+fn draft_model_greedy_equals_ar_for_every_k() {
+    for which in [Draft::Same, Draft::Other] {
+        let same = which == Draft::Same;
+        let (_d, mut e) = tiny_pair(which);
+        let prompt = e.tokenize("the then the thin").expect("tokenize");
+        let mut req = greedy_req(prompt, 90);
+        req.sampling.repetition_penalty = if same { 1.0 } else { 1.1 };
+        let (mut drafted, mut accepted) = (0, 0);
+        for (k, adaptive) in [(1, false), (2, false), (4, false), (8, false), (8, true)] {
+            for m in [SpecMode::Draft, SpecMode::Default, SpecMode::On] {
+                let out = assert_same(&mut e, &req, mode(m, k, adaptive), &format!("{which:?} {m:?} k={k}"));
+                assert_eq!(out.stats.spec.decode_path, "draft-model:tiny-draft");
+                drafted += out.stats.spec.drafted;
+                accepted += out.stats.spec.accepted;
+            }
+        }
+        if same {
+            assert_eq!(accepted, drafted, "a model drafting for itself is always accepted");
+        } else {
+            assert!(accepted < drafted, "other weights disagree sometimes");
+        }
+        assert!(drafted > 0);
+    }
+}
+
+#[test]
+fn draft_mode_needs_a_draft_model_and_default_falls_back_to_ngram() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = write_tiny(
+        dir.path(),
+        "t.gguf",
+        TinySpec {
+            dtype: GgmlDType::Q8_0,
+            ..TinySpec::new(Family::Qwen2)
+        },
+    );
+    // `draft` mode without a draft model is a request error, not a silent fallback.
+    let mut plain = Engine::load(&target, "tiny", LoadOptions::default()).expect("load");
+    let mut req = greedy_req(plain.tokenize("the").expect("tokenize"), 4);
+    req.spec = mode(SpecMode::Draft, 4, true);
+    let err = plain.generate(&req, &mut |_| true).expect_err("no draft model");
+    assert!(err.to_string().contains("needs a draft model"), "{err}");
+    // `default` without a draft model uses n-gram lookup.
+    req.spec = mode(SpecMode::Default, 4, true);
+    let (out, _) = run(&mut plain, &req);
+    assert_eq!(out.stats.spec.decode_path, "ngram");
+}
+
+/// Two-sample chi-square homogeneity test on the first `n` generated tokens: categories with
+/// fewer than 10 samples in total are merged. Returns (statistic, degrees of freedom, z) where z
+/// is the Wilson-Hilferty normal approximation of the upper tail.
+fn chi_square(a: &[Vec<u32>], b: &[Vec<u32>]) -> (f64, usize, f64) {
+    use std::collections::BTreeMap;
+    let mut counts: BTreeMap<&[u32], (f64, f64)> = BTreeMap::new();
+    for s in a {
+        counts.entry(s).or_default().0 += 1.0;
+    }
+    for s in b {
+        counts.entry(s).or_default().1 += 1.0;
+    }
+    let mut cats: Vec<(f64, f64)> = Vec::new();
+    let mut other = (0.0, 0.0);
+    for (_, c) in counts {
+        if c.0 + c.1 < 10.0 {
+            other.0 += c.0;
+            other.1 += c.1;
+        } else {
+            cats.push(c);
+        }
+    }
+    if other.0 + other.1 > 0.0 {
+        cats.push(other);
+    }
+    let (na, nb) = (a.len() as f64, b.len() as f64);
+    let mut stat = 0.0;
+    for (ca, cb) in &cats {
+        let tot = ca + cb;
+        let (ea, eb) = (tot * na / (na + nb), tot * nb / (na + nb));
+        stat += (ca - ea).powi(2) / ea + (cb - eb).powi(2) / eb;
+    }
+    let df = cats.len().saturating_sub(1).max(1);
+    let k = df as f64;
+    let z = ((stat / k).cbrt() - (1.0 - 2.0 / (9.0 * k))) / (2.0 / (9.0 * k)).sqrt();
+    (stat, df, z)
+}
+
+/// First `n` tokens of `runs` seeded samples of `req` under `opts`.
+fn samples(e: &mut Engine, req: &GenerateRequest, opts: SpecOptions, runs: u64) -> (Vec<Vec<u32>>, usize, usize) {
+    let (mut drafted, mut accepted) = (0, 0);
+    let out = (0..runs)
+        .map(|seed| {
+            let mut r = req.clone();
+            r.spec = opts;
+            r.sampling.seed = Some(seed);
+            let (o, _) = run(e, &r);
+            drafted += o.stats.spec.drafted;
+            accepted += o.stats.spec.accepted;
+            o.token_ids
+        })
+        .collect();
+    (out, drafted, accepted)
+}
+
+fn sampled_req(prompt: Vec<u32>, n: usize) -> GenerateRequest {
+    let mut req = greedy_req(prompt, n);
+    req.logprobs = None;
     req.sampling = SamplingParams {
         temperature: 0.8,
-        seed: Some(1),
         ..SamplingParams::default()
     };
-    let (out, _) = run(&mut e2, &req);
-    assert!(out.stats.spec.decode_path.starts_with("ar (speculation with sampling"));
+    req
+}
+
+/// Tokens `range` of every sample.
+fn window(samples: &[Vec<u32>], range: std::ops::Range<usize>) -> Vec<Vec<u32>> {
+    samples.iter().map(|s| s[range.clone()].to_vec()).collect()
+}
+
+/// S-law on tiny models: with a sampling draft model (q close to p: most drafts accepted, full
+/// accepts and bonus tokens; q far from p: most rejected, residual draws), the law of the first
+/// three tokens, and of tokens 2..4 (one verify block of 2 drafts + the bonus or correction),
+/// equals AR's by a chi-square test at p < 0.001 (z > 3.09). Runs are seeded: deterministic.
+#[test]
+fn sampling_spec_matches_ar_in_distribution_on_tiny_models() {
+    for which in [Draft::Requantized, Draft::Other] {
+        let (_d, mut e) = tiny_pair(which);
+        let prompt = e.tokenize("the then the thin then the").expect("tokenize");
+        let mut req = sampled_req(prompt, 4);
+        req.sampling.top_k = 40;
+        let runs = 3000;
+        let (ar, _, _) = samples(&mut e, &req, SpecOptions::default(), runs);
+        let m = SpecMode::Draft;
+        let (sp, drafted, accepted) = samples(&mut e, &req, mode(m, 3, false), runs);
+        assert!(
+            drafted >= runs as usize,
+            "{which:?}: speculation ran ({drafted} drafted)"
+        );
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{which:?}: accepts and rejects both happen"
+        );
+        for w in [0..3, 1..4] {
+            let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
+            eprintln!("{which:?} tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
+            assert!(
+                z < 3.09,
+                "{which:?}: law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
+            );
+        }
+        // And the test can fail: a different temperature is a different law.
+        let mut hot = req.clone();
+        hot.sampling.temperature = 1.2;
+        let (other, _, _) = samples(&mut e, &hot, SpecOptions::default(), runs);
+        let (stat, df, z) = chi_square(&window(&ar, 0..3), &window(&other, 0..3));
+        assert!(
+            z > 3.09,
+            "temperature 0.8 vs 1.2 must be told apart (chi2 {stat:.1}, df {df}, z {z:.2})"
+        );
+    }
+}
+
+/// The chi-square test on a real model (SmolLM2, temperature 0.8, n-gram lookup on a prompt
+/// that repeats, so drafts start at the first decode step).
+#[test]
+fn smollm2_sampling_spec_matches_ar_in_distribution() {
+    let path = common::model_path("smollm2-135m-instruct");
+    let mut e = Engine::load(&path, "smollm2", LoadOptions::default()).expect("load");
+    let prompt = e
+        .tokenize("red green blue, red green blue, red green blue, red green")
+        .expect("tokenize");
+    let req = sampled_req(prompt, 3);
+    let runs = 300;
+    let (ar, _, _) = samples(&mut e, &req, SpecOptions::default(), runs);
+    let (sp, drafted, accepted) = samples(&mut e, &req, spec(3, false), runs);
+    let (stat, df, z) = chi_square(&ar, &sp);
+    eprintln!("smollm2 chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
+    assert!(accepted > 0 && drafted > accepted);
+    assert!(
+        z < 3.09,
+        "first-3-token law differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
+    );
 }
 
 fn smollm2_gate(prompt_ids: &[&str], configs: &[(usize, bool)]) {

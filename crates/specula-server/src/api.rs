@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::Stream;
 use serde_json::{json, Value};
+use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -56,6 +57,8 @@ struct Parsed {
     common: Common,
     /// Alternatives per token when log-probabilities were asked for.
     logprobs: Option<usize>,
+    /// Speculative decoding (the `spec` field over the server default).
+    spec: SpecOptions,
 }
 
 fn unix_now() -> u64 {
@@ -83,6 +86,24 @@ fn usage_json(out: &GenerateOutput) -> Value {
     })
 }
 
+/// The `spec` field, checked against what this server can serve.
+fn parse_spec(h: &EngineHandle, b: &Body) -> Result<SpecOptions, ApiError> {
+    let m = h.model();
+    let spec = params::spec(b, &m.spec)?;
+    if spec.mode == SpecMode::Draft && m.draft_model.is_none() {
+        return Err(ApiError::invalid(
+            format!(
+                "Invalid 'spec': speculative mode 'draft' needs a draft model, and {} has none attached \
+                 (start the server with --draft-model).",
+                m.id
+            ),
+            Some("spec"),
+        )
+        .with_code("invalid_value"));
+    }
+    Ok(spec)
+}
+
 fn parse_body(body: Result<Json<Value>, JsonRejection>) -> Result<Value, ApiError> {
     body.map(|Json(v)| v).map_err(ApiError::from)
 }
@@ -91,6 +112,7 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let b = Body::new(v)?;
     let common = params::common(&b, &h.model().id, &["max_completion_tokens", "max_tokens"])?;
     let messages = params::messages(&b)?;
+    let spec = parse_spec(h, &b)?;
     let want = b.bool("logprobs")?.unwrap_or(false);
     let top = b.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i128)?;
     if !want && top.is_some_and(|t| t > 0) {
@@ -105,6 +127,7 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
         prompt: Prompt::Chat(messages),
         common,
         logprobs: want.then(|| top.unwrap_or(0) as usize),
+        spec,
     })
 }
 
@@ -127,11 +150,13 @@ fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
         return Err(ApiError::invalid("suffix is not supported.", Some("suffix")).with_code("unsupported_parameter"));
     }
     let logprobs = b.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i128)?.map(|n| n as usize);
+    let spec = parse_spec(h, &b)?;
     Ok(Parsed {
         kind: Kind::Completion,
         prompt,
         common,
         logprobs,
+        spec,
     })
 }
 
@@ -164,7 +189,7 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
             stop: c.stop.clone(),
             logprobs: p.logprobs,
             ignore_eos: c.ignore_eos,
-            spec: Default::default(),
+            spec: p.spec,
         },
         default_max_tokens: (p.kind == Kind::Completion).then_some(COMPLETIONS_DEFAULT_MAX_TOKENS),
         stream: c.stream,
@@ -257,6 +282,7 @@ impl ResponseCtx {
         };
         let mut v = self.envelope(false, vec![choice]);
         v["usage"] = usage_json(out);
+        v["spec_stats"] = out.stats.spec.to_json();
         v
     }
 
@@ -312,12 +338,15 @@ impl ResponseCtx {
                 "finish_reason": out.finish_reason.as_str(),
             }),
         };
-        self.envelope(true, vec![choice])
+        let mut v = self.envelope(true, vec![choice]);
+        v["spec_stats"] = out.stats.spec.to_json();
+        v
     }
 
     fn usage_chunk(&self, out: &GenerateOutput) -> Value {
         let mut v = self.envelope(true, Vec::new());
         v["usage"] = usage_json(out);
+        v["spec_stats"] = out.stats.spec.to_json();
         v
     }
 }
@@ -400,6 +429,13 @@ fn model_json(h: &EngineHandle) -> Value {
         "context_length": m.context_length,
         "max_model_len": m.context_length,
         "vocab_size": m.vocab_size,
+        "specula": {
+            "draft_model": m.draft_model,
+            "spec_default": m.spec.mode.as_str(),
+            "draft_max": m.spec.draft_max,
+            "adaptive": m.spec.adaptive,
+            "batch_invariant": m.batch_invariant,
+        },
     })
 }
 

@@ -110,6 +110,7 @@ impl ApiError {
                 let param = PARAM_NAMES.iter().find(|p| **p == first).copied();
                 let param = match param {
                     Some(p) => Some(p),
+                    None if m.starts_with("speculative") || m.starts_with("draft_max") => Some("spec"),
                     None if m.starts_with("chat template") => Some("messages"),
                     None if m.starts_with("prompt") => Some(prompt_param),
                     None => None,

@@ -4,6 +4,11 @@
 //! `GET /v1/models/{id}`, `GET /health`, `GET /metrics` (Prometheus text). Errors use OpenAI's
 //! body `{"error": {"message", "type", "param", "code"}}`.
 //!
+//! Speculative decoding extensions: the request field `spec` (a mode string, or
+//! `{"mode", "draft_max", "adaptive"}` over the server default [`ServeOptions::spec`]), the
+//! response object `spec_stats` (non-streamed responses; the finish and usage chunks of a
+//! stream), and the `specula` object of each model in `/v1/models`.
+//!
 //! The engine runs on one dedicated OS thread ([`EngineHandle`]); requests are served one at a
 //! time in arrival order, with at most `max_queue` waiting (more get 429 with `Retry-After: 1`).
 
@@ -26,7 +31,9 @@ use tokio::net::TcpListener;
 
 pub use error::ApiError;
 pub use metrics::Metrics;
-pub use worker::{EngineHandle, Event, HoldGuard, ModelInfo, Prompt, Submission, SubmitError, DEFAULT_MAX_QUEUE};
+pub use worker::{
+    check_spec_default, EngineHandle, Event, HoldGuard, ModelInfo, Prompt, Submission, SubmitError, DEFAULT_MAX_QUEUE,
+};
 
 /// Largest request body accepted (long prompts given as token-id arrays are verbose).
 pub const MAX_BODY_BYTES: usize = 32 << 20;
@@ -41,6 +48,8 @@ pub struct ServeOptions {
     pub port: u16,
     /// Requests allowed to wait while one runs; more get HTTP 429.
     pub max_queue: usize,
+    /// Speculative decoding for requests that do not set the `spec` field.
+    pub spec: specula_engine::spec::SpecOptions,
 }
 
 impl Default for ServeOptions {
@@ -49,6 +58,7 @@ impl Default for ServeOptions {
             host: "127.0.0.1".to_string(),
             port: 8000,
             max_queue: DEFAULT_MAX_QUEUE,
+            spec: Default::default(),
         }
     }
 }
@@ -71,7 +81,9 @@ pub fn router(handle: EngineHandle) -> Router {
 
 /// Serve `engine` on `opts.host:opts.port` until Ctrl-C (or SIGTERM).
 pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result<()> {
-    let handle = EngineHandle::spawn_with_queue(engine, opts.max_queue);
+    worker::check_spec_default(&engine, &opts.spec)
+        .map_err(|e| anyhow::anyhow!("the server's speculation default: {e}"))?;
+    let handle = EngineHandle::spawn_with_spec(engine, opts.max_queue, opts.spec);
     let listener = TcpListener::bind((opts.host.as_str(), opts.port))
         .await
         .with_context(|| format!("binding {}:{}", opts.host, opts.port))?;
@@ -81,7 +93,16 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
     } else {
         opts.host.clone()
     };
-    tracing::info!(model = %handle.model().id, max_queue = opts.max_queue, "listening on http://{host}:{port}");
+    let m = handle.model();
+    tracing::info!(
+        model = %m.id,
+        max_queue = opts.max_queue,
+        spec = m.spec.mode.as_str(),
+        draft_max = m.spec.draft_max,
+        adaptive = m.spec.adaptive,
+        draft_model = m.draft_model.as_deref().unwrap_or("none"),
+        "listening on http://{host}:{port}"
+    );
     serve_with_shutdown(handle, listener, shutdown_signal()).await
 }
 

@@ -24,6 +24,16 @@ pub struct Metrics {
     pub prefill_seconds: Histogram,
     /// Seconds a request waited in the queue before the engine took it.
     pub queue_seconds: Histogram,
+    /// Finished generations by decode path (`ar`, `ngram`, `draft-model`).
+    pub spec_requests: IntCounterVec,
+    /// Draft tokens proposed (speculative requests).
+    pub spec_drafted: IntCounter,
+    /// Draft tokens accepted by the target (speculative requests).
+    pub spec_accepted: IntCounter,
+    /// Target forward passes after prefill in speculative requests.
+    pub spec_target_steps: IntCounter,
+    /// Tokens committed by those target steps (tau = committed / target steps).
+    pub spec_committed: IntCounter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -67,6 +77,31 @@ impl Metrics {
         );
         let prefill_seconds = hist("specula_prefill_seconds", "Seconds of prefill per generation.");
         let queue_seconds = hist("specula_queue_seconds", "Seconds a request waited for the engine.");
+        let spec_requests = IntCounterVec::new(
+            Opts::new(
+                "specula_spec_requests_total",
+                "Finished generations by decode path (ar, ngram, draft-model).",
+            ),
+            &["decode_path"],
+        )
+        .expect("valid metric");
+        let counter = |name: &str, help: &str| IntCounter::new(name, help).expect("valid metric");
+        let spec_drafted = counter(
+            "specula_spec_draft_tokens_total",
+            "Draft tokens proposed in speculative requests.",
+        );
+        let spec_accepted = counter(
+            "specula_spec_accepted_tokens_total",
+            "Draft tokens accepted in speculative requests (acceptance rate = accepted / draft).",
+        );
+        let spec_target_steps = counter(
+            "specula_spec_target_steps_total",
+            "Target decode steps (forward passes after prefill) in speculative requests.",
+        );
+        let spec_committed = counter(
+            "specula_spec_committed_tokens_total",
+            "Tokens committed by target decode steps in speculative requests (tau = committed / target steps).",
+        );
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(prompt_tokens.clone()),
@@ -77,6 +112,11 @@ impl Metrics {
             Box::new(generation_seconds.clone()),
             Box::new(prefill_seconds.clone()),
             Box::new(queue_seconds.clone()),
+            Box::new(spec_requests.clone()),
+            Box::new(spec_drafted.clone()),
+            Box::new(spec_accepted.clone()),
+            Box::new(spec_target_steps.clone()),
+            Box::new(spec_committed.clone()),
         ] {
             registry.register(c).expect("metric names are unique");
         }
@@ -91,6 +131,11 @@ impl Metrics {
             generation_seconds,
             prefill_seconds,
             queue_seconds,
+            spec_requests,
+            spec_drafted,
+            spec_accepted,
+            spec_target_steps,
+            spec_committed,
         }
     }
 

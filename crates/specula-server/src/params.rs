@@ -4,6 +4,8 @@
 //! `null` means "absent", and a wrong type is a 400 naming the field.
 
 use serde_json::{Map, Value};
+use specula_engine::engine::MAX_DRAFT;
+use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, SamplingParams};
 
 use crate::error::ApiError;
@@ -27,9 +29,14 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 fn bad_type(param: &str, expected: &str, got: &Value) -> ApiError {
+    bad_field_type(param, param, expected, got)
+}
+
+/// A wrong type for `field`, a part of the request parameter `param` (`spec.mode` of `spec`).
+fn bad_field_type(param: &str, field: &str, expected: &str, got: &Value) -> ApiError {
     ApiError::invalid(
         format!(
-            "Invalid type for '{param}': expected {expected}, but got {} instead.",
+            "Invalid type for '{field}': expected {expected}, but got {} instead.",
             type_name(got)
         ),
         Some(param),
@@ -215,6 +222,73 @@ pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Comm
         stream,
         include_usage,
     })
+}
+
+const SPEC_MODES: &str = "'off', 'default', 'on', 'ngram' or 'draft'";
+
+fn spec_mode(v: &str) -> Result<SpecMode, ApiError> {
+    SpecMode::parse(v).ok_or_else(|| {
+        bad_value(
+            "spec",
+            format!("Invalid 'spec' mode '{v}': expected one of {SPEC_MODES}."),
+        )
+    })
+}
+
+/// The `spec` extension: a mode string (`"ngram"`), or an object
+/// `{"mode": ..., "draft_max": K, "adaptive": bool}` whose missing (or null) fields come from
+/// `default` (the server-wide setting); absent or null = `default`. Every error names `spec`.
+pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
+    let mut out = *default;
+    match b.get("spec") {
+        None => {}
+        Some(Value::String(m)) => out.mode = spec_mode(m)?,
+        Some(Value::Object(o)) => {
+            if let Some(key) = o
+                .keys()
+                .find(|k| !matches!(k.as_str(), "mode" | "draft_max" | "adaptive"))
+            {
+                return Err(ApiError::invalid(
+                    format!("Unknown field 'spec.{key}': 'spec' takes 'mode', 'draft_max' and 'adaptive'."),
+                    Some("spec"),
+                )
+                .with_code("unknown_parameter"));
+            }
+            match o.get("mode") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(m)) => out.mode = spec_mode(m)?,
+                Some(v) => return Err(bad_field_type("spec", "spec.mode", "a string", v)),
+            }
+            match o.get("draft_max") {
+                None | Some(Value::Null) => {}
+                Some(v) => match as_integer(v) {
+                    Some(k) if (1..=MAX_DRAFT as i128).contains(&k) => out.draft_max = k as usize,
+                    Some(k) => {
+                        return Err(bad_value(
+                            "spec",
+                            format!(
+                                "Invalid 'spec.draft_max': expected a value between 1 and {MAX_DRAFT}, but got {k} instead."
+                            ),
+                        ))
+                    }
+                    None => return Err(bad_field_type("spec", "spec.draft_max", "an integer", v)),
+                },
+            }
+            match o.get("adaptive") {
+                None | Some(Value::Null) => {}
+                Some(Value::Bool(a)) => out.adaptive = *a,
+                Some(v) => return Err(bad_field_type("spec", "spec.adaptive", "a boolean", v)),
+            }
+        }
+        Some(v) => {
+            return Err(bad_type(
+                "spec",
+                &format!("a mode string ({SPEC_MODES}) or an object"),
+                v,
+            ))
+        }
+    }
+    Ok(out)
 }
 
 /// Chat `messages`: role + content (a string, or text parts joined with newlines).

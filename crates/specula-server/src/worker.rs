@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use specula_engine::spec::SpecOptions;
 use specula_engine::{ChatMessage, Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -31,6 +32,13 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// Unix seconds when the engine was handed to the server.
     pub created: u64,
+    /// The attached draft model's id, if any.
+    pub draft_model: Option<String>,
+    /// Whether every projection of the model runs on a batch-invariant kernel (speculation is
+    /// used only then; otherwise requests decode plain AR).
+    pub batch_invariant: bool,
+    /// Speculative decoding for requests that do not set the `spec` field.
+    pub spec: SpecOptions,
 }
 
 /// The prompt of a job, before templating and tokenization (done on the worker thread).
@@ -179,13 +187,24 @@ impl EngineHandle {
         Self::spawn_with_queue(engine, DEFAULT_MAX_QUEUE)
     }
 
-    /// Start the worker thread; at most `max_queue` requests wait while one runs.
+    /// Start the worker thread; at most `max_queue` requests wait while one runs. Requests
+    /// without a `spec` field decode plain AR.
     pub fn spawn_with_queue(engine: Engine, max_queue: usize) -> Self {
+        Self::spawn_with_spec(engine, max_queue, SpecOptions::default())
+    }
+
+    /// Start the worker thread; at most `max_queue` requests wait while one runs, and requests
+    /// without a `spec` field use `spec` (see [`check_spec_default`] for a default the engine
+    /// cannot serve).
+    pub fn spawn_with_spec(engine: Engine, max_queue: usize, spec: SpecOptions) -> Self {
         let model = ModelInfo {
             id: engine.model_id().to_string(),
             context_length: engine.context_length(),
             vocab_size: engine.config().vocab_size,
             created: unix_now(),
+            draft_model: engine.draft_model_id().map(str::to_string),
+            batch_invariant: engine.model().batch_invariant(),
+            spec,
         };
         let token_bytes = TokenBytes::new(engine.tokenizer().clone());
         let metrics = Metrics::new();
@@ -266,6 +285,26 @@ impl EngineHandle {
             .map_err(|_| SubmitError::WorkerGone)?;
         Ok(HoldGuard { _release: tx })
     }
+}
+
+/// Check that `engine` can serve the server-wide speculation default `spec`: `draft_max` within
+/// `1..=MAX_DRAFT`, and a draft model attached for mode `draft`.
+pub fn check_spec_default(engine: &Engine, spec: &SpecOptions) -> Result<(), String> {
+    use specula_engine::engine::MAX_DRAFT;
+    use specula_engine::spec::SpecMode;
+    if spec.draft_max == 0 || spec.draft_max > MAX_DRAFT {
+        return Err(format!(
+            "draft_max must be between 1 and {MAX_DRAFT}, got {}",
+            spec.draft_max
+        ));
+    }
+    if spec.mode == SpecMode::Draft && engine.draft_model_id().is_none() {
+        return Err(format!(
+            "speculative mode `draft` needs a draft model, and {} has none attached",
+            engine.model_id()
+        ));
+    }
+    Ok(())
 }
 
 fn unix_now() -> u64 {
@@ -368,14 +407,34 @@ fn run_job(
     engine.generate(&req, &mut on_delta)
 }
 
+/// The drafter family of a decode path, for metric labels: `ar` (plain decoding, also when
+/// speculation was asked for but could not be used), `ngram`, `draft-model`, ...
+pub(crate) fn decode_path_label(path: &str) -> &str {
+    let head = path.split([' ', ':']).next().unwrap_or("");
+    if head.is_empty() {
+        "ar"
+    } else {
+        head
+    }
+}
+
 /// Metrics and the per-request log line.
 fn record_done(metrics: &Metrics, endpoint: &str, out: &GenerateOutput) {
     let s = &out.stats;
+    let sp = &s.spec;
     metrics.prompt_tokens.inc_by(s.prompt_tokens as u64);
     metrics.completion_tokens.inc_by(s.completion_tokens as u64);
     metrics.generation_seconds.observe(s.prefill_s + s.decode_s);
     metrics.prefill_seconds.observe(s.prefill_s);
     metrics.finished.with_label_values(&[out.finish_reason.as_str()]).inc();
+    let path = decode_path_label(&sp.decode_path);
+    metrics.spec_requests.with_label_values(&[path]).inc();
+    if path != "ar" {
+        metrics.spec_drafted.inc_by(sp.drafted as u64);
+        metrics.spec_accepted.inc_by(sp.accepted as u64);
+        metrics.spec_target_steps.inc_by(sp.target_steps as u64);
+        metrics.spec_committed.inc_by(sp.committed as u64);
+    }
     let rate = |n: usize, secs: f64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
     tracing::info!(
         endpoint,
@@ -384,7 +443,28 @@ fn record_done(metrics: &Metrics, endpoint: &str, out: &GenerateOutput) {
         finish_reason = out.finish_reason.as_str(),
         prefill_tok_s = format_args!("{:.1}", rate(s.prompt_tokens, s.prefill_s)),
         decode_tok_s = format_args!("{:.1}", rate(s.completion_tokens, s.decode_s)),
+        decode_path = %sp.decode_path,
+        drafted = sp.drafted,
+        accepted = sp.accepted,
+        tau = format_args!("{:.2}", sp.tau()),
         "request finished in {:.3}s",
         s.prefill_s + s.decode_s
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_path_label;
+
+    #[test]
+    fn decode_path_labels() {
+        assert_eq!(decode_path_label("ar"), "ar");
+        assert_eq!(
+            decode_path_label("ar (this model's kernels are not batch-invariant)"),
+            "ar"
+        );
+        assert_eq!(decode_path_label("ngram"), "ngram");
+        assert_eq!(decode_path_label("draft-model:smollm2"), "draft-model");
+        assert_eq!(decode_path_label(""), "ar");
+    }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use common::*;
 use serde_json::{json, Value};
+use specula_engine::spec::SpecOptions;
 use specula_engine::{ChatMessage, SamplingParams};
 
 fn messages() -> Vec<ChatMessage> {
@@ -838,4 +839,399 @@ async fn client_gone_mid_stream_cancels_generation() {
         .parse()
         .unwrap();
     assert!(done < 4000, "{done} tokens generated after the client left");
+}
+
+// --- speculative decoding ---------------------------------------------------------------------
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+
+/// A prompt that repeats itself, so n-gram lookup finds drafts.
+fn repetitive_messages() -> Value {
+    json!([{"role": "user", "content": "the then the thin the then the then the thin the then the then"}])
+}
+
+fn spec_chat_body(spec: Option<Value>) -> Value {
+    let mut b = json!({"messages": repetitive_messages(), "temperature": 0, "max_tokens": 100, "ignore_eos": true});
+    if let Some(s) = spec {
+        b["spec"] = s;
+    }
+    b
+}
+
+/// The chunks of a streamed reply (without `[DONE]`) and the concatenated text of its deltas.
+fn stream_chunks(r: &Reply, kind_chat: bool) -> (Vec<Value>, String) {
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let events = r.sse_data();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{}", r.text);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text = chunks
+        .iter()
+        .filter_map(|c| {
+            let choice = c["choices"].get(0)?;
+            if kind_chat {
+                choice["delta"]["content"].as_str().map(str::to_string)
+            } else {
+                choice["text"].as_str().map(str::to_string)
+            }
+        })
+        .collect();
+    (chunks, text)
+}
+
+/// Check the `spec_stats` object's shape; returns it.
+fn spec_stats(v: &Value) -> &Value {
+    let s = &v["spec_stats"];
+    assert!(s.is_object(), "no spec_stats object: {v}");
+    for key in [
+        "decode_path",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "target_steps",
+        "committed",
+        "tau",
+    ] {
+        assert!(s.get(key).is_some(), "spec_stats lacks '{key}': {s}");
+    }
+    s
+}
+
+#[tokio::test]
+async fn spec_ngram_equals_off_chat_and_stream() {
+    let (app, _h) = app_with_spec(spec_engine(), SpecOptions::default());
+    let off = post(&app, CHAT, spec_chat_body(Some(json!("off")))).await;
+    assert_eq!(off.status, StatusCode::OK, "{}", off.text);
+    let off = off.json();
+    let want = off["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert!(want.len() > 40, "{want:?}");
+    assert_eq!(off["usage"]["completion_tokens"], 100);
+    assert_eq!(spec_stats(&off)["decode_path"], "ar");
+    assert_eq!(spec_stats(&off)["drafted"], 0);
+    // No field = the server default (off here).
+    let plain = post(&app, CHAT, spec_chat_body(None)).await.json();
+    assert_eq!(plain["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(spec_stats(&plain)["decode_path"], "ar");
+
+    let mut accepted = 0;
+    for spec in [
+        json!("ngram"),
+        json!({"mode": "ngram", "draft_max": 2, "adaptive": false}),
+        json!({"mode": "ngram", "draft_max": 8}),
+        json!("on"),
+        json!({"mode": "default", "adaptive": null}),
+    ] {
+        let r = post(&app, CHAT, spec_chat_body(Some(spec.clone()))).await;
+        assert_eq!(r.status, StatusCode::OK, "{spec}: {}", r.text);
+        let v = r.json();
+        assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{spec}");
+        assert_eq!(
+            v["choices"][0]["finish_reason"], off["choices"][0]["finish_reason"],
+            "{spec}"
+        );
+        assert_eq!(v["usage"], off["usage"], "{spec}");
+        let s = spec_stats(&v);
+        assert_eq!(s["decode_path"], "ngram", "{spec}: {s}");
+        assert!(s["drafted"].as_u64().unwrap() > 0, "{spec}: {s}");
+        assert!(s["target_steps"].as_u64().unwrap() < 100, "{spec}: {s}");
+        accepted += s["accepted"].as_u64().unwrap();
+
+        // Streamed: the deltas concatenate to the same text; the finish chunk and the usage
+        // chunk carry spec_stats, no other chunk does.
+        let mut body = spec_chat_body(Some(spec.clone()));
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let (chunks, text) = stream_chunks(&post(&app, CHAT, body).await, true);
+        assert_eq!(text, want, "{spec}: streamed");
+        let (usage_chunk, rest) = chunks.split_last().unwrap();
+        let finish_chunk = rest.last().unwrap();
+        assert_eq!(finish_chunk["choices"][0]["finish_reason"], "length");
+        assert_eq!(spec_stats(finish_chunk)["decode_path"], "ngram");
+        assert_eq!(spec_stats(finish_chunk)["drafted"], s["drafted"], "{spec}");
+        assert_eq!(usage_chunk["usage"], off["usage"]);
+        assert_eq!(spec_stats(usage_chunk), spec_stats(finish_chunk));
+        for c in &rest[..rest.len() - 1] {
+            assert!(c.get("spec_stats").is_none(), "{c}");
+        }
+
+        // Streamed without usage: the last chunk (with the finish_reason) carries spec_stats.
+        let mut body = spec_chat_body(Some(spec.clone()));
+        body["stream"] = json!(true);
+        let (chunks, text) = stream_chunks(&post(&app, CHAT, body).await, true);
+        assert_eq!(text, want, "{spec}: streamed");
+        let last = chunks.last().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        assert_eq!(spec_stats(last)["decode_path"], "ngram");
+    }
+    assert!(
+        accepted > 0,
+        "a repetitive prompt on a random model gets some drafts accepted"
+    );
+}
+
+#[tokio::test]
+async fn spec_ngram_equals_off_completions() {
+    let (app, _h) = app_with_spec(spec_engine(), SpecOptions::default());
+    let body = |spec: Value| {
+        json!({"prompt": "in the thin then the thin then the thin", "temperature": 0, "max_tokens": 60,
+            "ignore_eos": true, "spec": spec})
+    };
+    let off = post(&app, COMPLETIONS, body(json!("off"))).await.json();
+    let want = off["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(spec_stats(&off)["decode_path"], "ar");
+    let r = post(&app, COMPLETIONS, body(json!({"mode": "ngram", "draft_max": 3}))).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], want.as_str());
+    assert_eq!(v["usage"], off["usage"]);
+    assert_eq!(spec_stats(&v)["decode_path"], "ngram");
+    assert!(spec_stats(&v)["drafted"].as_u64().unwrap() > 0);
+
+    let mut b = body(json!("ngram"));
+    b["stream"] = json!(true);
+    let (chunks, text) = stream_chunks(&post(&app, COMPLETIONS, b).await, false);
+    assert_eq!(text, want);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["object"], "text_completion");
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(spec_stats(last)["decode_path"], "ngram");
+}
+
+#[tokio::test]
+async fn spec_on_a_non_invariant_model_decodes_ar_and_says_why() {
+    // The f32 tiny model: speculation is asked for but cannot be exact, so plain decoding runs.
+    let (app, _h) = app();
+    let off = post(&app, CHAT, spec_chat_body(Some(json!("off")))).await.json();
+    let v = post(&app, CHAT, spec_chat_body(Some(json!("ngram")))).await.json();
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        off["choices"][0]["message"]["content"]
+    );
+    let path = spec_stats(&v)["decode_path"].as_str().unwrap();
+    assert!(path.starts_with("ar ("), "{path}");
+    assert_eq!(spec_stats(&v)["drafted"], 0);
+}
+
+#[tokio::test]
+async fn spec_bad_values_get_400() {
+    let (app, _h) = app();
+    let msgs = messages_json();
+    let cases = [
+        (json!("fast"), "invalid_value"),
+        (json!(""), "invalid_value"),
+        (json!("NGRAM"), "invalid_value"),
+        (json!("draft"), "invalid_value"),
+        (json!({"mode": "draft"}), "invalid_value"),
+        (json!({"mode": "sometimes"}), "invalid_value"),
+        (json!({"mode": 1}), "invalid_type"),
+        (json!({"draft_max": 0}), "invalid_value"),
+        (json!({"draft_max": 33}), "invalid_value"),
+        (json!({"draft_max": -1}), "invalid_value"),
+        (json!({"draft_max": 1e30}), "invalid_type"),
+        (json!({"draft_max": 2.5}), "invalid_type"),
+        (json!({"draft_max": "4"}), "invalid_type"),
+        (json!({"adaptive": "yes"}), "invalid_type"),
+        (json!({"adaptive": 1}), "invalid_type"),
+        (json!({"k": 4}), "unknown_parameter"),
+        (json!(true), "invalid_type"),
+        (json!(4), "invalid_type"),
+        (json!(["ngram"]), "invalid_type"),
+    ];
+    for (spec, code) in cases {
+        for (path, mut body) in [
+            (CHAT, json!({"messages": msgs, "max_tokens": 4})),
+            (COMPLETIONS, json!({"prompt": "the hen", "max_tokens": 4})),
+        ] {
+            body["spec"] = spec.clone();
+            let r = post(&app, path, body.clone()).await;
+            let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("spec"));
+            assert_eq!(e["code"], code, "{path} {spec}: {}", r.text);
+            body["stream"] = json!(true);
+            let r = post(&app, path, body).await;
+            assert_error(&r, StatusCode::BAD_REQUEST, Some("spec"));
+        }
+    }
+    // Valid forms on the same server: null = absent, and every field is optional.
+    for spec in [
+        Value::Null,
+        json!({}),
+        json!({"mode": null, "draft_max": null, "adaptive": null}),
+        json!({"draft_max": 32.0}),
+        json!("default"),
+    ] {
+        let r = post(
+            &app,
+            CHAT,
+            json!({"messages": msgs, "max_tokens": 4, "temperature": 0, "spec": spec}),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK, "{spec}: {}", r.text);
+    }
+}
+
+#[test]
+fn engine_spec_errors_map_to_400_spec() {
+    use specula_engine::RequestError;
+    use specula_server::ApiError;
+    let mut eng = spec_engine();
+    let prompt = eng.tokenize("the hen").unwrap();
+    let mut req = specula_engine::GenerateRequest {
+        prompt_tokens: prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(4),
+        stop: Vec::new(),
+        logprobs: None,
+        ignore_eos: false,
+        spec: SpecOptions {
+            mode: specula_engine::spec::SpecMode::Draft,
+            ..Default::default()
+        },
+    };
+    for (what, spec) in [
+        ("draft without a draft model", req.spec),
+        (
+            "draft_max 0",
+            SpecOptions {
+                draft_max: 0,
+                ..Default::default()
+            },
+        ),
+        (
+            "draft_max 33",
+            SpecOptions {
+                draft_max: 33,
+                ..Default::default()
+            },
+        ),
+    ] {
+        req.spec = spec;
+        let e = eng.validate(&req).expect_err(what);
+        assert!(matches!(e, RequestError::InvalidParameter(_)), "{what}: {e:?}");
+        let api = ApiError::from_request_error(&e, "messages");
+        assert_eq!(api.status, StatusCode::BAD_REQUEST, "{what}");
+        assert_eq!(api.param.as_deref(), Some("spec"), "{what}: {api:?}");
+        let err = eng.generate(&req, &mut |_| true).expect_err(what);
+        assert_eq!(
+            ApiError::from_request_error(&err, "prompt").param.as_deref(),
+            Some("spec")
+        );
+    }
+}
+
+#[tokio::test]
+async fn models_show_the_speculation_settings() {
+    let (app, _h) = app();
+    let v = get(&app, "/v1/models").await.json();
+    assert_eq!(
+        v["data"][0]["specula"],
+        json!({"draft_model": null, "spec_default": "off", "draft_max": 4, "adaptive": true, "batch_invariant": false})
+    );
+    let mut eng = spec_engine();
+    eng.attach_draft_model(&draft_model_path(), "tiny-draft").unwrap();
+    let (app, _h) = app_with_spec(
+        eng,
+        SpecOptions {
+            mode: specula_engine::spec::SpecMode::Default,
+            draft_max: 6,
+            adaptive: false,
+        },
+    );
+    let m = get(&app, "/v1/models/tiny").await.json();
+    assert_eq!(
+        m["specula"],
+        json!({"draft_model": "tiny-draft", "spec_default": "default", "draft_max": 6, "adaptive": false,
+            "batch_invariant": true})
+    );
+    assert_eq!(get(&app, "/v1/models").await.json()["data"][0], m);
+
+    // With a draft model attached, `draft` (and the default, which resolves to it) speculate
+    // with it and produce the plain output.
+    let off = post(&app, CHAT, spec_chat_body(Some(json!("off")))).await.json();
+    for spec in [
+        Some(json!("draft")),
+        None,
+        Some(json!({"mode": "draft", "draft_max": 3})),
+    ] {
+        let r = post(&app, CHAT, spec_chat_body(spec.clone())).await;
+        assert_eq!(r.status, StatusCode::OK, "{spec:?}: {}", r.text);
+        let v = r.json();
+        assert_eq!(
+            v["choices"][0]["message"]["content"],
+            off["choices"][0]["message"]["content"]
+        );
+        assert_eq!(v["usage"], off["usage"]);
+        let s = spec_stats(&v);
+        assert_eq!(s["decode_path"], "draft-model:tiny-draft", "{spec:?}: {s}");
+        assert!(s["drafted"].as_u64().unwrap() > 0, "{s}");
+    }
+}
+
+#[tokio::test]
+async fn server_spec_default_applies_to_requests_without_the_field() {
+    let ngram = SpecOptions {
+        mode: specula_engine::spec::SpecMode::Ngram,
+        draft_max: 3,
+        adaptive: false,
+    };
+    let (app, h) = app_with_spec(spec_engine(), ngram);
+    let v = post(&app, CHAT, spec_chat_body(None)).await.json();
+    let s = spec_stats(&v).clone();
+    assert_eq!(s["decode_path"], "ngram");
+    assert!(s["drafted"].as_u64().unwrap() > 0, "{s}");
+    // Fixed k = 3: every drafting step drafts 3 (or what is left), so no position beyond 3.
+    assert!(s["drafted_by_position"].as_array().unwrap().len() <= 3, "{s}");
+    // The request's own field wins; a partial object keeps the server's other settings.
+    let off = post(&app, CHAT, spec_chat_body(Some(json!("off")))).await.json();
+    assert_eq!(spec_stats(&off)["decode_path"], "ar");
+    assert_eq!(
+        off["choices"][0]["message"]["content"],
+        v["choices"][0]["message"]["content"]
+    );
+    let k1 = post(&app, CHAT, spec_chat_body(Some(json!({"draft_max": 1}))))
+        .await
+        .json();
+    assert_eq!(spec_stats(&k1)["decode_path"], "ngram");
+    assert_eq!(spec_stats(&k1)["drafted_by_position"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        k1["choices"][0]["message"]["content"],
+        v["choices"][0]["message"]["content"]
+    );
+
+    // Metrics: the speculative requests' counters (the off request does not count).
+    wait_for(|| h.pending() == 0).await;
+    let m = get(&app, "/metrics").await.text;
+    let metric = |name: &str| -> u64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in:\n{m}"))
+            .parse()
+            .unwrap()
+    };
+    let sum = |key: &str| s[key].as_u64().unwrap() + spec_stats(&k1)[key].as_u64().unwrap();
+    assert_eq!(metric("specula_spec_draft_tokens_total"), sum("drafted"));
+    assert_eq!(metric("specula_spec_accepted_tokens_total"), sum("accepted"));
+    assert_eq!(metric("specula_spec_target_steps_total"), sum("target_steps"));
+    assert_eq!(metric("specula_spec_committed_tokens_total"), sum("committed"));
+    assert_eq!(metric(r#"specula_spec_requests_total{decode_path="ngram"}"#), 2);
+    assert_eq!(metric(r#"specula_spec_requests_total{decode_path="ar"}"#), 1);
+}
+
+#[test]
+fn serve_checks_the_spec_default() {
+    use specula_engine::spec::SpecMode;
+    use specula_server::check_spec_default;
+    let eng = spec_engine();
+    let opts = |mode, draft_max| SpecOptions {
+        mode,
+        draft_max,
+        adaptive: true,
+    };
+    assert!(check_spec_default(&eng, &opts(SpecMode::Ngram, 4)).is_ok());
+    assert!(check_spec_default(&eng, &opts(SpecMode::Default, 32)).is_ok());
+    assert!(check_spec_default(&eng, &opts(SpecMode::Draft, 4)).is_err());
+    assert!(check_spec_default(&eng, &opts(SpecMode::Ngram, 0)).is_err());
+    assert!(check_spec_default(&eng, &opts(SpecMode::Ngram, 33)).is_err());
 }

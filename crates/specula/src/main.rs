@@ -52,6 +52,9 @@ struct ServeArgs {
     /// The model id clients use (default: the catalog name or the file name).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Speculative decoding for requests that do not choose (the `spec` request field).
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -129,10 +132,15 @@ struct GenerateArgs {
 
 #[derive(Args, Debug, Clone)]
 struct SpecArgs {
-    /// Speculative decoding: off, or ngram (prompt lookup). Greedy output is byte-identical either
-    /// way; requests it cannot serve exactly fall back to plain decoding (see the stats).
+    /// Speculative decoding. off: plain decoding. default / on: the draft model if one is given,
+    /// else n-gram prompt lookup, with k adapted per step. ngram / draft: that drafter. Output is
+    /// byte-identical to plain decoding (greedy) or identically distributed (sampling); where that
+    /// cannot be guaranteed, plain decoding is used and the stats say why.
     #[arg(long, value_enum, default_value = "off")]
     spec: SpecArg,
+    /// A draft model (GGUF file, bundle directory or catalog name) with the target's tokenizer.
+    #[arg(long)]
+    draft_model: Option<String>,
     /// Maximum draft length k per target step.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=32))]
     draft_max: u64,
@@ -144,7 +152,10 @@ struct SpecArgs {
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
 enum SpecArg {
     Off,
+    Default,
+    On,
     Ngram,
+    Draft,
 }
 
 impl SpecArgs {
@@ -152,11 +163,31 @@ impl SpecArgs {
         SpecOptions {
             mode: match self.spec {
                 SpecArg::Off => SpecMode::Off,
+                SpecArg::Default => SpecMode::Default,
+                SpecArg::On => SpecMode::On,
                 SpecArg::Ngram => SpecMode::Ngram,
+                SpecArg::Draft => SpecMode::Draft,
             },
             draft_max: self.draft_max as usize,
             adaptive: !self.fixed_k,
         }
+    }
+
+    /// Attach the draft model, if one is given; `--spec draft` without one is an error.
+    fn attach(&self, engine: &mut Engine) -> Result<()> {
+        match &self.draft_model {
+            Some(m) => {
+                let path: PathBuf = pull::resolve_model(m, true)?;
+                let t = std::time::Instant::now();
+                engine
+                    .attach_draft_model(&path, m)
+                    .with_context(|| format!("loading draft model {}", path.display()))?;
+                tracing::info!(draft_model = %m, "draft model loaded in {:.2}s", t.elapsed().as_secs_f64());
+            }
+            None if matches!(self.spec, SpecArg::Draft) => bail!("--spec draft needs --draft-model"),
+            None => {}
+        }
+        Ok(())
     }
 }
 
@@ -267,7 +298,8 @@ fn load(spec: &str, id: Option<String>) -> Result<Engine> {
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
-    let engine = load(&a.model, a.served_model_name.clone())?;
+    let mut engine = load(&a.model, a.served_model_name.clone())?;
+    a.spec.attach(&mut engine)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -278,12 +310,14 @@ fn serve(a: ServeArgs) -> Result<()> {
             host: a.host,
             port: a.port,
             max_queue: a.max_queue,
+            spec: a.spec.options(),
         },
     ))
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
     let mut engine = load(&a.model, None)?;
+    a.spec.attach(&mut engine)?;
     let prompt_tokens = if a.chat {
         engine.chat_prompt_tokens(&[ChatMessage::new("user", &a.prompt)])?
     } else {
@@ -315,15 +349,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             "finish_reason": out.finish_reason.as_str(),
             "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens},
             "timings": {"prefill_s": s.prefill_s, "decode_s": s.decode_s, "decode_steps": s.decode_steps},
-            "speculative": {
-                "decode_path": s.spec.decode_path,
-                "drafted": s.spec.drafted,
-                "accepted": s.spec.accepted,
-                "acceptance_rate": s.spec.acceptance_rate(),
-                "tau": s.spec.tau(),
-                "accepted_by_position": s.spec.accepted_by_position,
-                "drafted_by_position": s.spec.drafted_by_position,
-            },
+            "speculative": s.spec.to_json(),
         });
         println!("{v}");
     } else {

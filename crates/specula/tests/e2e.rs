@@ -242,13 +242,16 @@ fn openai_python_client() {
         .into_iter()
         .find(|p| p.kind == "qa")
         .expect("a 'qa' prompt in the fixtures");
-    let (chat, completion) = {
+    let (chat, completion, batch_invariant) = {
         let mut engine = library_engine();
         let chat = library_chat(&mut engine, &chat_prompt.messages, CHAT_MAX_TOKENS);
         let tokens = engine.tokenize(COMPLETION_PROMPT).expect("tokenize");
         let completion = library_generate(&mut engine, tokens, COMPLETION_MAX_TOKENS);
-        (chat, completion)
+        (chat, completion, engine.model().batch_invariant())
     };
+    // `spec: "ngram"` speculates where that is exact (batch-invariant kernels), else decodes AR
+    // and says why; the output is the plain output either way.
+    let spec_decode_path = if batch_invariant { "ngram" } else { "ar" };
     let expect = json!({
         "model": MODEL,
         "chat": {
@@ -267,6 +270,7 @@ fn openai_python_client() {
             "prompt_tokens": completion.prompt_tokens,
             "completion_tokens": completion.completion_tokens,
         },
+        "spec": {"mode": "ngram", "decode_path": spec_decode_path},
     });
     let expect_file = tempfile::Builder::new().suffix(".json").tempfile().expect("temp file");
     std::fs::write(expect_file.path(), serde_json::to_vec_pretty(&expect).expect("json")).expect("write expect file");
@@ -306,7 +310,7 @@ fn openai_python_client() {
         server.log()
     );
     let oks = out.stdout.lines().filter(|l| l.starts_with("OK")).count();
-    assert!(oks >= 4, "expected OK lines from the script:\n{}", out.describe());
+    assert!(oks >= 5, "expected OK lines from the script:\n{}", out.describe());
     eprint!("{}", out.stdout);
     drop(server);
     eprintln!("openai_python_client: {:.1}s", t0.elapsed().as_secs_f64());

@@ -7,20 +7,56 @@
 //! one-row decode rows ([`crate::model::Model::batch_invariant`]); a model whose kernels are not
 //! invariant decodes plain AR and says so in its stats.
 
+pub mod draft_model;
 pub mod ngram;
 pub mod verify;
 
 use serde::{Deserialize, Serialize};
 
 /// Which drafter a request uses.
+///
+/// `default` and `on` pick the best drafter the engine has: the attached draft model, else n-gram
+/// lookup. `default` will later follow a measured tuning file (it may choose AR); `on` always
+/// speculates where it is exact, with the adaptive controller deciding k per step. `ngram` and
+/// `draft` name a drafter explicitly (`draft` without an attached draft model is a request error).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SpecMode {
     /// Plain autoregressive decoding.
     #[default]
     Off,
+    /// The bundle's default drafter (draft model if attached, else n-gram lookup).
+    Default,
+    /// Speculate with the best drafter available.
+    On,
     /// n-gram prompt lookup (no model, no cost).
     Ngram,
+    /// The attached draft model.
+    Draft,
+}
+
+impl SpecMode {
+    /// Parse `off|default|on|ngram|draft`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "off" => Self::Off,
+            "default" => Self::Default,
+            "on" => Self::On,
+            "ngram" => Self::Ngram,
+            "draft" => Self::Draft,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Default => "default",
+            Self::On => "on",
+            Self::Ngram => "ngram",
+            Self::Draft => "draft",
+        }
+    }
 }
 
 /// Speculation settings of one request.
@@ -43,14 +79,49 @@ impl Default for SpecOptions {
     }
 }
 
-/// A drafter that proposes tokens deterministically (its q is one-hot on each proposal).
-pub trait Drafter {
-    /// Propose up to `k` tokens continuing `context` (prompt + committed tokens). May return
-    /// fewer, or none.
-    fn propose(&mut self, context: &[u32], k: usize) -> Vec<u32>;
-    /// Told after verification how many of the last proposal were accepted (for drafters that
-    /// keep state to roll back).
-    fn accepted(&mut self, _n: usize) {}
+/// What a drafter proposes for one target step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Proposal {
+    /// The draft tokens d1..dk (k may be smaller than asked, or zero).
+    pub tokens: Vec<u32>,
+    /// For a sampling drafter, `q[i]` is the distribution `tokens[i]` was drawn from, as
+    /// `(token id, probability)` pairs (zero-probability tokens omitted). `None` for a
+    /// deterministic drafter (q one-hot on each proposed token).
+    pub q: Option<Vec<Vec<(u32, f32)>>>,
+}
+
+impl Proposal {
+    /// A deterministic proposal (q one-hot).
+    pub fn deterministic(tokens: Vec<u32>) -> Self {
+        Self { tokens, q: None }
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Keep at most `k` tokens (and their distributions).
+    pub fn truncate(&mut self, k: usize) {
+        self.tokens.truncate(k);
+        if let Some(q) = self.q.as_mut() {
+            q.truncate(k);
+        }
+    }
+}
+
+/// A drafter: proposes up to k tokens continuing the committed context.
+///
+/// Drafters are stateless from the engine's point of view: each call gets the whole committed
+/// context (prompt + output so far), and a drafter that keeps state (a draft model's KV cache)
+/// rolls it back itself to the longest prefix it shares with `context`. Verification never trusts
+/// a draft: whatever a drafter proposes, the committed tokens are what the target decides.
+pub trait Drafter: Send {
+    /// Propose up to `k` tokens continuing `context`. May return fewer, or none.
+    fn propose(&mut self, context: &[u32], k: usize) -> anyhow::Result<Proposal>;
     /// A short name for stats and logs.
     fn name(&self) -> &'static str;
 }
@@ -72,6 +143,11 @@ pub struct SpecStats {
     pub accepted_by_position: Vec<usize>,
     /// Drafted count per draft position.
     pub drafted_by_position: Vec<usize>,
+    /// Seconds spent in the drafter.
+    pub draft_s: f64,
+    /// Target forwards after prefill by row count: entry `r - 1` holds (forwards, seconds) of
+    /// r-row forwards (r = 1 is a plain decode step, r = k + 1 a verify of k drafts).
+    pub forwards_by_rows: Vec<(usize, f64)>,
 }
 
 impl SpecStats {
@@ -91,6 +167,57 @@ impl SpecStats {
         } else {
             self.accepted as f64 / self.drafted as f64
         }
+    }
+
+    /// The stats as the JSON object the CLI (`generate --json`) and the server (`spec_stats`)
+    /// report: counters, tau, acceptance overall and by draft position, drafter seconds, and
+    /// the mean milliseconds of target forwards by row count.
+    pub fn to_json(&self) -> serde_json::Value {
+        let by_pos: Vec<f64> = self
+            .accepted_by_position
+            .iter()
+            .zip(&self.drafted_by_position)
+            .map(|(&a, &d)| if d == 0 { 0.0 } else { a as f64 / d as f64 })
+            .collect();
+        let forwards: Vec<serde_json::Value> = self
+            .forwards_by_rows
+            .iter()
+            .enumerate()
+            .filter(|(_, &(n, _))| n > 0)
+            .map(|(i, &(n, s))| serde_json::json!({"rows": i + 1, "count": n, "mean_ms": 1e3 * s / n as f64}))
+            .collect();
+        serde_json::json!({
+            "decode_path": self.decode_path,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate(),
+            "target_steps": self.target_steps,
+            "committed": self.committed,
+            "tau": self.tau(),
+            "drafted_by_position": self.drafted_by_position,
+            "accepted_by_position": self.accepted_by_position,
+            "acceptance_by_position": by_pos,
+            "draft_s": self.draft_s,
+            "target_forwards": forwards,
+        })
+    }
+
+    /// Mean seconds of an r-row target forward, if any ran.
+    pub fn mean_forward_s(&self, rows: usize) -> Option<f64> {
+        let &(n, s) = self.forwards_by_rows.get(rows.checked_sub(1)?)?;
+        (n > 0).then(|| s / n as f64)
+    }
+
+    pub(crate) fn record_forward(&mut self, rows: usize, seconds: f64) {
+        if rows == 0 {
+            return;
+        }
+        if self.forwards_by_rows.len() < rows {
+            self.forwards_by_rows.resize(rows, (0, 0.0));
+        }
+        let e = &mut self.forwards_by_rows[rows - 1];
+        e.0 += 1;
+        e.1 += seconds;
     }
 
     pub(crate) fn record(&mut self, drafted: usize, accepted: usize) {

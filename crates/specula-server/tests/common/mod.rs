@@ -8,9 +8,11 @@ use std::sync::OnceLock;
 use axum::body::Body;
 use axum::http::{header, HeaderMap, Request, StatusCode};
 use axum::Router;
+use candle_core::quantized::GgmlDType;
 use http_body_util::BodyExt;
 use serde_json::Value;
 use specula_engine::model::Family;
+use specula_engine::spec::SpecOptions;
 use specula_engine::testing::{write_tiny_gguf, TinySpec};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 use specula_server::{router, EngineHandle};
@@ -25,21 +27,72 @@ pub const CONTEXT: usize = 256;
 pub fn model_path() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-        std::fs::create_dir_all(&dir).expect("target tmp dir");
         let spec = TinySpec::new(Family::Llama);
         assert_eq!(spec.context, CONTEXT);
-        let tmp = dir.join(format!("specula-server-tiny.{}.gguf.tmp", std::process::id()));
-        write_tiny_gguf(&tmp, &spec).expect("write tiny gguf");
-        let path = dir.join("specula-server-tiny.gguf");
-        std::fs::rename(&tmp, &path).expect("rename tiny gguf");
-        path
+        write_model("specula-server-tiny", &spec)
     })
     .clone()
 }
 
+/// Write a tiny GGUF model named `name` under cargo's target tmp dir (unique temp name, then
+/// renamed).
+fn write_model(name: &str, spec: &TinySpec) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(&dir).expect("target tmp dir");
+    let tmp = dir.join(format!("{name}.{}.gguf.tmp", std::process::id()));
+    write_tiny_gguf(&tmp, spec).expect("write tiny gguf");
+    let path = dir.join(format!("{name}.gguf"));
+    std::fs::rename(&tmp, &path).expect("rename tiny gguf");
+    path
+}
+
 pub fn engine() -> Engine {
     Engine::load(&model_path(), MODEL, LoadOptions::default()).expect("load tiny model")
+}
+
+/// The tiny model with Q8_0 projections: every kernel is batch-invariant, so speculation runs
+/// (the f32 model of [`engine`] decodes AR whatever the request asks).
+pub fn spec_model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let spec = TinySpec {
+            dtype: GgmlDType::Q8_0,
+            ..TinySpec::new(Family::Llama)
+        };
+        write_model("specula-server-tiny-q8_0", &spec)
+    })
+    .clone()
+}
+
+/// A second tiny Q8_0 model with the same tokenizer (other weights): a draft model.
+pub fn draft_model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let spec = TinySpec {
+            dtype: GgmlDType::Q8_0,
+            layers: 1,
+            seed: 7,
+            ..TinySpec::new(Family::Llama)
+        };
+        write_model("specula-server-tiny-draft", &spec)
+    })
+    .clone()
+}
+
+/// The batch-invariant tiny model (see [`spec_model_path`]).
+pub fn spec_engine() -> Engine {
+    let e = Engine::load(&spec_model_path(), MODEL, LoadOptions::default()).expect("load tiny Q8_0 model");
+    assert!(
+        e.model().batch_invariant(),
+        "the Q8_0 tiny model runs on invariant kernels"
+    );
+    e
+}
+
+/// A router over `engine` whose requests without a `spec` field use `spec`.
+pub fn app_with_spec(engine: Engine, spec: SpecOptions) -> (Router, EngineHandle) {
+    let handle = EngineHandle::spawn_with_spec(engine, 16, spec);
+    (router(handle.clone()), handle)
 }
 
 /// A router over a fresh engine worker, plus its handle.
