@@ -392,7 +392,7 @@ impl Engine {
             sampler.observe(next);
             if !draft.is_empty() {
                 stats.spec.record(draft.len(), accepted);
-                k_ctl.update(accepted);
+                k_ctl.update(draft.len(), accepted);
             }
             let mut block = draft.tokens[..accepted].to_vec();
             block.push(next);
@@ -435,7 +435,9 @@ impl Engine {
                 Some(d) if k > 0 => {
                     let td = Instant::now();
                     let p = d.propose(&context, k).map_err(internal)?;
-                    stats.spec.draft_s += td.elapsed().as_secs_f64();
+                    let secs = td.elapsed().as_secs_f64();
+                    stats.spec.draft_s += secs;
+                    k_ctl.observe_draft(p.len(), secs);
                     p
                 }
                 _ => Proposal::default(),
@@ -462,7 +464,9 @@ impl Engine {
                 .map_err(internal)?;
             stats.decode_steps += 1;
             rows = out.logits.to_vec2::<f32>().map_err(|e| internal(e.into()))?;
-            stats.spec.record_forward(input.len(), tv.elapsed().as_secs_f64());
+            let secs = tv.elapsed().as_secs_f64();
+            stats.spec.record_forward(input.len(), secs);
+            k_ctl.observe_forward(input.len(), secs);
         }
         stats.spec.target_steps = stats.decode_steps;
         stats.decode_s = t1.elapsed().as_secs_f64();

@@ -7,11 +7,14 @@
 //! one-row decode rows ([`crate::model::Model::batch_invariant`]); a model whose kernels are not
 //! invariant decodes plain AR and says so in its stats.
 
+pub mod controller;
 pub mod draft_model;
 pub mod ngram;
 pub mod verify;
 
 use serde::{Deserialize, Serialize};
+
+pub use controller::DraftLength;
 
 /// Which drafter a request uses.
 ///
@@ -233,96 +236,5 @@ impl SpecStats {
                 self.accepted_by_position[i] += 1;
             }
         }
-    }
-}
-
-/// Draft-length controller: k follows an exponential moving average (EMA) of the accepted
-/// length, one more than what recent steps accepted, within `1..=draft_max`. When the EMA falls
-/// below half a token per step, drafting pauses for a number of steps that doubles on each
-/// consecutive failure (up to 32) and resets after a step that accepts something: a verify of
-/// k+1 rows costs more than a decode step, so drafts that keep failing make decoding slower.
-#[derive(Debug, Clone)]
-pub struct DraftLength {
-    max: usize,
-    adaptive: bool,
-    ema: f64,
-    pause: usize,
-    backoff: usize,
-}
-
-impl DraftLength {
-    pub fn new(max: usize, adaptive: bool) -> Self {
-        Self {
-            max: max.max(1),
-            adaptive,
-            ema: max.max(1) as f64,
-            pause: 0,
-            backoff: 1,
-        }
-    }
-
-    /// The k for the next step (0 = do not draft this step).
-    pub fn next_k(&mut self) -> usize {
-        if !self.adaptive {
-            return self.max;
-        }
-        if self.pause > 0 {
-            self.pause -= 1;
-            return 0;
-        }
-        ((self.ema + 1.0).round() as usize).clamp(1, self.max)
-    }
-
-    /// Feed the accepted length of a step that drafted.
-    pub fn update(&mut self, accepted: usize) {
-        self.ema = 0.7 * self.ema + 0.3 * accepted as f64;
-        if !self.adaptive {
-            return;
-        }
-        if accepted > 0 {
-            self.backoff = 1;
-        }
-        if self.ema < 0.5 {
-            self.pause = self.backoff;
-            self.backoff = (self.backoff * 2).min(32);
-            self.ema = 1.0;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn draft_length_follows_acceptance_and_backs_off() {
-        let mut c = DraftLength::new(8, true);
-        assert_eq!(c.next_k(), 8);
-        for _ in 0..10 {
-            c.update(8);
-        }
-        assert_eq!(c.next_k(), 8);
-        for _ in 0..3 {
-            c.update(1);
-        }
-        assert!(c.next_k() < 8);
-        // Failures pause drafting, longer each time.
-        let mut paused = Vec::new();
-        for _ in 0..4 {
-            while c.next_k() != 0 {
-                c.update(0);
-            }
-            let mut n = 1;
-            while c.next_k() == 0 {
-                n += 1;
-            }
-            paused.push(n);
-            c.update(0);
-        }
-        assert!(paused.windows(2).all(|w| w[1] >= w[0]), "{paused:?}");
-        assert!(paused[3] > paused[0], "{paused:?}");
-        let mut fixed = DraftLength::new(3, false);
-        fixed.update(0);
-        assert_eq!(fixed.next_k(), 3);
     }
 }

@@ -1,0 +1,264 @@
+//! Draft-length controller: chooses k for each target step from the measured acceptance and the
+//! measured costs of verifying and drafting, and stops drafting when it does not pay.
+//!
+//! Model (Leviathan et al. 2023, §3.1 and §3.4): with per-token acceptance probability α, a step
+//! that drafts k tokens commits on average `E(k) = (1 - α^(k+1)) / (1 - α)` tokens (accepted
+//! drafts plus the target's own token), and costs `V(k+1) + k·D` where `V(r)` is the time of an
+//! r-row target forward and `D` the drafter's time per token. Plain decoding commits one token
+//! per `V(1)`. The controller picks the k in `1..=draft_max` with the best predicted speed-up
+//! `E(k)·V(1) / (V(k+1) + k·D)`; when no k beats 1.0, it pauses drafting for a number of steps
+//! that doubles while probes keep failing (up to [`MAX_PAUSE`]) and resets after a probe that
+//! accepts something.
+//!
+//! Estimates: α is `(accepted + 1) / (tested + 2)` over exponentially decayed counts, where a
+//! step's tested positions are its accepted drafts plus the rejected one (positions after the
+//! first rejection were never tested). `V(r)` and `D` are exponential moving averages of the
+//! timings the engine reports; a `V(r)` not yet measured is interpolated linearly between
+//! measured row counts (prior slope: 10% of `V(1)` per extra row, the weights being read once).
+//! Timing noise changes only k, never the committed tokens.
+
+/// Longest pause (in target steps) between probes when drafts keep failing.
+pub const MAX_PAUSE: usize = 32;
+/// Decay of the acceptance counts per drafting step.
+const ACCEPT_DECAY: f64 = 0.9;
+/// Weight of a new timing in the moving averages.
+const TIME_ALPHA: f64 = 0.25;
+/// Prior cost of one extra verify row, as a fraction of a one-row forward.
+const PRIOR_ROW_SLOPE: f64 = 0.1;
+
+/// The per-request draft-length controller.
+#[derive(Debug, Clone)]
+pub struct DraftLength {
+    max: usize,
+    adaptive: bool,
+    /// Decayed counts of accepted and tested draft positions.
+    accepted: f64,
+    tested: f64,
+    /// Moving average of the seconds of an r-row target forward, at index r - 1.
+    forward_s: Vec<Option<f64>>,
+    /// Moving average of the drafter's seconds per proposed token.
+    draft_token_s: Option<f64>,
+    pause: usize,
+    backoff: usize,
+    probing: bool,
+}
+
+impl DraftLength {
+    /// `max` = draft_max (k never exceeds it); `adaptive = false` always asks for `max`.
+    pub fn new(max: usize, adaptive: bool) -> Self {
+        let max = max.max(1);
+        Self {
+            max,
+            adaptive,
+            // Optimistic prior: drafting is tried from the first step.
+            accepted: 1.5,
+            tested: 2.0,
+            forward_s: vec![None; max + 1],
+            draft_token_s: None,
+            pause: 0,
+            backoff: 1,
+            probing: false,
+        }
+    }
+
+    /// The estimated per-token acceptance probability α.
+    pub fn alpha(&self) -> f64 {
+        ((self.accepted + 1.0) / (self.tested + 2.0)).clamp(0.0, 0.999)
+    }
+
+    /// Expected tokens committed by a step that drafts `k` tokens: `sum_{i=0..=k} α^i`.
+    pub fn expected_tokens(&self, k: usize) -> f64 {
+        let a = self.alpha();
+        (0..=k).map(|i| a.powi(i as i32)).sum()
+    }
+
+    /// Estimated seconds of an r-row target forward, relative to a one-row forward.
+    pub fn relative_forward_cost(&self, rows: usize) -> f64 {
+        let Some(t1) = self.forward_s.first().copied().flatten() else {
+            return 1.0 + PRIOR_ROW_SLOPE * (rows.saturating_sub(1)) as f64;
+        };
+        if let Some(Some(t)) = self.forward_s.get(rows.wrapping_sub(1)) {
+            return t / t1;
+        }
+        // Interpolate between the nearest measured row counts (or extend the last slope).
+        let measured: Vec<(usize, f64)> = self
+            .forward_s
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| t.map(|t| (i + 1, t / t1)))
+            .collect();
+        let below = measured
+            .iter()
+            .rev()
+            .find(|(r, _)| *r < rows)
+            .copied()
+            .unwrap_or((1, 1.0));
+        let above = measured.iter().find(|(r, _)| *r > rows).copied();
+        let slope = match above {
+            Some((ra, ca)) => (ca - below.1) / (ra - below.0) as f64,
+            None if below.0 > 1 => (below.1 - 1.0) / (below.0 - 1) as f64,
+            None => PRIOR_ROW_SLOPE,
+        };
+        below.1 + slope.max(0.0) * (rows - below.0) as f64
+    }
+
+    /// Drafter cost per token, relative to a one-row target forward (0 until measured).
+    pub fn relative_draft_cost(&self) -> f64 {
+        match (self.draft_token_s, self.forward_s.first().copied().flatten()) {
+            (Some(d), Some(t1)) if t1 > 0.0 => d / t1,
+            _ => 0.0,
+        }
+    }
+
+    /// Predicted speed-up over plain decoding of drafting `k` tokens per step.
+    pub fn predicted_speedup(&self, k: usize) -> f64 {
+        let cost = self.relative_forward_cost(k + 1) + k as f64 * self.relative_draft_cost();
+        self.expected_tokens(k) / cost
+    }
+
+    /// The best k and its predicted speed-up.
+    pub fn best(&self) -> (usize, f64) {
+        (1..=self.max)
+            .map(|k| (k, self.predicted_speedup(k)))
+            .fold((1, f64::MIN), |b, c| if c.1 > b.1 { c } else { b })
+    }
+
+    /// The k for the next step (0 = do not draft this step).
+    pub fn next_k(&mut self) -> usize {
+        if !self.adaptive {
+            return self.max;
+        }
+        if self.pause > 0 {
+            self.pause -= 1;
+            if self.pause == 0 {
+                // The pause is over: probe once, whatever the (stale) estimate says.
+                self.probing = true;
+            }
+            return 0;
+        }
+        let (k, gain) = self.best();
+        if self.probing {
+            return k;
+        }
+        if gain < 1.0 {
+            self.pause = self.backoff;
+            self.backoff = (self.backoff * 2).min(MAX_PAUSE);
+            return 0;
+        }
+        k
+    }
+
+    /// Feed the outcome of a step that verified `drafted` draft tokens, `accepted` of them.
+    pub fn update(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let tested = (accepted + usize::from(accepted < drafted)) as f64;
+        self.accepted = ACCEPT_DECAY * self.accepted + accepted as f64;
+        self.tested = ACCEPT_DECAY * self.tested + tested;
+        if accepted > 0 {
+            self.backoff = 1;
+        }
+        if self.probing {
+            self.probing = false;
+            if accepted == 0 {
+                self.pause = self.backoff;
+                self.backoff = (self.backoff * 2).min(MAX_PAUSE);
+            }
+        }
+    }
+
+    /// Feed the seconds of an r-row target forward.
+    pub fn observe_forward(&mut self, rows: usize, seconds: f64) {
+        if rows == 0 || rows > self.forward_s.len() {
+            return;
+        }
+        let e = &mut self.forward_s[rows - 1];
+        *e = Some(e.map_or(seconds, |m| m + TIME_ALPHA * (seconds - m)));
+    }
+
+    /// Feed the seconds the drafter took to propose `tokens` tokens.
+    pub fn observe_draft(&mut self, tokens: usize, seconds: f64) {
+        if tokens == 0 {
+            return;
+        }
+        let per = seconds / tokens as f64;
+        self.draft_token_s = Some(self.draft_token_s.map_or(per, |m| m + TIME_ALPHA * (per - m)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A controller with measured costs: verify of r rows = 1 + slope·(r-1), drafting `d` per token.
+    fn measured(max: usize, slope: f64, d: f64) -> DraftLength {
+        let mut c = DraftLength::new(max, true);
+        for r in 1..=max + 1 {
+            c.observe_forward(r, 0.01 * (1.0 + slope * (r - 1) as f64));
+        }
+        c.observe_draft(1, 0.01 * d);
+        c
+    }
+
+    #[test]
+    fn high_acceptance_and_cheap_verify_draft_long() {
+        let mut c = measured(8, 0.05, 0.0);
+        for _ in 0..20 {
+            c.update(8, 8);
+        }
+        assert!(c.alpha() > 0.9, "{}", c.alpha());
+        assert_eq!(c.next_k(), 8);
+    }
+
+    #[test]
+    fn expensive_drafts_shorten_k_and_bad_drafts_pause() {
+        // The Qwen pair on a CPU: the draft model costs ~0.55 of a target step.
+        let mut c = measured(8, 0.1, 0.55);
+        for _ in 0..20 {
+            c.update(4, 3);
+            c.update(4, 4);
+        }
+        let (k, gain) = c.best();
+        assert!((2..8).contains(&k), "k = {k}");
+        assert!(gain > 1.0);
+        // Drafts that fail: drafting stops, with growing pauses between probes.
+        let mut c = measured(8, 0.3, 0.55);
+        let mut pauses = Vec::new();
+        for _ in 0..6 {
+            let mut n = 0;
+            while c.next_k() == 0 {
+                n += 1;
+            }
+            c.update(2, 0);
+            pauses.push(n);
+        }
+        assert!(pauses.windows(2).all(|w| w[1] >= w[0]), "{pauses:?}");
+        assert!(*pauses.last().unwrap() >= 16, "{pauses:?}");
+        // A probe that succeeds resets the back-off.
+        while c.next_k() == 0 {}
+        for _ in 0..30 {
+            c.update(2, 2);
+        }
+        assert!(c.next_k() > 0);
+    }
+
+    #[test]
+    fn unmeasured_row_counts_are_interpolated() {
+        let mut c = DraftLength::new(8, true);
+        c.observe_forward(1, 0.010);
+        c.observe_forward(3, 0.012);
+        c.observe_forward(9, 0.024);
+        assert!((c.relative_forward_cost(2) - 1.1).abs() < 1e-9);
+        assert!((c.relative_forward_cost(6) - 1.8).abs() < 1e-9);
+        assert!((c.relative_forward_cost(9) - 2.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn fixed_k_ignores_everything() {
+        let mut c = DraftLength::new(3, false);
+        c.update(3, 0);
+        c.observe_forward(4, 100.0);
+        assert_eq!(c.next_k(), 3);
+    }
+}
