@@ -1,3 +1,4 @@
+mod inspect_cmd;
 mod pull;
 
 use std::io::Write;
@@ -35,6 +36,9 @@ enum Command {
     List,
     /// Measure prefill and decode speed (tok/s) of a model on this machine.
     Bench(BenchArgs),
+    /// Report what a bundle is and what Specula will do with it, from headers only (no weights
+    /// read): family, size, quantization, tokenizer, drafters, memory, tier, effective modes.
+    Inspect(inspect_cmd::InspectArgs),
 }
 
 #[derive(Args, Debug)]
@@ -205,6 +209,10 @@ struct BenchArgs {
     /// Repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Also measure the cost of an r-row target forward (a verify of k = r - 1 drafts) relative to a
+    /// one-row decode step, for r = 1..=N, at a context of --prompt-tokens positions.
+    #[arg(long, value_name = "N")]
+    verify_rows: Option<usize>,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -268,6 +276,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench(a) => bench(a),
+        Command::Inspect(a) => inspect_cmd::run(a),
     }
 }
 
@@ -374,6 +383,41 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Median milliseconds of an r-row forward after `prompt` for r = 1..=n, and each relative to
+/// r = 1. Row counts are interleaved within each repetition so machine noise hits them alike.
+fn verify_costs(engine: &Engine, prompt: &[u32], n: usize, runs: usize) -> Result<Vec<(usize, f64, f64)>> {
+    use specula_engine::model::LogitsRows;
+    let model = engine.model();
+    let mut kv = model.new_kv_cache();
+    if prompt.len() + n > engine.context_length() {
+        bail!("--prompt-tokens + --verify-rows exceeds the context window");
+    }
+    model.forward(prompt, &mut kv, LogitsRows::None, &[])?;
+    let base = kv.len();
+    let reps = (runs * 5).max(5);
+    let mut times = vec![Vec::with_capacity(reps); n];
+    for rep in 0..reps + 1 {
+        for r in 1..=n {
+            let tokens: Vec<u32> = prompt.iter().copied().cycle().skip(rep + r).take(r).collect();
+            let rows = if r == 1 { LogitsRows::Last } else { LogitsRows::All };
+            let t = std::time::Instant::now();
+            model.forward(&tokens, &mut kv, rows, &[])?;
+            let ms = 1e3 * t.elapsed().as_secs_f64();
+            kv.truncate(base);
+            if rep > 0 {
+                // The first repetition warms caches and is not counted.
+                times[r - 1].push(ms);
+            }
+        }
+    }
+    let med: Vec<f64> = times.into_iter().map(median).collect();
+    Ok(med
+        .iter()
+        .enumerate()
+        .map(|(i, &ms)| (i + 1, ms, ms / med[0]))
+        .collect())
+}
+
 fn bench(a: BenchArgs) -> Result<()> {
     if a.runs == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
         bail!("--runs, --prompt-tokens and --gen-tokens must be >= 1");
@@ -417,6 +461,10 @@ fn bench(a: BenchArgs) -> Result<()> {
         .and_then(|s| s.parse::<usize>().ok())
         .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let (pp, tg) = (median(prefill), median(decode));
+    let verify = match a.verify_rows {
+        Some(n) => verify_costs(&engine, &prompt, n, a.runs)?,
+        None => Vec::new(),
+    };
     if a.json {
         println!(
             "{}",
@@ -429,9 +477,18 @@ fn bench(a: BenchArgs) -> Result<()> {
                 "runs": a.runs,
                 "prefill_tok_s": pp,
                 "decode_tok_s": tg,
+                "verify_cost": verify.iter().map(|&(r, ms, rel)| serde_json::json!({
+                    "rows": r, "k": r - 1, "ms": ms, "relative_to_one_row": rel
+                })).collect::<Vec<_>>(),
             })
         );
     } else {
+        for &(r, ms, rel) in &verify {
+            println!(
+                "verify k={:2} ({r:2} rows): {ms:7.2} ms = {rel:.2} x one decode step",
+                r - 1
+            );
+        }
         println!(
             "{}: pp{} {:.1} tok/s | tg{} {:.1} tok/s (median of {}, {} threads)",
             engine.model_id(),
