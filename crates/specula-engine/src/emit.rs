@@ -14,10 +14,10 @@ use crate::tokenizer::Tokenizer;
 use crate::types::{FinishReason, StreamDelta, TokenLogprob};
 
 /// Per-request emit state.
-pub struct Emitter<'a> {
-    tokenizer: &'a Tokenizer,
+pub struct Emitter {
+    tokenizer: Tokenizer,
     stop: Vec<String>,
-    eos_ids: &'a [u32],
+    eos_ids: Vec<u32>,
     ignore_eos: bool,
     max_tokens: usize,
     /// Every committed token (EOS included), in order.
@@ -45,19 +45,14 @@ pub struct EmitOutcome {
     pub finished: Option<FinishReason>,
 }
 
-impl<'a> Emitter<'a> {
-    /// `max_tokens` must already be capped by the room left in the context window.
-    pub fn new(
-        tokenizer: &'a Tokenizer,
-        eos_ids: &'a [u32],
-        stop: Vec<String>,
-        ignore_eos: bool,
-        max_tokens: usize,
-    ) -> Self {
+impl Emitter {
+    /// `max_tokens` must already be capped by the room left in the context window. The
+    /// tokenizer is shared (cheap clone), the EOS ids copied.
+    pub fn new(tokenizer: &Tokenizer, eos_ids: &[u32], stop: Vec<String>, ignore_eos: bool, max_tokens: usize) -> Self {
         Self {
-            tokenizer,
+            tokenizer: tokenizer.clone(),
             stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
-            eos_ids,
+            eos_ids: eos_ids.to_vec(),
             ignore_eos,
             max_tokens,
             tokens: Vec::new(),

@@ -3,25 +3,19 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 
 use crate::bundle::{self, LoadedBundle};
 use crate::chat::{ChatMessage, ChatTemplate};
-use crate::emit::Emitter;
+use crate::constraint::{Constraint, GrammarCompiler, GrammarSpec};
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig};
-use crate::sampling::{self, Sampler};
-use crate::spec::draft_model::DraftModelDrafter;
-use crate::spec::ngram::NgramDrafter;
-use crate::spec::verify::{self, UniformRandomness};
-use crate::spec::{DraftLength, Drafter, Proposal, SpecMode};
+use crate::sequence::{Sequence, SequenceEnv};
+use crate::spec::SpecMode;
 use crate::tokenizer::Tokenizer;
-use crate::types::{
-    FinishReason, GenerateOutput, GenerateRequest, GenerationStats, RequestError, StreamDelta, TokenLogprob, TopLogprob,
-};
+use crate::types::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 
 /// Options for loading a model.
 #[derive(Debug, Clone)]
@@ -56,6 +50,10 @@ pub struct Engine {
     kv: KvCache,
     opts: LoadOptions,
     draft: Option<DraftModel>,
+    /// What `SpecMode::Default` runs, measured by `specula tune` (see [`crate::tuning`]).
+    tuned: Option<crate::tuning::TunedDefault>,
+    /// Built on the first constrained request.
+    grammar: Option<GrammarCompiler>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -79,6 +77,8 @@ impl Engine {
             kv,
             opts,
             draft: None,
+            grammar: None,
+            tuned: None,
         }
     }
 
@@ -113,16 +113,39 @@ impl Engine {
         self.draft.as_ref().map(|d| d.id.as_str())
     }
 
-    /// The drafter a speculative mode resolves to on this engine: `None` for AR.
+    /// The drafter a speculative mode resolves to on this engine: `None` for AR. `Default`
+    /// follows the measured tuning choice when one is set ([`Engine::set_tuned_default`]).
     pub fn resolve_spec_mode(&self, mode: SpecMode) -> Option<SpecMode> {
-        match mode {
-            SpecMode::Off => None,
-            SpecMode::Default | SpecMode::On => Some(if self.draft.is_some() {
-                SpecMode::Draft
-            } else {
-                SpecMode::Ngram
-            }),
-            m => Some(m),
+        let spec = self.effective_spec(crate::spec::SpecOptions {
+            mode,
+            ..Default::default()
+        });
+        crate::sequence::resolve(spec.mode, self.draft.is_some())
+    }
+
+    /// Make `SpecMode::Default` follow a measured tuning choice (`None`: the built-in chain).
+    pub fn set_tuned_default(&mut self, tuned: Option<crate::tuning::TunedDefault>) {
+        self.tuned = tuned;
+    }
+
+    /// The measured choice `SpecMode::Default` follows, if any.
+    pub fn tuned_default(&self) -> Option<&crate::tuning::TunedDefault> {
+        self.tuned.as_ref()
+    }
+
+    /// A request's speculation settings as they run: `Default` with a tuning choice becomes that
+    /// choice (drafter, k, adaptive); a tuned draft-model choice without an attached draft model
+    /// is left to the built-in chain. Everything else is unchanged.
+    pub fn effective_spec(&self, spec: crate::spec::SpecOptions) -> crate::spec::SpecOptions {
+        match &self.tuned {
+            Some(t) if spec.mode == SpecMode::Default && (t.mode != SpecMode::Draft || self.draft.is_some()) => {
+                crate::spec::SpecOptions {
+                    mode: t.mode,
+                    draft_max: t.draft_max.clamp(1, MAX_DRAFT),
+                    adaptive: t.adaptive,
+                }
+            }
+            _ => spec,
         }
     }
 
@@ -248,30 +271,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Prefill `tokens` after the cache's current contents; returns the last row's logits, or
-    /// `None` when `alive` (asked between chunks) says the client has gone.
-    fn prefill(&mut self, tokens: &[u32], alive: &mut dyn FnMut() -> bool) -> Result<Option<Vec<f32>>> {
-        let chunk = self.opts.prefill_chunk.max(1);
-        let mut last = None;
-        let n_chunks = tokens.len().div_ceil(chunk);
-        for (i, c) in tokens.chunks(chunk).enumerate() {
-            if i > 0 && !alive() {
-                return Ok(None);
-            }
-            let rows = if i + 1 == n_chunks {
-                LogitsRows::Last
-            } else {
-                LogitsRows::None
-            };
-            let out = self.bundle.model.forward(c, &mut self.kv, rows, &[])?;
-            if i + 1 == n_chunks {
-                last = Some(out.logits);
-            }
-        }
-        let logits = last.ok_or_else(|| anyhow::anyhow!("empty prefill"))?;
-        Ok(Some(logits.squeeze(0)?.to_vec1::<f32>()?))
-    }
-
     /// Logits for every position of `tokens` (teacher forcing), from an empty cache.
     /// Returns `[tokens.len(), vocab]`.
     pub fn logits_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
@@ -279,6 +278,18 @@ impl Engine {
         let out = self.bundle.model.forward(tokens, &mut self.kv, LogitsRows::All, &[])?;
         self.kv.clear();
         Ok(out.logits)
+    }
+
+    /// The shared, read-only part of this engine a [`Sequence`] needs.
+    pub fn sequence_env(&self) -> SequenceEnv {
+        SequenceEnv {
+            tokenizer: self.bundle.tokenizer.clone(),
+            eos_ids: self.bundle.eos_ids.clone(),
+            context_length: self.context_length(),
+            prefill_chunk: self.opts.prefill_chunk,
+            batch_invariant: self.bundle.model.batch_invariant(),
+            draft: self.draft.as_ref().map(|d| (d.model.clone(), d.id.clone())),
+        }
     }
 
     /// Generate for one request. `on_delta` receives each piece of output as it becomes final,
@@ -289,218 +300,74 @@ impl Engine {
         req: &GenerateRequest,
         on_delta: &mut dyn FnMut(&StreamDelta) -> bool,
     ) -> Result<GenerateOutput, RequestError> {
-        self.validate(req)?;
-        let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
-        let ctx = self.context_length();
-        let prompt_len = req.prompt_tokens.len();
-        let room = ctx - prompt_len;
-        let max_tokens = req.max_tokens.unwrap_or(room).min(room);
-        let mut sampler = Sampler::new(req.sampling.clone());
-        let tokenizer = self.bundle.tokenizer.clone();
-        let eos_ids = self.bundle.eos_ids.clone();
-        let mut emitter = Emitter::new(&tokenizer, &eos_ids, req.stop.clone(), req.ignore_eos, max_tokens);
-        let mut stats = GenerationStats {
-            prompt_tokens: prompt_len,
-            ..Default::default()
-        };
-
-        let t0 = Instant::now();
-        self.kv.clear();
-        // Between prefill chunks, an empty delta asks the client whether it is still there.
-        let mut alive = || on_delta(&StreamDelta::default());
-        let Some(logits) = self.prefill(&req.prompt_tokens, &mut alive).map_err(internal)? else {
-            stats.prefill_s = t0.elapsed().as_secs_f64();
-            return Ok(GenerateOutput {
-                text: String::new(),
-                token_ids: Vec::new(),
-                logprobs: req.logprobs.map(|_| Vec::new()),
-                finish_reason: FinishReason::Cancelled,
-                stats,
-            });
-        };
-        stats.prefill_s = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-
-        // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
-        // stats say why.
-        let mut drafter: Option<Box<dyn Drafter>> = None;
-        let resolved = self.resolve_spec_mode(req.spec.mode);
-        stats.spec.decode_path = match resolved {
-            None => "ar".into(),
-            Some(_) if !self.bundle.model.batch_invariant() => {
-                "ar (this model's kernels are not batch-invariant: K-quant or f32 weights)".into()
-            }
-            Some(SpecMode::Draft) => {
-                let d = self.draft.as_ref().ok_or_else(|| {
-                    RequestError::InvalidParameter("speculative mode `draft` needs a draft model".into())
-                })?;
-                let seed = if req.sampling.is_greedy() {
-                    0
-                } else {
-                    sampler.fork_seed()
-                };
-                drafter = Some(Box::new(DraftModelDrafter::new(
-                    d.model.clone(),
-                    &req.sampling,
-                    seed,
-                    self.opts.prefill_chunk,
-                )));
-                format!("draft-model:{}", d.id)
-            }
-            Some(_) => {
-                drafter = Some(Box::new(NgramDrafter::default()));
-                "ngram".into()
-            }
-        };
-        // Acceptance at temperature > 0 draws from its own stream, derived from the request seed.
-        let mut accept_rng = (drafter.is_some() && !req.sampling.is_greedy()).then(|| {
-            use rand::SeedableRng;
-            UniformRandomness(rand_chacha::ChaCha20Rng::seed_from_u64(sampler.fork_seed()))
-        });
-        let mut k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
-        let mut context = req.prompt_tokens.clone();
-
-        // The first token comes from the prefill's last row.
-        let mut rows = vec![logits];
-        let mut draft = Proposal::default();
-        while emitter.finished().is_none() {
-            // rows[i] = logits after the committed prefix and draft[..i].
-            let lps = req
-                .logprobs
-                .map(|n| rows.iter().map(|r| self.token_logprobs(r, n)).collect::<Vec<_>>());
-            let (accepted, next) = if draft.is_empty() {
-                (0, sampler.sample(&mut rows[0]))
-            } else if let Some(rng) = accept_rng.as_mut() {
-                // Row i is processed as plain decoding would process it after committing
-                // draft[..i]: the sampler observes those drafts before row i.
-                let tokens = &draft.tokens;
-                let mut observed = 0;
-                let sampler = &mut sampler;
-                let rows = &mut rows;
-                let mut target = |i: usize| {
-                    while observed < i {
-                        sampler.observe(tokens[observed]);
-                        observed += 1;
-                    }
-                    sampler.apply_penalties(&mut rows[i]);
-                    sampler.distribution(&rows[i])
-                };
-                verify::accept_sampled(tokens, draft.q.as_deref(), &mut target, rng)
-            } else {
-                verify::accept_greedy(&draft.tokens, &mut rows, &mut sampler)
-            };
-            sampler.observe(next);
-            if !draft.is_empty() {
-                stats.spec.record(draft.len(), accepted);
-                k_ctl.update(draft.len(), accepted);
-            }
-            let mut block = draft.tokens[..accepted].to_vec();
-            block.push(next);
-            let block_lps = lps.map(|l| {
-                block
-                    .iter()
-                    .zip(l)
-                    .map(|(&id, (all, top))| TokenLogprob {
-                        id,
-                        token: tokenizer.token_text(id),
-                        logprob: all[id as usize],
-                        top,
-                    })
-                    .collect::<Vec<_>>()
-            });
-            let outcome = emitter.emit_block(&block, block_lps.as_deref());
-            if stats.decode_steps > 0 {
-                // Tokens committed by target decode steps (the first token came from prefill).
-                stats.spec.committed += outcome.committed;
-            }
-            let has_output = !outcome.delta.text.is_empty() || !outcome.delta.token_ids.is_empty();
-            if has_output && !on_delta(&outcome.delta) {
-                emitter.finish_with(FinishReason::Cancelled);
-                break;
-            }
-            if outcome.finished.is_some() {
-                break;
-            }
-            // Keep the committed part of the verified block in the KV cache: the pending token
-            // before the draft plus the accepted drafts (`next` is not in the cache yet).
-            let keep = self.kv.len() - draft.len() + accepted;
-            self.kv.truncate(keep);
-            context.extend_from_slice(&block);
-
-            // Next step: forward [next, draft...] and get one row per position.
-            let room_ctx = ctx.saturating_sub(self.kv.len() + 1);
-            let room_out = max_tokens.saturating_sub(emitter.tokens().len() + 1);
-            let k = k_ctl.next_k().min(room_ctx).min(room_out);
-            draft = match drafter.as_mut() {
-                Some(d) if k > 0 => {
-                    let td = Instant::now();
-                    let p = d.propose(&context, k).map_err(internal)?;
-                    let secs = td.elapsed().as_secs_f64();
-                    stats.spec.draft_s += secs;
-                    k_ctl.observe_draft(p.len(), secs);
-                    p
-                }
-                _ => Proposal::default(),
-            };
-            draft.truncate(k);
-            if self.kv.len() + 1 + draft.len() > ctx {
-                let d = emitter.finish_with(FinishReason::Length);
-                on_delta(&d);
-                break;
-            }
-            let mut input = Vec::with_capacity(1 + draft.len());
-            input.push(next);
-            input.extend_from_slice(&draft.tokens);
-            let which = if draft.is_empty() {
-                LogitsRows::Last
-            } else {
-                LogitsRows::All
-            };
-            let tv = Instant::now();
-            let out = self
-                .bundle
-                .model
-                .forward(&input, &mut self.kv, which, &[])
-                .map_err(internal)?;
-            stats.decode_steps += 1;
-            rows = out.logits.to_vec2::<f32>().map_err(|e| internal(e.into()))?;
-            let secs = tv.elapsed().as_secs_f64();
-            stats.spec.record_forward(input.len(), secs);
-            k_ctl.observe_forward(input.len(), secs);
-        }
-        stats.spec.target_steps = stats.decode_steps;
-        stats.decode_s = t1.elapsed().as_secs_f64();
-        stats.completion_tokens = emitter.tokens().len();
-        if let Some(d) = &drafter {
-            tracing::debug!(
-                drafter = d.name(),
-                drafted = stats.spec.drafted,
-                accepted = stats.spec.accepted,
-                tau = stats.spec.tau(),
-                "speculation"
-            );
-        }
-        let finish_reason = emitter.finished().unwrap_or(FinishReason::Length);
-        Ok(GenerateOutput {
-            text: emitter.text().to_string(),
-            token_ids: emitter.tokens().to_vec(),
-            logprobs: req.logprobs.map(|_| emitter.logprobs().to_vec()),
-            finish_reason,
-            stats,
-        })
+        self.generate_constrained(req, None, on_delta)
     }
 
-    /// Raw log-softmax of a logits row and its `n` best entries.
-    fn token_logprobs(&self, logits: &[f32], n: usize) -> (Vec<f32>, Vec<TopLogprob>) {
-        let all = sampling::log_softmax(logits);
-        let top = sampling::top_n(&all, n)
-            .into_iter()
-            .map(|(id, logprob)| TopLogprob {
-                id,
-                token: self.bundle.tokenizer.token_text(id),
-                logprob,
-            })
-            .collect();
-        (all, top)
+    /// Compile a structured-output constraint for this model. Errors: the grammar, schema or
+    /// regex is invalid (a request error).
+    pub fn compile_grammar(&mut self, spec: &GrammarSpec) -> Result<Box<dyn Constraint>, RequestError> {
+        if self.grammar.is_none() {
+            let eos = self.bundle.eos_ids.first().copied().ok_or_else(|| {
+                RequestError::InvalidParameter("this model has no end-of-generation token to end a grammar".into())
+            })?;
+            let c = GrammarCompiler::new(&self.bundle.tokenizer, self.config().vocab_size, eos)
+                .map_err(|e| RequestError::Internal(format!("{e:#}")))?;
+            self.grammar = Some(c);
+        }
+        let compiler = self
+            .grammar
+            .as_ref()
+            .ok_or_else(|| RequestError::Internal("grammar compiler".into()))?;
+        compiler
+            .compile(spec)
+            .map(|c| Box::new(c) as Box<dyn Constraint>)
+            .map_err(|e| RequestError::InvalidParameter(format!("response format: {e:#}")))
+    }
+
+    /// As [`Engine::generate`], with the output constrained to `grammar` (structured output):
+    /// every logits row, verify rows included, is masked with the grammar state after the
+    /// tokens before it, so speculation stays exact.
+    pub fn generate_constrained(
+        &mut self,
+        req: &GenerateRequest,
+        grammar: Option<&GrammarSpec>,
+        on_delta: &mut dyn FnMut(&StreamDelta) -> bool,
+    ) -> Result<GenerateOutput, RequestError> {
+        self.validate(req)?;
+        let constraint = grammar.map(|g| self.compile_grammar(g)).transpose()?;
+        let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
+        let mut kv = std::mem::replace(&mut self.kv, KvCache::new(0, 0, 0, 0));
+        kv.clear();
+        let mut req = req.clone();
+        req.spec = self.effective_spec(req.spec);
+        let mut seq = Sequence::with_constraint(self.sequence_env(), req, kv, constraint);
+        let mut result = Ok(());
+        while let Some(input) = seq.next_input() {
+            // Between prefill chunks, an empty delta asks the client whether it is still there.
+            if seq.is_prefilling() && !seq.kv().is_empty() && !on_delta(&StreamDelta::default()) {
+                seq.cancel();
+                break;
+            }
+            let rows = match self.bundle.model.forward(&input.tokens, seq.kv_mut(), input.rows, &[]) {
+                Ok(out) => out.logits.to_vec2::<f32>().map_err(anyhow::Error::from),
+                Err(e) => Err(e),
+            };
+            let outcome = match rows.and_then(|r| seq.absorb(r)) {
+                Ok(o) => o,
+                Err(e) => {
+                    result = Err(internal(e));
+                    break;
+                }
+            };
+            let d = &outcome.delta;
+            let has_output = !d.text.is_empty() || !d.token_ids.is_empty();
+            if has_output && !on_delta(d) {
+                seq.cancel();
+                break;
+            }
+        }
+        let (out, kv) = seq.finish();
+        self.kv = kv;
+        result.map(|()| out)
     }
 }

@@ -41,6 +41,26 @@ impl TinySpec {
             seed: 1,
         }
     }
+
+    /// A tiny model whose projections are of type `dtype`. The K-quants (Q2_K..Q6_K) pack 256
+    /// weights per super-block along the input dimension, so for them every input width
+    /// (hidden, intermediate, heads × head_dim) is a multiple of 256: hidden 256, intermediate
+    /// 512, 4 heads of 64 (2 KV heads).
+    pub fn with_dtype(family: Family, dtype: GgmlDType) -> Self {
+        let base = Self {
+            dtype,
+            ..Self::new(family)
+        };
+        if dtype.block_size() < 256 {
+            return base;
+        }
+        Self {
+            hidden: 256,
+            intermediate: 512,
+            head_dim: 64,
+            ..base
+        }
+    }
 }
 
 /// GPT-2's byte → printable-char table (the byte-level BPE alphabet).

@@ -91,6 +91,8 @@ pub struct GenerationStats {
     pub decode_s: f64,
     /// Target forward passes made while decoding.
     pub decode_steps: usize,
+    /// Prompt tokens whose KV came from the prefix cache (not recomputed).
+    pub cached_prompt_tokens: usize,
     /// Speculative decoding counters (decode path, drafted, accepted, tau inputs).
     pub spec: crate::spec::SpecStats,
 }

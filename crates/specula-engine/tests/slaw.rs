@@ -56,17 +56,22 @@ fn uniform() -> Dist {
     (0..V).map(|t| (t, 0.25)).collect()
 }
 
+/// A distribution as a function of the prefix.
+type DistFn = Box<dyn Fn(&[u32]) -> Dist>;
+/// A deterministic drafter's proposal as a function of the prefix.
+type TokenFn = Box<dyn Fn(&[u32]) -> u32>;
+
 /// An adversarial (p, q) family: target p and drafter q as functions of the prefix. `q = None`
 /// is a deterministic drafter proposing `det(prefix)`.
 struct Family {
     name: &'static str,
-    p: Box<dyn Fn(&[u32]) -> Dist>,
-    q: Option<Box<dyn Fn(&[u32]) -> Dist>>,
-    det: Box<dyn Fn(&[u32]) -> u32>,
+    p: DistFn,
+    q: Option<DistFn>,
+    det: TokenFn,
 }
 
 fn families() -> Vec<Family> {
-    let fam = |name, p: Box<dyn Fn(&[u32]) -> Dist>, q: Option<Box<dyn Fn(&[u32]) -> Dist>>| Family {
+    let fam = |name, p: DistFn, q: Option<DistFn>| Family {
         name,
         p,
         q,

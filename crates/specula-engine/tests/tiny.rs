@@ -58,7 +58,7 @@ fn hf_bundle_equals_gguf_for_every_family() {
 }
 
 /// Logits of row i of an n-row forward are bitwise equal to a one-row forward at that position,
-/// for the quantized types our own kernel computes.
+/// for the quantized types our own kernels compute (the 32-wide block types and the K-quants).
 #[test]
 fn verify_rows_equal_decode_rows_bitwise() {
     for dtype in [
@@ -67,14 +67,17 @@ fn verify_rows_equal_decode_rows_bitwise() {
         GgmlDType::Q5_0,
         GgmlDType::Q5_1,
         GgmlDType::Q8_0,
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
     ] {
         for family in [Family::Llama, Family::Qwen2, Family::Qwen3] {
             let dir = tmp();
-            let spec = TinySpec {
-                dtype,
-                ..TinySpec::new(family)
-            };
+            let spec = TinySpec::with_dtype(family, dtype);
             let model = load_gguf(&spec, dir.path());
+            assert!(model.batch_invariant(), "{dtype:?} {family:?}: not on our kernels");
             let prefix = &TOKENS[..4];
             let block = &TOKENS[4..];
             let mut kv = model.new_kv_cache();

@@ -19,9 +19,13 @@ use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::chat_output::{self, ChatOutput, OutEvent};
+use crate::chat_prompt::ChatPrompt;
 use crate::error::ApiError;
 use crate::logprobs;
-use crate::params::{self, Body, Common, MAX_TOP_LOGPROBS};
+use crate::params::{self, Body, Common, ToolChoice, MAX_TOP_LOGPROBS};
+use crate::reasoning::prompt_opens_reasoning;
+use crate::tools::{Dialect, ParserConfig};
 use crate::worker::{EngineHandle, Event, Prompt, Submission, SubmitError};
 
 /// OpenAI's legacy completions default for `max_tokens`.
@@ -59,6 +63,28 @@ struct Parsed {
     logprobs: Option<usize>,
     /// Speculative decoding (the `spec` field over the server default).
     spec: SpecOptions,
+    /// Chat: how the output is parsed (tool calls, reasoning).
+    chat: Option<ChatSetup>,
+}
+
+/// How a chat response's output is parsed.
+#[derive(Debug, Clone)]
+struct ChatSetup {
+    /// The tool-call parser's dialect and configuration (`None`: no tools, or `tool_choice`
+    /// `none`: the output is all content).
+    tools: Option<(Dialect, ParserConfig)>,
+    /// The model may think (split `<think>` even when the prompt does not open it).
+    thinking: bool,
+}
+
+impl ChatSetup {
+    /// The pipeline for one response, given the end of its rendered prompt.
+    fn output(&self, prompt_tail: &str) -> ChatOutput {
+        let open = prompt_opens_reasoning(prompt_tail);
+        let reasoning = (self.thinking || open).then_some(open);
+        let tools = self.tools.as_ref().map(|(d, cfg)| d.parser(cfg));
+        ChatOutput::new(reasoning, tools)
+    }
 }
 
 fn unix_now() -> u64 {
@@ -112,6 +138,8 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let b = Body::new(v)?;
     let common = params::common(&b, &h.model().id, &["max_completion_tokens", "max_tokens"])?;
     let messages = params::messages(&b)?;
+    let tools = params::tools(&b)?;
+    let kwargs = params::template_kwargs(&b)?;
     let spec = parse_spec(h, &b)?;
     let want = b.bool("logprobs")?.unwrap_or(false);
     let top = b.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i128)?;
@@ -122,12 +150,38 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
         )
         .with_code("invalid_value"));
     }
+    // `tool_choice: "none"`: the model is not shown the tools and its output is not parsed for
+    // calls. `required` and a named function are passed to the template (which may or may not
+    // use them); nothing forces a call yet (that needs grammar-constrained decoding).
+    let m = h.model();
+    let parse_tools = tools.as_ref().filter(|t| t.choice != ToolChoice::None).map(|t| {
+        let id_prefix = format!("{}_", new_id("call").replace('-', "_"));
+        (
+            m.chat.tool_dialect,
+            ParserConfig {
+                tools: t.specs.clone(),
+                id_prefix,
+            },
+        )
+    });
+    let extras = specula_engine::chat::ChatExtras {
+        tools: tools
+            .as_ref()
+            .filter(|t| t.choice != ToolChoice::None)
+            .map(|t| t.objects.clone()),
+        tool_choice: tools.as_ref().and_then(|t| t.choice_json.clone()),
+        kwargs,
+    };
     Ok(Parsed {
         kind: Kind::Chat,
-        prompt: Prompt::Chat(messages),
+        prompt: Prompt::Chat(ChatPrompt { messages, extras }),
         common,
         logprobs: want.then(|| top.unwrap_or(0) as usize),
         spec,
+        chat: Some(ChatSetup {
+            tools: parse_tools,
+            thinking: m.chat.thinking,
+        }),
     })
 }
 
@@ -157,6 +211,7 @@ fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
         common,
         logprobs,
         spec,
+        chat: None,
     })
 }
 
@@ -200,12 +255,13 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
         Err(SubmitError::QueueFull) => return ApiError::queue_full(h.max_queue()).into_response(),
         Err(SubmitError::WorkerGone) => return ApiError::internal("the engine worker is not running").into_response(),
     };
-    match rx.recv().await {
-        Some(Event::Started { .. }) => {}
+    let prompt_tail = match rx.recv().await {
+        Some(Event::Started { prompt_tail, .. }) => prompt_tail,
         Some(Event::Failed(e)) => return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response(),
         Some(other) => return ApiError::internal(format!("unexpected engine event {other:?}")).into_response(),
         None => return ApiError::internal("the engine worker stopped").into_response(),
-    }
+    };
+    let output = p.chat.as_ref().map(|c| c.output(&prompt_tail));
     let ctx = ResponseCtx {
         kind: p.kind,
         id: new_id(if p.kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
@@ -216,13 +272,13 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
         handle: h,
     };
     if c.stream {
-        Sse::new(sse_stream(ctx, rx))
+        Sse::new(sse_stream(ctx, rx, output))
             .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
             .into_response()
     } else {
         loop {
             match rx.recv().await {
-                Some(Event::Done(out)) => return Json(ctx.full_response(&out)).into_response(),
+                Some(Event::Done(out)) => return Json(ctx.full_response(&out, output)).into_response(),
                 Some(Event::Failed(e)) => {
                     return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response()
                 }
@@ -264,15 +320,30 @@ impl ResponseCtx {
         })
     }
 
-    fn full_response(&self, out: &GenerateOutput) -> Value {
+    /// The whole response; a chat's `output` pipeline (tool calls, reasoning) parses the text.
+    fn full_response(&self, out: &GenerateOutput, output: Option<ChatOutput>) -> Value {
         let lps = out.logprobs.as_deref().unwrap_or(&[]);
         let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": if self.logprobs { logprobs::chat(self.handle.token_bytes(), lps) } else { Value::Null },
-                "finish_reason": out.finish_reason.as_str(),
-            }),
+            Kind::Chat => {
+                let (message, finish_reason) = match output {
+                    Some(mut o) => {
+                        let mut events = o.feed(&out.text);
+                        events.extend(o.finish());
+                        let folded = chat_output::fold(&events);
+                        (folded.message(), o.finish_reason(out.finish_reason))
+                    }
+                    None => (
+                        json!({"role": "assistant", "content": out.text}),
+                        out.finish_reason.as_str(),
+                    ),
+                };
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": if self.logprobs { logprobs::chat(self.handle.token_bytes(), lps) } else { Value::Null },
+                    "finish_reason": finish_reason,
+                })
+            }
             Kind::Completion => json!({
                 "index": 0,
                 "text": out.text,
@@ -286,16 +357,25 @@ impl ResponseCtx {
         v
     }
 
-    /// The chunk for a piece of streamed output (`None` when there is nothing to send).
-    fn delta_chunk(&self, d: &StreamDelta, text_offset: &mut usize) -> Option<Value> {
+    /// The chunk for a piece of streamed output (`None` when there is nothing to send). A chat's
+    /// `output` pipeline turns the text into content, reasoning and tool-call deltas (text it
+    /// holds back is sent later, never twice).
+    fn delta_chunk(&self, d: &StreamDelta, text_offset: &mut usize, output: Option<&mut ChatOutput>) -> Option<Value> {
         let with_lp = self.logprobs && !d.logprobs.is_empty();
-        if d.text.is_empty() && !with_lp {
+        let chat_delta = match output {
+            Some(o) => {
+                let events = o.feed(&d.text);
+                chat_output::delta(&events).map(Value::Object)
+            }
+            None => (!d.text.is_empty()).then(|| json!({"content": d.text})),
+        };
+        if chat_delta.is_none() && (d.text.is_empty() || self.kind == Kind::Chat) && !with_lp {
             return None;
         }
         let choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
-                "delta": {"content": d.text},
+                "delta": chat_delta.unwrap_or_else(|| json!({"content": ""})),
                 "logprobs": if with_lp { logprobs::chat(self.handle.token_bytes(), &d.logprobs) } else { Value::Null },
                 "finish_reason": null,
             }),
@@ -323,13 +403,26 @@ impl ResponseCtx {
         })
     }
 
-    fn final_chunk(&self, out: &GenerateOutput) -> Value {
+    /// A chunk with what a chat's pipeline still held at the end (`None` if nothing).
+    fn flush_chunk(&self, output: Option<&mut ChatOutput>) -> Option<Value> {
+        let events: Vec<OutEvent> = output?.finish();
+        let delta = chat_output::delta(&events)?;
+        Some(self.envelope(
+            true,
+            vec![json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})],
+        ))
+    }
+
+    fn final_chunk(&self, out: &GenerateOutput, output: Option<&ChatOutput>) -> Value {
         let choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
                 "delta": {},
                 "logprobs": null,
-                "finish_reason": out.finish_reason.as_str(),
+                "finish_reason": match output {
+                    Some(o) => o.finish_reason(out.finish_reason),
+                    None => out.finish_reason.as_str(),
+                },
             }),
             Kind::Completion => json!({
                 "index": 0,
@@ -353,6 +446,7 @@ impl ResponseCtx {
 
 struct StreamState {
     ctx: ResponseCtx,
+    output: Option<ChatOutput>,
     rx: UnboundedReceiver<Event>,
     buf: VecDeque<SseEvent>,
     text_offset: usize,
@@ -365,13 +459,18 @@ fn data(v: &Value) -> SseEvent {
 
 /// The SSE body: a chunk per delta, the finish chunk, the usage chunk (when asked for), then
 /// `[DONE]`. Dropping it (client gone) drops the receiver, which cancels the generation.
-fn sse_stream(ctx: ResponseCtx, rx: UnboundedReceiver<Event>) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+fn sse_stream(
+    ctx: ResponseCtx,
+    rx: UnboundedReceiver<Event>,
+    output: Option<ChatOutput>,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let mut buf = VecDeque::new();
     if let Some(first) = ctx.first_chunk() {
         buf.push_back(data(&first));
     }
     let state = StreamState {
         ctx,
+        output,
         rx,
         buf,
         text_offset: 0,
@@ -387,12 +486,15 @@ fn sse_stream(ctx: ResponseCtx, rx: UnboundedReceiver<Event>) -> impl Stream<Ite
             }
             match st.rx.recv().await {
                 Some(Event::Delta(d)) => {
-                    if let Some(chunk) = st.ctx.delta_chunk(&d, &mut st.text_offset) {
+                    if let Some(chunk) = st.ctx.delta_chunk(&d, &mut st.text_offset, st.output.as_mut()) {
                         st.buf.push_back(data(&chunk));
                     }
                 }
                 Some(Event::Done(out)) => {
-                    st.buf.push_back(data(&st.ctx.final_chunk(&out)));
+                    if let Some(chunk) = st.ctx.flush_chunk(st.output.as_mut()) {
+                        st.buf.push_back(data(&chunk));
+                    }
+                    st.buf.push_back(data(&st.ctx.final_chunk(&out, st.output.as_ref())));
                     if st.ctx.include_usage {
                         st.buf.push_back(data(&st.ctx.usage_chunk(&out)));
                     }
@@ -435,6 +537,9 @@ fn model_json(h: &EngineHandle) -> Value {
             "draft_max": m.spec.draft_max,
             "adaptive": m.spec.adaptive,
             "batch_invariant": m.batch_invariant,
+            "effective_spec": m.effective_spec,
+            "tuned_default": m.tuned_default,
+            "bundle": m.bundle,
         },
     })
 }

@@ -9,14 +9,25 @@
 //! response object `spec_stats` (non-streamed responses; the finish and usage chunks of a
 //! stream), and the `specula` object of each model in `/v1/models`.
 //!
+//! Agent API: chat requests take `tools` / `tool_choice` (rendered by the model's chat template),
+//! messages with `tool_calls` and `role: "tool"`, `reasoning_effort` and `chat_template_kwargs`.
+//! Responses parse the model's tool calls ([`tools`], one parser per dialect, chosen from the
+//! template and family or by [`ServeOptions::tool_parser`]) into `message.tool_calls` /
+//! streamed `delta.tool_calls`, and split `<think>…</think>` into `reasoning_content`
+//! ([`reasoning`]).
+//!
 //! The engine runs on one dedicated OS thread ([`EngineHandle`]); requests are served one at a
 //! time in arrival order, with at most `max_queue` waiting (more get 429 with `Retry-After: 1`).
 
 mod api;
+mod chat_output;
+mod chat_prompt;
 mod error;
 mod logprobs;
 mod metrics;
 mod params;
+pub mod reasoning;
+pub mod tools;
 mod worker;
 
 use std::future::Future;
@@ -29,6 +40,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use tokio::net::TcpListener;
 
+pub use chat_prompt::{ChatInfo, ChatPrompt};
 pub use error::ApiError;
 pub use metrics::Metrics;
 pub use worker::{
@@ -50,6 +62,12 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Speculative decoding for requests that do not set the `spec` field.
     pub spec: specula_engine::spec::SpecOptions,
+    /// The bundle's capability summary from `specula_engine::inspect`
+    /// (`BundleReport::capabilities_json`), shown in `/v1/models` as `specula.bundle`.
+    pub bundle: Option<serde_json::Value>,
+    /// The tool-call dialect (`--tool-parser`); `None` = detected from the chat template and
+    /// the model family.
+    pub tool_parser: Option<tools::Dialect>,
 }
 
 impl Default for ServeOptions {
@@ -59,6 +77,8 @@ impl Default for ServeOptions {
             port: 8000,
             max_queue: DEFAULT_MAX_QUEUE,
             spec: Default::default(),
+            bundle: None,
+            tool_parser: None,
         }
     }
 }
@@ -83,7 +103,8 @@ pub fn router(handle: EngineHandle) -> Router {
 pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result<()> {
     worker::check_spec_default(&engine, &opts.spec)
         .map_err(|e| anyhow::anyhow!("the server's speculation default: {e}"))?;
-    let handle = EngineHandle::spawn_with_spec(engine, opts.max_queue, opts.spec);
+    let handle = EngineHandle::spawn_with_bundle(engine, opts.max_queue, opts.spec, opts.bundle.clone())
+        .with_tool_parser(opts.tool_parser);
     let listener = TcpListener::bind((opts.host.as_str(), opts.port))
         .await
         .with_context(|| format!("binding {}:{}", opts.host, opts.port))?;
@@ -101,6 +122,9 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         draft_max = m.spec.draft_max,
         adaptive = m.spec.adaptive,
         draft_model = m.draft_model.as_deref().unwrap_or("none"),
+        tool_parser = %m.chat.tool_dialect,
+        tool_parser_from = m.chat.tool_dialect_from,
+        thinking = m.chat.thinking,
         "listening on http://{host}:{port}"
     );
     serve_with_shutdown(handle, listener, shutdown_signal()).await

@@ -4,11 +4,13 @@
 //! `null` means "absent", and a wrong type is a 400 naming the field.
 
 use serde_json::{Map, Value};
+use specula_engine::chat::{ChatFunctionCall, ChatToolCall, RESERVED_TEMPLATE_VARIABLES};
 use specula_engine::engine::MAX_DRAFT;
 use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, SamplingParams};
 
 use crate::error::ApiError;
+use crate::tools::ToolSpec;
 use crate::worker::Prompt;
 
 /// Most alternatives `top_logprobs` / legacy `logprobs` may ask for (the engine's limit).
@@ -291,7 +293,108 @@ pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
     Ok(out)
 }
 
-/// Chat `messages`: role + content (a string, or text parts joined with newlines).
+/// Roles a chat message may have (`developer` is rendered as `system`).
+const ROLES: &str = "'system', 'developer', 'user', 'assistant' and 'tool'";
+
+/// A message's `content`: a string, or text parts joined with newlines; `None` when absent or
+/// null.
+fn message_content(obj: &Map<String, Value>, content_param: &str) -> Result<Option<String>, ApiError> {
+    match obj.get("content") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
+                let part_param = format!("{content_param}[{j}]");
+                let kind = p.get("type").and_then(Value::as_str);
+                match (kind, p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => texts.push(t.as_str()),
+                    (Some("text"), other) => {
+                        return Err(bad_type(
+                            &format!("{part_param}.text"),
+                            "a string",
+                            other.unwrap_or(&Value::Null),
+                        ))
+                    }
+                    (Some(k), _) => {
+                        return Err(ApiError::invalid(
+                            format!("Unsupported content part type '{k}': only 'text' parts are supported."),
+                            Some(&format!("{part_param}.type")),
+                        )
+                        .with_code("invalid_value"))
+                    }
+                    (None, _) => return Err(missing(&format!("{part_param}.type"))),
+                }
+            }
+            Ok(Some(texts.join("\n")))
+        }
+        Some(other) => Err(bad_type(content_param, "a string or an array of content parts", other)),
+    }
+}
+
+/// An optional string field of an object.
+fn opt_str(obj: &Map<String, Value>, key: &str, param: &str) -> Result<Option<String>, ApiError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(bad_type(param, "a string", v)),
+    }
+}
+
+/// A required string field of an object.
+fn req_str(obj: &Map<String, Value>, key: &str, param: &str) -> Result<String, ApiError> {
+    opt_str(obj, key, param)?.ok_or_else(|| missing(param))
+}
+
+/// An assistant message's `tool_calls`.
+fn message_tool_calls(v: &Value, param: &str) -> Result<Vec<ChatToolCall>, ApiError> {
+    let items = v.as_array().ok_or_else(|| bad_type(param, "an array", v))?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(k, c)| {
+            let at = format!("{param}[{k}]");
+            let obj = c.as_object().ok_or_else(|| bad_type(&at, "an object", c))?;
+            let id = req_str(obj, "id", &format!("{at}.id"))?;
+            let kind = opt_str(obj, "type", &format!("{at}.type"))?.unwrap_or_else(|| "function".to_string());
+            if kind != "function" {
+                return Err(bad_value(
+                    &format!("{at}.type"),
+                    format!("Invalid value: '{kind}'. Supported values are: 'function'."),
+                ));
+            }
+            let fparam = format!("{at}.function");
+            let f = match obj.get("function") {
+                Some(Value::Object(f)) => f,
+                None | Some(Value::Null) => return Err(missing(&fparam)),
+                Some(other) => return Err(bad_type(&fparam, "an object", other)),
+            };
+            let name = req_str(f, "name", &format!("{fparam}.name"))?;
+            let aparam = format!("{fparam}.arguments");
+            // Templates expect the arguments as an object (transformers' convention): a JSON
+            // string that parses is passed parsed, anything else as given.
+            let arguments = match f.get("arguments") {
+                None | Some(Value::Null) => return Err(missing(&aparam)),
+                Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                    .ok()
+                    .filter(Value::is_object)
+                    .unwrap_or_else(|| Value::String(s.clone())),
+                Some(o @ Value::Object(_)) => o.clone(),
+                Some(other) => return Err(bad_type(&aparam, "a string", other)),
+            };
+            Ok(ChatToolCall {
+                id,
+                kind,
+                function: ChatFunctionCall { name, arguments },
+            })
+        })
+        .collect()
+}
+
+/// Chat `messages`: `role` (system, developer, user, assistant, tool) and `content` (a string,
+/// or text parts joined with newlines); assistant messages may carry `tool_calls` (then
+/// `content` may be null) and `reasoning_content`; tool messages need `tool_call_id`, which
+/// must answer a call of the assistant message before them.
 pub fn messages(b: &Body) -> Result<Vec<ChatMessage>, ApiError> {
     let v = b.get("messages").ok_or_else(|| missing("messages"))?;
     let items = v.as_array().ok_or_else(|| bad_type("messages", "an array", v))?;
@@ -302,58 +405,275 @@ pub fn messages(b: &Body) -> Result<Vec<ChatMessage>, ApiError> {
         )
         .with_code("empty_array"));
     }
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let at = format!("messages[{i}]");
-            let obj = m.as_object().ok_or_else(|| bad_type(&at, "an object", m))?;
-            let role_param = format!("{at}.role");
-            let role = match obj.get("role") {
-                Some(Value::String(r)) if !r.is_empty() => r.as_str(),
-                Some(Value::String(_)) | None | Some(Value::Null) => return Err(missing(&role_param)),
-                Some(other) => return Err(bad_type(&role_param, "a string", other)),
-            };
-            // OpenAI's newer name for the system role; chat templates know "system".
-            let role = if role == "developer" { "system" } else { role };
-            let content_param = format!("{at}.content");
-            let content = match obj.get("content") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => {
-                    let mut texts = Vec::with_capacity(parts.len());
-                    for (j, p) in parts.iter().enumerate() {
-                        let part_param = format!("{content_param}[{j}]");
-                        let kind = p.get("type").and_then(Value::as_str);
-                        match (kind, p.get("text")) {
-                            (Some("text"), Some(Value::String(t))) => texts.push(t.as_str()),
-                            (Some("text"), other) => {
-                                return Err(bad_type(
-                                    &format!("{part_param}.text"),
-                                    "a string",
-                                    other.unwrap_or(&Value::Null),
-                                ))
-                            }
-                            (Some(k), _) => {
-                                return Err(ApiError::invalid(
-                                    format!("Unsupported content part type '{k}': only 'text' parts are supported."),
-                                    Some(&format!("{part_param}.type")),
-                                )
-                                .with_code("invalid_value"))
-                            }
-                            (None, _) => return Err(missing(&format!("{part_param}.type"))),
-                        }
-                    }
-                    texts.join("\n")
+    // Ids of the calls the latest assistant message made (tool messages answer them).
+    let mut open_calls: Vec<String> = Vec::new();
+    let mut out = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let obj = m.as_object().ok_or_else(|| bad_type(&at, "an object", m))?;
+        let role_param = format!("{at}.role");
+        let role = match obj.get("role") {
+            Some(Value::String(r)) if !r.is_empty() => r.as_str(),
+            Some(Value::String(_)) | None | Some(Value::Null) => return Err(missing(&role_param)),
+            Some(other) => return Err(bad_type(&role_param, "a string", other)),
+        };
+        // OpenAI's newer name for the system role; chat templates know "system".
+        let role = match role {
+            "developer" => "system",
+            "system" | "user" | "assistant" | "tool" => role,
+            other => {
+                return Err(bad_value(
+                    &role_param,
+                    format!("Invalid value: '{other}'. Supported values are: {ROLES}."),
+                ))
+            }
+        };
+        let content_param = format!("{at}.content");
+        let content = message_content(obj, &content_param)?;
+        let mut msg = ChatMessage {
+            role: role.to_string(),
+            name: opt_str(obj, "name", &format!("{at}.name"))?,
+            ..Default::default()
+        };
+        match role {
+            "assistant" => {
+                let calls_param = format!("{at}.tool_calls");
+                let calls = match obj.get("tool_calls") {
+                    None | Some(Value::Null) => None,
+                    Some(v) => Some(message_tool_calls(v, &calls_param)?).filter(|c| !c.is_empty()),
+                };
+                if content.is_none() && calls.is_none() {
+                    return Err(missing(&content_param));
                 }
-                Some(other) => return Err(bad_type(&content_param, "a string or an array of content parts", other)),
-            };
-            Ok(ChatMessage {
-                role: role.to_string(),
-                content,
-            })
-        })
-        .collect()
+                let reasoning = match opt_str(obj, "reasoning_content", &format!("{at}.reasoning_content"))? {
+                    Some(r) => Some(r),
+                    None => opt_str(obj, "reasoning", &format!("{at}.reasoning"))?,
+                };
+                open_calls = calls
+                    .as_ref()
+                    .map(|c| c.iter().map(|c| c.id.clone()).collect())
+                    .unwrap_or_default();
+                msg.tool_calls = calls;
+                msg.reasoning_content = reasoning.filter(|r| !r.is_empty());
+            }
+            "tool" => {
+                let id_param = format!("{at}.tool_call_id");
+                let id = req_str(obj, "tool_call_id", &id_param)?;
+                if !open_calls.contains(&id) {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "Invalid parameter: messages with role 'tool' must be a response to a preceding message \
+                             with 'tool_calls'; '{id}' answers none of the calls of the assistant message before it."
+                        ),
+                        Some(&id_param),
+                    )
+                    .with_code("invalid_value"));
+                }
+                if content.is_none() {
+                    return Err(missing(&content_param));
+                }
+                msg.tool_call_id = Some(id);
+            }
+            _ => {
+                if content.is_none() {
+                    return Err(missing(&content_param));
+                }
+                open_calls.clear();
+            }
+        }
+        msg.content = content.unwrap_or_default();
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    /// `{"type": "function", "function": {"name": ...}}`.
+    Named(String),
+}
+
+/// The tools of a chat request.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// The tool objects as given (what the template prints).
+    pub objects: Vec<Value>,
+    /// What the parsers need of them.
+    pub specs: Vec<ToolSpec>,
+    pub choice: ToolChoice,
+    /// `tool_choice` as given (for the template), when given.
+    pub choice_json: Option<Value>,
+}
+
+/// Tool names: OpenAI's `^[a-zA-Z0-9_-]{1,64}$`, plus `.` and `:` (namespaced MCP tools).
+fn valid_tool_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'))
+}
+
+/// `tools`, `tool_choice` and `parallel_tool_calls`. `None` when no tools are given (an empty
+/// array counts as none); `tool_choice` `"required"` or a named function then is a 400.
+pub fn tools(b: &Body) -> Result<Option<Tools>, ApiError> {
+    let mut objects = Vec::new();
+    let mut specs: Vec<ToolSpec> = Vec::new();
+    match b.get("tools") {
+        None => {}
+        Some(Value::Array(items)) => {
+            for (i, t) in items.iter().enumerate() {
+                let at = format!("tools[{i}]");
+                let obj = t.as_object().ok_or_else(|| bad_type(&at, "an object", t))?;
+                match obj.get("type") {
+                    Some(Value::String(k)) if k == "function" => {}
+                    Some(Value::String(k)) => {
+                        return Err(bad_value(
+                            &format!("{at}.type"),
+                            format!("Invalid value: '{k}'. Supported values are: 'function'."),
+                        ))
+                    }
+                    None | Some(Value::Null) => return Err(missing(&format!("{at}.type"))),
+                    Some(v) => return Err(bad_type(&format!("{at}.type"), "a string", v)),
+                }
+                let fparam = format!("{at}.function");
+                let f = match obj.get("function") {
+                    Some(Value::Object(f)) => f,
+                    None | Some(Value::Null) => return Err(missing(&fparam)),
+                    Some(v) => return Err(bad_type(&fparam, "an object", v)),
+                };
+                let name_param = format!("{fparam}.name");
+                let name = req_str(f, "name", &name_param)?;
+                if !valid_tool_name(&name) {
+                    return Err(bad_value(
+                        &name_param,
+                        format!(
+                            "Invalid '{name_param}': string does not match pattern. Expected a string that matches \
+                             the pattern '^[a-zA-Z0-9_.:-]{{1,64}}$'."
+                        ),
+                    ));
+                }
+                if specs.iter().any(|s| s.name == name) {
+                    return Err(bad_value(
+                        &name_param,
+                        format!("Invalid 'tools': the function name '{name}' appears more than once."),
+                    ));
+                }
+                opt_str(f, "description", &format!("{fparam}.description"))?;
+                match f.get("parameters") {
+                    None | Some(Value::Null) | Some(Value::Object(_)) => {}
+                    Some(v) => return Err(bad_type(&format!("{fparam}.parameters"), "an object", v)),
+                }
+                match f.get("strict") {
+                    None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+                    Some(v) => return Err(bad_type(&format!("{fparam}.strict"), "a boolean", v)),
+                }
+                let spec = ToolSpec::from_function(&Value::Object(f.clone())).ok_or_else(|| missing(&name_param))?;
+                specs.push(spec);
+                objects.push(t.clone());
+            }
+        }
+        Some(v) => return Err(bad_type("tools", "an array", v)),
+    }
+    b.bool("parallel_tool_calls")?;
+    let choice_json = b.get("tool_choice").cloned();
+    let choice = match &choice_json {
+        None => {
+            if specs.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            }
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad_value(
+                    "tool_choice",
+                    format!("Invalid value: '{other}'. Supported values are: 'none', 'auto' and 'required'."),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => {
+            match o.get("type") {
+                Some(Value::String(t)) if t == "function" => {}
+                _ => return Err(bad_value(
+                    "tool_choice",
+                    "Invalid 'tool_choice': an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}."
+                        .to_string(),
+                )),
+            }
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| missing("tool_choice.function.name"))?;
+            if !specs.iter().any(|s| s.name == name) {
+                return Err(bad_value(
+                    "tool_choice",
+                    format!("Invalid 'tool_choice': the function '{name}' is not one of the given tools."),
+                ));
+            }
+            ToolChoice::Named(name.to_string())
+        }
+        Some(v) => return Err(bad_type("tool_choice", "a string or an object", v)),
+    };
+    if specs.is_empty() {
+        if matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+            return Err(bad_value(
+                "tool_choice",
+                "Invalid 'tool_choice': 'required' or a named function needs 'tools'.".to_string(),
+            ));
+        }
+        return Ok(None);
+    }
+    Ok(Some(Tools {
+        objects,
+        specs,
+        choice,
+        choice_json,
+    }))
+}
+
+/// Extra template variables: `chat_template_kwargs` (an object; e.g. `{"enable_thinking":
+/// false}`) and `reasoning_effort` (`none`, `minimal`, `low`, `medium`, `high`; passed as
+/// `reasoning_effort`, and `none` also sets `enable_thinking: false` unless the kwargs set it).
+pub fn template_kwargs(b: &Body) -> Result<Map<String, Value>, ApiError> {
+    let mut kwargs = match b.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(v) => return Err(bad_type("chat_template_kwargs", "an object", v)),
+    };
+    if let Some(k) = kwargs
+        .keys()
+        .find(|k| RESERVED_TEMPLATE_VARIABLES.contains(&k.as_str()))
+    {
+        return Err(bad_value(
+            "chat_template_kwargs",
+            format!("Invalid 'chat_template_kwargs': '{k}' is set by the server and cannot be overridden."),
+        ));
+    }
+    if let Some(effort) = b.str("reasoning_effort")? {
+        if !matches!(effort, "none" | "minimal" | "low" | "medium" | "high") {
+            return Err(bad_value(
+                "reasoning_effort",
+                format!(
+                    "Invalid value: '{effort}'. Supported values are: 'none', 'minimal', 'low', 'medium' and 'high'."
+                ),
+            ));
+        }
+        kwargs.insert("reasoning_effort".into(), Value::String(effort.to_string()));
+        if effort == "none" {
+            kwargs.entry("enable_thinking").or_insert(Value::Bool(false));
+        }
+    }
+    Ok(kwargs)
 }
 
 /// Completions `prompt`: a string, an array of one string, an array of token ids, or an array

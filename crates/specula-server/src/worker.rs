@@ -12,9 +12,10 @@ use std::sync::{mpsc, Arc};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use specula_engine::spec::SpecOptions;
-use specula_engine::{ChatMessage, Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
+use specula_engine::{Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use crate::chat_prompt::{self, ChatInfo, ChatPrompt};
 use crate::logprobs::TokenBytes;
 use crate::metrics::Metrics;
 
@@ -39,13 +40,65 @@ pub struct ModelInfo {
     pub batch_invariant: bool,
     /// Speculative decoding for requests that do not set the `spec` field.
     pub spec: SpecOptions,
+    /// The chat format: tool-call dialect, thinking.
+    pub chat: ChatInfo,
+    /// What requests without a `spec` field actually run: `{"drafter", "draft_max", "adaptive",
+    /// "reason"}` (the tuning choice for `default`, AR when the kernels are not batch-invariant).
+    pub effective_spec: serde_json::Value,
+    /// The measured choice `default` follows (from a tuning file), if any.
+    pub tuned_default: Option<serde_json::Value>,
+    /// The bundle report's capability summary (`specula_engine::inspect`), when the server was
+    /// started with one.
+    pub bundle: Option<serde_json::Value>,
+}
+
+/// What requests without a `spec` field run on `engine`, as JSON for `/v1/models`.
+fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_json::Value {
+    let eff = engine.effective_spec(*spec);
+    let resolved = engine.resolve_spec_mode(spec.mode);
+    let tuned = engine
+        .tuned_default()
+        .filter(|_| spec.mode == specula_engine::spec::SpecMode::Default);
+    let (drafter, reason) = match resolved {
+        None => (
+            "ar".to_string(),
+            match tuned {
+                Some(t) => format!("tuning file choice: {}", t.describe()),
+                None => "speculation off".to_string(),
+            },
+        ),
+        Some(_) if !engine.model().batch_invariant() => (
+            "ar".to_string(),
+            "this model's kernels are not batch-invariant, so speculation would not be exact".to_string(),
+        ),
+        Some(m) => {
+            let name = match m {
+                specula_engine::spec::SpecMode::Draft => {
+                    format!("draft-model:{}", engine.draft_model_id().unwrap_or("?"))
+                }
+                other => other.as_str().to_string(),
+            };
+            let why = match tuned {
+                Some(t) => format!("tuning file choice: {}", t.describe()),
+                None => format!("--spec {}", spec.mode.as_str()),
+            };
+            (name, why)
+        }
+    };
+    serde_json::json!({
+        "drafter": drafter,
+        "draft_max": eff.draft_max,
+        "adaptive": eff.adaptive,
+        "reason": reason,
+    })
 }
 
 /// The prompt of a job, before templating and tokenization (done on the worker thread).
 #[derive(Debug, Clone)]
 pub enum Prompt {
-    /// Rendered with the model's chat template (generation prompt added), then tokenized.
-    Chat(Vec<ChatMessage>),
+    /// Rendered with the model's chat template (generation prompt added; tools, tool_choice
+    /// and keyword arguments passed), then tokenized.
+    Chat(ChatPrompt),
     /// Tokenized as is.
     Text(String),
     /// Token ids, used as is.
@@ -71,8 +124,9 @@ pub struct Submission {
 /// `Done`; or `Failed` at any point.
 #[derive(Debug)]
 pub enum Event {
-    /// The prompt was tokenized and validated; generation begins.
-    Started { prompt_tokens: usize },
+    /// The prompt was tokenized and validated; generation begins. `prompt_tail` is the end of
+    /// the rendered chat prompt (empty for other prompts).
+    Started { prompt_tokens: usize, prompt_tail: String },
     /// Output that became final.
     Delta(StreamDelta),
     /// The finished generation.
@@ -152,6 +206,7 @@ impl Drop for Slot {
     }
 }
 
+#[derive(Clone)]
 struct Shared {
     jobs: mpsc::Sender<Work>,
     queue: Arc<Queue>,
@@ -197,7 +252,21 @@ impl EngineHandle {
     /// without a `spec` field use `spec` (see [`check_spec_default`] for a default the engine
     /// cannot serve).
     pub fn spawn_with_spec(engine: Engine, max_queue: usize, spec: SpecOptions) -> Self {
+        Self::spawn_with_bundle(engine, max_queue, spec, None)
+    }
+
+    /// As [`EngineHandle::spawn_with_spec`], with the bundle's capability summary (from
+    /// `specula_engine::inspect`) shown in `/v1/models`.
+    pub fn spawn_with_bundle(
+        engine: Engine,
+        max_queue: usize,
+        spec: SpecOptions,
+        bundle: Option<serde_json::Value>,
+    ) -> Self {
         let model = ModelInfo {
+            effective_spec: effective_spec_json(&engine, &spec),
+            tuned_default: engine.tuned_default().and_then(|t| serde_json::to_value(t).ok()),
+            bundle,
             id: engine.model_id().to_string(),
             context_length: engine.context_length(),
             vocab_size: engine.config().vocab_size,
@@ -205,6 +274,7 @@ impl EngineHandle {
             draft_model: engine.draft_model_id().map(str::to_string),
             batch_invariant: engine.model().batch_invariant(),
             spec,
+            chat: ChatInfo::of(&engine),
         };
         let token_bytes = TokenBytes::new(engine.tokenizer().clone());
         let metrics = Metrics::new();
@@ -233,6 +303,19 @@ impl EngineHandle {
 
     pub fn model(&self) -> &ModelInfo {
         &self.shared.model
+    }
+
+    /// This handle with the tool-call dialect set (`--tool-parser`) instead of detected; `None`
+    /// keeps the detected one. Other handles keep what they had.
+    pub fn with_tool_parser(self, dialect: Option<crate::tools::Dialect>) -> Self {
+        let Some(d) = dialect else {
+            return self;
+        };
+        let mut shared = (*self.shared).clone();
+        shared.model.chat = shared.model.chat.with_dialect(d);
+        Self {
+            shared: Arc::new(shared),
+        }
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -374,8 +457,13 @@ fn run_job(
     sub: &Submission,
     events: &UnboundedSender<Event>,
 ) -> Result<GenerateOutput, RequestError> {
+    let mut prompt_tail = String::new();
     let tokens = match &sub.prompt {
-        Prompt::Chat(messages) => engine.chat_prompt_tokens(messages)?,
+        Prompt::Chat(p) => {
+            let (tokens, tail) = chat_prompt::render_tokens(engine, p)?;
+            prompt_tail = tail;
+            tokens
+        }
         Prompt::Text(text) => engine.tokenize(text)?,
         Prompt::Tokens(ids) => ids.clone(),
     };
@@ -391,6 +479,7 @@ fn run_job(
     if events
         .send(Event::Started {
             prompt_tokens: req.prompt_tokens.len(),
+            prompt_tail,
         })
         .is_err()
     {

@@ -1,5 +1,7 @@
 mod inspect_cmd;
+mod preflight;
 mod pull;
+mod tune;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -39,6 +41,9 @@ enum Command {
     /// Report what a bundle is and what Specula will do with it, from headers only (no weights
     /// read): family, size, quantization, tokenizer, drafters, memory, tier, effective modes.
     Inspect(inspect_cmd::InspectArgs),
+    /// Measure AR and each drafter at k = 1..8 on built-in prompts, check every speculative
+    /// output is identical to AR, and write specula_tuning.json (used by `--spec default`).
+    Tune(tune::TuneArgs),
 }
 
 #[derive(Args, Debug)]
@@ -59,6 +64,14 @@ struct ServeArgs {
     /// Speculative decoding for requests that do not choose (the `spec` request field).
     #[command(flatten)]
     spec: SpecArgs,
+    /// Compare the memory estimate (weights + KV cache + scratch) with available memory before
+    /// loading: advisory warns, strict refuses.
+    #[arg(long, value_enum, default_value = "advisory")]
+    memory_check: preflight::MemoryCheckArg,
+    /// Tool-call dialect of the model's output: hermes, qwen3_coder, bracket, llama3_json,
+    /// mistral (default: detected from the chat template and the model family).
+    #[arg(long, value_parser = parse_tool_parser)]
+    tool_parser: Option<specula_server::tools::Dialect>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -132,6 +145,10 @@ struct GenerateArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     spec: SpecArgs,
+    /// Compare the memory estimate with available memory before loading (advisory warns,
+    /// strict refuses).
+    #[arg(long, value_enum, default_value = "advisory")]
+    memory_check: preflight::MemoryCheckArg,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -277,6 +294,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(a) => bench(a),
         Command::Inspect(a) => inspect_cmd::run(a),
+        Command::Tune(a) => tune::run(a),
     }
 }
 
@@ -306,9 +324,20 @@ fn load(spec: &str, id: Option<String>) -> Result<Engine> {
     Ok(engine)
 }
 
+fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> {
+    specula_server::tools::Dialect::parse(s).ok_or_else(|| {
+        format!(
+            "unknown tool parser '{s}' (expected one of: {})",
+            specula_server::tools::Dialect::names()
+        )
+    })
+}
+
 fn serve(a: ServeArgs) -> Result<()> {
+    let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let mut engine = load(&a.model, a.served_model_name.clone())?;
     a.spec.attach(&mut engine)?;
+    preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -320,13 +349,17 @@ fn serve(a: ServeArgs) -> Result<()> {
             port: a.port,
             max_queue: a.max_queue,
             spec: a.spec.options(),
+            bundle: report.map(|r| r.capabilities_json()),
+            tool_parser: a.tool_parser,
         },
     ))
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let mut engine = load(&a.model, None)?;
     a.spec.attach(&mut engine)?;
+    preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     let prompt_tokens = if a.chat {
         engine.chat_prompt_tokens(&[ChatMessage::new("user", &a.prompt)])?
     } else {

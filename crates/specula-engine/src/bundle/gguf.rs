@@ -22,12 +22,18 @@ pub struct GgufHeader {
 }
 
 impl GgufHeader {
-    /// Read the header (metadata and tensor infos, no tensor data).
+    /// Read the header (metadata and tensor infos, no tensor data) with the bounds-checked
+    /// reader of [`crate::inspect::gguf`], and refuse a tensor directory that cannot load
+    /// (duplicate names, unknown types, data past the end of the file). Errors name the file and
+    /// the key or tensor.
     pub fn read(path: &Path) -> Result<Self> {
-        let mut f = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
-        let content = gguf_file::Content::read(&mut f)
-            .map_err(|e| anyhow!("{}: not a readable GGUF file: {e}", path.display()))?;
-        Ok(Self { content })
+        let scan = crate::inspect::gguf::scan(path)?;
+        if let Some(p) = crate::inspect::gguf::validate(&scan).into_iter().find(|p| p.fatal) {
+            bail!("{}: tensor '{}' {}", path.display(), p.tensor, p.message);
+        }
+        Ok(Self {
+            content: scan.into_content(),
+        })
     }
 
     pub fn metadata(&self) -> &HashMap<String, gguf_file::Value> {

@@ -75,7 +75,20 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
             .get("weight_map")
             .and_then(Json::as_object)
             .ok_or_else(|| anyhow!("{}: missing object 'weight_map'", index.display()))?;
-        let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+        let mut files: Vec<String> = Vec::with_capacity(map.len());
+        for (tensor, v) in map {
+            let f = v
+                .as_str()
+                .ok_or_else(|| anyhow!("{}: weight_map.{tensor} is not a file name", index.display()))?;
+            if !dir.join(f).is_file() {
+                bail!(
+                    "{}: weight_map names shard '{f}' (for tensor '{tensor}'), which does not exist in {}",
+                    index.display(),
+                    dir.display()
+                );
+            }
+            files.push(f.to_string());
+        }
         files.sort();
         files.dedup();
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());
@@ -186,7 +199,24 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
     eos.dedup();
 
     let mut tensors = HashMap::new();
+    let mut origin: HashMap<String, std::path::PathBuf> = HashMap::new();
     for f in safetensors_files(dir)? {
+        // Check the header first (bounds-checked, names the tensor) so a malformed file fails
+        // with a clear message rather than inside the safetensors crate.
+        let scan = crate::inspect::safetensors::scan(&f)?;
+        if let Some(p) = crate::inspect::safetensors::validate(&scan).first() {
+            bail!("{}: tensor '{}' {}", f.display(), p.tensor, p.message);
+        }
+        for t in &scan.tensors {
+            if let Some(prev) = origin.insert(t.name.clone(), f.clone()) {
+                bail!(
+                    "{}: tensor '{}' is also in {} (duplicate tensor across weight files)",
+                    f.display(),
+                    t.name,
+                    prev.display()
+                );
+            }
+        }
         let part = candle_core::safetensors::load(&f, device).map_err(|e| anyhow!("{}: {e}", f.display()))?;
         tensors.extend(part);
     }

@@ -68,7 +68,22 @@ pub fn kind_of(path: &Path) -> Result<BundleKind> {
 }
 
 /// Load a bundle from a GGUF file, a directory holding one GGUF file, or an HF directory.
+///
+/// The headers are checked first ([`crate::inspect::read_part`]: config fields, tensor names,
+/// shapes and dtypes against the config, data ranges, tokenizer, chat template), so a malformed
+/// bundle fails before any weight is read, with an error naming the file and the field or tensor.
 pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
+    let part = crate::inspect::read_part(path, crate::inspect::Component::Target)?;
+    if let Some(d) = part
+        .diags
+        .iter()
+        .find(|d| d.severity == crate::inspect::Severity::Error)
+    {
+        if d.subject.is_empty() {
+            bail!("{}: {}", d.file, d.message);
+        }
+        bail!("{}: {}: {}", d.file, d.subject, d.message);
+    }
     match kind_of(path)? {
         BundleKind::Gguf if path.is_dir() => {
             let f = std::fs::read_dir(path)?

@@ -20,7 +20,6 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
-use rayon::prelude::*;
 
 /// Weights per block for every type here.
 pub const QK: usize = 32;
@@ -109,7 +108,7 @@ pub fn quantize_row(x: &[f32]) -> QuantRow {
 /// Round half to even for |v| < 2^22, as ggml's `nearest_int` (the 1.5 * 2^23 trick) and
 /// `_mm256_round_ps(_MM_ROUND_NEAREST)` do.
 #[inline]
-fn nearest_int(v: f32) -> i32 {
+pub(crate) fn nearest_int(v: f32) -> i32 {
     let t = v + 12_582_912.0;
     (t.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
@@ -222,52 +221,21 @@ impl QWeight {
             self.k
         );
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
-        let n = self.n;
-        let mut out_t = vec![0f32; n * m];
-        // Split the weight rows into a few chunks per thread; inside a chunk, tiles of 16 weight
-        // rows stay in cache across all activation rows.
-        const TILE: usize = 16;
         let avx2 = has_avx2();
-        let threads = rayon::current_num_threads().max(1);
-        let per_chunk = n.div_ceil(threads * 4).next_multiple_of(TILE).max(TILE);
-        let work = |(c, chunk): (usize, &mut [f32])| {
-            let j0 = c * per_chunk;
-            let rows_here = chunk.len() / m;
-            for t0 in (0..rows_here).step_by(TILE) {
-                let t1 = (t0 + TILE).min(rows_here);
-                let mut i = 0;
-                while i + 4 <= m {
-                    let xs = [&rows[i], &rows[i + 1], &rows[i + 2], &rows[i + 3]];
-                    for jj in t0..t1 {
-                        let y = vec_dot4(self.row(j0 + jj), xs, avx2);
-                        chunk[jj * m + i..jj * m + i + 4].copy_from_slice(&y);
-                    }
-                    i += 4;
-                }
-                for (i, qr) in rows.iter().enumerate().skip(i) {
-                    for jj in t0..t1 {
-                        chunk[jj * m + i] = vec_dot(self.row(j0 + jj), qr, avx2);
-                    }
+        super::run_rows(self.n, self.k, &rows, 4, |j, xs, out| {
+            if let Ok(x4) = <[&QuantRow; 4]>::try_from(xs) {
+                out.copy_from_slice(&vec_dot4(self.row(j), x4, avx2));
+            } else {
+                for (o, x) in out.iter_mut().zip(xs) {
+                    *o = vec_dot(self.row(j), x, avx2);
                 }
             }
-        };
-        if n * self.k * m >= 1 << 15 {
-            out_t.par_chunks_mut(per_chunk * m).enumerate().for_each(work);
-        } else {
-            out_t.chunks_mut(per_chunk * m).enumerate().for_each(work);
-        }
-        // out_t is [n, m]; transpose to [m, n].
-        let mut out = vec![0f32; m * n];
-        for j in 0..n {
-            for i in 0..m {
-                out[i * n + j] = out_t[j * m + i];
-            }
-        }
-        out
+        })
     }
 }
 
-fn has_avx2() -> bool {
+/// AVX2 + FMA + F16C available at run time (the SIMD paths need all three).
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::is_x86_feature_detected!("avx2")
@@ -282,7 +250,7 @@ fn has_avx2() -> bool {
 
 /// ggml's `hsum_float_8`: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
 #[inline]
-fn hsum8(a: &[f32; 8]) -> f32 {
+pub(crate) fn hsum8(a: &[f32; 8]) -> f32 {
     let r = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     let r0 = r[0] + r[2];
     let r1 = r[1] + r[3];

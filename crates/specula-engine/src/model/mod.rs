@@ -21,6 +21,7 @@ use anyhow::{bail, Result};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
+use crate::kernels::kquants::KWeight;
 use crate::kernels::qmatmul::QWeight;
 use crate::kv_cache::KvCache;
 
@@ -98,12 +99,21 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
 }
 
-/// The weight of a [`Linear`]: our batch-invariant kernel for the 32-wide ggml block types,
-/// candle's `QMatMul` for the rest (K-quants, and dense f32).
+/// The weight of a [`Linear`]: our batch-invariant kernels for the 32-wide ggml block types
+/// ([`QWeight`]) and the K-quants ([`KWeight`]), candle's `QMatMul` for the rest (dense f32, and
+/// K-quant tensors whose input width is not a multiple of 256).
 #[derive(Debug, Clone)]
 enum Weight {
     Own(QWeight),
+    OwnK(KWeight),
     Candle(QMatMul),
+}
+
+/// `SPECULA_KQUANTS=candle` keeps K-quant weights on candle's `QMatMul` (not batch-invariant, so
+/// speculation falls back to AR): a switch for side-by-side speed comparisons only.
+fn kquants_on_candle() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_KQUANTS").is_ok_and(|v| v == "candle"))
 }
 
 /// A linear layer `y = x W^T (+ b)`, `W` of shape `[out, in]`.
@@ -115,11 +125,19 @@ pub struct Linear {
 
 impl Linear {
     /// From a GGUF tensor: quantized types stay quantized (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 in
-    /// [`QWeight`], K-quants in candle's `QMatMul`); F32/F16/BF16 are expanded to f32.
+    /// [`QWeight`], Q2_K..Q6_K in [`KWeight`]); F32/F16/BF16 are expanded to f32 for candle.
     pub fn from_qtensor(w: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
-        let weight = match QWeight::from_qtensor(&w)? {
-            Some(q) => Weight::Own(q),
-            None => Weight::Candle(QMatMul::from_arc(w)?),
+        let own_k = if kquants_on_candle() {
+            None
+        } else {
+            KWeight::from_qtensor(&w)?
+        };
+        let weight = if let Some(q) = QWeight::from_qtensor(&w)? {
+            Weight::Own(q)
+        } else if let Some(k) = own_k {
+            Weight::OwnK(k)
+        } else {
+            Weight::Candle(QMatMul::from_arc(w)?)
         };
         Ok(Self { weight, bias })
     }
@@ -133,15 +151,21 @@ impl Linear {
     }
 
     /// Is row i of an n-row product bitwise equal to the 1-row product? True for our own
-    /// kernel; false for candle's K-quant and dense paths (see DESIGN.md).
+    /// kernels; false for candle's dense path (see DESIGN.md).
     pub fn is_batch_invariant(&self) -> bool {
-        matches!(self.weight, Weight::Own(_))
+        matches!(self.weight, Weight::Own(_) | Weight::OwnK(_))
     }
 
     /// `x`: `[n, in]` f32 → `[n, out]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
             Weight::Own(q) => {
+                let (m, _) = x.dims2()?;
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let y = q.matmul(&xs, m);
+                Tensor::from_vec(y, (m, q.dims().0), x.device())?
+            }
+            Weight::OwnK(q) => {
                 let (m, _) = x.dims2()?;
                 let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let y = q.matmul(&xs, m);

@@ -120,27 +120,41 @@ fn draw_from(p: &[(u32, f32)], rng: &mut dyn Randomness) -> u32 {
     p[rng.categorical(&w)].0
 }
 
-/// Greedy acceptance (temperature 0, one-hot drafter). `rows[i]` are the target's logits after
-/// the committed prefix and the first `i` draft tokens (`rows.len() == draft.len() + 1`).
-/// Row i is processed exactly as plain decoding would process it at that position: penalties
-/// see every earlier token, draft tokens included, as if committed (`sampler` is updated with
-/// each accepted token; the caller must not observe them again).
+/// Greedy acceptance (temperature 0). `target(i)` is the target's choice at row i: the argmax of
+/// the row's logits after the committed prefix and `draft[..i]`, processed exactly as plain
+/// decoding would process it at that position (penalties and constraints seeing `draft[..i]` as
+/// committed). It is called for rows 0, 1, ... in order, row i only after `draft[..i]` were
+/// accepted.
 ///
 /// Returns the accepted prefix length `a` and the token the target itself chooses after it (the
 /// correction at the first mismatch, or the bonus token after a full accept). The committed
-/// block is `draft[..a]` followed by that token; it is not yet observed by `sampler`.
-pub fn accept_greedy(draft: &[u32], rows: &mut [Vec<f32>], sampler: &mut Sampler) -> (usize, u32) {
-    debug_assert_eq!(rows.len(), draft.len() + 1);
-    debug_assert!(sampler.params().is_greedy());
-    for (i, row) in rows.iter_mut().enumerate() {
-        sampler.apply_penalties(row);
-        let t = argmax(row);
+/// block is `draft[..a]` followed by that token.
+pub fn accept_greedy(draft: &[u32], target: &mut dyn FnMut(usize) -> u32) -> (usize, u32) {
+    for i in 0..=draft.len() {
+        let t = target(i);
         match draft.get(i) {
-            Some(&d) if d == t => sampler.observe(d),
+            Some(&d) if d == t => continue,
             _ => return (i, t),
         }
     }
     unreachable!("the last row has no draft token and always returns")
+}
+
+/// [`accept_greedy`] over precomputed rows with a sampler's penalties: row i is penalised with
+/// the sampler having observed `draft[..i]` (the sampler is left having observed the accepted
+/// drafts; the returned token is not observed).
+pub fn accept_greedy_rows(draft: &[u32], rows: &mut [Vec<f32>], sampler: &mut Sampler) -> (usize, u32) {
+    debug_assert_eq!(rows.len(), draft.len() + 1);
+    debug_assert!(sampler.params().is_greedy());
+    let mut observed = 0;
+    accept_greedy(draft, &mut |i| {
+        while observed < i {
+            sampler.observe(draft[observed]);
+            observed += 1;
+        }
+        sampler.apply_penalties(&mut rows[i]);
+        argmax(&rows[i])
+    })
 }
 
 #[cfg(test)]
@@ -158,16 +172,16 @@ mod tests {
     fn accepts_the_matching_prefix_then_corrects() {
         let mut s = Sampler::new(SamplingParams::greedy());
         let mut rows = vec![onehot(8, 3), onehot(8, 4), onehot(8, 6), onehot(8, 1)];
-        assert_eq!(accept_greedy(&[3, 4, 5], &mut rows, &mut s), (2, 6));
+        assert_eq!(accept_greedy_rows(&[3, 4, 5], &mut rows, &mut s), (2, 6));
         let mut rows = vec![onehot(8, 3), onehot(8, 4), onehot(8, 5), onehot(8, 1)];
         assert_eq!(
-            accept_greedy(&[3, 4, 5], &mut rows, &mut s),
+            accept_greedy_rows(&[3, 4, 5], &mut rows, &mut s),
             (3, 1),
             "bonus after a full accept"
         );
         let mut rows = vec![onehot(8, 2)];
         assert_eq!(
-            accept_greedy(&[], &mut rows, &mut s),
+            accept_greedy_rows(&[], &mut rows, &mut s),
             (0, 2),
             "empty draft = one AR step"
         );
@@ -184,6 +198,6 @@ mod tests {
         };
         let mut s = Sampler::new(p);
         let mut rows = vec![vec![0.0, 0.0, 0.0, 1.0, 0.9], vec![0.0, 0.0, 0.0, 1.0, 0.9]];
-        assert_eq!(accept_greedy(&[3], &mut rows, &mut s), (1, 4));
+        assert_eq!(accept_greedy_rows(&[3], &mut rows, &mut s), (1, 4));
     }
 }

@@ -1,0 +1,2038 @@
+//! Bundle inspection before load: what a bundle is, what Specula can do with it, and what it
+//! will cost, read from configs and tensor *headers* only (GGUF metadata and tensor directory,
+//! safetensors JSON headers, `config.json`, tokenizer files). No weight byte is read.
+//!
+//! [`inspect`] returns a [`BundleReport`] (serializable; `specula inspect --json` prints it and
+//! the server shows its capability part in `/v1/models`):
+//!
+//! - family, architecture, parameter count, quantization mix, context length, tokenizer and chat
+//!   template;
+//! - speculative capabilities: a native MTP head in the trunk or a sidecar (DeepSeek-V3 layout:
+//!   trailing `model.layers.{num_hidden_layers + i}` with `enorm`, `hnorm`, `eh_proj`,
+//!   `shared_head`, or GGUF `blk.N.nextn.*`; Qwen3-Next layout: `mtp.fc`,
+//!   `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.norm`, `mtp.layers.N.*`), config
+//!   markers (`num_nextn_predict_layers`, `mtp_num_hidden_layers`, top level or in
+//!   `text_config`; GGUF `{arch}.nextn_predict_layers`) with no tensors reported as "declared but
+//!   absent"; a block drafter in `drafter/` (config.json with `block_size`, `target_layer_ids`,
+//!   `hidden_size`, vocab) validated against the target; a draft model (tokenizer equality from
+//!   metadata, LM-head rows); a tuning file ([`crate::tuning`]);
+//! - a memory estimate ([`memory::MemoryEstimate`]);
+//! - a [`Tier`] and the effective drafter of `off`, `default` and `on` ([`EffectiveModes`]);
+//! - [`Diagnostic`]s naming the file and the field or tensor of every problem found.
+//!
+//! Problems with the bundle are diagnostics, not errors: [`inspect`] fails only when the path is
+//! not a bundle at all.
+
+pub mod drafters;
+pub mod gguf;
+pub mod memory;
+pub mod safetensors;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::GgmlDType;
+use serde::Serialize;
+use serde_json::Value as Json;
+
+use crate::model::{Family, ModelConfig};
+use crate::spec::SpecMode;
+use crate::tuning::{self, BundleId, Machine, TunedDefault};
+
+pub use drafters::{BlockDrafterReport, MtpReport, MtpStatus};
+pub use memory::MemoryEstimate;
+
+/// What to inspect besides the bundle itself.
+#[derive(Debug, Clone, Default)]
+pub struct InspectOptions {
+    /// A draft model (GGUF file or bundle directory) configured for the target.
+    pub draft_model: Option<PathBuf>,
+    /// A drafter sidecar given by path: a block-drafter folder (its config.json has
+    /// `block_size`), or an MTP sidecar (a folder or a `.safetensors` file with MTP tensors).
+    pub drafter: Option<PathBuf>,
+    /// Tokens of context for the KV-cache estimate (default: the model's context window).
+    pub kv_context: Option<usize>,
+}
+
+/// How bad a diagnostic is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// Loading (or using that drafter) fails.
+    Error,
+    /// Loads, but something is off (e.g. markers without tensors).
+    Warning,
+    /// Worth knowing.
+    Info,
+}
+
+/// Which part of the bundle a diagnostic is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Component {
+    Target,
+    Mtp,
+    Drafter,
+    DraftModel,
+    Tuning,
+}
+
+/// One problem found, naming the file and the field or tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Diagnostic {
+    pub severity: Severity,
+    pub component: Component,
+    /// The file the problem is in (path as displayed).
+    pub file: String,
+    /// The field, key or tensor name (e.g. `hidden_size`, `fc.weight`); may be empty.
+    pub subject: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sev = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+            Severity::Info => "info",
+        };
+        if self.subject.is_empty() {
+            write!(f, "{sev}: {}: {}", self.file, self.message)
+        } else {
+            write!(f, "{sev}: {}: {}: {}", self.file, self.subject, self.message)
+        }
+    }
+}
+
+/// The two bundle layouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BundleFormat {
+    /// One GGUF file (or a directory holding exactly one).
+    Gguf,
+    /// A Hugging Face directory: config.json + safetensors + tokenizer files.
+    Hf,
+}
+
+/// One weight file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WeightFile {
+    pub path: String,
+    pub bytes: u64,
+    pub tensors: usize,
+}
+
+/// Tensors of one type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct QuantGroup {
+    /// `Q4_K`, `F32`, `BF16`, ...
+    pub dtype: String,
+    pub tensors: usize,
+    pub parameters: u64,
+    pub bytes: u64,
+}
+
+/// The tokenizer found.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TokenizerInfo {
+    pub found: bool,
+    /// `GGUF metadata (tokenizer.ggml.*)` or the tokenizer.json path.
+    pub source: Option<String>,
+    /// E.g. `gpt2 byte-level BPE, pre-tokenizer smollm`.
+    pub kind: Option<String>,
+    /// Tokens including added ones.
+    pub vocab_size: Option<usize>,
+    /// BPE merges.
+    pub merges: Option<usize>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+/// The draft model configured for the target.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DraftModelReport {
+    pub path: String,
+    pub name: String,
+    pub architecture: Option<String>,
+    pub parameters: u64,
+    pub weight_bytes: u64,
+    /// E.g. `Q5_0 x133, Q8_0 x...`.
+    pub quantization: String,
+    /// LM-head rows.
+    pub vocab_size: Option<usize>,
+    /// Same tokenizer as the target (vocabulary, merges, special tokens, pre-tokenizer).
+    pub tokenizer_match: bool,
+    /// Loads and can draft for this target.
+    pub compatible: bool,
+    pub fingerprint: String,
+}
+
+/// A tuning file found for the bundle.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TuningReport {
+    pub path: String,
+    /// Measured on this machine, for this bundle (else `reason` says why not).
+    pub applies: bool,
+    pub reason: Option<String>,
+    pub date: Option<String>,
+    pub machine: Option<String>,
+    pub commit: Option<String>,
+    /// Configurations measured.
+    pub configs: usize,
+    /// The recorded best (`ar`, `ngram k=3`, ...).
+    pub best: Option<String>,
+    /// What `default` runs given the drafters configured now.
+    pub choice: Option<TunedDefault>,
+}
+
+/// Kernel prediction: will greedy speculation be exact (and therefore used)?
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KernelReport {
+    /// Every projection runs on a batch-invariant kernel (same rule as
+    /// `Model::batch_invariant` after load).
+    pub batch_invariant: bool,
+    pub reason: String,
+}
+
+/// Speculative capabilities.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Capabilities {
+    pub mtp: MtpReport,
+    pub block_drafter: Option<BlockDrafterReport>,
+    pub draft_model: Option<DraftModelReport>,
+    /// n-gram prompt lookup needs no weights: available on every bundle.
+    pub ngram: bool,
+}
+
+/// How much the bundle's speculation is known to help on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Tier {
+    /// A tuning file measured on this machine for this bundle decides `default`.
+    Verified,
+    /// Exact speculation is possible, but nobody measured whether it pays here.
+    CompatibleUnmeasured,
+    /// Plain decoding only (kernels not batch-invariant, so speculation cannot be exact).
+    ArOnly,
+    /// The bundle (or its configured draft model) does not load.
+    Incompatible,
+}
+
+impl Tier {
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Tier::Verified => "verified by a tuning file on this machine",
+            Tier::CompatibleUnmeasured => "compatible but unmeasured",
+            Tier::ArOnly => "AR only",
+            Tier::Incompatible => "incompatible",
+        }
+    }
+}
+
+/// What one speculative mode runs on this bundle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ModeResolution {
+    /// `ar`, `ngram`, `draft-model`, `mtp` or `block`.
+    pub drafter: String,
+    /// Draft length (cap when adaptive); `None` for AR.
+    pub k: Option<usize>,
+    pub adaptive: bool,
+    /// Why this drafter.
+    pub reason: String,
+}
+
+/// The effective drafter of each server-level mode.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EffectiveModes {
+    pub off: ModeResolution,
+    pub default: ModeResolution,
+    pub on: ModeResolution,
+}
+
+/// Everything [`inspect`] found.
+#[derive(Debug, Clone, Serialize)]
+pub struct BundleReport {
+    pub path: String,
+    pub format: BundleFormat,
+    pub name: String,
+    /// `general.architecture` (GGUF) or `model_type` (config.json), as written.
+    pub architecture: Option<String>,
+    /// The supported family it maps to (`None`: not supported).
+    pub family: Option<Family>,
+    /// The hyper-parameters the loader will use (when the family is supported and the config is
+    /// complete).
+    pub config: Option<ModelConfig>,
+    pub context_length: Option<usize>,
+    pub files: Vec<WeightFile>,
+    /// Elements of every tensor in the weight files (MTP tensors included).
+    pub parameters: u64,
+    /// Bytes of tensor data on disk.
+    pub weight_bytes: u64,
+    /// Tensor types by parameter count, largest first.
+    pub quantization: Vec<QuantGroup>,
+    pub tokenizer: TokenizerInfo,
+    /// Where the chat template was found (`None`: no template; ChatML is used).
+    pub chat_template: Option<String>,
+    pub kernels: Option<KernelReport>,
+    pub capabilities: Capabilities,
+    pub tuning: Option<TuningReport>,
+    pub memory: Option<MemoryEstimate>,
+    pub tier: Tier,
+    pub modes: EffectiveModes,
+    pub diagnostics: Vec<Diagnostic>,
+    /// `fnv1a64:` hash of the tensor directory (names, types, shapes) and file sizes.
+    pub fingerprint: String,
+    /// Wall time of the inspection, milliseconds.
+    pub elapsed_ms: f64,
+}
+
+impl BundleReport {
+    /// Diagnostics of severity error.
+    pub fn errors(&self) -> impl Iterator<Item = &Diagnostic> {
+        self.diagnostics.iter().filter(|d| d.severity == Severity::Error)
+    }
+
+    /// The bundle's identity for tuning files.
+    pub fn bundle_id(&self) -> BundleId {
+        BundleId {
+            path: self.path.clone(),
+            bytes: self.files.iter().map(|f| f.bytes).sum(),
+            fingerprint: self.fingerprint.clone(),
+        }
+    }
+
+    /// The `specula` capability summary shown in `/v1/models`.
+    pub fn capabilities_json(&self) -> Json {
+        let mtp = &self.capabilities.mtp;
+        serde_json::json!({
+            "format": self.format,
+            "architecture": self.architecture,
+            "parameters": self.parameters,
+            "quantization": self.quantization.iter().map(|q| format!("{} x{}", q.dtype, q.tensors)).collect::<Vec<_>>(),
+            "batch_invariant": self.kernels.as_ref().map(|k| k.batch_invariant),
+            "mtp": {"status": mtp.status, "layout": mtp.layout, "location": mtp.location, "depth": mtp.depth},
+            "block_drafter": self.capabilities.block_drafter.as_ref().map(|b| serde_json::json!({
+                "path": b.path, "valid": b.valid, "block_size": b.block_size, "target_layer_ids": b.target_layer_ids})),
+            "draft_model": self.capabilities.draft_model.as_ref().map(|d| serde_json::json!({
+                "path": d.path, "compatible": d.compatible, "tokenizer_match": d.tokenizer_match})),
+            "ngram": self.capabilities.ngram,
+            "tuning": self.tuning.as_ref().map(|t| serde_json::json!({
+                "path": t.path, "applies": t.applies, "reason": t.reason, "best": t.best, "date": t.date})),
+            "tier": self.tier,
+            "effective_modes": self.modes,
+            "memory_estimate_bytes": self.memory.as_ref().map(|m| m.total_bytes),
+            "diagnostics": self.diagnostics.iter().filter(|d| d.severity != Severity::Info).map(|d| d.to_string()).collect::<Vec<_>>(),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors from headers.
+
+/// One tensor as a header describes it.
+#[derive(Debug, Clone)]
+pub struct TensorMeta {
+    pub name: String,
+    /// Outermost first (`[out, in]` for a projection, in both formats).
+    pub dims: Vec<usize>,
+    /// `Q4_K`, `F32`, `BF16`, ...
+    pub dtype: String,
+    /// The ggml type (GGUF only).
+    pub ggml: Option<GgmlDType>,
+    /// Bytes of data.
+    pub bytes: u64,
+    /// The file holding it.
+    pub file: String,
+}
+
+impl TensorMeta {
+    pub fn elements(&self) -> u64 {
+        self.dims.iter().fold(1u64, |a, &d| a.saturating_mul(d as u64))
+    }
+}
+
+/// The tensors of a bundle part, first occurrence of each name.
+#[derive(Debug, Clone, Default)]
+pub struct Tensors {
+    pub list: Vec<TensorMeta>,
+    by_name: HashMap<String, usize>,
+}
+
+impl Tensors {
+    /// Add a tensor; `false` (and nothing added) when the name is already present.
+    pub fn push(&mut self, t: TensorMeta) -> bool {
+        if self.by_name.contains_key(&t.name) {
+            return false;
+        }
+        self.by_name.insert(t.name.clone(), self.list.len());
+        self.list.push(t);
+        true
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorMeta> {
+        self.by_name.get(name).map(|&i| &self.list[i])
+    }
+
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+}
+
+/// Hyper-parameters read from a config regardless of whether the family is supported (MTP and
+/// drafter checks need them for any architecture).
+#[derive(Debug, Clone, Default)]
+pub struct RawHyper {
+    pub hidden: Option<usize>,
+    /// Trunk layers (for GGUF: `block_count` minus any `nextn_predict_layers`).
+    pub layers: Option<usize>,
+    pub vocab: Option<usize>,
+}
+
+/// A config marker declaring MTP layers.
+#[derive(Debug, Clone)]
+pub struct Marker {
+    pub file: String,
+    pub key: String,
+    pub value: usize,
+}
+
+/// Where a tokenizer's data is, for comparisons.
+#[derive(Debug, Clone, Default)]
+enum TokSource {
+    #[default]
+    None,
+    /// The `tokenizer.ggml.*` metadata of a GGUF file.
+    Gguf(HashMap<String, Value>),
+    /// A tokenizer.json, with bos/eos/add_bos from tokenizer_config.json.
+    Hf {
+        path: PathBuf,
+        bos: Option<String>,
+        eos: Option<String>,
+    },
+}
+
+/// One model's files read from headers: the target, or a draft model.
+#[derive(Debug, Clone)]
+pub struct Part {
+    pub format: BundleFormat,
+    /// The path as given.
+    pub path: PathBuf,
+    /// The directory sibling files (drafter/, mtp/, tuning) are looked up in.
+    pub root: PathBuf,
+    pub name: String,
+    pub arch: Option<String>,
+    pub family: Option<Family>,
+    pub config: Option<ModelConfig>,
+    pub hyper: RawHyper,
+    pub files: Vec<WeightFile>,
+    pub tensors: Tensors,
+    pub tokenizer: TokenizerInfo,
+    tok: TokSource,
+    pub chat_template: Option<String>,
+    pub markers: Vec<Marker>,
+    pub diags: Vec<Diagnostic>,
+    component: Component,
+}
+
+impl Part {
+    fn diag(
+        &mut self,
+        severity: Severity,
+        file: impl Into<String>,
+        subject: impl Into<String>,
+        message: impl Into<String>,
+    ) {
+        self.diags.push(Diagnostic {
+            severity,
+            component: self.component,
+            file: file.into(),
+            subject: subject.into(),
+            message: message.into(),
+        });
+    }
+
+    fn has_errors(&self) -> bool {
+        self.diags.iter().any(|d| d.severity == Severity::Error)
+    }
+
+    /// The LM-head rows (vocabulary of the model), from the config or the embedding.
+    pub fn vocab(&self) -> Option<usize> {
+        self.config.as_ref().map(|c| c.vocab_size).or(self.hyper.vocab)
+    }
+}
+
+/// Classify a path: (format, root dir, the GGUF file if any).
+fn classify(path: &Path) -> anyhow::Result<(BundleFormat, PathBuf, Option<PathBuf>)> {
+    if !path.exists() {
+        anyhow::bail!("{}: no such file or directory", path.display());
+    }
+    if path.is_dir() {
+        if path.join("config.json").exists() {
+            return Ok((BundleFormat::Hf, path.to_path_buf(), None));
+        }
+        let entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .collect();
+        let ggufs: Vec<&PathBuf> = entries
+            .iter()
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .collect();
+        if ggufs.len() == 1 {
+            return Ok((BundleFormat::Gguf, path.to_path_buf(), Some(ggufs[0].clone())));
+        }
+        if ggufs.len() > 1 {
+            anyhow::bail!(
+                "{}: {} .gguf files; name the one to inspect",
+                path.display(),
+                ggufs.len()
+            );
+        }
+        let has_st = entries.iter().any(|p| {
+            p.extension().is_some_and(|x| x == "safetensors")
+                || p.file_name().is_some_and(|n| n == "model.safetensors.index.json")
+        });
+        if has_st {
+            // An HF bundle missing its config: reported as a diagnostic.
+            return Ok((BundleFormat::Hf, path.to_path_buf(), None));
+        }
+        anyhow::bail!(
+            "{}: not a bundle (no config.json, no safetensors, and not exactly one .gguf file)",
+            path.display()
+        );
+    }
+    let mut magic = [0u8; 4];
+    let ok = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok();
+    if ok && &magic == b"GGUF" {
+        let root = path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        return Ok((BundleFormat::Gguf, root, Some(path.to_path_buf())));
+    }
+    if path.extension().is_some_and(|x| x == "safetensors") {
+        anyhow::bail!(
+            "{}: a lone safetensors file is not a bundle; give its directory (config.json, tokenizer.json)",
+            path.display()
+        );
+    }
+    anyhow::bail!(
+        "{}: not a GGUF file (bad magic) and not a bundle directory",
+        path.display()
+    )
+}
+
+fn read_json(path: &Path) -> Result<Json, String> {
+    let s = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    serde_json::from_str(&s).map_err(|e| format!("invalid JSON: {e}"))
+}
+
+fn json_usize(c: &Json, key: &str) -> Option<usize> {
+    c.get(key).and_then(Json::as_u64).and_then(|x| usize::try_from(x).ok())
+}
+
+/// Read one model's headers (target or draft model) into a [`Part`]. Errors only when `path` is
+/// not a bundle at all; every other problem is a diagnostic.
+pub fn read_part(path: &Path, component: Component) -> anyhow::Result<Part> {
+    let (format, root, gguf_file) = classify(path)?;
+    let mut part = Part {
+        format,
+        path: path.to_path_buf(),
+        root,
+        name: String::new(),
+        arch: None,
+        family: None,
+        config: None,
+        hyper: RawHyper::default(),
+        files: Vec::new(),
+        tensors: Tensors::default(),
+        tokenizer: TokenizerInfo::default(),
+        tok: TokSource::None,
+        chat_template: None,
+        markers: Vec::new(),
+        diags: Vec::new(),
+        component,
+    };
+    match gguf_file {
+        Some(f) => read_gguf_part(&mut part, &f),
+        None => read_hf_part(&mut part),
+    }
+    check_trunk_tensors(&mut part);
+    Ok(part)
+}
+
+fn read_gguf_part(part: &mut Part, file: &Path) {
+    let fname = file.display().to_string();
+    part.name = file
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let scan = match gguf::scan(file) {
+        Ok(s) => s,
+        Err(e) => {
+            let msg = format!("{e:#}");
+            let msg = msg.strip_prefix(&format!("{fname}: ")).unwrap_or(&msg).to_string();
+            part.diag(Severity::Error, &fname, "header", msg);
+            return;
+        }
+    };
+    for p in gguf::validate(&scan) {
+        let sev = if p.fatal { Severity::Error } else { Severity::Warning };
+        part.diag(sev, &fname, &p.tensor, p.message);
+    }
+    part.files.push(WeightFile {
+        path: fname.clone(),
+        bytes: scan.file_len,
+        tensors: scan.tensors.len(),
+    });
+    for t in &scan.tensors {
+        part.tensors.push(TensorMeta {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            dtype: gguf::type_name(t.type_id),
+            ggml: t.dtype,
+            bytes: t.data_bytes().unwrap_or(0),
+            file: fname.clone(),
+        });
+    }
+    let md = &scan.metadata;
+    if let Some(n) = gguf::meta_str(md, "general.name") {
+        part.name = n.to_string();
+    }
+    let Some(arch) = gguf::meta_str(md, "general.architecture").map(str::to_string) else {
+        part.diag(
+            Severity::Error,
+            &fname,
+            "general.architecture",
+            "missing metadata key (the architecture)",
+        );
+        return;
+    };
+    part.arch = Some(arch.clone());
+    part.family = Family::parse(&arch);
+    let nextn = gguf::meta_usize(md, &format!("{arch}.nextn_predict_layers"));
+    if let Some(n) = nextn {
+        part.markers.push(Marker {
+            file: fname.clone(),
+            key: format!("{arch}.nextn_predict_layers"),
+            value: n,
+        });
+    }
+    part.hyper = RawHyper {
+        hidden: gguf::meta_usize(md, &format!("{arch}.embedding_length")),
+        layers: gguf::meta_usize(md, &format!("{arch}.block_count")).map(|b| b.saturating_sub(nextn.unwrap_or(0))),
+        vocab: part
+            .tensors
+            .get("token_embd.weight")
+            .and_then(|t| t.dims.first().copied()),
+    };
+    if part.family.is_none() {
+        part.diag(
+            Severity::Error,
+            &fname,
+            "general.architecture",
+            format!("'{arch}' is not supported (llama, qwen2, qwen3)"),
+        );
+    }
+    let mut missing = false;
+    for k in [
+        "embedding_length",
+        "attention.head_count",
+        "feed_forward_length",
+        "block_count",
+        "context_length",
+    ] {
+        let key = format!("{arch}.{k}");
+        if gguf::meta_usize(md, &key).is_none() {
+            part.diag(
+                Severity::Error,
+                &fname,
+                &key,
+                "missing (or not an integer) metadata key",
+            );
+            missing = true;
+        }
+    }
+    if part.tensors.get("token_embd.weight").is_none() {
+        part.diag(
+            Severity::Error,
+            &fname,
+            "token_embd.weight",
+            "missing tensor (the token embedding)",
+        );
+        missing = true;
+    }
+    // Tokenizer.
+    let model = gguf::meta_str(md, "tokenizer.ggml.model");
+    let pre = gguf::meta_str(md, "tokenizer.ggml.pre").unwrap_or("default");
+    let n_tokens = gguf::meta_array_len(md, "tokenizer.ggml.tokens");
+    let n_merges = gguf::meta_array_len(md, "tokenizer.ggml.merges");
+    let token_str = |key: &str| -> Option<String> {
+        let id = gguf::meta_usize(md, key)?;
+        match md.get("tokenizer.ggml.tokens")? {
+            Value::Array(a) => match a.get(id)? {
+                Value::String(s) => Some(s.clone()),
+                _ => None,
+            },
+            _ => None,
+        }
+    };
+    part.tokenizer = TokenizerInfo {
+        found: n_tokens.is_some(),
+        source: n_tokens.map(|_| "GGUF metadata (tokenizer.ggml.*)".to_string()),
+        kind: model.map(|m| {
+            if m == "gpt2" {
+                format!("gpt2 byte-level BPE, pre-tokenizer {pre}")
+            } else {
+                m.to_string()
+            }
+        }),
+        vocab_size: n_tokens,
+        merges: n_merges,
+        bos_token: token_str("tokenizer.ggml.bos_token_id"),
+        eos_token: token_str("tokenizer.ggml.eos_token_id"),
+    };
+    match model {
+        None => part.diag(
+            Severity::Error,
+            &fname,
+            "tokenizer.ggml.model",
+            "missing metadata key: the file has no tokenizer",
+        ),
+        Some("gpt2") => {}
+        Some(m) => part.diag(
+            Severity::Error,
+            &fname,
+            "tokenizer.ggml.model",
+            format!("'{m}' is not supported (only byte-level BPE, 'gpt2')"),
+        ),
+    }
+    if model.is_some() {
+        if n_tokens.is_none() {
+            part.diag(
+                Severity::Error,
+                &fname,
+                "tokenizer.ggml.tokens",
+                "missing (or not an array)",
+            );
+        }
+        if model == Some("gpt2") && n_merges.is_none() {
+            part.diag(
+                Severity::Error,
+                &fname,
+                "tokenizer.ggml.merges",
+                "missing (or not an array)",
+            );
+        }
+        if let Err(e) = crate::tokenizer::pre_tokenizer_regexes(pre) {
+            part.diag(Severity::Error, &fname, "tokenizer.ggml.pre", format!("{e}"));
+        }
+    }
+    if let Some(src) = gguf::meta_str(md, "tokenizer.chat_template") {
+        let bos = part.tokenizer.bos_token.clone().unwrap_or_default();
+        let eos = part.tokenizer.eos_token.clone().unwrap_or_default();
+        match crate::chat::ChatTemplate::new(src, &bos, &eos) {
+            Ok(_) => part.chat_template = Some("tokenizer.chat_template (GGUF metadata)".to_string()),
+            Err(e) => part.diag(
+                Severity::Error,
+                &fname,
+                "tokenizer.chat_template",
+                format!("does not compile: {e}"),
+            ),
+        }
+    }
+    // The loader's config, from the same keys (its semantics, not a re-implementation).
+    if part.family.is_some() && !missing {
+        let header = crate::bundle::gguf::GgufHeader {
+            content: gguf_file::Content {
+                magic: gguf_file::VersionedMagic::GgufV3,
+                metadata: md
+                    .iter()
+                    .filter(|(k, _)| !k.starts_with("tokenizer."))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                tensor_infos: HashMap::from_iter(
+                    scan.tensors
+                        .iter()
+                        .filter(|t| t.name == "token_embd.weight")
+                        .filter_map(|t| {
+                            t.dtype.map(|dt| {
+                                (
+                                    t.name.clone(),
+                                    gguf_file::TensorInfo {
+                                        ggml_dtype: dt,
+                                        shape: candle_core::Shape::from(t.dims.clone()),
+                                        offset: t.offset,
+                                    },
+                                )
+                            })
+                        }),
+                ),
+                tensor_data_offset: scan.data_offset,
+            },
+        };
+        match header.config() {
+            Ok(c) => part.config = Some(c),
+            Err(e) => part.diag(Severity::Error, &fname, "metadata", format!("{e:#}")),
+        }
+    }
+    let tok_md: HashMap<String, Value> = scan
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("tokenizer.ggml."))
+        .collect();
+    part.tok = TokSource::Gguf(tok_md);
+}
+
+fn read_hf_part(part: &mut Part) {
+    let dir = part.root.clone();
+    part.name = dir
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let cfg_path = dir.join("config.json");
+    let cfg_file = cfg_path.display().to_string();
+    let root = if !cfg_path.exists() {
+        part.diag(
+            Severity::Error,
+            &cfg_file,
+            "",
+            "missing config.json (the model's hyper-parameters)",
+        );
+        None
+    } else {
+        match read_json(&cfg_path) {
+            Ok(j) if j.is_object() => Some(j),
+            Ok(_) => {
+                part.diag(Severity::Error, &cfg_file, "", "is not a JSON object");
+                None
+            }
+            Err(e) => {
+                part.diag(Severity::Error, &cfg_file, "", e);
+                None
+            }
+        }
+    };
+    if let Some(root) = &root {
+        let c = root.get("text_config").unwrap_or(root);
+        for (scope, obj) in [("", root), ("text_config.", c)] {
+            if scope == "text_config." && std::ptr::eq(obj, root) {
+                continue;
+            }
+            for key in ["num_nextn_predict_layers", "mtp_num_hidden_layers"] {
+                if let Some(v) = json_usize(obj, key) {
+                    part.markers.push(Marker {
+                        file: cfg_file.clone(),
+                        key: format!("{scope}{key}"),
+                        value: v,
+                    });
+                }
+            }
+        }
+        part.hyper = RawHyper {
+            hidden: json_usize(c, "hidden_size"),
+            layers: json_usize(c, "num_hidden_layers"),
+            vocab: json_usize(c, "vocab_size"),
+        };
+        match c.get("model_type").and_then(Json::as_str) {
+            None => part.diag(
+                Severity::Error,
+                &cfg_file,
+                "model_type",
+                "missing field (the architecture)",
+            ),
+            Some(mt) => {
+                part.arch = Some(mt.to_string());
+                part.family = Family::parse(mt);
+                if part.family.is_none() {
+                    part.diag(
+                        Severity::Error,
+                        &cfg_file,
+                        "model_type",
+                        format!("'{mt}' is not supported (llama, qwen2, qwen3)"),
+                    );
+                }
+            }
+        }
+        let mut complete = true;
+        for k in [
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+        ] {
+            if json_usize(c, k).is_none() {
+                part.diag(Severity::Error, &cfg_file, k, "missing or non-integer field");
+                complete = false;
+            }
+        }
+        if part.family.is_some() && complete {
+            match crate::bundle::hf::read_config(&dir) {
+                Ok(c) => part.config = Some(c),
+                Err(e) => part.diag(Severity::Error, &cfg_file, "", format!("{e:#}")),
+            }
+        }
+    }
+    read_hf_weights(part, &dir);
+    read_hf_tokenizer(part, &dir);
+}
+
+/// The safetensors files of an HF directory, with index checks; adds their tensors.
+fn read_hf_weights(part: &mut Part, dir: &Path) {
+    let index = dir.join("model.safetensors.index.json");
+    let index_file = index.display().to_string();
+    let mut files: Vec<PathBuf> = Vec::new();
+    let mut index_map: Vec<(String, String)> = Vec::new();
+    if index.exists() {
+        match read_json(&index) {
+            Err(e) => part.diag(Severity::Error, &index_file, "", e),
+            Ok(j) => match j.get("weight_map").and_then(Json::as_object) {
+                None => part.diag(Severity::Error, &index_file, "weight_map", "missing object"),
+                Some(m) => {
+                    for (tensor, shard) in m {
+                        match shard.as_str() {
+                            Some(s) => index_map.push((tensor.clone(), s.to_string())),
+                            None => part.diag(
+                                Severity::Error,
+                                &index_file,
+                                format!("weight_map.{tensor}"),
+                                "is not a file name",
+                            ),
+                        }
+                    }
+                    let mut shards: Vec<&String> = index_map.iter().map(|(_, s)| s).collect();
+                    shards.sort();
+                    shards.dedup();
+                    for s in shards {
+                        let p = dir.join(s);
+                        if p.is_file() {
+                            files.push(p);
+                        } else {
+                            let example = index_map
+                                .iter()
+                                .find(|(_, x)| x == s)
+                                .map(|(t, _)| t.clone())
+                                .unwrap_or_default();
+                            part.diag(
+                                Severity::Error,
+                                &index_file,
+                                format!("weight_map.{example}"),
+                                format!("names shard '{s}', which does not exist in {}", dir.display()),
+                            );
+                        }
+                    }
+                }
+            },
+        }
+    } else if dir.join("model.safetensors").is_file() {
+        files.push(dir.join("model.safetensors"));
+    } else {
+        part.diag(
+            Severity::Error,
+            dir.display().to_string(),
+            "",
+            "no model.safetensors or model.safetensors.index.json",
+        );
+    }
+    add_safetensors(part, &files);
+    // Every tensor the index names must be in the shard it names.
+    for (tensor, shard) in &index_map {
+        let shard_path = dir.join(shard).display().to_string();
+        match part.tensors.get(tensor) {
+            Some(t) if t.file == shard_path => {}
+            Some(t) => {
+                let msg = format!("the index puts it in '{shard}', but it is in {}", t.file);
+                part.diag(Severity::Warning, &index_file, tensor, msg);
+            }
+            None if files.iter().any(|f| f.display().to_string() == shard_path) => {
+                part.diag(
+                    Severity::Error,
+                    &index_file,
+                    tensor,
+                    format!("named by the index, but missing from {shard_path}"),
+                );
+            }
+            None => {}
+        }
+    }
+}
+
+/// Scan safetensors files into a part's tensors (duplicates across files are errors).
+fn add_safetensors(part: &mut Part, files: &[PathBuf]) {
+    for f in files {
+        let fname = f.display().to_string();
+        let scan = match safetensors::scan(f) {
+            Ok(s) => s,
+            Err(e) => {
+                let msg = format!("{e:#}");
+                let msg = msg.strip_prefix(&format!("{fname}: ")).unwrap_or(&msg).to_string();
+                part.diag(Severity::Error, &fname, "header", msg);
+                continue;
+            }
+        };
+        for p in safetensors::validate(&scan) {
+            part.diag(Severity::Error, &fname, &p.tensor, p.message);
+        }
+        part.files.push(WeightFile {
+            path: fname.clone(),
+            bytes: scan.file_len,
+            tensors: scan.tensors.len(),
+        });
+        for t in scan.tensors {
+            let bytes = t.data_offsets.1.saturating_sub(t.data_offsets.0);
+            let name = t.name.clone();
+            let meta = TensorMeta {
+                name: t.name,
+                dims: t.dims,
+                dtype: t.dtype,
+                ggml: None,
+                bytes,
+                file: fname.clone(),
+            };
+            if let Some(prev) = part.tensors.get(&name) {
+                if prev.file != fname {
+                    let msg = format!("also in {}: duplicate tensor across weight files", prev.file);
+                    part.diag(Severity::Error, &fname, &name, msg);
+                }
+            } else {
+                part.tensors.push(meta);
+            }
+        }
+    }
+}
+
+fn token_string(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+fn read_hf_tokenizer(part: &mut Part, dir: &Path) {
+    let tok_cfg_path = dir.join("tokenizer_config.json");
+    let tok_cfg = if tok_cfg_path.exists() {
+        match read_json(&tok_cfg_path) {
+            Ok(j) => j,
+            Err(e) => {
+                part.diag(Severity::Error, tok_cfg_path.display().to_string(), "", e);
+                Json::Null
+            }
+        }
+    } else {
+        Json::Null
+    };
+    let gen_cfg = dir.join("generation_config.json");
+    if gen_cfg.exists() {
+        if let Err(e) = read_json(&gen_cfg) {
+            part.diag(Severity::Error, gen_cfg.display().to_string(), "", e);
+        }
+    }
+    let bos = token_string(tok_cfg.get("bos_token"));
+    let eos = token_string(tok_cfg.get("eos_token"));
+    let tj = dir.join("tokenizer.json");
+    let tj_file = tj.display().to_string();
+    if !tj.exists() {
+        part.diag(
+            Severity::Error,
+            &tj_file,
+            "",
+            "missing tokenizer.json (the loader needs it; GGUF bundles carry theirs in metadata)",
+        );
+    } else {
+        match read_json(&tj) {
+            Err(e) => part.diag(Severity::Error, &tj_file, "", e),
+            Ok(j) => {
+                let vocab = j.pointer("/model/vocab").and_then(Json::as_object);
+                let max_added = j
+                    .get("added_tokens")
+                    .and_then(Json::as_array)
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|t| json_usize(t, "id"))
+                            .map(|i| i + 1)
+                            .max()
+                            .unwrap_or(0)
+                    })
+                    .unwrap_or(0);
+                let max_vocab = vocab
+                    .map(|v| {
+                        v.values()
+                            .filter_map(Json::as_u64)
+                            .map(|i| i as usize + 1)
+                            .max()
+                            .unwrap_or(0)
+                    })
+                    .unwrap_or(0);
+                let kind = j.pointer("/model/type").and_then(Json::as_str).map(str::to_string);
+                if vocab.is_none() {
+                    part.diag(Severity::Error, &tj_file, "model.vocab", "missing vocabulary object");
+                }
+                part.tokenizer = TokenizerInfo {
+                    found: vocab.is_some(),
+                    source: Some(tj_file.clone()),
+                    kind,
+                    vocab_size: Some(max_vocab.max(max_added)),
+                    merges: j.pointer("/model/merges").and_then(Json::as_array).map(Vec::len),
+                    bos_token: bos.clone(),
+                    eos_token: eos.clone(),
+                };
+                part.tok = TokSource::Hf {
+                    path: tj.clone(),
+                    bos: bos.clone(),
+                    eos: eos.clone(),
+                };
+            }
+        }
+    }
+    let jinja = dir.join("chat_template.jinja");
+    let (src, origin) = if jinja.exists() {
+        match std::fs::read_to_string(&jinja) {
+            Ok(s) => (Some(s), jinja.display().to_string()),
+            Err(e) => {
+                part.diag(Severity::Error, jinja.display().to_string(), "", e.to_string());
+                (None, String::new())
+            }
+        }
+    } else {
+        let s = match tok_cfg.get("chat_template") {
+            Some(Json::String(s)) => Some(s.clone()),
+            Some(Json::Array(items)) => items
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .or_else(|| items.first())
+                .and_then(|t| t.get("template").and_then(Json::as_str))
+                .map(str::to_string),
+            _ => None,
+        };
+        (s, format!("{}: chat_template", tok_cfg_path.display()))
+    };
+    if let Some(src) = src {
+        match crate::chat::ChatTemplate::new(&src, bos.as_deref().unwrap_or(""), eos.as_deref().unwrap_or("")) {
+            Ok(_) => part.chat_template = Some(origin),
+            Err(e) => part.diag(
+                Severity::Error,
+                origin,
+                "chat_template",
+                format!("does not compile: {e}"),
+            ),
+        }
+    }
+}
+
+/// The tensors the loader takes, with their expected shapes: (name, shape, required).
+fn expected_trunk(format: BundleFormat, c: &ModelConfig) -> Vec<(String, Vec<usize>, bool)> {
+    let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let (q, kv, d) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim);
+    let mut out = Vec::new();
+    let mut add = |n: String, s: Vec<usize>, req: bool| out.push((n, s, req));
+    match format {
+        BundleFormat::Gguf => {
+            add("token_embd.weight".into(), vec![v, h], true);
+            for l in 0..c.num_layers {
+                let p = format!("blk.{l}");
+                add(format!("{p}.attn_norm.weight"), vec![h], true);
+                add(format!("{p}.attn_q.weight"), vec![q, h], true);
+                add(format!("{p}.attn_k.weight"), vec![kv, h], true);
+                add(format!("{p}.attn_v.weight"), vec![kv, h], true);
+                add(format!("{p}.attn_output.weight"), vec![h, q], true);
+                add(format!("{p}.attn_q.bias"), vec![q], false);
+                add(format!("{p}.attn_k.bias"), vec![kv], false);
+                add(format!("{p}.attn_v.bias"), vec![kv], false);
+                add(format!("{p}.attn_q_norm.weight"), vec![d], false);
+                add(format!("{p}.attn_k_norm.weight"), vec![d], false);
+                add(format!("{p}.ffn_norm.weight"), vec![h], true);
+                add(format!("{p}.ffn_gate.weight"), vec![i, h], true);
+                add(format!("{p}.ffn_up.weight"), vec![i, h], true);
+                add(format!("{p}.ffn_down.weight"), vec![h, i], true);
+            }
+            add("output_norm.weight".into(), vec![h], true);
+            add("output.weight".into(), vec![v, h], false);
+            add("rope_freqs.weight".into(), vec![d / 2], false);
+        }
+        BundleFormat::Hf => {
+            add("model.embed_tokens.weight".into(), vec![v, h], true);
+            for l in 0..c.num_layers {
+                let p = format!("model.layers.{l}");
+                add(format!("{p}.input_layernorm.weight"), vec![h], true);
+                add(format!("{p}.self_attn.q_proj.weight"), vec![q, h], true);
+                add(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], true);
+                add(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], true);
+                add(format!("{p}.self_attn.o_proj.weight"), vec![h, q], true);
+                add(format!("{p}.self_attn.q_proj.bias"), vec![q], false);
+                add(format!("{p}.self_attn.k_proj.bias"), vec![kv], false);
+                add(format!("{p}.self_attn.v_proj.bias"), vec![kv], false);
+                add(format!("{p}.self_attn.q_norm.weight"), vec![d], false);
+                add(format!("{p}.self_attn.k_norm.weight"), vec![d], false);
+                add(format!("{p}.post_attention_layernorm.weight"), vec![h], true);
+                add(format!("{p}.mlp.gate_proj.weight"), vec![i, h], true);
+                add(format!("{p}.mlp.up_proj.weight"), vec![i, h], true);
+                add(format!("{p}.mlp.down_proj.weight"), vec![h, i], true);
+            }
+            add("model.norm.weight".into(), vec![h], true);
+            add("lm_head.weight".into(), vec![v, h], false);
+        }
+    }
+    out
+}
+
+/// Check the tensors the loader will take: present, right shape, a loadable dtype; and the
+/// tokenizer against the embedding.
+fn check_trunk_tensors(part: &mut Part) {
+    let Some(c) = part.config.clone() else { return };
+    let mut problems = Vec::new();
+    for (name, shape, required) in expected_trunk(part.format, &c) {
+        match part.tensors.get(&name) {
+            None if required => problems.push((
+                part.files.first().map(|f| f.path.clone()).unwrap_or_default(),
+                name,
+                "missing tensor".to_string(),
+            )),
+            None => {}
+            Some(t) => {
+                if t.dims != shape {
+                    problems.push((
+                        t.file.clone(),
+                        name.clone(),
+                        format!("has shape {:?}, expected {:?} (from the config)", t.dims, shape),
+                    ));
+                }
+                if part.format == BundleFormat::Hf && !matches!(t.dtype.as_str(), "F32" | "F16" | "BF16") {
+                    problems.push((
+                        t.file.clone(),
+                        name.clone(),
+                        format!("has dtype {} (f32, f16 or bf16 expected)", t.dtype),
+                    ));
+                }
+            }
+        }
+    }
+    for (file, name, msg) in problems {
+        part.diag(Severity::Error, file, name, msg);
+    }
+    if let Some(tv) = part.tokenizer.vocab_size {
+        if tv > c.vocab_size {
+            let file = part.tokenizer.source.clone().unwrap_or_default();
+            part.diag(
+                Severity::Error,
+                file,
+                "vocab",
+                format!(
+                    "the tokenizer has {tv} tokens, but the model's embedding has only {} rows (vocab mismatch)",
+                    c.vocab_size
+                ),
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comparisons, kernels, fingerprint.
+
+/// Equality of two GGUF metadata values (scalars, strings, arrays).
+fn value_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::String(x), Value::String(y)) => x == y,
+        (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(p, q)| value_eq(p, q)),
+        (Value::F32(x), Value::F32(y)) => x.to_bits() == y.to_bits(),
+        (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
+        (Value::Bool(x), Value::Bool(y)) => x == y,
+        (Value::U8(x), Value::U8(y)) => x == y,
+        (Value::I8(x), Value::I8(y)) => x == y,
+        (Value::U16(x), Value::U16(y)) => x == y,
+        (Value::I16(x), Value::I16(y)) => x == y,
+        (Value::U32(x), Value::U32(y)) => x == y,
+        (Value::I32(x), Value::I32(y)) => x == y,
+        (Value::U64(x), Value::U64(y)) => x == y,
+        (Value::I64(x), Value::I64(y)) => x == y,
+        _ => false,
+    }
+}
+
+/// Compare two tokenizers from their metadata; `Err` names the first difference.
+fn compare_tokenizers(target: &Part, draft: &Part) -> Result<(), String> {
+    match (&target.tok, &draft.tok) {
+        (TokSource::None, _) | (_, TokSource::None) => Err("a tokenizer is missing".into()),
+        (TokSource::Gguf(a), TokSource::Gguf(b)) => {
+            for key in ["tokenizer.ggml.model", "tokenizer.ggml.pre"] {
+                if gguf::meta_str(a, key) != gguf::meta_str(b, key) {
+                    return Err(format!(
+                        "{key} differs: target '{}', draft '{}'",
+                        gguf::meta_str(a, key).unwrap_or("(none)"),
+                        gguf::meta_str(b, key).unwrap_or("(none)")
+                    ));
+                }
+            }
+            for key in [
+                "tokenizer.ggml.tokens",
+                "tokenizer.ggml.merges",
+                "tokenizer.ggml.token_type",
+            ] {
+                let (x, y) = match (a.get(key), b.get(key)) {
+                    (Some(Value::Array(x)), Some(Value::Array(y))) => (x, y),
+                    (None, None) => continue,
+                    _ => return Err(format!("{key} is present in only one of them")),
+                };
+                if x.len() != y.len() {
+                    return Err(format!(
+                        "{key} has {} entries in the target, {} in the draft",
+                        x.len(),
+                        y.len()
+                    ));
+                }
+                if let Some(i) = (0..x.len()).find(|&i| !value_eq(&x[i], &y[i])) {
+                    return Err(format!("{key}[{i}] differs: target {:?}, draft {:?}", x[i], y[i]));
+                }
+            }
+            for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id"] {
+                if gguf::meta_usize(a, key) != gguf::meta_usize(b, key) {
+                    return Err(format!("{key} differs"));
+                }
+            }
+            Ok(())
+        }
+        _ => {
+            let build = |p: &Part| -> Result<crate::tokenizer::Tokenizer, String> {
+                match &p.tok {
+                    TokSource::Gguf(md) => crate::tokenizer::Tokenizer::from_gguf(md).map_err(|e| e.to_string()),
+                    TokSource::Hf { path, bos, eos } => {
+                        crate::tokenizer::Tokenizer::from_hf_file(path, bos.clone(), eos.clone(), false)
+                            .map_err(|e| e.to_string())
+                    }
+                    TokSource::None => Err("no tokenizer".into()),
+                }
+            };
+            let (a, b) = (build(target)?, build(draft)?);
+            crate::tokenizer::check_same_tokenizer(&a, &b).map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// The projection tensors of a trunk (the matrices the loader turns into `Linear`s).
+fn projection_names(format: BundleFormat, c: &ModelConfig, tensors: &Tensors) -> Vec<String> {
+    let mut v = Vec::new();
+    for l in 0..c.num_layers {
+        match format {
+            BundleFormat::Gguf => {
+                for s in [
+                    "attn_q",
+                    "attn_k",
+                    "attn_v",
+                    "attn_output",
+                    "ffn_gate",
+                    "ffn_up",
+                    "ffn_down",
+                ] {
+                    v.push(format!("blk.{l}.{s}.weight"));
+                }
+            }
+            BundleFormat::Hf => {
+                for s in [
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.o_proj",
+                    "mlp.gate_proj",
+                    "mlp.up_proj",
+                    "mlp.down_proj",
+                ] {
+                    v.push(format!("model.layers.{l}.{s}.weight"));
+                }
+            }
+        }
+    }
+    let head = match format {
+        BundleFormat::Gguf if tensors.get("output.weight").is_some() => "output.weight",
+        BundleFormat::Gguf => "token_embd.weight",
+        BundleFormat::Hf if tensors.get("lm_head.weight").is_some() => "lm_head.weight",
+        BundleFormat::Hf => "model.embed_tokens.weight",
+    };
+    v.push(head.to_string());
+    v
+}
+
+/// Does a projection of this type and input width run on our batch-invariant kernels? Mirrors
+/// `Linear::from_qtensor`.
+fn own_kernel(dt: GgmlDType, cols: usize) -> bool {
+    if crate::kernels::qmatmul::QKind::from_ggml(dt).is_some() && cols.is_multiple_of(crate::kernels::qmatmul::QK) {
+        return true;
+    }
+    let kquants_on_candle = std::env::var("SPECULA_KQUANTS").is_ok_and(|v| v == "candle");
+    !kquants_on_candle
+        && crate::kernels::kquants::KKind::from_ggml(dt).is_some()
+        && cols.is_multiple_of(crate::kernels::kquants::QK_K)
+}
+
+fn kernel_report(part: &Part) -> Option<KernelReport> {
+    let c = part.config.as_ref()?;
+    if part.format == BundleFormat::Hf {
+        return Some(KernelReport {
+            batch_invariant: false,
+            reason: "f32 weights run on candle's dense matmul, which is not batch-invariant".into(),
+        });
+    }
+    let mut off: Vec<String> = Vec::new();
+    let names = projection_names(part.format, c, &part.tensors);
+    for n in &names {
+        if let Some(t) = part.tensors.get(n) {
+            let ok = t
+                .ggml
+                .is_some_and(|dt| own_kernel(dt, t.dims.get(1).copied().unwrap_or(0)));
+            if !ok {
+                off.push(format!("{} ({})", t.name, t.dtype));
+            }
+        }
+    }
+    Some(if off.is_empty() {
+        KernelReport {
+            batch_invariant: true,
+            reason: format!(
+                "all {} projections run on Specula's batch-invariant kernels",
+                names.len()
+            ),
+        }
+    } else {
+        KernelReport {
+            batch_invariant: false,
+            reason: format!(
+                "{} of {} projections run on candle's kernels (not batch-invariant), e.g. {}",
+                off.len(),
+                names.len(),
+                off.iter().take(3).cloned().collect::<Vec<_>>().join(", ")
+            ),
+        }
+    })
+}
+
+/// Bytes the loader holds for a part's weights (see [`MemoryEstimate::weights_bytes`]).
+fn weights_in_memory(part: &Part) -> u64 {
+    let Some(c) = part.config.as_ref() else {
+        return part.tensors.list.iter().map(|t| t.bytes).sum();
+    };
+    let expected = expected_trunk(part.format, c);
+    let projections: std::collections::HashSet<String> =
+        projection_names(part.format, c, &part.tensors).into_iter().collect();
+    let mut total = 0u64;
+    for (name, _, _) in &expected {
+        let Some(t) = part.tensors.get(name) else { continue };
+        total += match part.format {
+            BundleFormat::Hf => t.elements() * 4,
+            BundleFormat::Gguf => {
+                let dense = matches!(t.ggml, Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None);
+                if projections.contains(name) || name == "token_embd.weight" {
+                    if dense {
+                        t.elements() * 4
+                    } else {
+                        t.bytes
+                    }
+                } else {
+                    // Norms, biases, rope factors: dequantized to f32.
+                    t.elements() * 4
+                }
+            }
+        };
+    }
+    // A tied LM head: the embedding's tensor made into a Linear as well.
+    let tied = match part.format {
+        BundleFormat::Gguf => part.tensors.get("output.weight").is_none(),
+        BundleFormat::Hf => false,
+    };
+    if tied {
+        if let Some(t) = part.tensors.get("token_embd.weight") {
+            total += match t.ggml {
+                Some(dt) if own_kernel(dt, t.dims.get(1).copied().unwrap_or(0)) => t.bytes,
+                Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None => t.elements() * 4,
+                Some(_) => 0,
+            };
+        }
+    }
+    total
+}
+
+/// FNV-1a 64 over the tensor directory (names, dtypes, shapes) and the file sizes.
+fn fingerprint(part: &Part) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: &[u8]| {
+        for &x in b {
+            h ^= u64::from(x);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    let mut names: Vec<&TensorMeta> = part.tensors.list.iter().collect();
+    names.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in names {
+        eat(t.name.as_bytes());
+        eat(t.dtype.as_bytes());
+        for d in &t.dims {
+            eat(&(*d as u64).to_le_bytes());
+        }
+    }
+    for f in &part.files {
+        eat(&f.bytes.to_le_bytes());
+    }
+    format!("fnv1a64:{h:016x}")
+}
+
+fn quant_groups(part: &Part) -> Vec<QuantGroup> {
+    let mut m: HashMap<String, QuantGroup> = HashMap::new();
+    for t in &part.tensors.list {
+        let g = m.entry(t.dtype.clone()).or_insert_with(|| QuantGroup {
+            dtype: t.dtype.clone(),
+            tensors: 0,
+            parameters: 0,
+            bytes: 0,
+        });
+        g.tensors += 1;
+        g.parameters += t.elements();
+        g.bytes += t.bytes;
+    }
+    let mut v: Vec<QuantGroup> = m.into_values().collect();
+    v.sort_by(|a, b| b.parameters.cmp(&a.parameters).then(a.dtype.cmp(&b.dtype)));
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// The report.
+
+/// Drafters this build can run. MTP heads and block drafters are recognised and validated, but
+/// their drafters are not built yet (issue "Native drafters").
+const MTP_DRAFTER_BUILT: bool = false;
+const BLOCK_DRAFTER_BUILT: bool = false;
+
+/// Inspect a bundle (GGUF file, directory holding one GGUF file, or Hugging Face directory) from
+/// its headers. Fails only when `path` is not a bundle (missing, or neither GGUF nor a
+/// directory with config.json / safetensors / one .gguf); every problem inside the bundle is a
+/// [`Diagnostic`] in the report.
+pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleReport> {
+    let t0 = Instant::now();
+    let mut target = read_part(path, Component::Target)?;
+    let mut diags = std::mem::take(&mut target.diags);
+
+    // MTP (trunk, then sidecars) and block drafter.
+    let mtp = drafters::mtp_report(&target, opts.drafter.as_deref(), &mut diags);
+    let block = drafters::block_drafter_report(&target, opts.drafter.as_deref(), &mut diags);
+
+    // Draft model.
+    let mut draft_part = None;
+    let draft_model = match &opts.draft_model {
+        None => None,
+        Some(p) => match read_part(p, Component::DraftModel) {
+            Err(e) => {
+                diags.push(Diagnostic {
+                    severity: Severity::Error,
+                    component: Component::DraftModel,
+                    file: p.display().to_string(),
+                    subject: String::new(),
+                    message: format!("{e:#}"),
+                });
+                None
+            }
+            Ok(mut d) => {
+                let own_errors = d.has_errors();
+                diags.append(&mut d.diags);
+                let file = d
+                    .files
+                    .first()
+                    .map(|f| f.path.clone())
+                    .unwrap_or_else(|| p.display().to_string());
+                let tok = compare_tokenizers(&target, &d);
+                if let Err(e) = &tok {
+                    diags.push(Diagnostic {
+                        severity: Severity::Error,
+                        component: Component::DraftModel,
+                        file: file.clone(),
+                        subject: "tokenizer".into(),
+                        message: format!("cannot draft for the target: tokenizers differ: {e}"),
+                    });
+                }
+                let vocab_ok = match (target.vocab(), d.vocab()) {
+                    (Some(tv), Some(dv)) if tv != dv => {
+                        diags.push(Diagnostic {
+                            severity: Severity::Error,
+                            component: Component::DraftModel,
+                            file: file.clone(),
+                            subject: "vocab_size".into(),
+                            message: format!(
+                                "cannot draft for the target: its LM head has {dv} rows, the target's has {tv} (vocab mismatch)"
+                            ),
+                        });
+                        false
+                    }
+                    _ => true,
+                };
+                let report = DraftModelReport {
+                    path: p.display().to_string(),
+                    name: d.name.clone(),
+                    architecture: d.arch.clone(),
+                    parameters: d.tensors.list.iter().map(TensorMeta::elements).sum(),
+                    weight_bytes: d.tensors.list.iter().map(|t| t.bytes).sum(),
+                    quantization: quant_groups(&d)
+                        .iter()
+                        .map(|q| format!("{} x{}", q.dtype, q.tensors))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    vocab_size: d.vocab(),
+                    tokenizer_match: tok.is_ok(),
+                    compatible: !own_errors && tok.is_ok() && vocab_ok,
+                    fingerprint: fingerprint(&d),
+                };
+                draft_part = Some(d);
+                Some(report)
+            }
+        },
+    };
+
+    let kernels = kernel_report(&target);
+    let fp = fingerprint(&target);
+    let bundle_id = BundleId {
+        path: path.display().to_string(),
+        bytes: target.files.iter().map(|f| f.bytes).sum(),
+        fingerprint: fp.clone(),
+    };
+
+    // Tuning file.
+    let draft_id = draft_model.as_ref().filter(|d| d.compatible).map(|d| BundleId {
+        path: d.path.clone(),
+        bytes: draft_part
+            .as_ref()
+            .map(|p| p.files.iter().map(|f| f.bytes).sum())
+            .unwrap_or(0),
+        fingerprint: d.fingerprint.clone(),
+    });
+    let tuning = tuning::find(&target.path).map(|(p, r)| match r {
+        Err(e) => {
+            diags.push(Diagnostic {
+                severity: Severity::Warning,
+                component: Component::Tuning,
+                file: p.display().to_string(),
+                subject: String::new(),
+                message: format!("{e:#}"),
+            });
+            TuningReport {
+                path: p.display().to_string(),
+                applies: false,
+                reason: Some("unreadable".into()),
+                date: None,
+                machine: None,
+                commit: None,
+                configs: 0,
+                best: None,
+                choice: None,
+            }
+        }
+        Ok(t) => {
+            let check = t.check(&bundle_id, &Machine::current());
+            TuningReport {
+                path: p.display().to_string(),
+                applies: check.is_ok(),
+                reason: check.err(),
+                date: Some(t.date.clone()),
+                machine: Some(format!("{}, {} threads", t.machine.cpu, t.machine.threads)),
+                commit: Some(t.build.commit.clone()),
+                configs: t.configs.len(),
+                best: Some(t.best.label()),
+                choice: Some(t.choice(draft_id.as_ref(), &p)),
+            }
+        }
+    });
+
+    // Memory.
+    let estimate_part = |p: &Part| -> Option<MemoryEstimate> {
+        let c = p.config.as_ref()?;
+        Some(memory::estimate(
+            c,
+            weights_in_memory(p),
+            p.tokenizer.vocab_size.unwrap_or(0),
+            p.tokenizer.merges.unwrap_or(0),
+            opts.kv_context,
+        ))
+    };
+    let memory = estimate_part(&target).map(|mut m| {
+        if let Some(d) = draft_part.as_ref().and_then(estimate_part) {
+            m.draft_model_bytes = d.total_bytes;
+            m.total_bytes += d.total_bytes;
+        }
+        m
+    });
+
+    // Tier and modes.
+    let target_ok = !diags
+        .iter()
+        .any(|d| d.severity == Severity::Error && d.component == Component::Target);
+    let draft_ok = draft_model.as_ref().is_none_or(|d| d.compatible)
+        && !diags
+            .iter()
+            .any(|d| d.severity == Severity::Error && d.component == Component::DraftModel);
+    let invariant = kernels.as_ref().is_some_and(|k| k.batch_invariant);
+    let tuned = tuning.as_ref().filter(|t| t.applies).and_then(|t| t.choice.clone());
+    let tier = if !target_ok || !draft_ok {
+        Tier::Incompatible
+    } else if !invariant {
+        Tier::ArOnly
+    } else if tuned.is_some() {
+        Tier::Verified
+    } else {
+        Tier::CompatibleUnmeasured
+    };
+    let modes = resolve_modes(ResolveInput {
+        target_ok,
+        draft_ok,
+        kernels: kernels.as_ref(),
+        mtp: &mtp,
+        block: block.as_ref(),
+        draft_model: draft_model.as_ref(),
+        tuned: tuned.as_ref(),
+    });
+
+    diags.sort_by_key(|d| d.severity);
+    let parameters = target.tensors.list.iter().map(TensorMeta::elements).sum();
+    let weight_bytes = target.tensors.list.iter().map(|t| t.bytes).sum();
+    Ok(BundleReport {
+        path: path.display().to_string(),
+        format: target.format,
+        name: target.name.clone(),
+        architecture: target.arch.clone(),
+        family: target.family,
+        context_length: target.config.as_ref().map(|c| c.context_length),
+        config: target.config.clone(),
+        files: target.files.clone(),
+        parameters,
+        weight_bytes,
+        quantization: quant_groups(&target),
+        tokenizer: target.tokenizer.clone(),
+        chat_template: target.chat_template.clone(),
+        kernels,
+        capabilities: Capabilities {
+            mtp,
+            block_drafter: block,
+            draft_model,
+            ngram: true,
+        },
+        tuning,
+        memory,
+        tier,
+        modes,
+        diagnostics: diags,
+        fingerprint: fp,
+        elapsed_ms: t0.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+struct ResolveInput<'a> {
+    target_ok: bool,
+    draft_ok: bool,
+    kernels: Option<&'a KernelReport>,
+    mtp: &'a MtpReport,
+    block: Option<&'a BlockDrafterReport>,
+    draft_model: Option<&'a DraftModelReport>,
+    tuned: Option<&'a TunedDefault>,
+}
+
+fn ar(reason: impl Into<String>) -> ModeResolution {
+    ModeResolution {
+        drafter: "ar".into(),
+        k: None,
+        adaptive: false,
+        reason: reason.into(),
+    }
+}
+
+/// The effective drafter for off / default / on, as the engine resolves them
+/// (`Engine::resolve_spec_mode`): default = the tuning choice, else MTP head, else block drafter,
+/// else draft model, else n-gram, else AR; on = the best drafter available, adaptive k.
+fn resolve_modes(x: ResolveInput) -> EffectiveModes {
+    let off = ar("speculation off");
+    if !x.target_ok || !x.draft_ok {
+        let why = if x.target_ok {
+            "the configured draft model cannot draft for this bundle (see diagnostics); serve refuses it"
+        } else {
+            "the bundle does not load (see diagnostics)"
+        };
+        return EffectiveModes {
+            off,
+            default: ar(why),
+            on: ar(why),
+        };
+    }
+    if let Some(k) = x.kernels.filter(|k| !k.batch_invariant) {
+        let why = format!("speculation would not be exact: {}", k.reason);
+        return EffectiveModes {
+            off,
+            default: ar(why.clone()),
+            on: ar(why),
+        };
+    }
+    // The chain, best first.
+    let mut skipped: Vec<String> = Vec::new();
+    let mut best: Option<ModeResolution> = None;
+    if x.mtp.status == MtpStatus::Present {
+        if MTP_DRAFTER_BUILT {
+            best = Some(ModeResolution {
+                drafter: "mtp".into(),
+                k: Some(x.mtp.depth.max(1)),
+                adaptive: true,
+                reason: "the bundle's native MTP head".into(),
+            });
+        } else {
+            skipped.push("an MTP head is present, but this build has no MTP drafter yet".into());
+        }
+    }
+    if best.is_none() {
+        if let Some(b) = x.block.filter(|b| b.valid) {
+            if BLOCK_DRAFTER_BUILT {
+                best = Some(ModeResolution {
+                    drafter: "block".into(),
+                    k: b.block_size.map(|s| s.saturating_sub(1)),
+                    adaptive: true,
+                    reason: format!("the bundled block drafter ({})", b.path),
+                });
+            } else {
+                skipped.push("a block drafter is present, but this build cannot run it yet".into());
+            }
+        }
+    }
+    if best.is_none() {
+        if let Some(d) = x.draft_model.filter(|d| d.compatible) {
+            best = Some(ModeResolution {
+                drafter: "draft-model".into(),
+                k: Some(4),
+                adaptive: true,
+                reason: format!("the configured draft model {}", d.path),
+            });
+        }
+    }
+    let chain = best.unwrap_or_else(|| ModeResolution {
+        drafter: "ngram".into(),
+        k: Some(4),
+        adaptive: true,
+        reason: "n-gram prompt lookup (no model drafter available)".into(),
+    });
+    let with_skipped = |mut m: ModeResolution| {
+        if !skipped.is_empty() {
+            m.reason = format!("{}; {}", m.reason, skipped.join("; "));
+        }
+        m
+    };
+    let default = match x.tuned {
+        Some(t) => ModeResolution {
+            drafter: match t.mode {
+                SpecMode::Off => "ar".into(),
+                SpecMode::Draft => "draft-model".into(),
+                m => m.as_str().to_string(),
+            },
+            k: (t.mode != SpecMode::Off).then_some(t.draft_max),
+            adaptive: t.mode != SpecMode::Off && t.adaptive,
+            reason: format!("tuning file choice: {}", t.describe()),
+        },
+        None => with_skipped(ModeResolution {
+            reason: format!("{} (unmeasured: run `specula tune`)", chain.reason),
+            ..chain.clone()
+        }),
+    };
+    EffectiveModes {
+        off,
+        default,
+        on: with_skipped(chain),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Text rendering.
+
+fn millions(n: u64) -> String {
+    if n >= 1_000_000_000 {
+        format!("{:.2} B", n as f64 / 1e9)
+    } else {
+        format!("{:.1} M", n as f64 / 1e6)
+    }
+}
+
+fn mode_line(m: &ModeResolution) -> String {
+    let k = match (m.k, m.adaptive) {
+        (None, _) => String::new(),
+        (Some(k), true) => format!(" k<={k} adaptive"),
+        (Some(k), false) => format!(" k={k}"),
+    };
+    format!("{}{k}: {}", m.drafter, m.reason)
+}
+
+impl std::fmt::Display for BundleReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use memory::human_bytes as hb;
+        writeln!(f, "{} ({})", self.name, self.path)?;
+        let files = self.files.len();
+        writeln!(
+            f,
+            "  format         {} ({} weight file{}, {})",
+            match self.format {
+                BundleFormat::Gguf => "GGUF",
+                BundleFormat::Hf => "Hugging Face (safetensors)",
+            },
+            files,
+            if files == 1 { "" } else { "s" },
+            hb(self.files.iter().map(|x| x.bytes).sum())
+        )?;
+        writeln!(
+            f,
+            "  architecture   {}{}",
+            self.architecture.as_deref().unwrap_or("unknown"),
+            match self.family {
+                Some(fam) => format!(" (family {})", fam.as_str()),
+                None => " (not supported)".to_string(),
+            }
+        )?;
+        let n_tensors: usize = self.quantization.iter().map(|q| q.tensors).sum();
+        writeln!(
+            f,
+            "  parameters     {} ({} tensors)",
+            millions(self.parameters),
+            n_tensors
+        )?;
+        let q: Vec<String> = self
+            .quantization
+            .iter()
+            .map(|q| {
+                format!(
+                    "{} x{} ({} params, {})",
+                    q.dtype,
+                    q.tensors,
+                    millions(q.parameters),
+                    hb(q.bytes)
+                )
+            })
+            .collect();
+        writeln!(f, "  quantization   {}", q.join("; "))?;
+        if let Some(c) = &self.config {
+            writeln!(
+                f,
+                "  context        {} tokens; {} layers, hidden {}, {} heads / {} KV heads x {}, vocab {}",
+                c.context_length, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
+            )?;
+        }
+        let t = &self.tokenizer;
+        if t.found {
+            writeln!(
+                f,
+                "  tokenizer      {}, {} tokens{}, from {}",
+                t.kind.as_deref().unwrap_or("?"),
+                t.vocab_size.unwrap_or(0),
+                t.merges.map(|m| format!(", {m} merges")).unwrap_or_default(),
+                t.source.as_deref().unwrap_or("?")
+            )?;
+        } else {
+            writeln!(f, "  tokenizer      not found")?;
+        }
+        writeln!(
+            f,
+            "  chat template  {}",
+            self.chat_template.as_deref().unwrap_or("none (ChatML is used)")
+        )?;
+        if let Some(k) = &self.kernels {
+            writeln!(
+                f,
+                "  kernels        {}: {}",
+                if k.batch_invariant {
+                    "batch-invariant"
+                } else {
+                    "not batch-invariant"
+                },
+                k.reason
+            )?;
+        }
+        writeln!(f, "speculative capabilities")?;
+        let m = &self.capabilities.mtp;
+        writeln!(f, "  MTP head       {}", m.describe())?;
+        match &self.capabilities.block_drafter {
+            None => writeln!(f, "  block drafter  none")?,
+            Some(b) => writeln!(f, "  block drafter  {}", b.describe())?,
+        }
+        match &self.capabilities.draft_model {
+            None => writeln!(f, "  draft model    none configured (--draft-model)")?,
+            Some(d) => writeln!(
+                f,
+                "  draft model    {} ({}, {} params, {}): {}",
+                d.path,
+                d.architecture.as_deref().unwrap_or("?"),
+                millions(d.parameters),
+                d.quantization,
+                if d.compatible {
+                    "compatible (same tokenizer, same vocabulary)".to_string()
+                } else {
+                    "INCOMPATIBLE (see diagnostics)".to_string()
+                }
+            )?,
+        }
+        writeln!(f, "  n-gram lookup  available")?;
+        match &self.tuning {
+            None => writeln!(f, "  tuning file    none (run `specula tune` to measure)")?,
+            Some(t) => writeln!(
+                f,
+                "  tuning file    {}: {}{}",
+                t.path,
+                if t.applies {
+                    format!(
+                        "applies (measured {}, {} configs, best {})",
+                        t.date.as_deref().unwrap_or("?"),
+                        t.configs,
+                        t.best.as_deref().unwrap_or("?")
+                    )
+                } else {
+                    "does not apply".to_string()
+                },
+                t.reason.as_ref().map(|r| format!(": {r}")).unwrap_or_default()
+            )?,
+        }
+        if let Some(m) = &self.memory {
+            writeln!(f, "memory estimate")?;
+            writeln!(
+                f,
+                "  resident after load {} (weights {} + runtime {})",
+                hb(m.resident_after_load_bytes),
+                hb(m.weights_bytes),
+                hb(m.runtime_bytes)
+            )?;
+            writeln!(
+                f,
+                "  KV cache {} ({} tokens x {}/token, f32), scratch {}{}",
+                hb(m.kv_bytes),
+                m.kv_context,
+                hb(m.kv_bytes_per_token),
+                hb(m.scratch_bytes),
+                if m.draft_model_bytes > 0 {
+                    format!(", draft model {}", hb(m.draft_model_bytes))
+                } else {
+                    String::new()
+                }
+            )?;
+            writeln!(
+                f,
+                "  total {} (available now: {})",
+                hb(m.total_bytes),
+                memory::available_memory().map(hb).unwrap_or_else(|| "unknown".into())
+            )?;
+        }
+        writeln!(f, "tier: {}", self.tier.describe())?;
+        writeln!(f, "effective mode")?;
+        writeln!(f, "  off      {}", mode_line(&self.modes.off))?;
+        writeln!(f, "  default  {}", mode_line(&self.modes.default))?;
+        writeln!(f, "  on       {}", mode_line(&self.modes.on))?;
+        if !self.diagnostics.is_empty() {
+            writeln!(f, "diagnostics")?;
+            for d in &self.diagnostics {
+                writeln!(f, "  {d}")?;
+            }
+        }
+        write!(f, "inspected in {:.0} ms (headers only)", self.elapsed_ms)
+    }
+}

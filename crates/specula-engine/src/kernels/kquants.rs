@@ -1,0 +1,1352 @@
+//! Batch-invariant quantized matrix multiplication for ggml's K-quant super-block types Q2_K,
+//! Q3_K, Q4_K, Q5_K and Q6_K (256 weights per super-block).
+//!
+//! `y = x W^T` with `W` (`[n, k]`, `k` a multiple of 256) stored as ggml super-blocks
+//! (`ggml/src/ggml-common.h`: `block_q2_K` .. `block_q6_K`, kept byte for byte as the GGUF file
+//! has them) and each activation row quantized to Q8_K as ggml's `quantize_row_q8_K_ref`
+//! (`ggml/src/ggml-quants.c`; the x86 CPU backend uses the reference directly): per 256 values
+//! `iscale = -127 / max` where `max` is the first value of largest magnitude, `q = min(127,
+//! nearest_int(iscale * x))` (round half to even), `d = 1 / iscale` (f32), and `bsums` = the i16
+//! sums of each 16 quants.
+//!
+//! Arithmetic per output element follows ggml's x86 AVX2 dot products
+//! `ggml_vec_dot_q{2,3,4,5,6}_K_q8_K` (`ggml/src/ggml-cpu/arch/x86/quants.c`). Per super-block,
+//! the weights are expanded to 256 small integers `w` and 16 integer scales `sc` (one per 16
+//! values), and eight exact i32 lane sums are formed: lane `l` holds
+//! `sum over the eight 32-value chunks c of sc[2c + l/4] * sum_{t<4} w[32c+4l+t] * q8[32c+4l+t]`
+//! (the `maddubs` + `madd(scales)` pattern of all five AVX2 kernels). Then, per type:
+//!
+//! - Q6_K: lane `l` minus `32 * (bsums[2l] sc[2l] + bsums[2l+1] sc[2l+1])` (the weights are
+//!   expanded unsigned, 0..63), then `acc = fma(d, lanes, acc)`.
+//! - Q4_K: `acc_m[v] = fma(dmin, m[2v] s[2v] + m[2v+1] s[2v+1], acc_m[v])` over 4 lanes, with
+//!   `s[u]` the sum of the 32 quants of sub-block `u`; then `acc = fma(d, lanes, acc)`; the
+//!   result is `hsum_float_8(acc) + ((acc_m0 + acc_m2) + (acc_m1 + acc_m3))`.
+//! - Q5_K: `summs = fma(dmin, sum_u m[u] s[u], summs)` (scalar; GCC contracts ggml's
+//!   `summs += dmin * ...` into an FMA under its default `-ffp-contract=fast`), then
+//!   `acc = fma(d, lanes, acc)`; the result is `hsum_float_8(acc) + summs`.
+//! - Q2_K: `acc = fma(dmin, lanes_m, acc)` with `lanes_m[l] = m[2l] bsums[2l] + m[2l+1]
+//!   bsums[2l+1]`, then `acc = fma(d, lanes, acc)`.
+//! - Q3_K: weights expanded signed (-4..3), `acc = fma(d, lanes, acc)`.
+//!
+//! where `d = d_x * d_w` and `dmin = -d_x * dmin_w` per super-block, and the final reduction of
+//! `acc` is ggml's `hsum_float_8` order.
+//!
+//! **Paths.** The portable path ([`vec_dot_portable`]) is the reference. The AVX2 path is ggml's
+//! loop with the weights decoded in registers once per super-block and the integer products
+//! repeated for up to [`MAX_ROWS`] activation rows ([`vec_dot_rows`]). Where AVX-512 BW is
+//! available, Q4_K/Q5_K/Q6_K take two 32-value chunks per 512-bit `maddubs`/`madd` and fold the
+//! 16 lanes back to ggml's 8 with exact i32 adds. The lane sums are exact integers and every path
+//! performs the same float operations in the same order, so all paths agree bitwise (tested
+//! here). Checked once against ggml's own functions (`quantize_row_q8_K_ref` and the five AVX2
+//! `ggml_vec_dot_q*_K_q8_K`, ggml built with GCC 12 at `-O2 -mavx2 -mfma` and at
+//! `-O3 -march=native`) on random and on real Qwen2.5 Q4_K/Q6_K tensors: bitwise equal.
+//!
+//! **Batch invariance.** Every output element is computed by the same function of one weight row
+//! and one activation row, whatever the number of rows `m`: the multi-row micro-kernel only
+//! shares the decoding of each weight super-block between activation rows, and which group a row
+//! lands in (a function of `m`) does not change its arithmetic.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use half::f16;
+
+use super::qmatmul::{hsum8, nearest_int};
+use super::run_rows;
+
+/// Weights per super-block.
+pub const QK_K: usize = 256;
+
+/// The K-quant super-block types this kernel handles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KKind {
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl KKind {
+    /// The kind for a candle/ggml dtype, if this kernel supports it.
+    pub fn from_ggml(dt: GgmlDType) -> Option<Self> {
+        Some(match dt {
+            GgmlDType::Q2K => KKind::Q2K,
+            GgmlDType::Q3K => KKind::Q3K,
+            GgmlDType::Q4K => KKind::Q4K,
+            GgmlDType::Q5K => KKind::Q5K,
+            GgmlDType::Q6K => KKind::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per super-block (`sizeof(block_qN_K)`).
+    pub fn block_bytes(&self) -> usize {
+        match self {
+            KKind::Q2K => 84,
+            KKind::Q3K => 110,
+            KKind::Q4K => 144,
+            KKind::Q5K => 176,
+            KKind::Q6K => 210,
+        }
+    }
+
+    /// Are the expanded weights signed (Q3_K: -4..3) rather than unsigned?
+    fn signed(&self) -> bool {
+        *self == KKind::Q3K
+    }
+}
+
+/// One activation row quantized to Q8_K (`block_q8_K`): per super-block an f32 scale `d`
+/// (`[k / 256]`), 256 signed quants (`qs`, `[k]`, each in -127..=127) and the i16 sums of each 16
+/// quants (`bsums`, `[k / 16]`).
+#[derive(Debug, Clone)]
+pub struct Q8KRow {
+    pub d: Vec<f32>,
+    pub qs: Vec<i8>,
+    pub bsums: Vec<i16>,
+}
+
+/// Quantize one row of `k` floats (`k` a multiple of 256) as ggml's `quantize_row_q8_K_ref`.
+/// A block of zeros gets `d = 0` and zero quants and sums.
+pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
+    let nb = x.len() / QK_K;
+    let mut d = vec![0f32; nb];
+    let mut qs = vec![0i8; nb * QK_K];
+    let mut bsums = vec![0i16; nb * (QK_K / 16)];
+    for (b, chunk) in x.chunks_exact(QK_K).enumerate() {
+        let mut max = 0f32;
+        let mut amax = 0f32;
+        for &v in chunk {
+            let a = v.abs();
+            if a > amax {
+                amax = a;
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            continue;
+        }
+        let iscale = -127.0f32 / max;
+        let q = &mut qs[b * QK_K..(b + 1) * QK_K];
+        for (o, &v) in q.iter_mut().zip(chunk) {
+            *o = nearest_int(iscale * v).min(127) as i8;
+        }
+        for (g, s) in bsums[b * 16..(b + 1) * 16].iter_mut().enumerate() {
+            *s = q[g * 16..(g + 1) * 16].iter().map(|&v| v as i32).sum::<i32>() as i16;
+        }
+        d[b] = 1.0 / iscale;
+    }
+    Q8KRow { d, qs, bsums }
+}
+
+/// A weight matrix `[n, k]` in one of the [`KKind`] formats: the ggml super-blocks as stored,
+/// row-major (`n * k / 256` blocks of [`KKind::block_bytes`] bytes), in owned memory.
+#[derive(Debug, Clone)]
+pub struct KWeight {
+    kind: KKind,
+    n: usize,
+    k: usize,
+    data: Vec<u8>,
+}
+
+impl KWeight {
+    /// Take a candle quantized tensor of shape `[n, k]`; `None` if its type is not a K-quant or
+    /// `k` is not a multiple of 256.
+    pub fn from_qtensor(t: &QTensor) -> candle_core::Result<Option<Self>> {
+        let Some(kind) = KKind::from_ggml(t.dtype()) else {
+            return Ok(None);
+        };
+        let (n, k) = t.shape().dims2()?;
+        if !k.is_multiple_of(QK_K) {
+            return Ok(None);
+        }
+        let data = t.data()?;
+        let want = n * (k / QK_K) * kind.block_bytes();
+        if data.len() != want {
+            candle_core::bail!("quantized tensor holds {} bytes, expected {want}", data.len());
+        }
+        Ok(Some(Self {
+            kind,
+            n,
+            k,
+            data: data.into_owned(),
+        }))
+    }
+
+    pub fn kind(&self) -> KKind {
+        self.kind
+    }
+
+    /// `(n, k)`: output features, input features.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The super-blocks of weight row `j`.
+    pub fn row(&self, j: usize) -> KRow<'_> {
+        let rb = self.k / QK_K * self.kind.block_bytes();
+        KRow {
+            kind: self.kind,
+            data: &self.data[j * rb..(j + 1) * rb],
+        }
+    }
+
+    /// `x`: `[m, k]` row-major f32 → `[m, n]` row-major f32. Row `i` of the result is bitwise
+    /// the same whatever `m` is. Panics if `x` is not `m * k` long.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(
+            x.len(),
+            m * self.k,
+            "matmul: x has {} floats, expected {m} x {}",
+            x.len(),
+            self.k
+        );
+        let rows: Vec<Q8KRow> = x.chunks_exact(self.k).map(quantize_row_q8k).collect();
+        let avx2 = super::qmatmul::has_avx2();
+        run_rows(self.n, self.k, &rows, MAX_ROWS, |j, xs, out| {
+            vec_dot_rows(self.row(j), xs, out, avx2)
+        })
+    }
+}
+
+/// AVX-512 F and BW available at run time, along with the AVX2 set (the 512-bit row kernels).
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            super::qmatmul::has_avx2()
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// One weight row: its super-blocks, as stored.
+#[derive(Clone, Copy)]
+pub struct KRow<'a> {
+    kind: KKind,
+    data: &'a [u8],
+}
+
+/// A weight super-block expanded for the integer products.
+struct Unpacked {
+    /// The 256 weight values, value `i` at index `i`: unsigned bytes, or `i8` for Q3_K.
+    q: [u8; QK_K],
+    /// The scale of each 16 values.
+    sc: [i16; 16],
+    /// Q2_K: the min of each 16 values; Q4_K/Q5_K: the min of each 32 values (first 8).
+    mins: [i16; 16],
+    /// Super-block scale and min scale (f16 → f32).
+    d: f32,
+    dmin: f32,
+}
+
+impl Unpacked {
+    fn new() -> Self {
+        Self {
+            q: [0; QK_K],
+            sc: [0; 16],
+            mins: [0; 16],
+            d: 0.0,
+            dmin: 0.0,
+        }
+    }
+}
+
+#[inline(always)]
+fn h2f(lo: u8, hi: u8) -> f32 {
+    f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
+}
+
+/// The 6-bit scales (bytes 0..8) and mins (bytes 8..16) of the eight 32-value sub-blocks of
+/// Q4_K/Q5_K from their 12 packed bytes: ggml's `get_scale_min_k4`, done four at a time with
+/// the 32-bit masks of its AVX2 kernels (`kmask1..3`).
+#[inline(always)]
+fn scales_mins_k4(s: &[u8]) -> [u8; 16] {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    let s: &[u8; 12] = s.try_into().expect("12 scale bytes");
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (u0, u1, u2) = (w(0), w(1), w(2));
+    let out = [
+        u0 & K1,
+        (u2 & K2) | (((u0 >> 6) & K3) << 4),
+        u1 & K1,
+        ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4),
+    ];
+    let mut b = [0u8; 16];
+    for (c, v) in b.chunks_exact_mut(4).zip(out) {
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+    b
+}
+
+/// The sixteen signed 6-bit scales of Q3_K from their 12 packed bytes (low 4 bits: bytes 0..8,
+/// low then high nibbles; high 2 bits: bytes 8..12), minus 32.
+#[inline(always)]
+fn scales_q3k(s: &[u8]) -> [i8; 16] {
+    let mut out = [0i8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        let low = if i < 8 { s[i] & 0xF } else { s[i - 8] >> 4 };
+        let high = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+        *o = (low | (high << 4)) as i8 - 32;
+    }
+    out
+}
+
+/// Expand one super-block (`blk`: [`KKind::block_bytes`] bytes). Plain code, shared by both
+/// paths (the compiler vectorizes it inside the AVX2 functions).
+#[inline(always)]
+fn unpack(kind: KKind, blk: &[u8], u: &mut Unpacked) {
+    match kind {
+        KKind::Q2K => {
+            // scales[16] (low nibble scale, high nibble min), qs[64], d, dmin.
+            let (scales, rest) = blk.split_at(16);
+            let (qs, dd) = rest.split_at(64);
+            for (i, &v) in scales.iter().enumerate() {
+                u.sc[i] = (v & 0xF) as i16;
+                u.mins[i] = (v >> 4) as i16;
+            }
+            for j in 0..2 {
+                for k in 0..4 {
+                    for l in 0..32 {
+                        u.q[128 * j + 32 * k + l] = (qs[32 * j + l] >> (2 * k)) & 3;
+                    }
+                }
+            }
+            u.d = h2f(dd[0], dd[1]);
+            u.dmin = h2f(dd[2], dd[3]);
+        }
+        KKind::Q3K => {
+            // hmask[32], qs[64], scales[12] (6-bit, offset 32), d.
+            let (hmask, rest) = blk.split_at(32);
+            let (qs, rest) = rest.split_at(64);
+            let (scales, dd) = rest.split_at(12);
+            for (o, &v) in u.sc.iter_mut().zip(&scales_q3k(scales)) {
+                *o = v as i16;
+            }
+            for j in 0..2 {
+                for k in 0..4 {
+                    let bit = 4 * j + k;
+                    for l in 0..32 {
+                        let low = (qs[32 * j + l] >> (2 * k)) & 3;
+                        let sub = if (hmask[l] >> bit) & 1 != 0 { 0 } else { 4 };
+                        u.q[128 * j + 32 * k + l] = low.wrapping_sub(sub);
+                    }
+                }
+            }
+            u.d = h2f(dd[0], dd[1]);
+        }
+        KKind::Q4K => {
+            // d, dmin, scales[12], qs[128].
+            let scales = &blk[4..16];
+            let qs = &blk[16..144];
+            let sm = scales_mins_k4(scales);
+            for j in 0..8 {
+                u.sc[2 * j] = sm[j] as i16;
+                u.sc[2 * j + 1] = sm[j] as i16;
+                u.mins[j] = sm[8 + j] as i16;
+            }
+            for j in 0..4 {
+                for l in 0..32 {
+                    let b = qs[32 * j + l];
+                    u.q[64 * j + l] = b & 0xF;
+                    u.q[64 * j + 32 + l] = b >> 4;
+                }
+            }
+            u.d = h2f(blk[0], blk[1]);
+            u.dmin = h2f(blk[2], blk[3]);
+        }
+        KKind::Q5K => {
+            // d, dmin, scales[12], qh[32], qs[128].
+            let scales = &blk[4..16];
+            let qh = &blk[16..48];
+            let qs = &blk[48..176];
+            let sm = scales_mins_k4(scales);
+            for j in 0..8 {
+                u.sc[2 * j] = sm[j] as i16;
+                u.sc[2 * j + 1] = sm[j] as i16;
+                u.mins[j] = sm[8 + j] as i16;
+            }
+            for j in 0..4 {
+                for l in 0..32 {
+                    let b = qs[32 * j + l];
+                    let h = qh[l];
+                    u.q[64 * j + l] = (b & 0xF) | (((h >> (2 * j)) & 1) << 4);
+                    u.q[64 * j + 32 + l] = (b >> 4) | (((h >> (2 * j + 1)) & 1) << 4);
+                }
+            }
+            u.d = h2f(blk[0], blk[1]);
+            u.dmin = h2f(blk[2], blk[3]);
+        }
+        KKind::Q6K => {
+            // ql[128], qh[64], scales[16] (i8), d. Values kept unsigned (0..63).
+            let (ql, rest) = blk.split_at(128);
+            let (qh, rest) = rest.split_at(64);
+            let (scales, dd) = rest.split_at(16);
+            for (o, &v) in u.sc.iter_mut().zip(scales) {
+                *o = v as i8 as i16;
+            }
+            for j in 0..2 {
+                let ql = &ql[64 * j..64 * j + 64];
+                let qh = &qh[32 * j..32 * j + 32];
+                let q = &mut u.q[128 * j..128 * j + 128];
+                for l in 0..32 {
+                    let h = qh[l];
+                    q[l] = (ql[l] & 0xF) | ((h & 3) << 4);
+                    q[32 + l] = (ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4);
+                    q[64 + l] = (ql[l] >> 4) | (((h >> 4) & 3) << 4);
+                    q[96 + l] = (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4);
+                }
+            }
+            u.d = h2f(dd[0], dd[1]);
+        }
+    }
+}
+
+/// The float accumulators of one (weight row, activation row) product.
+struct Acc {
+    acc: [f32; 8],
+    /// Q4_K's four min lanes.
+    acc_m: [f32; 4],
+    /// Q5_K's scalar min sum.
+    summs: f32,
+}
+
+impl Acc {
+    fn new() -> Self {
+        Self {
+            acc: [0.0; 8],
+            acc_m: [0.0; 4],
+            summs: 0.0,
+        }
+    }
+
+    /// The final reduction (ggml's `hsum_float_8`, plus the min terms of Q4_K / Q5_K).
+    fn finish(&self, kind: KKind) -> f32 {
+        let h = hsum8(&self.acc);
+        match kind {
+            KKind::Q4K => {
+                let m = &self.acc_m;
+                h + ((m[0] + m[2]) + (m[1] + m[3]))
+            }
+            KKind::Q5K => h + self.summs,
+            _ => h,
+        }
+    }
+}
+
+/// The per-type min / offset terms of one super-block, from the expanded weights and the Q8_K
+/// block sums (`bs`, 16 values): updates `st` and `lanes` as ggml's AVX2 kernels do before the
+/// main `acc = fma(d, lanes, acc)`. Integer parts are exact; shared by both paths.
+#[inline(always)]
+fn min_terms(kind: KKind, u: &Unpacked, bs: &[i16], yd: f32, lanes: &mut [i32; 8], st: &mut Acc) {
+    let b = |i: usize| bs[i] as i32;
+    let mn = |i: usize| u.mins[i] as i32;
+    match kind {
+        KKind::Q2K => {
+            let dmin = -yd * u.dmin;
+            for (l, a) in st.acc.iter_mut().enumerate() {
+                let p = mn(2 * l) * b(2 * l) + mn(2 * l + 1) * b(2 * l + 1);
+                *a = dmin.mul_add(p as f32, *a);
+            }
+        }
+        KKind::Q4K => {
+            let dmin = -yd * u.dmin;
+            for (v, a) in st.acc_m.iter_mut().enumerate() {
+                let s0 = b(4 * v) + b(4 * v + 1);
+                let s1 = b(4 * v + 2) + b(4 * v + 3);
+                let p = mn(2 * v) * s0 + mn(2 * v + 1) * s1;
+                *a = dmin.mul_add(p as f32, *a);
+            }
+        }
+        KKind::Q5K => {
+            let dmin = -yd * u.dmin;
+            let mut p = [0i32; 4];
+            for (v, pv) in p.iter_mut().enumerate() {
+                let s0 = b(4 * v) + b(4 * v + 1);
+                let s1 = b(4 * v + 2) + b(4 * v + 3);
+                *pv = mn(2 * v) * s0 + mn(2 * v + 1) * s1;
+            }
+            let s = (p[0] + p[1]) + (p[2] + p[3]);
+            st.summs = dmin.mul_add(s as f32, st.summs);
+        }
+        KKind::Q6K => {
+            for (l, x) in lanes.iter_mut().enumerate() {
+                let sc = |i: usize| u.sc[i] as i32;
+                *x -= (b(2 * l) * sc(2 * l) + b(2 * l + 1) * sc(2 * l + 1)) << 5;
+            }
+        }
+        KKind::Q3K => {}
+    }
+}
+
+/// Portable: one super-block of one activation row (`q8`: 256 quants, `bs`: 16 sums, `yd`: scale).
+#[inline(always)]
+fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32, st: &mut Acc) {
+    let mut lanes = [0i32; 8];
+    let signed = kind.signed();
+    for c in 0..8 {
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            let mut p = 0i32;
+            for t in 0..4 {
+                let i = 32 * c + 4 * l + t;
+                let w = if signed { u.q[i] as i8 as i32 } else { u.q[i] as i32 };
+                p += w * q8[i] as i32;
+            }
+            *lane += u.sc[2 * c + l / 4] as i32 * p;
+        }
+    }
+    min_terms(kind, u, bs, yd, &mut lanes, st);
+    let d = yd * u.d;
+    for (a, &x) in st.acc.iter_mut().zip(&lanes) {
+        *a = d.mul_add(x as f32, *a);
+    }
+}
+
+/// The portable reference for one (weight row, activation row) product.
+pub fn vec_dot_portable(w: KRow<'_>, x: &Q8KRow) -> f32 {
+    let bb = w.kind.block_bytes();
+    let mut u = Unpacked::new();
+    let mut st = Acc::new();
+    for (b, blk) in w.data.chunks_exact(bb).enumerate() {
+        unpack(w.kind, blk, &mut u);
+        block_row_portable(
+            w.kind,
+            &u,
+            &x.qs[b * QK_K..(b + 1) * QK_K],
+            &x.bsums[b * 16..(b + 1) * 16],
+            x.d[b],
+            &mut st,
+        );
+    }
+    st.finish(w.kind)
+}
+
+/// Largest group of activation rows one call of the micro-kernel takes.
+pub const MAX_ROWS: usize = 8;
+
+/// `out[r] = ` the product of weight row `w` with `xs[r]`, for 1..=[`MAX_ROWS`] rows at once
+/// (the weights are decoded once for all of them); each value is bitwise
+/// [`vec_dot_portable`]`(w, xs[r])`.
+pub fn vec_dot_rows(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool) {
+    vec_dot_rows_with(w, xs, out, avx2, avx2 && has_avx512());
+}
+
+/// [`vec_dot_rows`] with the SIMD paths chosen: `avx2` (AVX2 + FMA + F16C, required by `wide`)
+/// and `wide` (the 512-bit row kernels for Q4_K/Q5_K/Q6_K, AVX-512 BW). Every choice gives the
+/// same bits.
+fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, wide: bool) {
+    assert!(
+        xs.len() == out.len() && xs.len() <= MAX_ROWS,
+        "vec_dot_rows: {} rows, {} outputs",
+        xs.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if avx2 {
+        // SAFETY: AVX2, FMA and F16C were detected at run time (and AVX-512 F/BW when `wide`,
+        // see `has_avx512`); the rows' lengths are checked inside.
+        unsafe {
+            match xs.len() {
+                1 => avx2_impl::dot::<1>(w, xs, out, wide),
+                2 => avx2_impl::dot::<2>(w, xs, out, wide),
+                3 => avx2_impl::dot::<3>(w, xs, out, wide),
+                4 => avx2_impl::dot::<4>(w, xs, out, wide),
+                5 => avx2_impl::dot::<5>(w, xs, out, wide),
+                6 => avx2_impl::dot::<6>(w, xs, out, wide),
+                7 => avx2_impl::dot::<7>(w, xs, out, wide),
+                8 => avx2_impl::dot::<8>(w, xs, out, wide),
+                _ => {}
+            }
+        }
+        return;
+    }
+    let _ = (avx2, wide);
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = vec_dot_portable(w, x);
+    }
+}
+
+/// Dot product of one weight row with one Q8_K activation row.
+#[inline]
+pub fn vec_dot(w: KRow<'_>, x: &Q8KRow, avx2: bool) -> f32 {
+    let mut o = [0f32];
+    vec_dot_rows(w, &[x], &mut o, avx2);
+    o[0]
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_impl {
+    //! The AVX2 kernels: per type, ggml's `ggml_vec_dot_qN_K_q8_K` AVX2 loop with the weights
+    //! decoded in registers once per super-block and the integer products repeated for `R`
+    //! activation rows. Per row, the integer lanes and the float operations are those of
+    //! [`block_row_portable`] (checked bitwise by the tests).
+
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// `_mm256_shuffle_epi8` controls: entry `c` broadcasts i16 element `2c` over the low 128
+    /// bits and element `2c + 1` over the high 128 bits (ggml's `get_scale_shuffle_q3k`).
+    static PAIR: [[u8; 32]; 4] = {
+        let mut t = [[0u8; 32]; 4];
+        let mut c = 0;
+        while c < 4 {
+            let mut i = 0;
+            while i < 16 {
+                t[c][i] = (4 * c + (i & 1)) as u8;
+                t[c][16 + i] = (4 * c + 2 + (i & 1)) as u8;
+                i += 1;
+            }
+            c += 1;
+        }
+        t
+    };
+
+    /// `_mm256_shuffle_epi8` controls: entry `c` broadcasts i16 element `c` over all 256 bits
+    /// (ggml's `get_scale_shuffle_k4`; the source holds the same 8 scales in both halves).
+    static K4: [[u8; 32]; 8] = {
+        let mut t = [[0u8; 32]; 8];
+        let mut c = 0;
+        while c < 8 {
+            let mut i = 0;
+            while i < 32 {
+                t[c][i] = (2 * c + (i & 1)) as u8;
+                i += 1;
+            }
+            c += 1;
+        }
+        t
+    };
+
+    /// f16 bits (little-endian bytes) → f32 with F16C (exact, like `half`).
+    #[inline(always)]
+    unsafe fn h2f(lo: u8, hi: u8) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([lo, hi]) as i32)))
+    }
+
+    #[inline(always)]
+    unsafe fn ld(p: *const u8) -> __m256i {
+        _mm256_loadu_si256(p as *const __m256i)
+    }
+
+    #[inline(always)]
+    unsafe fn ld128(p: *const u8) -> __m128i {
+        _mm_loadu_si128(p as *const __m128i)
+    }
+
+    /// 16 i16 scales (element `i` = scale of values `16i..16i+15`) → the `madd` operand of each
+    /// 32-value chunk `c`: scale `2c` in the low 128 bits, `2c + 1` in the high.
+    #[inline(always)]
+    unsafe fn pair_scales(sc16: __m256i) -> [__m256i; 8] {
+        let lo = _mm256_permute2x128_si256::<0x00>(sc16, sc16);
+        let hi = _mm256_permute2x128_si256::<0x11>(sc16, sc16);
+        let mut out = [_mm256_setzero_si256(); 8];
+        for (c, o) in out.iter_mut().enumerate() {
+            let src = if c < 4 { lo } else { hi };
+            *o = _mm256_shuffle_epi8(src, ld(PAIR[c % 4].as_ptr()));
+        }
+        out
+    }
+
+    /// The float accumulators of `R` rows: ggml's `acc` (8 lanes), Q4_K's `acc_m` (4 lanes) and
+    /// Q5_K's scalar `summs`.
+    struct State<const R: usize> {
+        acc: [__m256; R],
+        acc_m: [__m128; R],
+        summs: [f32; R],
+    }
+
+    impl<const R: usize> State<R> {
+        #[inline(always)]
+        unsafe fn new() -> Self {
+            Self {
+                acc: [_mm256_setzero_ps(); R],
+                acc_m: [_mm_setzero_ps(); R],
+                summs: [0.0; R],
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn finish(&self, kind: KKind, out: &mut [f32]) {
+            for (r, o) in out.iter_mut().enumerate().take(R) {
+                let mut a = Acc::new();
+                _mm256_storeu_ps(a.acc.as_mut_ptr(), self.acc[r]);
+                _mm_storeu_ps(a.acc_m.as_mut_ptr(), self.acc_m[r]);
+                a.summs = self.summs[r];
+                *o = a.finish(kind);
+            }
+        }
+    }
+
+    /// The Q8_K quants of row `x`, super-block `b`, from value `off`.
+    #[inline(always)]
+    unsafe fn q8(x: &Q8KRow, b: usize, off: usize) -> __m256i {
+        ld(x.qs.as_ptr().add(b * QK_K + off) as *const u8)
+    }
+
+    #[inline(always)]
+    unsafe fn bsums(x: &Q8KRow, b: usize) -> __m256i {
+        ld(x.bsums.as_ptr().add(b * 16) as *const u8)
+    }
+
+    /// Unsigned weights `wv` (one 32-value chunk) times the quants `y`, pairs scaled by `s`.
+    #[inline(always)]
+    unsafe fn chunk(wv: __m256i, y: __m256i, s: __m256i) -> __m256i {
+        _mm256_madd_epi16(s, _mm256_maddubs_epi16(wv, y))
+    }
+
+    /// `out[r]` = weight row `w` (`k` = 256 × blocks) times `xs[r]`, for `R` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot<const R: usize>(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], wide: bool) {
+        let Ok(x) = <[&Q8KRow; R]>::try_from(xs) else {
+            return;
+        };
+        let nb = w.data.len() / w.kind.block_bytes();
+        for xr in x {
+            assert!(
+                xr.d.len() >= nb && xr.qs.len() >= nb * QK_K && xr.bsums.len() >= nb * 16,
+                "activation row shorter than the weight row"
+            );
+        }
+        let st = match w.kind {
+            KKind::Q2K => q2k::<R>(w.data, x),
+            KKind::Q3K => q3k::<R>(w.data, x),
+            KKind::Q4K if wide => q4k_wide::<R>(w.data, x),
+            KKind::Q4K => q4k::<R>(w.data, x),
+            KKind::Q5K if wide => q5k_wide::<R>(w.data, x),
+            KKind::Q5K => q5k::<R>(w.data, x),
+            KKind::Q6K if wide => q6k_wide::<R>(w.data, x),
+            KKind::Q6K => q6k::<R>(w.data, x),
+        };
+        st.finish(w.kind, out);
+    }
+
+    /// Two 256-bit halves as one 512-bit vector (`lo` in the low half).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+
+    /// The 512-bit lane sums folded back to ggml's 8 lanes (exact i32 adds).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fold(v: __m512i) -> __m256i {
+        _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+    }
+
+    /// [`q4k`] with two 32-value chunks per 512-bit operation (AVX-512 BW): the same exact
+    /// integer lanes, the same float operations.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn q4k_wide<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m4 = _mm256_set1_epi8(0xF);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(144).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[0], blk[1]);
+            let dminw = h2f(blk[2], blk[3]);
+            let sm = scales_mins_k4(&blk[4..16]);
+            let ms = _mm256_cvtepu8_epi16(ld128(sm.as_ptr()));
+            let sc128 = _mm256_castsi256_si128(ms);
+            let mins = _mm256_extracti128_si256::<1>(ms);
+            let scales = _mm256_set_m128i(sc128, sc128);
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for j in 0..4 {
+                let sl = _mm256_shuffle_epi8(scales, ld(K4[2 * j].as_ptr()));
+                let sh = _mm256_shuffle_epi8(scales, ld(K4[2 * j + 1].as_ptr()));
+                let s = join(sl, sh);
+                let bits = ld(p.add(16 + 32 * j));
+                let w = join(
+                    _mm256_and_si256(bits, m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4),
+                );
+                for r in 0..R {
+                    let y = _mm512_loadu_si512(x[r].qs.as_ptr().add(b * QK_K + 64 * j) as *const _);
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(s, _mm512_maddubs_epi16(w, y)));
+                }
+            }
+            for r in 0..R {
+                let bs = bsums(x[r], b);
+                let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+                let prod = _mm_madd_epi16(mins, q8s);
+                let yd = x[r].d[b];
+                st.acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * dminw), _mm_cvtepi32_ps(prod), st.acc_m[r]);
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(fold(sumi[r])), st.acc[r]);
+            }
+        }
+        st
+    }
+
+    /// [`q5k`] with two 32-value chunks per 512-bit operation (AVX-512 BW).
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn q5k_wide<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m4 = _mm256_set1_epi8(0xF);
+        let one = _mm256_set1_epi8(1);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(176).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[0], blk[1]);
+            let dminw = h2f(blk[2], blk[3]);
+            let sm = scales_mins_k4(&blk[4..16]);
+            let ms = _mm256_cvtepu8_epi16(ld128(sm.as_ptr()));
+            let sc128 = _mm256_castsi256_si128(ms);
+            let mins = _mm256_extracti128_si256::<1>(ms);
+            let scales = _mm256_set_m128i(sc128, sc128);
+            let hbits = ld(p.add(16));
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for j in 0..4 {
+                let sl = _mm256_shuffle_epi8(scales, ld(K4[2 * j].as_ptr()));
+                let sh = _mm256_shuffle_epi8(scales, ld(K4[2 * j + 1].as_ptr()));
+                let s = join(sl, sh);
+                let bits = ld(p.add(48 + 32 * j));
+                let h0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * j as i32)), one);
+                let h1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * j as i32 + 1)), one);
+                let lo = _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_slli_epi16::<4>(h0));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4),
+                    _mm256_slli_epi16::<4>(h1),
+                );
+                let w = join(lo, hi);
+                for r in 0..R {
+                    let y = _mm512_loadu_si512(x[r].qs.as_ptr().add(b * QK_K + 64 * j) as *const _);
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(s, _mm512_maddubs_epi16(w, y)));
+                }
+            }
+            for r in 0..R {
+                let bs = bsums(x[r], b);
+                let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+                let prod = _mm_madd_epi16(mins, q8s);
+                let mut pv = [0i32; 4];
+                _mm_storeu_si128(pv.as_mut_ptr() as *mut __m128i, prod);
+                let yd = x[r].d[b];
+                st.summs[r] = (-yd * dminw).mul_add(((pv[0] + pv[1]) + (pv[2] + pv[3])) as f32, st.summs[r]);
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(fold(sumi[r])), st.acc[r]);
+            }
+        }
+        st
+    }
+
+    /// [`q6k`] with two 32-value chunks per 512-bit operation (AVX-512 BW).
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn q6k_wide<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m3 = _mm256_set1_epi8(3);
+        let m15 = _mm256_set1_epi8(15);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(210).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[208], blk[209]);
+            let sc16 = _mm256_cvtepi8_epi16(ld128(p.add(192)));
+            let scv = pair_scales(sc16);
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for j in 0..2 {
+                let b1 = ld(p.add(64 * j));
+                let b2 = ld(p.add(64 * j + 32));
+                let bh = ld(p.add(128 + 32 * j));
+                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(bh, m3));
+                let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(bh, _mm256_set1_epi8(12)));
+                let h2 = _mm256_and_si256(bh, _mm256_set1_epi8(48));
+                let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(bh, _mm256_set1_epi8(-64)));
+                let w01 = join(
+                    _mm256_or_si256(_mm256_and_si256(b1, m15), h0),
+                    _mm256_or_si256(_mm256_and_si256(b2, m15), h1),
+                );
+                let w23 = join(
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b1), m15), h2),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b2), m15), h3),
+                );
+                let s01 = join(scv[4 * j], scv[4 * j + 1]);
+                let s23 = join(scv[4 * j + 2], scv[4 * j + 3]);
+                for r in 0..R {
+                    let yp = x[r].qs.as_ptr().add(b * QK_K + 128 * j);
+                    let y01 = _mm512_loadu_si512(yp as *const _);
+                    let y23 = _mm512_loadu_si512(yp.add(64) as *const _);
+                    let t01 = _mm512_madd_epi16(s01, _mm512_maddubs_epi16(w01, y01));
+                    let t23 = _mm512_madd_epi16(s23, _mm512_maddubs_epi16(w23, y23));
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(t01, t23));
+                }
+            }
+            for r in 0..R {
+                let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums(x[r], b), sc16));
+                let lanes = _mm256_sub_epi32(fold(sumi[r]), corr);
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);
+            }
+        }
+        st
+    }
+
+    /// ggml `ggml_vec_dot_q4_K_q8_K` (AVX2) for `R` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4k<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m4 = _mm256_set1_epi8(0xF);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(144).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[0], blk[1]);
+            let dminw = h2f(blk[2], blk[3]);
+            let sm = scales_mins_k4(&blk[4..16]);
+            let ms = _mm256_cvtepu8_epi16(ld128(sm.as_ptr()));
+            let sc128 = _mm256_castsi256_si128(ms);
+            let mins = _mm256_extracti128_si256::<1>(ms);
+            let scales = _mm256_set_m128i(sc128, sc128);
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for j in 0..4 {
+                let sl = _mm256_shuffle_epi8(scales, ld(K4[2 * j].as_ptr()));
+                let sh = _mm256_shuffle_epi8(scales, ld(K4[2 * j + 1].as_ptr()));
+                let bits = ld(p.add(16 + 32 * j));
+                let lo = _mm256_and_si256(bits, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+                for r in 0..R {
+                    let pl = chunk(lo, q8(x[r], b, 64 * j), sl);
+                    let ph = chunk(hi, q8(x[r], b, 64 * j + 32), sh);
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                }
+            }
+            for r in 0..R {
+                let bs = bsums(x[r], b);
+                let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+                let prod = _mm_madd_epi16(mins, q8s);
+                let yd = x[r].d[b];
+                st.acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * dminw), _mm_cvtepi32_ps(prod), st.acc_m[r]);
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[r]), st.acc[r]);
+            }
+        }
+        st
+    }
+
+    /// ggml `ggml_vec_dot_q5_K_q8_K` (AVX2) for `R` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5k<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m4 = _mm256_set1_epi8(0xF);
+        let one = _mm256_set1_epi8(1);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(176).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[0], blk[1]);
+            let dminw = h2f(blk[2], blk[3]);
+            let sm = scales_mins_k4(&blk[4..16]);
+            let ms = _mm256_cvtepu8_epi16(ld128(sm.as_ptr()));
+            let sc128 = _mm256_castsi256_si128(ms);
+            let mins = _mm256_extracti128_si256::<1>(ms);
+            let scales = _mm256_set_m128i(sc128, sc128);
+            let hbits = ld(p.add(16));
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for j in 0..4 {
+                let sl = _mm256_shuffle_epi8(scales, ld(K4[2 * j].as_ptr()));
+                let sh = _mm256_shuffle_epi8(scales, ld(K4[2 * j + 1].as_ptr()));
+                let bits = ld(p.add(48 + 32 * j));
+                let h0 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * j as i32)), one);
+                let h1 = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128(2 * j as i32 + 1)), one);
+                let lo = _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_slli_epi16::<4>(h0));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4),
+                    _mm256_slli_epi16::<4>(h1),
+                );
+                for r in 0..R {
+                    let pl = chunk(lo, q8(x[r], b, 64 * j), sl);
+                    let ph = chunk(hi, q8(x[r], b, 64 * j + 32), sh);
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                }
+            }
+            for r in 0..R {
+                let bs = bsums(x[r], b);
+                let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
+                let prod = _mm_madd_epi16(mins, q8s);
+                let mut pv = [0i32; 4];
+                _mm_storeu_si128(pv.as_mut_ptr() as *mut __m128i, prod);
+                let yd = x[r].d[b];
+                st.summs[r] = (-yd * dminw).mul_add(((pv[0] + pv[1]) + (pv[2] + pv[3])) as f32, st.summs[r]);
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[r]), st.acc[r]);
+            }
+        }
+        st
+    }
+
+    /// ggml `ggml_vec_dot_q6_K_q8_K` (AVX2) for `R` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6k<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m3 = _mm256_set1_epi8(3);
+        let m15 = _mm256_set1_epi8(15);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(210).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[208], blk[209]);
+            let sc16 = _mm256_cvtepi8_epi16(ld128(p.add(192)));
+            let scv = pair_scales(sc16);
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for j in 0..2 {
+                let b1 = ld(p.add(64 * j));
+                let b2 = ld(p.add(64 * j + 32));
+                let bh = ld(p.add(128 + 32 * j));
+                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(bh, m3));
+                let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(bh, _mm256_set1_epi8(12)));
+                let h2 = _mm256_and_si256(bh, _mm256_set1_epi8(48));
+                let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(bh, _mm256_set1_epi8(-64)));
+                let w = [
+                    _mm256_or_si256(_mm256_and_si256(b1, m15), h0),
+                    _mm256_or_si256(_mm256_and_si256(b2, m15), h1),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b1), m15), h2),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(b2), m15), h3),
+                ];
+                for r in 0..R {
+                    let mut t = [_mm256_setzero_si256(); 4];
+                    for (c, tc) in t.iter_mut().enumerate() {
+                        *tc = chunk(w[c], q8(x[r], b, 128 * j + 32 * c), scv[4 * j + c]);
+                    }
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(t[0], t[1]));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(t[2], t[3]));
+                }
+            }
+            for r in 0..R {
+                let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums(x[r], b), sc16));
+                let lanes = _mm256_sub_epi32(sumi[r], corr);
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);
+            }
+        }
+        st
+    }
+
+    /// ggml `ggml_vec_dot_q2_K_q8_K` (AVX2) for `R` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q2k<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m3 = _mm256_set1_epi8(3);
+        let m4 = _mm_set1_epi8(0xF);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(84).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[80], blk[81]);
+            let dminw = h2f(blk[82], blk[83]);
+            let sm = ld128(p);
+            let sc16 = _mm256_cvtepi8_epi16(_mm_and_si128(sm, m4));
+            let mins16 = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(sm), m4));
+            let scv = pair_scales(sc16);
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for j in 0..2 {
+                let bits = ld(p.add(16 + 32 * j));
+                let w = [
+                    _mm256_and_si256(bits, m3),
+                    _mm256_and_si256(_mm256_srli_epi16::<2>(bits), m3),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m3),
+                    _mm256_and_si256(_mm256_srli_epi16::<6>(bits), m3),
+                ];
+                for r in 0..R {
+                    let mut t = [_mm256_setzero_si256(); 4];
+                    for (c, tc) in t.iter_mut().enumerate() {
+                        *tc = chunk(w[c], q8(x[r], b, 128 * j + 32 * c), scv[4 * j + c]);
+                    }
+                    let t01 = _mm256_add_epi32(t[0], t[1]);
+                    let t23 = _mm256_add_epi32(t[2], t[3]);
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(t01, t23));
+                }
+            }
+            for r in 0..R {
+                let prod = _mm256_madd_epi16(mins16, bsums(x[r], b));
+                let yd = x[r].d[b];
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-yd * dminw), _mm256_cvtepi32_ps(prod), st.acc[r]);
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[r]), st.acc[r]);
+            }
+        }
+        st
+    }
+
+    /// ggml `ggml_vec_dot_q3_K_q8_K` (AVX2) for `R` rows. The weights are formed signed
+    /// (`low2 - 4 * !high`) and multiplied with the sign trick (exact: Q8_K quants are never
+    /// -128), which gives the same integer lanes as ggml's two `maddubs` and a subtraction.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q3k<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+        let m3 = _mm256_set1_epi8(3);
+        let one = _mm256_set1_epi8(1);
+        let mut st = State::<R>::new();
+        for (b, blk) in data.chunks_exact(110).enumerate() {
+            let p = blk.as_ptr();
+            let dw = h2f(blk[108], blk[109]);
+            let sc = scales_q3k(&blk[96..108]);
+            let sc16 = _mm256_cvtepi8_epi16(ld128(sc.as_ptr() as *const u8));
+            let scv = pair_scales(sc16);
+            let hbits = ld(p);
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for j in 0..2 {
+                let bits = ld(p.add(32 + 32 * j));
+                let low = [
+                    _mm256_and_si256(bits, m3),
+                    _mm256_and_si256(_mm256_srli_epi16::<2>(bits), m3),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m3),
+                    _mm256_and_si256(_mm256_srli_epi16::<6>(bits), m3),
+                ];
+                let mut w = [_mm256_setzero_si256(); 4];
+                let mut aw = [_mm256_setzero_si256(); 4];
+                for c in 0..4 {
+                    let hb = _mm256_and_si256(_mm256_srl_epi16(hbits, _mm_cvtsi32_si128((4 * j + c) as i32)), one);
+                    let sub = _mm256_slli_epi16::<2>(_mm256_andnot_si256(hb, one));
+                    w[c] = _mm256_sub_epi8(low[c], sub);
+                    aw[c] = _mm256_sign_epi8(w[c], w[c]);
+                }
+                for r in 0..R {
+                    let mut t = [_mm256_setzero_si256(); 4];
+                    for (c, tc) in t.iter_mut().enumerate() {
+                        let y = _mm256_sign_epi8(q8(x[r], b, 128 * j + 32 * c), w[c]);
+                        *tc = chunk(aw[c], y, scv[4 * j + c]);
+                    }
+                    let t01 = _mm256_add_epi32(t[0], t[1]);
+                    let t23 = _mm256_add_epi32(t[2], t[3]);
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(t01, t23));
+                }
+            }
+            for r in 0..R {
+                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(sumi[r]), st.acc[r]);
+            }
+        }
+        st
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Module, Tensor};
+
+    fn pseudo(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+            })
+            .collect()
+    }
+
+    fn weight(dt: GgmlDType, n: usize, k: usize) -> (QTensor, Vec<f32>) {
+        let w = Tensor::from_vec(pseudo(n * k, 3), (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, dt).unwrap();
+        let deq = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        (q, deq)
+    }
+
+    const KINDS: [GgmlDType; 5] = [
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+
+    /// Against the exact product with the dequantized weights (Q8_K rounding of the activations
+    /// is the only difference), and against candle's own K-quant `QMatMul` (same quantization,
+    /// another summation order).
+    #[test]
+    fn close_to_dequantized_product() {
+        let (n, k, m) = (40, 512, 3);
+        let x = pseudo(m * k, 9);
+        let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+        for dt in KINDS {
+            let (q, deq) = weight(dt, n, k);
+            let w = KWeight::from_qtensor(&q).unwrap().unwrap();
+            let y = w.matmul(&x, m);
+            let theirs = QMatMul::from_qtensor(q)
+                .unwrap()
+                .forward(&xt)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|t| x[i * k + t] * deq[j * k + t]).sum();
+                    let got = y[i * n + j];
+                    let norm: f32 = (0..k).map(|t| (x[i * k + t] * deq[j * k + t]).abs()).sum();
+                    assert!(
+                        (want - got).abs() < 0.01 * norm,
+                        "{dt:?} [{i},{j}] exact {want} vs ours {got} (norm {norm})"
+                    );
+                    let c = theirs[i * n + j];
+                    assert!(
+                        (c - got).abs() < 1e-4 * norm,
+                        "{dt:?} [{i},{j}] candle {c} vs ours {got} (norm {norm})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_are_batch_invariant_and_paths_agree() {
+        let (n, k) = (36, 768);
+        for dt in KINDS {
+            let (q, _) = weight(dt, n, k);
+            let w = KWeight::from_qtensor(&q).unwrap().unwrap();
+            for m in [2usize, 5, 9, 17, 49, 50] {
+                let x = pseudo(m * k, m as u64);
+                let many = w.matmul(&x, m);
+                for i in 0..m {
+                    let one = w.matmul(&x[i * k..(i + 1) * k], 1);
+                    let a: Vec<u32> = many[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                    let b: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(a, b, "{dt:?} m={m} row {i}");
+                }
+            }
+            let xs: Vec<Q8KRow> = (0..MAX_ROWS as u64)
+                .map(|s| quantize_row_q8k(&pseudo(k, 70 + s)))
+                .collect();
+            let refs: Vec<&Q8KRow> = xs.iter().collect();
+            let avx2 = crate::kernels::qmatmul::has_avx2();
+            for j in 0..n {
+                let want: Vec<u32> = xs.iter().map(|x| vec_dot_portable(w.row(j), x).to_bits()).collect();
+                for wide in [false, avx2 && has_avx512()] {
+                    for g in 1..=MAX_ROWS {
+                        let mut out = vec![0f32; g];
+                        vec_dot_rows_with(w.row(j), &refs[..g], &mut out, avx2, wide);
+                        let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(
+                            got,
+                            want[..g],
+                            "{dt:?} row {j}: {g}-row kernel (wide {wide}) differs from portable"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Process CPU time in seconds (Linux), else wall time since the first call.
+    fn cpu_seconds() -> f64 {
+        #[cfg(target_os = "linux")]
+        {
+            #[repr(C)]
+            struct Timespec {
+                sec: i64,
+                nsec: i64,
+            }
+            extern "C" {
+                fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+            }
+            let mut ts = Timespec { sec: 0, nsec: 0 };
+            // SAFETY: a valid out-pointer of the layout clock_gettime writes (2 = process CPU).
+            unsafe { clock_gettime(2, &mut ts) };
+            ts.sec as f64 + ts.nsec as f64 * 1e-9
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+            T0.get_or_init(std::time::Instant::now).elapsed().as_secs_f64()
+        }
+    }
+
+    /// Our Q4_K / Q6_K product against candle's `QMatMul` on an 8960 × 1536 matrix (the 1.5B
+    /// FFN shape), per row count: best of 3 process-CPU times. Run single-threaded:
+    /// `RAYON_NUM_THREADS=1 cargo test --release -p specula-engine --lib kquants::tests::speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn speed_vs_candle() {
+        let (n, k) = (8960, 1536);
+        for dt in [GgmlDType::Q4K, GgmlDType::Q6K] {
+            let (q, _) = weight(dt, n, k);
+            let w = KWeight::from_qtensor(&q).unwrap().unwrap();
+            let qm = QMatMul::from_qtensor(q).unwrap();
+            for m in [1usize, 2, 4, 8, 9, 16, 64, 256] {
+                let x = pseudo(m * k, 5);
+                let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+                let reps = if m >= 16 { 3 } else { 20 };
+                let best = |f: &dyn Fn()| {
+                    (0..3)
+                        .map(|_| {
+                            let t = cpu_seconds();
+                            for _ in 0..reps {
+                                f();
+                            }
+                            (cpu_seconds() - t) / reps as f64
+                        })
+                        .fold(f64::MAX, f64::min)
+                };
+                let ours = best(&|| {
+                    std::hint::black_box(w.matmul(&x, m));
+                });
+                let theirs = best(&|| {
+                    std::hint::black_box(qm.forward(&xt).unwrap());
+                });
+                eprintln!(
+                    "{dt:?} m={m:3}: ours {:7.3} ms, candle {:7.3} ms ({:.2}x)",
+                    ours * 1e3,
+                    theirs * 1e3,
+                    ours / theirs
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn k4_scales_match_get_scale_min_k4() {
+        let mut st = 12345u32;
+        for _ in 0..200 {
+            let s: Vec<u8> = (0..12)
+                .map(|_| {
+                    st = st.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                    (st >> 16) as u8
+                })
+                .collect();
+            let got = scales_mins_k4(&s);
+            for j in 0..8 {
+                let (sc, m) = if j < 4 {
+                    (s[j] & 63, s[j + 4] & 63)
+                } else {
+                    (
+                        (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4),
+                        (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+                    )
+                };
+                assert_eq!((got[j], got[8 + j]), (sc, m), "sub-block {j} of {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn q8k_quantization_matches_ggml_definition() {
+        let mut x = vec![0f32; 2 * QK_K];
+        // Block 0: the first value of largest magnitude is negative (-2.0; a later +2.0 does
+        // not replace it), so iscale = -127 / -2 = 63.5 and d = 1 / 63.5.
+        x[0] = 0.5; // 31.75 -> 32
+        x[1] = -2.0; // -127
+        x[2] = 2.0; // 127
+        x[3] = 1.0 / 127.0; // 0.5 -> 0 (ties to even)
+        x[4] = 3.0 / 127.0; // 1.5 -> 2
+        x[5] = 5.0 / 127.0; // 2.5 -> 2
+        x[17] = -1.0; // -63.5 -> -64 (ties to even), in the second group of 16
+                      // Block 1 stays zero.
+        let q = quantize_row_q8k(&x);
+        let iscale = -127.0f32 / -2.0;
+        assert_eq!(q.d[0].to_bits(), (1.0f32 / iscale).to_bits());
+        let want: Vec<i8> = x[..6].iter().map(|&v| (iscale * v).round_ties_even() as i8).collect();
+        assert_eq!(&q.qs[..6], &want[..]);
+        assert_eq!(&q.qs[..6], &[32, -127, 127, 0, 2, 2]);
+        assert_eq!(q.qs[17], -64);
+        assert_eq!(q.bsums[0], 32 - 127 + 127 + 2 + 2);
+        assert_eq!(q.bsums[1], -64);
+        assert!(q.bsums[2..16].iter().all(|&s| s == 0));
+        assert_eq!(q.d[1], 0.0);
+        assert!(q.qs[QK_K..].iter().all(|&v| v == 0));
+        assert!(q.bsums[16..].iter().all(|&s| s == 0));
+        // Positive maximum: iscale negative, quants flip sign (as in ggml).
+        let mut y = vec![0f32; QK_K];
+        y[7] = 4.0;
+        y[8] = -1.0;
+        let q = quantize_row_q8k(&y);
+        assert_eq!(q.qs[7], -127);
+        assert_eq!(q.qs[8], 32); // -31.75 * -1 -> 31.75 -> 32
+        assert_eq!(q.d[0], 1.0 / (-127.0f32 / 4.0));
+        assert!(q.d[0] < 0.0);
+    }
+}

@@ -1,0 +1,458 @@
+//! One request's decoding state between target forwards: prefill chunks, then steps of
+//! draft → verify → accept → emit. The caller owns the target forward, so a scheduler can run
+//! the forwards of many sequences together (their rows are independent: every kernel is
+//! batch-invariant, so a sequence's bits do not depend on what it is batched with).
+//!
+//! Protocol: `next_input()` gives the tokens to feed and which logits rows to return (`None`
+//! once finished); the caller runs them through the target with this sequence's KV cache
+//! ([`Sequence::kv_mut`]) and hands the rows to `absorb()`, which returns the output that became
+//! final. [`crate::Engine::generate`] is this loop for one sequence.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha20Rng;
+
+use crate::constraint::Constraint;
+use crate::emit::Emitter;
+use crate::kv_cache::KvCache;
+use crate::model::{LogitsRows, Model};
+use crate::sampling::{self, Sampler};
+use crate::spec::draft_model::DraftModelDrafter;
+use crate::spec::ngram::NgramDrafter;
+use crate::spec::verify::{self, UniformRandomness};
+use crate::spec::{DraftLength, Drafter, Proposal, SpecMode};
+use crate::tokenizer::Tokenizer;
+use crate::types::{
+    FinishReason, GenerateOutput, GenerateRequest, GenerationStats, StreamDelta, TokenLogprob, TopLogprob,
+};
+
+/// What a sequence needs from its engine (shared, read-only).
+#[derive(Clone)]
+pub struct SequenceEnv {
+    pub tokenizer: Tokenizer,
+    pub eos_ids: Vec<u32>,
+    pub context_length: usize,
+    /// Prompt tokens per prefill forward.
+    pub prefill_chunk: usize,
+    /// Is every target kernel batch-invariant (speculation allowed)?
+    pub batch_invariant: bool,
+    /// The attached draft model and its id.
+    pub draft: Option<(Arc<Model>, String)>,
+}
+
+/// The tokens of one target forward for a sequence.
+#[derive(Debug, Clone)]
+pub struct StepInput {
+    pub tokens: Vec<u32>,
+    pub rows: LogitsRows,
+}
+
+/// What [`Sequence::absorb`] produced.
+#[derive(Debug, Default)]
+pub struct StepOutcome {
+    /// Output that became final (may be empty).
+    pub delta: StreamDelta,
+    /// The sequence has finished (its output is ready with [`Sequence::finish`]).
+    pub finished: bool,
+}
+
+/// One request being decoded.
+pub struct Sequence {
+    req: GenerateRequest,
+    env: SequenceEnv,
+    sampler: Sampler,
+    emitter: Emitter,
+    stats: GenerationStats,
+    drafter: Option<Box<dyn Drafter>>,
+    accept_rng: Option<UniformRandomness<ChaCha20Rng>>,
+    /// Structured-output constraint, applied to every row like the penalties.
+    constraint: Option<Box<dyn Constraint>>,
+    k_ctl: DraftLength,
+    /// Prompt + committed tokens.
+    context: Vec<u32>,
+    kv: KvCache,
+    max_tokens: usize,
+    /// Prompt tokens already fed.
+    prefilled: usize,
+    /// The draft being verified by the pending forward.
+    draft: Proposal,
+    /// The input of the next forward, once decoding.
+    pending: Option<StepInput>,
+    started: Instant,
+    decode_started: Option<Instant>,
+    /// When the pending forward's input was handed out (for the controller's timings).
+    forward_started: Option<Instant>,
+}
+
+impl Sequence {
+    /// A sequence for a validated request (see [`crate::Engine::validate`]), with an empty KV
+    /// cache `kv` (the caller may pre-fill it with a cached prefix: [`Sequence::skip_prefix`]).
+    pub fn new(env: SequenceEnv, req: GenerateRequest, kv: KvCache) -> Self {
+        Self::with_constraint(env, req, kv, None)
+    }
+
+    /// As [`Sequence::new`], with every logits row masked by `constraint` (structured output).
+    pub fn with_constraint(
+        env: SequenceEnv,
+        req: GenerateRequest,
+        kv: KvCache,
+        constraint: Option<Box<dyn Constraint>>,
+    ) -> Self {
+        let ctx = env.context_length;
+        let room = ctx.saturating_sub(req.prompt_tokens.len());
+        let max_tokens = req.max_tokens.unwrap_or(room).min(room);
+        let mut sampler = Sampler::new(req.sampling.clone());
+        let emitter = Emitter::new(
+            &env.tokenizer,
+            &env.eos_ids,
+            req.stop.clone(),
+            req.ignore_eos,
+            max_tokens,
+        );
+        let mut stats = GenerationStats {
+            prompt_tokens: req.prompt_tokens.len(),
+            ..Default::default()
+        };
+        // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
+        // stats say why.
+        let mut drafter: Option<Box<dyn Drafter>> = None;
+        let resolved = resolve(req.spec.mode, env.draft.is_some());
+        stats.spec.decode_path = match (resolved, &env.draft) {
+            (None, _) => "ar".into(),
+            (Some(_), _) if !env.batch_invariant => {
+                "ar (this model's kernels are not batch-invariant: K-quant or f32 weights)".into()
+            }
+            (Some(SpecMode::Draft), Some((model, id))) => {
+                let seed = if req.sampling.is_greedy() {
+                    0
+                } else {
+                    sampler.fork_seed()
+                };
+                drafter = Some(Box::new(DraftModelDrafter::new(
+                    model.clone(),
+                    &req.sampling,
+                    seed,
+                    env.prefill_chunk,
+                )));
+                format!("draft-model:{id}")
+            }
+            (Some(SpecMode::Draft), None) => "ar (no draft model attached)".into(),
+            (Some(_), _) => {
+                drafter = Some(Box::new(NgramDrafter::default()));
+                "ngram".into()
+            }
+        };
+        // Acceptance at temperature > 0 draws from its own stream, derived from the request seed.
+        let accept_rng = (drafter.is_some() && !req.sampling.is_greedy())
+            .then(|| UniformRandomness(ChaCha20Rng::seed_from_u64(sampler.fork_seed())));
+        let k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
+        let context = req.prompt_tokens.clone();
+        Self {
+            req,
+            env,
+            sampler,
+            emitter,
+            stats,
+            drafter,
+            accept_rng,
+            constraint,
+            k_ctl,
+            context,
+            kv,
+            max_tokens,
+            prefilled: 0,
+            draft: Proposal::default(),
+            pending: None,
+            started: Instant::now(),
+            decode_started: None,
+            forward_started: None,
+        }
+    }
+
+    /// The KV cache the next forward must use.
+    pub fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// The request.
+    pub fn request(&self) -> &GenerateRequest {
+        &self.req
+    }
+
+    /// Still prefilling the prompt?
+    pub fn is_prefilling(&self) -> bool {
+        self.decode_started.is_none()
+    }
+
+    /// Mark the first `n` prompt tokens as already in the KV cache (a prefix-cache hit). At least
+    /// one prompt token is always left to feed, since its logits give the first output token.
+    pub fn skip_prefix(&mut self, n: usize) {
+        let n = n.min(self.req.prompt_tokens.len().saturating_sub(1));
+        self.kv.truncate(n);
+        self.prefilled = n;
+        self.stats.cached_prompt_tokens = n;
+    }
+
+    /// Has generation finished?
+    pub fn finished(&self) -> Option<FinishReason> {
+        self.emitter.finished()
+    }
+
+    /// The next forward's input, or `None` when finished.
+    pub fn next_input(&mut self) -> Option<StepInput> {
+        if self.emitter.finished().is_some() {
+            return None;
+        }
+        self.forward_started = Some(Instant::now());
+        if self.decode_started.is_none() {
+            let prompt = &self.req.prompt_tokens;
+            let end = (self.prefilled + self.env.prefill_chunk.max(1)).min(prompt.len());
+            let rows = if end == prompt.len() {
+                LogitsRows::Last
+            } else {
+                LogitsRows::None
+            };
+            return Some(StepInput {
+                tokens: prompt[self.prefilled..end].to_vec(),
+                rows,
+            });
+        }
+        self.pending.clone()
+    }
+
+    /// Cancel: the sequence finishes with reason `cancelled`.
+    pub fn cancel(&mut self) -> StreamDelta {
+        self.emitter.finish_with(FinishReason::Cancelled)
+    }
+
+    /// Take the rows of the forward run on [`Sequence::next_input`]'s tokens (one per fed token
+    /// for a verify, one for a decode step or a prompt's last chunk, none for other chunks), and
+    /// advance: accept, emit, and prepare the next input (drafting happens here).
+    ///
+    /// Errors: a drafter failure (the sequence cannot continue).
+    pub fn absorb(&mut self, mut rows: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
+        let secs = self.forward_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        if self.decode_started.is_none() {
+            let prompt_len = self.req.prompt_tokens.len();
+            let end = (self.prefilled + self.env.prefill_chunk.max(1)).min(prompt_len);
+            self.prefilled = end;
+            if end < prompt_len {
+                return Ok(StepOutcome::default());
+            }
+            self.stats.prefill_s = self.started.elapsed().as_secs_f64();
+            self.decode_started = Some(Instant::now());
+        } else {
+            self.stats.decode_steps += 1;
+            let fed = 1 + self.draft.len();
+            self.stats.spec.record_forward(fed, secs);
+            self.k_ctl.observe_forward(fed, secs);
+        }
+        if rows.is_empty() {
+            anyhow::bail!("the forward returned no logits rows");
+        }
+        let outcome = self.accept_and_emit(&mut rows)?;
+        if outcome.finished {
+            self.close_stats();
+        }
+        Ok(outcome)
+    }
+
+    fn accept_and_emit(&mut self, rows: &mut [Vec<f32>]) -> anyhow::Result<StepOutcome> {
+        // rows[i] = logits after the committed prefix and draft[..i].
+        let lps = self.req.logprobs.map(|n| {
+            rows.iter()
+                .map(|r| token_logprobs(&self.env.tokenizer, r, n))
+                .collect::<Vec<_>>()
+        });
+        let draft = std::mem::take(&mut self.draft);
+        // Row processing as plain decoding does it: penalties, then the constraint's mask; both
+        // see the drafts before a row as committed (observed in order, row by row).
+        let tokens = &draft.tokens;
+        let mut observed = 0;
+        let mut failure: Option<anyhow::Error> = None;
+        let sampler = &mut self.sampler;
+        let constraint = &mut self.constraint;
+        // Returns the processed distribution of row i (one-hot argmax when greedy).
+        let mut process = |i: usize, rows: &mut [Vec<f32>]| {
+            while observed < i {
+                sampler.observe(tokens[observed]);
+                if let Some(c) = constraint.as_mut() {
+                    if let Err(e) = c.commit(tokens[observed]) {
+                        failure.get_or_insert(e);
+                    }
+                }
+                observed += 1;
+            }
+            sampler.apply_penalties(&mut rows[i]);
+            if let Some(c) = constraint.as_mut() {
+                if let Err(e) = c.mask(&mut rows[i]) {
+                    failure.get_or_insert(e);
+                }
+            }
+            sampler.distribution(&rows[i])
+        };
+        let sampling = !self.req.sampling.is_greedy();
+        let (accepted, next, ar_dist) = match self.accept_rng.as_mut() {
+            Some(rng) if sampling && !draft.is_empty() => {
+                let (a, t) = verify::accept_sampled(tokens, draft.q.as_deref(), &mut |i| process(i, rows), rng);
+                (a, t, None)
+            }
+            _ if sampling => (0, 0, Some(process(0, rows))),
+            _ => {
+                let (a, t) = verify::accept_greedy(tokens, &mut |i| process(i, rows)[0].0);
+                (a, t, None)
+            }
+        };
+        let next = match ar_dist {
+            Some(dist) => self.sampler.draw(&dist),
+            None => next,
+        };
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        self.sampler.observe(next);
+        if let Some(c) = self.constraint.as_mut() {
+            c.commit(next)?;
+        }
+        if !draft.is_empty() {
+            self.stats.spec.record(draft.len(), accepted);
+            self.k_ctl.update(draft.len(), accepted);
+        }
+        let mut block = draft.tokens[..accepted].to_vec();
+        block.push(next);
+        let block_lps = lps.map(|l| {
+            block
+                .iter()
+                .zip(l)
+                .map(|(&id, (all, top))| TokenLogprob {
+                    id,
+                    token: self.env.tokenizer.token_text(id),
+                    logprob: all[id as usize],
+                    top,
+                })
+                .collect::<Vec<_>>()
+        });
+        let out = self.emitter.emit_block(&block, block_lps.as_deref());
+        if self.stats.decode_steps > 0 {
+            // Tokens committed by target decode steps (the first token came from prefill).
+            self.stats.spec.committed += out.committed;
+        }
+        let mut delta = out.delta;
+        if out.finished.is_some() {
+            return Ok(StepOutcome { delta, finished: true });
+        }
+        // Keep the committed part of the verified block in the KV cache: the pending token
+        // before the draft plus the accepted drafts (`next` is not in the cache yet).
+        let keep = self.kv.len() - draft.len() + accepted;
+        self.kv.truncate(keep);
+        self.context.extend_from_slice(&block);
+
+        // Next step: [next, draft...], one row per position.
+        let ctx = self.env.context_length;
+        let room_ctx = ctx.saturating_sub(self.kv.len() + 1);
+        let room_out = self.max_tokens.saturating_sub(self.emitter.tokens().len() + 1);
+        let k = self.k_ctl.next_k().min(room_ctx).min(room_out);
+        let mut proposal = match self.drafter.as_mut() {
+            Some(d) if k > 0 => {
+                let td = Instant::now();
+                let p = d.propose(&self.context, k)?;
+                let secs = td.elapsed().as_secs_f64();
+                self.stats.spec.draft_s += secs;
+                self.k_ctl.observe_draft(p.len(), secs);
+                p
+            }
+            _ => Proposal::default(),
+        };
+        proposal.truncate(k);
+        if let Some(c) = self.constraint.as_mut() {
+            // A draft token the grammar does not allow would be rejected: do not verify it.
+            let valid = c.valid_prefix(&proposal.tokens);
+            proposal.truncate(valid);
+        }
+        if self.kv.len() + 1 + proposal.len() > ctx {
+            let d = self.emitter.finish_with(FinishReason::Length);
+            delta.text.push_str(&d.text);
+            delta.token_ids.extend_from_slice(&d.token_ids);
+            delta.logprobs.extend(d.logprobs);
+            return Ok(StepOutcome { delta, finished: true });
+        }
+        let mut tokens = Vec::with_capacity(1 + proposal.len());
+        tokens.push(next);
+        tokens.extend_from_slice(&proposal.tokens);
+        let rows = if proposal.is_empty() {
+            LogitsRows::Last
+        } else {
+            LogitsRows::All
+        };
+        self.draft = proposal;
+        self.pending = Some(StepInput { tokens, rows });
+        Ok(StepOutcome { delta, finished: false })
+    }
+
+    fn close_stats(&mut self) {
+        self.stats.spec.target_steps = self.stats.decode_steps;
+        if let Some(t) = self.decode_started {
+            self.stats.decode_s = t.elapsed().as_secs_f64();
+        } else {
+            self.stats.prefill_s = self.started.elapsed().as_secs_f64();
+        }
+        self.stats.completion_tokens = self.emitter.tokens().len();
+    }
+
+    /// The request's output (call once finished, or to end it early with what it has), and the
+    /// KV cache (for reuse by the next request or a prefix cache).
+    pub fn finish(mut self) -> (GenerateOutput, KvCache) {
+        self.close_stats();
+        if let Some(d) = &self.drafter {
+            tracing::debug!(
+                drafter = d.name(),
+                drafted = self.stats.spec.drafted,
+                accepted = self.stats.spec.accepted,
+                tau = self.stats.spec.tau(),
+                "speculation"
+            );
+        }
+        let finish_reason = self.emitter.finished().unwrap_or(FinishReason::Length);
+        let out = GenerateOutput {
+            text: self.emitter.text().to_string(),
+            token_ids: self.emitter.tokens().to_vec(),
+            logprobs: self.req.logprobs.map(|_| self.emitter.logprobs().to_vec()),
+            finish_reason,
+            stats: self.stats,
+        };
+        (out, self.kv)
+    }
+}
+
+/// The drafter a speculative mode resolves to: `None` for AR.
+pub fn resolve(mode: SpecMode, has_draft_model: bool) -> Option<SpecMode> {
+    match mode {
+        SpecMode::Off => None,
+        SpecMode::Default | SpecMode::On => Some(if has_draft_model {
+            SpecMode::Draft
+        } else {
+            SpecMode::Ngram
+        }),
+        m => Some(m),
+    }
+}
+
+/// Raw log-softmax of a logits row and its `n` best entries.
+fn token_logprobs(tokenizer: &Tokenizer, logits: &[f32], n: usize) -> (Vec<f32>, Vec<TopLogprob>) {
+    let all = sampling::log_softmax(logits);
+    let top = sampling::top_n(&all, n)
+        .into_iter()
+        .map(|(id, logprob)| TopLogprob {
+            id,
+            token: tokenizer.token_text(id),
+            logprob,
+        })
+        .collect();
+    (all, top)
+}

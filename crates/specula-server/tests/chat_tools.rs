@@ -1,0 +1,481 @@
+//! Tools, tool messages, template arguments and the reasoning split through the HTTP API, on
+//! tiny random models whose chat templates render tools (Qwen2.5-style) or open `<think>` in
+//! the generation prompt (Qwen3-style). Parsing of real tool calls is in `tools_qwen.rs`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use axum::http::StatusCode;
+use candle_core::quantized::gguf_file;
+use candle_core::Device;
+use common::*;
+use serde_json::{json, Value};
+use specula_engine::spec::SpecOptions;
+use specula_engine::{Engine, LoadOptions, SamplingParams};
+use specula_server::reasoning::{ReasoningEvent, ReasoningSplitter};
+use specula_server::tools::Dialect;
+use specula_server::EngineHandle;
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// ChatML with Qwen2.5's tool rendering, plus `tool_choice` and `enable_thinking` when set.
+const TOOLS_TEMPLATE: &str = r#"{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You help.{% endif %}
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>{% if tool_choice is defined %} choice={{ tool_choice | tojson }}{% endif %}<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant{% if message.content %}
+{{ message.content }}{% endif %}{% for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response id={{ message.tool_call_id }}>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined %}thinking={{ enable_thinking }} {{ reasoning_effort }}
+{% endif %}{% endif %}"#;
+
+/// Qwen3's generation prompt: `<think>` opened, or closed empty when thinking is off.
+const THINK_TEMPLATE: &str = r#"{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"#;
+
+/// The tiny model (Q8_0, batch-invariant, so `spec` really speculates) with another chat
+/// template and a 2048-token context: the GGUF is copied with its metadata changed.
+fn model_with_template(name: &str, template: &str) -> PathBuf {
+    let src = spec_model_path();
+    let mut f = std::fs::File::open(&src).expect("open tiny model");
+    let content = gguf_file::Content::read(&mut f).expect("read tiny gguf");
+    let mut md = content.metadata.clone();
+    md.insert(
+        "tokenizer.chat_template".to_string(),
+        gguf_file::Value::String(template.to_string()),
+    );
+    // Room for tool prompts (the byte-level tiny vocabulary spends a token per char or so).
+    for (k, v) in md.iter_mut() {
+        if k.ends_with(".context_length") {
+            *v = gguf_file::Value::U32(2048);
+        }
+    }
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = names
+        .iter()
+        .map(|n| {
+            let t = content.tensor(&mut f, n, &Device::Cpu).expect("tensor");
+            (n.to_string(), t)
+        })
+        .collect();
+    let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let tmp = dir.join(format!("{name}.{}.gguf.tmp", std::process::id()));
+    let mut out = std::fs::File::create(&tmp).expect("create");
+    gguf_file::write(&mut out, &md_refs, &t_refs).expect("write gguf");
+    drop(out);
+    let path = dir.join(format!("{name}.gguf"));
+    std::fs::rename(&tmp, &path).expect("rename");
+    path
+}
+
+fn tools_model() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| model_with_template("specula-server-tiny-tools", TOOLS_TEMPLATE))
+        .clone()
+}
+
+fn think_model() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| model_with_template("specula-server-tiny-think", THINK_TEMPLATE))
+        .clone()
+}
+
+fn load(path: &PathBuf) -> Engine {
+    Engine::load(path, MODEL, LoadOptions::default()).expect("load tiny model")
+}
+
+fn serve(path: &PathBuf) -> (axum::Router, EngineHandle) {
+    app_with_spec(load(path), SpecOptions::default())
+}
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & 'then'",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+}
+
+/// The greedy output of `prompt_text` run directly on the engine.
+fn direct_text(engine: &mut Engine, prompt_text: &str, max_tokens: usize) -> (String, usize) {
+    let tokens = engine.tokenize(prompt_text).expect("tokenize");
+    let n = tokens.len();
+    let out = direct(engine, tokens, SamplingParams::greedy(), max_tokens, None);
+    (out.text, n)
+}
+
+#[tokio::test]
+async fn tools_tool_calls_and_tool_results_render_through_the_template() {
+    let path = tools_model();
+    let (app, h) = serve(&path);
+    assert_eq!(h.model().chat.tool_dialect, Dialect::Hermes);
+    assert_eq!(h.model().chat.tool_dialect_from, "template");
+    assert!(!h.model().chat.thinking);
+    let body = json!({
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_9", "content": [{"type": "text", "text": "{\"temp\": 18}"}]},
+            {"role": "user", "content": "And now?"},
+        ],
+        "tools": [weather_tool()],
+        "tool_choice": "auto",
+        "reasoning_effort": "low",
+        "chat_template_kwargs": {"enable_thinking": true},
+        "temperature": 0, "max_tokens": 12,
+    });
+    let r = post(&app, CHAT, body.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let v = r.json();
+    // The template saw everything: tools (transformers' tojson: key order, `", "`, no HTML
+    // escaping), tool_choice, the call's arguments as an object, the tool result, kwargs.
+    // (This is what Python's jinja2 renders with transformers' tojson, checked once by hand.)
+    let want_prompt = "<|im_start|>system\nYou help.<tools>\
+        {\"function\": {\"description\": \"Weather <now> & 'then'\", \"name\": \"get_weather\", \"parameters\": \
+        {\"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}}, \"type\": \"function\"}\
+        </tools> choice=\"auto\"<|im_end|>\n\
+        <|im_start|>user\nWeather in Paris?<|im_end|>\n\
+        <|im_start|>assistant<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n\
+        <|im_start|>user\n<tool_response id=call_9>\n{\"temp\": 18}\n</tool_response><|im_end|>\n\
+        <|im_start|>user\nAnd now?<|im_end|>\n\
+        <|im_start|>assistant\nthinking=True low\n";
+    let mut eng = load(&path);
+    let (text, n) = direct_text(&mut eng, want_prompt, 12);
+    assert_eq!(v["usage"]["prompt_tokens"], n, "{v}");
+    // A random model emits no call: the output is all content, byte for byte.
+    assert_eq!(v["choices"][0]["message"]["content"], text.as_str(), "{v}");
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none());
+
+    // tool_choice "none": the template is not shown the tools.
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    let v = post(&app, CHAT, none).await.json();
+    let want_none = want_prompt
+        .split_once("<|im_start|>user\nWeather")
+        .map(|(_, rest)| format!("<|im_start|>user\nWeather{rest}"))
+        .unwrap();
+    let (_, n) = direct_text(&mut eng, &want_none, 1);
+    assert_eq!(v["usage"]["prompt_tokens"], n, "{v}");
+
+    // A named tool choice reaches the template as given.
+    let mut named = body;
+    named["tool_choice"] = json!({"type": "function", "function": {"name": "get_weather"}});
+    let v = post(&app, CHAT, named).await.json();
+    let want_named = want_prompt.replace(
+        "choice=\"auto\"",
+        "choice={\"function\": {\"name\": \"get_weather\"}, \"type\": \"function\"}",
+    );
+    let (_, n_named) = direct_text(&mut eng, &want_named, 1);
+    assert_eq!(v["usage"]["prompt_tokens"], n_named, "{v}");
+}
+
+#[tokio::test]
+async fn tool_output_is_identical_streamed_and_with_speculation() {
+    let path = tools_model();
+    let (app, _h) = serve(&path);
+    let body = json!({
+        "messages": [{"role": "user", "content": "the thin then the thin then the thin then"}],
+        "tools": [weather_tool()],
+        "temperature": 0, "max_tokens": 60, "ignore_eos": true,
+    });
+    let plain = post(&app, CHAT, body.clone()).await.json();
+    let msg = plain["choices"][0]["message"].clone();
+    assert!(msg["content"].as_str().is_some_and(|c| !c.is_empty()), "{plain}");
+    for spec in [
+        json!("off"),
+        json!("ngram"),
+        json!({"mode": "ngram", "draft_max": 7, "adaptive": false}),
+    ] {
+        let mut b = body.clone();
+        b["spec"] = spec.clone();
+        let v = post(&app, CHAT, b.clone()).await.json();
+        assert_eq!(v["choices"][0]["message"], msg, "{spec}");
+        assert_eq!(v["choices"][0]["finish_reason"], plain["choices"][0]["finish_reason"]);
+        b["stream"] = json!(true);
+        let (chunks, text) = stream_content(&post(&app, CHAT, b).await);
+        assert_eq!(text, msg["content"].as_str().unwrap(), "{spec}: streamed");
+        assert!(chunks
+            .iter()
+            .all(|c| c["choices"][0]["delta"].get("tool_calls").is_none()));
+    }
+}
+
+/// The chunks of an SSE chat stream and the concatenated `delta.content`.
+fn stream_content(r: &Reply) -> (Vec<Value>, String) {
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let events = r.sse_data();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    (chunks, text)
+}
+
+fn split(open: bool, text: &str) -> (String, String) {
+    let mut s = ReasoningSplitter::new(open);
+    let mut evs = Vec::new();
+    s.feed(text, &mut evs);
+    s.finish(&mut evs);
+    let (mut r, mut c) = (String::new(), String::new());
+    for e in evs {
+        match e {
+            ReasoningEvent::Reasoning(t) => r.push_str(&t),
+            ReasoningEvent::Content(t) => c.push_str(&t),
+        }
+    }
+    (r, c)
+}
+
+#[tokio::test]
+async fn a_template_that_opens_think_gets_reasoning_content() {
+    let path = think_model();
+    let (app, h) = serve(&path);
+    assert!(h.model().chat.thinking);
+    let mut eng = load(&path);
+    let body = json!({"messages": [{"role": "user", "content": "the hen"}], "temperature": 0, "max_tokens": 40,
+        "ignore_eos": true});
+    let v = post(&app, CHAT, body.clone()).await.json();
+    let (text, n) = direct_text(
+        &mut eng,
+        "<|im_start|>user\nthe hen<|im_end|>\n<|im_start|>assistant\n<think>\n",
+        40,
+    );
+    assert_eq!(v["usage"]["prompt_tokens"], n);
+    let (reasoning, content) = split(true, &text);
+    assert!(!reasoning.is_empty());
+    let m = &v["choices"][0]["message"];
+    assert_eq!(m["reasoning_content"], reasoning.as_str(), "{v}");
+    assert_eq!(m["content"], content.as_str(), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    // Streamed (and speculated): reasoning deltas concatenate to the same reasoning.
+    for spec in ["off", "ngram"] {
+        let mut b = body.clone();
+        b["stream"] = json!(true);
+        b["spec"] = json!(spec);
+        let (chunks, streamed_content) = stream_content(&post(&app, CHAT, b).await);
+        let streamed: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["reasoning_content"].as_str())
+            .collect();
+        assert_eq!(streamed, reasoning, "{spec}");
+        assert_eq!(streamed_content, content, "{spec}");
+    }
+
+    // Thinking off through chat_template_kwargs (or reasoning_effort "none"): the template
+    // closes the block, and the output is content.
+    for extra in [
+        json!({"chat_template_kwargs": {"enable_thinking": false}}),
+        json!({"reasoning_effort": "none"}),
+    ] {
+        let mut b = body.clone();
+        for (k, val) in extra.as_object().unwrap() {
+            b[k] = val.clone();
+        }
+        let v = post(&app, CHAT, b).await.json();
+        let (text, n) = direct_text(
+            &mut eng,
+            "<|im_start|>user\nthe hen<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+            40,
+        );
+        assert_eq!(v["usage"]["prompt_tokens"], n, "{extra}");
+        let (reasoning, content) = split(false, &text);
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["content"], content.as_str(), "{extra}: {v}");
+        assert_eq!(
+            m.get("reasoning_content").and_then(Value::as_str).unwrap_or(""),
+            reasoning
+        );
+    }
+}
+
+#[tokio::test]
+async fn tool_parser_override() {
+    let h = EngineHandle::spawn(load(&tools_model())).with_tool_parser(Some(Dialect::Bracket));
+    assert_eq!(h.model().chat.tool_dialect, Dialect::Bracket);
+    assert_eq!(h.model().chat.tool_dialect_from, "--tool-parser");
+    let h = h.with_tool_parser(None);
+    assert_eq!(h.model().chat.tool_dialect, Dialect::Bracket);
+}
+
+#[tokio::test]
+async fn bad_tool_requests_get_openai_errors() {
+    let (app, _h) = serve(&tools_model());
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let tools = json!([weather_tool()]);
+    let call = json!({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}});
+    let cases: Vec<(Value, &str)> = vec![
+        (json!({"messages": user, "tools": {"a": 1}}), "tools"),
+        (json!({"messages": user, "tools": [5]}), "tools[0]"),
+        (
+            json!({"messages": user, "tools": [{"function": {"name": "f"}}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "custom", "function": {"name": "f"}}]}),
+            "tools[0].type",
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "function"}]}),
+            "tools[0].function",
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "function", "function": {"description": "x"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"messages": user, "tools": [weather_tool(), weather_tool()]}),
+            "tools[1].function.name",
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"messages": user, "tools": tools, "tool_choice": "sometimes"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": user, "tools": tools, "tool_choice": 3}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": user, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "other"}}}),
+            "tool_choice",
+        ),
+        (json!({"messages": user, "tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"messages": user, "tools": tools, "parallel_tool_calls": "yes"}),
+            "parallel_tool_calls",
+        ),
+        (
+            json!({"messages": [{"role": "bot", "content": "x"}]}),
+            "messages[0].role",
+        ),
+        (json!({"messages": [{"role": "user"}]}), "messages[0].content"),
+        (
+            json!({"messages": [{"role": "assistant", "content": null}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}),
+            "messages[1].tool_call_id",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "r"}]}),
+            "messages[1].tool_call_id",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c2", "content": "r"}]}),
+            "messages[1].tool_call_id",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1"}]}),
+            "messages[1].content",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": "x"}]}),
+            "messages[0].tool_calls",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]}),
+            "messages[0].tool_calls[0].function",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}),
+            "messages[0].tool_calls[0].id",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": 5}}]}]}),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            json!({"messages": user, "chat_template_kwargs": [1]}),
+            "chat_template_kwargs",
+        ),
+        (
+            json!({"messages": user, "chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs",
+        ),
+        (
+            json!({"messages": user, "reasoning_effort": "extreme"}),
+            "reasoning_effort",
+        ),
+        (json!({"messages": user, "reasoning_effort": 1}), "reasoning_effort"),
+    ];
+    for (body, param) in cases {
+        let r = post(&app, CHAT, body.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.text);
+        assert_error(&r, StatusCode::BAD_REQUEST, Some(param));
+    }
+    // Accepted: an empty tools array, tool_choice "none"/"auto" without tools, an assistant
+    // message with content and calls, arguments given as an object.
+    for body in [
+        json!({"messages": user, "tools": [], "max_tokens": 1}),
+        json!({"messages": user, "tool_choice": "none", "max_tokens": 1}),
+        json!({"messages": user, "tool_choice": "auto", "parallel_tool_calls": false, "max_tokens": 1}),
+        json!({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], "tools": tools, "max_tokens": 1}),
+    ] {
+        let r = post(&app, CHAT, body.clone()).await;
+        assert_eq!(r.status, StatusCode::OK, "{body}: {}", r.text);
+    }
+}
+
+#[tokio::test]
+async fn a_template_that_rejects_tools_is_a_400() {
+    // `raise_exception` in the template (e.g. a template that takes no tools) names the reason.
+    let path = model_with_template(
+        "specula-server-tiny-notools",
+        "{% if tools %}{{ raise_exception('this template takes no tools') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}",
+    );
+    let (app, _h) = serve(&path);
+    let r = post(
+        &app,
+        CHAT,
+        json!({"messages": [{"role": "user", "content": "hi"}], "tools": [weather_tool()]}),
+    )
+    .await;
+    let e = assert_error(&r, StatusCode::BAD_REQUEST, None);
+    assert!(
+        e["message"].as_str().unwrap().contains("this template takes no tools"),
+        "{e}"
+    );
+}
