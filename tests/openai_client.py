@@ -15,6 +15,15 @@ Checks (greedy, temperature 0):
     (on the response; on the finish_reason chunk of the stream);
   * a legacy completion (max_tokens 16).
 
+With `--only tools` (and a "tools" section in --expect), it checks tool calls instead, on a model
+that makes them (the Rust test uses Qwen2.5-Coder-0.5B):
+  * a tool call: finish_reason "tool_calls", one call with the expected name and arguments;
+  * the same request streamed: the call's id, type and name come first, its argument deltas
+    concatenate to the non-streamed arguments (same string, same JSON);
+  * the round trip: the assistant message and a `role: "tool"` result are sent back (with
+    tool_choice "none"), and the answer contains the expected text;
+  * max_tokens cutting the call: finish_reason "length" and no tool_calls.
+
 --expect FILE is a JSON file written by the Rust end-to-end test (crates/specula/tests/e2e.rs)
 with the inputs and the expected results computed with the library and the model's tokenizer:
 
@@ -23,7 +32,9 @@ with the inputs and the expected results computed with the library and the model
               "prompt_tokens": N, "completion_tokens": N},
      "completion": {"prompt": "...", "max_tokens": 16, "text": "...", "finish_reason": "...",
                     "prompt_tokens": N, "completion_tokens": N},
-     "spec": {"mode": "ngram", "decode_path": "ngram"}}
+     "spec": {"mode": "ngram", "decode_path": "ngram"},
+     "tools": {"messages": [...], "tools": [...], "name": "...", "arguments": {...},
+               "result": "...", "answer_contains": "...", "cut_max_tokens": N}}
 
 Any key may be left out; what is given is asserted. Without --expect only the server's
 self-consistency is checked. Prints one "OK ..." line per passed check; exits 1 with a message
@@ -101,6 +112,69 @@ def collect_stream(stream, what):
     return "".join(parts), finish_reason, finish_index, chunks
 
 
+def run_tools(client, model, exp):
+    """Tool calls through the client: call, streamed call, round trip, cut call."""
+    params = dict(model=model, messages=exp["messages"], tools=exp["tools"], temperature=0, max_tokens=60)
+
+    resp = client.chat.completions.create(**params)
+    choice = resp.choices[0]
+    check_eq("tools finish_reason", choice.finish_reason, "tool_calls")
+    calls = choice.message.tool_calls or []
+    check_eq("tools: number of calls", len(calls), 1)
+    call = calls[0]
+    check_eq("tools call type", call.type, "function")
+    check(call.id.startswith("call_"), f"tools: call id {call.id!r}")
+    check_eq("tools call name", call.function.name, exp["name"])
+    check_eq("tools call arguments", json.loads(call.function.arguments), exp["arguments"])
+    ok(f"tool call: {call.function.name}({call.function.arguments}), finish_reason=tool_calls")
+
+    stream = client.chat.completions.create(**params, stream=True)
+    ids, names, arguments, content, finish = {}, {}, {}, [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.content:
+                content.append(c.delta.content)
+            for tc in c.delta.tool_calls or []:
+                if tc.id is not None:
+                    check(tc.index not in ids, f"streamed call {tc.index} started twice")
+                    ids[tc.index] = tc.id
+                    names[tc.index] = tc.function.name
+                    check_eq("streamed call type", tc.type, "function")
+                else:
+                    check(tc.index in ids, f"arguments of streamed call {tc.index} before its start")
+                arguments[tc.index] = arguments.get(tc.index, "") + (tc.function.arguments or "")
+            if c.finish_reason is not None:
+                finish = c.finish_reason
+    check_eq("streamed finish_reason", finish, "tool_calls")
+    check_eq("streamed content", "".join(content), "")
+    check_eq("streamed calls", sorted(ids), [0])
+    check_eq("streamed call name", names[0], call.function.name)
+    check_eq("streamed arguments (text)", arguments[0], call.function.arguments)
+    check_eq("streamed arguments (JSON)", json.loads(arguments[0]), json.loads(call.function.arguments))
+    ok(f"streamed tool call: argument deltas concatenate to {arguments[0]!r}")
+
+    messages = list(exp["messages"]) + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": exp["result"]},
+    ]
+    answer = client.chat.completions.create(
+        model=model, messages=messages, tools=exp["tools"], tool_choice="none", temperature=0, max_tokens=60
+    )
+    a = answer.choices[0]
+    check(not a.message.tool_calls, f"round trip: tool_calls in the answer {a.message.tool_calls}")
+    check(
+        exp["answer_contains"] in (a.message.content or ""),
+        f"round trip: answer {a.message.content!r} lacks {exp['answer_contains']!r}",
+    )
+    ok(f"tool round trip: answer {a.message.content!r}")
+
+    cut = client.chat.completions.create(**dict(params, max_tokens=exp["cut_max_tokens"]))
+    c = cut.choices[0]
+    check_eq("cut call finish_reason", c.finish_reason, "length")
+    check(not c.message.tool_calls, f"cut call presented as a call: {c.message.tool_calls}")
+    ok(f"max_tokens={exp['cut_max_tokens']} cutting the call: finish_reason=length, no tool_calls")
+
+
 def run(args, expect):
     client = OpenAI(base_url=args.base_url, api_key="specula-test", max_retries=0, timeout=args.timeout)
 
@@ -108,6 +182,11 @@ def run(args, expect):
     model = expect.get("model") or (models[0] if models else None)
     check(model in models, f"models.list(): {model!r} not in {models}")
     ok(f"models.list() -> {models}")
+
+    if args.only == "tools":
+        check("tools" in expect, "--only tools needs a 'tools' section in --expect")
+        run_tools(client, model, expect["tools"])
+        return
 
     # --- chat completion ---------------------------------------------------------------------
     exp = expect.get("chat", {})
@@ -218,6 +297,7 @@ def main():
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--expect", help="JSON file with inputs and expected results (see the module docstring)")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
+    ap.add_argument("--only", choices=["tools"], help="run only these checks")
     args = ap.parse_args()
     expect = {}
     if args.expect:

@@ -428,39 +428,109 @@ fn smollm2_sampling_spec_matches_ar_in_distribution() {
     );
 }
 
-fn smollm2_gate(prompt_ids: &[&str], configs: &[(usize, bool)]) {
-    let path = common::model_path("smollm2-135m-instruct");
-    let mut e = Engine::load(&path, "smollm2", LoadOptions::default()).expect("load");
-    assert!(
-        e.model().batch_invariant(),
-        "SmolLM2 Q4_1/Q8_0 runs on batch-invariant kernels"
-    );
+/// The G-gate: for each chosen prompt (all when `prompt_ids` is empty), greedy output with
+/// speculation (`mode`, each (k, adaptive)) equals plain AR output in everything a client sees.
+/// `max_tokens` caps the prompts' own limits (CI subsets).
+fn gate(
+    model: &str,
+    draft: Option<&str>,
+    mode: SpecMode,
+    prompt_ids: &[&str],
+    configs: &[(usize, bool)],
+    max_tokens: Option<usize>,
+) {
+    let mut e = Engine::load(&common::model_path(model), model, LoadOptions::default()).expect("load");
+    if let Some(d) = draft {
+        e.attach_draft_model(&common::model_path(d), d).expect("attach draft");
+    }
+    assert!(e.model().batch_invariant(), "{model} runs on batch-invariant kernels");
     let prompts = common::fixture_lines("prompts.jsonl");
-    let (mut drafted, mut accepted, mut steps, mut committed) = (0, 0, 0, 0);
+    let (mut drafted, mut accepted, mut steps, mut committed, mut n) = (0, 0, 0, 0, 0);
     for p in prompts
         .iter()
         .filter(|p| prompt_ids.is_empty() || prompt_ids.contains(&p["id"].as_str().unwrap_or("")))
     {
         let messages: Vec<ChatMessage> = serde_json::from_value(p["messages"].clone()).expect("messages");
         let tokens = e.chat_prompt_tokens(&messages).expect("prompt");
-        let mut req = greedy_req(tokens, p["max_tokens"].as_u64().unwrap_or(128) as usize);
+        let own = p["max_tokens"].as_u64().unwrap_or(128) as usize;
+        let mut req = greedy_req(tokens, max_tokens.map_or(own, |m| m.min(own)));
         req.ignore_eos = false;
         req.logprobs = None;
         let ar = run(&mut e, &req);
         for &(k, adaptive) in configs {
-            let what = format!("{} k={k} adaptive={adaptive}", p["id"]);
-            let out = assert_same_as(&mut e, &ar, &req, spec(k, adaptive), &what);
+            let what = format!("{model} {mode:?} {} k={k} adaptive={adaptive}", p["id"]);
+            let out = assert_same_as(&mut e, &ar, &req, self::mode(mode, k, adaptive), &what);
             drafted += out.stats.spec.drafted;
             accepted += out.stats.spec.accepted;
             steps += out.stats.spec.target_steps;
             committed += out.stats.spec.committed;
+            n += 1;
         }
     }
     eprintln!(
-        "smollm2 n-gram G-gate: drafted {drafted}, accepted {accepted} ({:.1}%), tau {:.2}",
+        "{model} {mode:?} G-gate: {n} runs byte-identical to AR; drafted {drafted}, accepted {accepted} ({:.1}%), tau {:.2}",
         100.0 * accepted as f64 / drafted.max(1) as f64,
         committed as f64 / steps.max(1) as f64
     );
+    assert!(drafted > 0, "speculation ran");
+}
+
+fn smollm2_gate(prompt_ids: &[&str], configs: &[(usize, bool)]) {
+    gate(
+        "smollm2-135m-instruct",
+        None,
+        SpecMode::Ngram,
+        prompt_ids,
+        configs,
+        None,
+    );
+}
+
+const ALL_K: &[(usize, bool)] = &[(1, false), (2, false), (4, false), (8, false), (8, true)];
+const QWEN_SMALL: &str = "qwen2.5-coder-0.5b-instruct";
+const QWEN_TARGET: &str = "qwen2.5-coder-1.5b-instruct";
+
+/// CI subset of the draft-model G-gate on the real pair (1.5B target, 0.5B draft): one code and
+/// one prose prompt, 48 tokens, k = 4 fixed and adaptive.
+#[test]
+fn qwen_pair_draft_model_greedy_is_byte_identical_to_ar() {
+    gate(
+        QWEN_TARGET,
+        Some(QWEN_SMALL),
+        SpecMode::Draft,
+        &["p16", "p00"],
+        &[(4, false), (8, true)],
+        Some(48),
+    );
+}
+
+/// CI subset of the n-gram G-gate on the Qwen models (their K-quant kernels are invariant too).
+#[test]
+fn qwen_ngram_greedy_is_byte_identical_to_ar() {
+    gate(
+        QWEN_SMALL,
+        None,
+        SpecMode::Ngram,
+        &["p24", "p42"],
+        &[(4, false), (8, true)],
+        Some(64),
+    );
+}
+
+/// Full draft-model G-gate: every prompt, k in {1, 2, 4, 8} and adaptive (slow tier:
+/// `cargo test --release -p specula-engine --test spec qwen_pair_full -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn qwen_pair_full_matrix() {
+    gate(QWEN_TARGET, Some(QWEN_SMALL), SpecMode::Draft, &[], ALL_K, None);
+}
+
+/// Full n-gram G-gate on both Qwen models (slow tier).
+#[test]
+#[ignore]
+fn qwen_ngram_full_matrix() {
+    gate(QWEN_SMALL, None, SpecMode::Ngram, &[], ALL_K, None);
+    gate(QWEN_TARGET, None, SpecMode::Ngram, &[], ALL_K, None);
 }
 
 /// CI subset of the G-gate: 6 prompts (2 per kind), k in {1, 2, 4, 8} and adaptive.

@@ -159,11 +159,28 @@ pub fn run(a: TuneArgs) -> Result<()> {
     if !engine.model().batch_invariant() {
         tracing::warn!("this model's kernels are not batch-invariant: every speculative configuration decodes AR");
     }
-    let prompts: Vec<Vec<u32>> = PROMPTS
-        .iter()
-        .map(|(_, p)| engine.chat_prompt_tokens(&[ChatMessage::new("user", p)]))
-        .collect::<Result<_, _>>()?;
     let max_tokens = a.max_tokens as usize;
+    let mut names = Vec::new();
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    for (name, p) in PROMPTS {
+        let toks = engine.chat_prompt_tokens(&[ChatMessage::new("user", p)])?;
+        if toks.len() + max_tokens > engine.context_length() {
+            tracing::warn!(
+                "prompt '{name}' ({} tokens) + {max_tokens} does not fit the {}-token context; skipped",
+                toks.len(),
+                engine.context_length()
+            );
+            continue;
+        }
+        names.push(name.to_string());
+        prompts.push(toks);
+    }
+    if prompts.is_empty() {
+        bail!(
+            "no built-in prompt fits the model's context of {} tokens",
+            engine.context_length()
+        );
+    }
     let k_max = a.k_max as usize;
 
     // Warm up (page in the weights, size the caches), then AR; AR again at the end, and the
@@ -250,7 +267,7 @@ pub fn run(a: TuneArgs) -> Result<()> {
             commit: build_commit(),
         },
         date: tuning::now_rfc3339(),
-        prompts: PROMPTS.iter().map(|(n, _)| n.to_string()).collect(),
+        prompts: names,
         max_tokens,
         min_gain: a.min_gain,
         configs,

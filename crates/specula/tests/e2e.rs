@@ -272,17 +272,26 @@ fn openai_python_client() {
         },
         "spec": {"mode": "ngram", "decode_path": spec_decode_path},
     });
-    let expect_file = tempfile::Builder::new().suffix(".json").tempfile().expect("temp file");
-    std::fs::write(expect_file.path(), serde_json::to_vec_pretty(&expect).expect("json")).expect("write expect file");
 
     server.wait_ready();
+    run_openai_client(&server, &expect, &[], 5);
+    drop(server);
+    eprintln!("openai_python_client: {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+/// Run `tests/openai_client.py` against `server` with `expect` (and `args`); it must pass with
+/// at least `min_oks` "OK" lines.
+fn run_openai_client(server: &Server, expect: &Value, args: &[&str], min_oks: usize) {
+    let expect_file = tempfile::Builder::new().suffix(".json").tempfile().expect("temp file");
+    std::fs::write(expect_file.path(), serde_json::to_vec_pretty(expect).expect("json")).expect("write expect file");
     let script = support::repo_root().join("tests/openai_client.py");
     let mut cmd = Command::new("python3");
     cmd.arg(&script)
         .arg("--base-url")
         .arg(server.base_url())
         .arg("--expect")
-        .arg(expect_file.path());
+        .arg(expect_file.path())
+        .args(args);
     // Talk to 127.0.0.1 directly, whatever proxy the environment configures.
     for var in [
         "HTTP_PROXY",
@@ -310,10 +319,37 @@ fn openai_python_client() {
         server.log()
     );
     let oks = out.stdout.lines().filter(|l| l.starts_with("OK")).count();
-    assert!(oks >= 5, "expected OK lines from the script:\n{}", out.describe());
+    assert!(oks >= min_oks, "expected OK lines from the script:\n{}", out.describe());
     eprint!("{}", out.stdout);
+}
+
+/// Tool calls through the official client, on Qwen2.5-Coder-0.5B (whose greedy answer to a tool
+/// prompt is a call): a call, the same call streamed, the round trip, a call cut by max_tokens.
+#[test]
+fn openai_python_client_tool_calls() {
+    const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
+    let t0 = Instant::now();
+    require_model(QWEN);
+    let mut server = Server::spawn(QWEN);
+    let expect = json!({
+        "model": QWEN,
+        "tools": {
+            "messages": [{"role": "user", "content": "What is 37 * 91?"}],
+            "tools": [{"type": "function", "function": {"name": "calculator",
+                "description": "Evaluate an arithmetic expression",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                               "required": ["expression"]}}}],
+            "name": "calculator",
+            "arguments": {"expression": "37 * 91"},
+            "result": "3367",
+            "answer_contains": "3367",
+            "cut_max_tokens": 12,
+        },
+    });
+    server.wait_ready();
+    run_openai_client(&server, &expect, &["--only", "tools"], 5);
     drop(server);
-    eprintln!("openai_python_client: {:.1}s", t0.elapsed().as_secs_f64());
+    eprintln!("openai_python_client_tool_calls: {:.1}s", t0.elapsed().as_secs_f64());
 }
 
 #[test]

@@ -22,6 +22,8 @@
 //!   `<tool_call>`); other content is kept byte for byte.
 
 pub mod bracket;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod hermes;
 pub mod llama3;
 pub mod mistral;

@@ -150,50 +150,7 @@ pub(crate) fn random_split<'a>(text: &'a str, rng: &mut Rng, max_k: usize) -> Ve
     out
 }
 
-/// Structural checks on one event sequence.
-pub(crate) fn check_events(d: Dialect, text: &str, events: &[ToolEvent]) {
-    let mut next = 0;
-    let mut open: Option<usize> = None;
-    let mut any_call = false;
-    for (n, e) in events.iter().enumerate() {
-        match e {
-            Start { index, .. } => {
-                assert_eq!(open, None, "{d}: start inside a call in {text:?}: {events:?}");
-                assert_eq!(*index, next, "{d}: call indices count up in {text:?}");
-                next += 1;
-                open = Some(*index);
-                any_call = true;
-            }
-            Args { index, .. } => assert_eq!(open, Some(*index), "{d}: args outside their call in {text:?}"),
-            End { index } => {
-                assert_eq!(open, Some(*index), "{d}: end of a call not open in {text:?}");
-                open = None;
-            }
-            Content(_) => assert_eq!(open, None, "{d}: content inside a call in {text:?}: {events:?}"),
-            Unfinished { index, .. } => {
-                assert_eq!(n, events.len() - 1, "{d}: Unfinished is last in {text:?}");
-                assert_eq!(*index, open, "{d}: Unfinished names the open call in {text:?}");
-                open = None;
-            }
-        }
-    }
-    assert_eq!(
-        open, None,
-        "{d}: a call left open without Unfinished in {text:?}: {events:?}"
-    );
-    if !any_call {
-        // Nothing is lost when there is no call: content (+ an unfinished attempt) is the text.
-        let mut all = String::new();
-        for e in events {
-            match e {
-                Content(t) => all.push_str(t),
-                Unfinished { raw, .. } => all.push_str(raw),
-                _ => {}
-            }
-        }
-        assert_eq!(all, text, "{d}: text lost without any call: {events:?}");
-    }
-}
+pub(crate) use super::fuzz::check_events;
 
 /// Whole, by char, by token and random splits give the same merged events.
 pub(crate) fn assert_chunk_invariant(d: Dialect, text: &str, whole: &[ToolEvent], rng: &mut Rng) {
@@ -720,10 +677,11 @@ fn chunk_invariance_on_random_texts() {
     }
 }
 
-/// 10^6 random inputs per parser: no panic, structurally sound events, and the same events for
-/// one random split as for the whole text. Run with
-/// `cargo test --release -p specula-server --lib tools::tests::stress_million -- --ignored`
-/// (the `cargo fuzz` targets under `fuzz/` do the same coverage-guided).
+/// 10^6 random inputs per parser (and for the reasoning splitter): no panic, structurally sound
+/// events, and the same events for a random split as for the whole text. Run with
+/// `cargo test --release -p specula-server --lib stress_million -- --ignored --nocapture`
+/// (`SPECULA_STRESS_N` changes the count; the `cargo fuzz` targets under `fuzz/` run the same
+/// checks coverage-guided).
 #[test]
 #[ignore]
 fn stress_million_inputs_per_parser() {
@@ -736,18 +694,51 @@ fn stress_million_inputs_per_parser() {
         let mut rng = Rng(0xf00d ^ d as u64);
         let t0 = std::time::Instant::now();
         let mut calls = 0usize;
-        for _ in 0..n {
+        let mut unfinished = 0usize;
+        for i in 0..n {
             let text = random_text(&mut rng, 32);
             let whole = parse_all(d, &c, &text);
             check_events(d, &text, &whole);
             calls += whole.iter().filter(|e| matches!(e, End { .. })).count();
+            unfinished += whole.iter().filter(|e| matches!(e, Unfinished { .. })).count();
             let max_k = 1 + rng.below(8);
             let pieces = random_split(&text, &mut rng, max_k);
             assert_eq!(parse_pieces(d, &c, pieces.clone()), whole, "{d}: pieces {pieces:?}");
+            // Every 16th input is raw random bytes instead (lossy UTF-8), through the fuzz check.
+            if i % 16 == 0 {
+                let bytes: Vec<u8> = (0..rng.below(64)).map(|_| rng.next() as u8).collect();
+                super::fuzz::tool_parser(d, &bytes);
+            }
         }
         eprintln!(
-            "{d}: {n} random inputs, {calls} complete calls, no panic, chunk-invariant ({:.1}s)",
+            "{d}: {n} random inputs, {calls} complete calls, {unfinished} unfinished, no panic, chunk-invariant ({:.1}s)",
             t0.elapsed().as_secs_f64()
         );
+    }
+    let mut rng = Rng(0x7e1);
+    let t0 = std::time::Instant::now();
+    for _ in 0..n {
+        let mut bytes = vec![rng.next() as u8];
+        bytes.extend(random_text(&mut rng, 16).into_bytes());
+        super::fuzz::reasoning(&bytes);
+    }
+    eprintln!(
+        "reasoning: {n} random inputs, no panic, chunk-invariant ({:.1}s)",
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn fuzz_checks_run_on_plain_inputs() {
+    let mut rng = Rng(3);
+    for d in Dialect::ALL {
+        for _ in 0..200 {
+            let bytes: Vec<u8> = (0..rng.below(48)).map(|_| rng.next() as u8).collect();
+            super::fuzz::tool_parser(d, &bytes);
+            let mut t = vec![rng.next() as u8];
+            t.extend(random_text(&mut rng, 12).into_bytes());
+            super::fuzz::tool_parser(d, &t);
+            super::fuzz::reasoning(&t);
+        }
     }
 }
