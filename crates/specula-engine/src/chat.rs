@@ -450,6 +450,8 @@ mod tool_tests {
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}"#;
 
+    /// Tools print as transformers prints them: the client's key order, `", "` / `": "`
+    /// separators, no HTML escaping.
     #[test]
     fn tools_tool_calls_and_tool_results_render() {
         let t = ChatTemplate::new(QWEN25, "", "<|im_end|>").unwrap();
@@ -482,7 +484,7 @@ mod tool_tests {
         assert_eq!(
             s,
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n<tools>\n\
-             {\"function\": {\"description\": \"Weather <now> & 'then'\", \"name\": \"get_weather\", \"parameters\": {\"type\": \"object\"}}, \"type\": \"function\"}\n\
+             {\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Weather <now> & 'then'\", \"parameters\": {\"type\": \"object\"}}}\n\
              </tools><|im_end|>\n<|im_start|>user\nParis?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n\
              {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"note\": \"é\\n\"}}\n</tool_call><|im_end|>\n\
              <|im_start|>user\n<tool_response>\n{\"t\": 18}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"

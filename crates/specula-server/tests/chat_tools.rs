@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use axum::http::StatusCode;
@@ -109,11 +109,11 @@ fn think_model() -> PathBuf {
         .clone()
 }
 
-fn load(path: &PathBuf) -> Engine {
+fn load(path: &Path) -> Engine {
     Engine::load(path, MODEL, LoadOptions::default()).expect("load tiny model")
 }
 
-fn serve(path: &PathBuf) -> (axum::Router, EngineHandle) {
+fn serve(path: &Path) -> (axum::Router, EngineHandle) {
     app_with_spec(load(path), SpecOptions::default())
 }
 
@@ -154,12 +154,12 @@ async fn tools_tool_calls_and_tool_results_render_through_the_template() {
     let r = post(&app, CHAT, body.clone()).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     let v = r.json();
-    // The template saw everything: tools (transformers' tojson: key order, `", "`, no HTML
-    // escaping), tool_choice, the call's arguments as an object, the tool result, kwargs.
+    // The template saw everything: tools (transformers' tojson: the client's key order, `", "`,
+    // no HTML escaping), tool_choice, the call's arguments as an object, the tool result, kwargs.
     // (This is what Python's jinja2 renders with transformers' tojson, checked once by hand.)
     let want_prompt = "<|im_start|>system\nYou help.<tools>\
-        {\"function\": {\"description\": \"Weather <now> & 'then'\", \"name\": \"get_weather\", \"parameters\": \
-        {\"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}}, \"type\": \"function\"}\
+        {\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Weather <now> & 'then'\", \
+        \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\
         </tools> choice=\"auto\"<|im_end|>\n\
         <|im_start|>user\nWeather in Paris?<|im_end|>\n\
         <|im_start|>assistant<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n\
@@ -190,7 +190,7 @@ async fn tools_tool_calls_and_tool_results_render_through_the_template() {
     let v = post(&app, CHAT, named).await.json();
     let want_named = want_prompt.replace(
         "choice=\"auto\"",
-        "choice={\"function\": {\"name\": \"get_weather\"}, \"type\": \"function\"}",
+        "choice={\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}",
     );
     let (_, n_named) = direct_text(&mut eng, &want_named, 1);
     assert_eq!(v["usage"]["prompt_tokens"], n_named, "{v}");
@@ -217,6 +217,9 @@ async fn tool_output_is_identical_streamed_and_with_speculation() {
         b["spec"] = spec.clone();
         let v = post(&app, CHAT, b.clone()).await.json();
         assert_eq!(v["choices"][0]["message"], msg, "{spec}");
+        if spec != json!("off") {
+            assert_eq!(v["spec_stats"]["decode_path"], "ngram", "{v}");
+        }
         assert_eq!(v["choices"][0]["finish_reason"], plain["choices"][0]["finish_reason"]);
         b["stream"] = json!(true);
         let (chunks, text) = stream_content(&post(&app, CHAT, b).await);

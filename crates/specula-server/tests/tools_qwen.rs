@@ -158,6 +158,10 @@ async fn qwen_streamed_call_equals_the_non_streamed_call_with_and_without_specul
         assert_eq!(without_ids(v["choices"][0]["message"].clone()), message, "{spec}");
         assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{spec}");
         assert_eq!(v["usage"], plain["usage"], "{spec}");
+        if spec != json!("off") && handle().model().batch_invariant {
+            // Really speculated (drafts verified in blocks), not decoded AR.
+            assert_eq!(v["spec_stats"]["decode_path"], "ngram", "{v}");
+        }
 
         body["stream"] = json!(true);
         let s = collect(&post(&app, CHAT, body).await);

@@ -211,7 +211,7 @@ impl Qwen3Coder {
                     Expect::Mismatch => {
                         // `<tool_call>` and whitespace are content; what matched of
                         // `<function=` (kept out of `raw`) is looked at again as prose.
-                        return self.not_a_call(&FUNC[..before], c, out);
+                        self.not_a_call(&FUNC[..before], c, out);
                     }
                 }
             }
@@ -225,7 +225,7 @@ impl Qwen3Coder {
                     self.state = State::Body(Markers::default());
                 } else if c == '\n' || c == '>' || c == '<' || name.len() >= MAX_NAME {
                     let replay = format!("{FUNC}{name}");
-                    return self.not_a_call(&replay, c, out);
+                    self.not_a_call(&replay, c, out);
                 } else {
                     name.push(c);
                     self.state = State::FuncName(name);

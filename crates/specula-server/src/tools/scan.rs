@@ -31,9 +31,7 @@ impl Markers {
             if markers.iter().any(|m| m.starts_with(self.pending.as_str())) {
                 return None;
             }
-            let Some(first) = self.pending.chars().next() else {
-                return None;
-            };
+            let first = self.pending.chars().next()?;
             released.push(first);
             self.pending.drain(..first.len_utf8());
             if self.pending.is_empty() {
