@@ -12,6 +12,11 @@
 //! block drafters), and keeps its KV cache in a [`KvCache`] that can be truncated (rollback).
 //! Attention is computed by our own row-independent kernel ([`attention`]), so a row's result
 //! does not depend on how many rows are computed with it.
+//!
+//! The element-wise and row-wise operations (RMSNorm, RoPE, SwiGLU, the f16 K/V cache, attention)
+//! use llama.cpp's CPU arithmetic operation for operation (ggml-cpu `rms_norm`, `rope`,
+//! `swiglu`, `flash_attn_ext`), so that with the same quantized products our logits are llama.cpp's
+//! bit for bit (docs/perf.md, "Reference agreement").
 
 pub mod attention;
 
@@ -24,6 +29,37 @@ use candle_core::{DType, Device, Module, Tensor};
 use crate::kernels::kquants::KWeight;
 use crate::kernels::qmatmul::QWeight;
 use crate::kv_cache::KvCache;
+
+/// RMSNorm as ggml's CPU `rms_norm` followed by `mul` computes it: the sum of squares (each
+/// square rounded to f32) accumulated in f64 in order, `mean` rounded to f32,
+/// `scale = 1 / sqrtf(mean + eps)` in f32, then `(x * scale) * w`. Row by row, so
+/// batch-invariant. `x`: `[n, h]`, `w`: `[h]`.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    let (n, h) = x.dims2()?;
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let ws = w.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; xs.len()];
+    for (row, o) in xs.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let mut sum = 0f64;
+        for &v in row {
+            sum += (v * v) as f64;
+        }
+        let mean = (sum / h as f64) as f32;
+        let scale = 1.0f32 / (mean + eps).sqrt();
+        for ((o, &v), &wv) in o.iter_mut().zip(row).zip(&ws) {
+            *o = v * scale * wv;
+        }
+    }
+    Ok(Tensor::from_vec(out, (n, h), x.device())?)
+}
+
+/// SwiGLU as ggml's `swiglu` computes it ([`attention::silu_mul`]): `silu(g) * u`.
+fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    let dims = g.dims2()?;
+    let gs = g.flatten_all()?.to_vec1::<f32>()?;
+    let us = u.flatten_all()?.to_vec1::<f32>()?;
+    Ok(Tensor::from_vec(attention::silu_mul(&gs, &us), dims, g.device())?)
+}
 
 /// The global rayon pool (sized by `RAYON_NUM_THREADS`, else one thread per core).
 fn pool() -> &'static rayon::ThreadPool {
@@ -280,21 +316,19 @@ impl Model {
         let mut rope_cos = Vec::with_capacity(ctx * half);
         let mut rope_sin = Vec::with_capacity(ctx * half);
         // theta_i = pos * base^(-2i/d) (RoFormer, Su et al. 2021), optionally divided by a
-        // per-frequency factor.
-        let inv_freq: Vec<f64> = (0..half)
-            .map(|i| {
-                let f = 1.0 / config.rope_theta.powf(2.0 * i as f64 / config.head_dim as f64);
-                match &rope_freq_factors {
-                    Some(ff) => f / ff.get(i).copied().unwrap_or(1.0) as f64,
-                    None => f,
-                }
-            })
-            .collect();
+        // per-frequency factor, computed as ggml's `rope_cache_init` does: in f32, theta_i by the
+        // recurrence theta_{i+1} = theta_i * base^(-2/d) from theta_0 = pos, then cosf / sinf.
+        let theta_scale = (config.rope_theta as f32).powf(-2.0f32 / config.head_dim as f32);
         for pos in 0..ctx {
-            for f in &inv_freq {
-                let theta = pos as f64 * f;
-                rope_cos.push(theta.cos() as f32);
-                rope_sin.push(theta.sin() as f32);
+            let mut theta = pos as f32;
+            for i in 0..half {
+                let t = match &rope_freq_factors {
+                    Some(ff) => theta / ff.get(i).copied().unwrap_or(1.0),
+                    None => theta,
+                };
+                rope_cos.push(t.cos());
+                rope_sin.push(t.sin());
+                theta *= theta_scale;
             }
         }
         Ok(Self {
@@ -381,13 +415,13 @@ impl Model {
         let mut x = self.embedding.forward(tokens, &self.device)?;
         let mut hidden = vec![None; taps.len()];
         for (li, block) in self.blocks.iter().enumerate() {
-            let h = candle_nn::ops::rms_norm(&x, &block.attn_norm, eps)?;
+            let h = rms_norm(&x, &block.attn_norm, eps)?;
             let attn = self.attention(block, li, &h, start, kv)?;
             x = (x + attn)?;
-            let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
+            let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let g = block.gate.forward(&h)?;
             let u = block.up.forward(&h)?;
-            let m = block.down.forward(&(candle_nn::ops::silu(&g)? * u)?)?;
+            let m = block.down.forward(&swiglu(&g, &u)?)?;
             x = (x + m)?;
             for (slot, &t) in hidden.iter_mut().zip(taps) {
                 if t == li {
@@ -396,7 +430,7 @@ impl Model {
             }
         }
         kv.advance(n)?;
-        let normed = candle_nn::ops::rms_norm(&x, &self.output_norm, eps)?;
+        let normed = rms_norm(&x, &self.output_norm, eps)?;
         for (slot, &t) in hidden.iter_mut().zip(taps) {
             if t == cfg.num_layers {
                 *slot = Some(normed.clone());
@@ -422,14 +456,17 @@ impl Model {
         let mut k = block.k.forward(h)?;
         let v = block.v.forward(h)?;
         if let (Some(qn), Some(kn)) = (&block.q_norm, &block.k_norm) {
-            q = candle_nn::ops::rms_norm(&q.reshape((n * cfg.num_heads, d))?, qn, eps)?;
-            k = candle_nn::ops::rms_norm(&k.reshape((n * cfg.num_kv_heads, d))?, kn, eps)?;
+            q = rms_norm(&q.reshape((n * cfg.num_heads, d))?, qn, eps)?;
+            k = rms_norm(&k.reshape((n * cfg.num_kv_heads, d))?, kn, eps)?;
         }
         let mut q = q.flatten_all()?.to_vec1::<f32>()?;
         let mut k = k.flatten_all()?.to_vec1::<f32>()?;
         let v = v.flatten_all()?.to_vec1::<f32>()?;
         self.apply_rope(&mut q, cfg.num_heads, start);
         self.apply_rope(&mut k, cfg.num_kv_heads, start);
+        // The cache holds K and V rounded to f16 (llama.cpp's default cache type).
+        let k: Vec<f32> = k.iter().map(|&x| attention::round_f16(x)).collect();
+        let v: Vec<f32> = v.iter().map(|&x| attention::round_f16(x)).collect();
         kv.append(li, &k, &v)?;
         let (keys, values) = kv.layer(li, start + n);
         let out = attention::attend(
@@ -448,8 +485,27 @@ impl Model {
         block.o.forward(&out)
     }
 
-    /// Rotate `x` (`[n, heads, head_dim]`, row r at position `start + r`) in place.
+    /// Rotate `x` (`[n, heads, head_dim]`, row r at position `start + r`) in place, as ggml's
+    /// `rotate_pairs` (GCC contracts it into FMAs): `x0' = fma(x0, cos, -(x1 sin))`,
+    /// `x1' = fma(x0, sin, x1 cos)`.
     fn apply_rope(&self, x: &mut [f32], heads: usize, start: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("fma") {
+            // SAFETY: FMA was detected at run time.
+            return unsafe { self.apply_rope_fma(x, heads, start) };
+        }
+        self.apply_rope_body(x, heads, start)
+    }
+
+    /// [`Model::apply_rope`] compiled with FMA (one instruction per `mul_add`, same bits).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "fma")]
+    unsafe fn apply_rope_fma(&self, x: &mut [f32], heads: usize, start: usize) {
+        self.apply_rope_body(x, heads, start)
+    }
+
+    #[inline(always)]
+    fn apply_rope_body(&self, x: &mut [f32], heads: usize, start: usize) {
         let d = self.config.head_dim;
         let half = d / 2;
         for (r, row) in x.chunks_exact_mut(heads * d).enumerate() {
@@ -461,15 +517,15 @@ impl Model {
                     RopeStyle::Interleaved => {
                         for i in 0..half {
                             let (a, b) = (head[2 * i], head[2 * i + 1]);
-                            head[2 * i] = a * cos[i] - b * sin[i];
-                            head[2 * i + 1] = a * sin[i] + b * cos[i];
+                            head[2 * i] = a.mul_add(cos[i], -(b * sin[i]));
+                            head[2 * i + 1] = a.mul_add(sin[i], b * cos[i]);
                         }
                     }
                     RopeStyle::Neox => {
                         for i in 0..half {
                             let (a, b) = (head[i], head[i + half]);
-                            head[i] = a * cos[i] - b * sin[i];
-                            head[i + half] = a * sin[i] + b * cos[i];
+                            head[i] = a.mul_add(cos[i], -(b * sin[i]));
+                            head[i + half] = a.mul_add(sin[i], b * cos[i]);
                         }
                     }
                 }
