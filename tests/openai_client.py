@@ -15,6 +15,11 @@ Checks (greedy, temperature 0):
     (on the response; on the finish_reason chunk of the stream);
   * a legacy completion (max_tokens 16).
 
+With `--only json` (and a "json" section in --expect: a list of {"id", "messages", "max_tokens",
+"schema"}), it checks structured output: for each prompt, `response_format` json_schema (strict)
+gives content that parses and validates against the schema, the same content streamed and with
+`extra_body={"spec": "ngram"}`; then `json_object` gives a JSON object.
+
 With `--only tools` (and a "tools" section in --expect), it checks tool calls instead, on a model
 that makes them (the Rust test uses Qwen2.5-Coder-0.5B):
   * a tool call: finish_reason "tool_calls", one call with the expected name and arguments;
@@ -175,6 +180,93 @@ def run_tools(client, model, exp):
     ok(f"max_tokens={exp['cut_max_tokens']} cutting the call: finish_reason=length, no tool_calls")
 
 
+def schema_errors(value, schema, path="$"):
+    """Validate `value` against the JSON Schema subset the tests use (type, properties, required,
+    additionalProperties, items, minItems, maxItems, enum, pattern). Returns a list of errors."""
+    import re
+
+    errs = []
+    types = {
+        "object": dict,
+        "array": list,
+        "string": str,
+        "boolean": bool,
+        "null": type(None),
+    }
+    t = schema.get("type")
+    if t == "integer":
+        if not (isinstance(value, int) and not isinstance(value, bool)):
+            return [f"{path}: expected integer, got {value!r}"]
+    elif t == "number":
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return [f"{path}: expected number, got {value!r}"]
+    elif t is not None and not isinstance(value, types[t]):
+        return [f"{path}: expected {t}, got {value!r}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errs.append(f"{path}: {value!r} not in {schema['enum']}")
+    if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
+        errs.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for k in schema.get("required", []):
+            if k not in value:
+                errs.append(f"{path}: missing required {k!r}")
+        for k, v in value.items():
+            if k in props:
+                errs += schema_errors(v, props[k], f"{path}.{k}")
+            elif schema.get("additionalProperties") is False:
+                errs.append(f"{path}: unexpected property {k!r}")
+    if isinstance(value, list):
+        if "minItems" in schema and len(value) < schema["minItems"]:
+            errs.append(f"{path}: {len(value)} < minItems {schema['minItems']}")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            errs.append(f"{path}: {len(value)} > maxItems {schema['maxItems']}")
+        for i, v in enumerate(value):
+            errs += schema_errors(v, schema.get("items", {}), f"{path}[{i}]")
+    return errs
+
+
+def run_json(client, model, cases):
+    """Structured output through the client: json_schema per prompt (plain, streamed, spec),
+    then json_object."""
+    for case in cases:
+        rf = {"type": "json_schema", "json_schema": {"name": case["id"], "schema": case["schema"], "strict": True}}
+        params = dict(model=model, messages=case["messages"], temperature=0, max_tokens=case["max_tokens"],
+                      response_format=rf)
+        resp = client.chat.completions.create(**params)
+        choice = resp.choices[0]
+        content = choice.message.content
+        check_eq(f"{case['id']} json_schema finish_reason", choice.finish_reason, "stop")
+        try:
+            value = json.loads(content)
+        except ValueError as e:
+            raise Mismatch(f"{case['id']}: json_schema content is not JSON ({e}): {content!r}")
+        errs = schema_errors(value, case["schema"])
+        check(not errs, f"{case['id']}: content does not validate: {errs}: {content!r}")
+        s_content, s_finish, _, _ = collect_stream(client.chat.completions.create(**params, stream=True),
+                                                  f"{case['id']} stream")
+        check_eq(f"{case['id']} streamed content", s_content, content)
+        check_eq(f"{case['id']} streamed finish_reason", s_finish, "stop")
+        sp = client.chat.completions.create(**params, extra_body={"spec": "ngram"})
+        check_eq(f"{case['id']} spec=ngram content", sp.choices[0].message.content, content)
+        stats = getattr(sp, "spec_stats", None) or {}
+        ok(
+            f"{case['id']}: json_schema content validates ({len(content)} bytes, {resp.usage.completion_tokens} "
+            f"tokens); streamed and spec=ngram identical (drafted={stats.get('drafted')}, "
+            f"accepted={stats.get('accepted')}): {content!r}"
+        )
+    case = cases[0]
+    resp = client.chat.completions.create(model=model, messages=case["messages"], temperature=0,
+                                          max_tokens=case["max_tokens"], response_format={"type": "json_object"})
+    content = resp.choices[0].message.content
+    try:
+        value = json.loads(content)
+    except ValueError as e:
+        raise Mismatch(f"json_object content is not JSON ({e}): {content!r}")
+    check(isinstance(value, dict), f"json_object: not an object: {content!r}")
+    ok(f"json_object: {content!r}")
+
+
 def run(args, expect):
     client = OpenAI(base_url=args.base_url, api_key="specula-test", max_retries=0, timeout=args.timeout)
 
@@ -182,6 +274,11 @@ def run(args, expect):
     model = expect.get("model") or (models[0] if models else None)
     check(model in models, f"models.list(): {model!r} not in {models}")
     ok(f"models.list() -> {models}")
+
+    if args.only == "json":
+        check("json" in expect, "--only json needs a 'json' section in --expect")
+        run_json(client, model, expect["json"])
+        return
 
     if args.only == "tools":
         check("tools" in expect, "--only tools needs a 'tools' section in --expect")
@@ -297,7 +394,7 @@ def main():
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--expect", help="JSON file with inputs and expected results (see the module docstring)")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
-    ap.add_argument("--only", choices=["tools"], help="run only these checks")
+    ap.add_argument("--only", choices=["tools", "json"], help="run only these checks")
     args = ap.parse_args()
     expect = {}
     if args.expect:

@@ -50,6 +50,8 @@ pub enum GrammarSpec {
 pub struct GrammarCompiler {
     factory: ParserFactory,
     vocab: usize,
+    /// The bytes of every token id ([`token_words`]), shared with reasoning constraints.
+    words: Arc<Vec<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for GrammarCompiler {
@@ -98,7 +100,16 @@ impl GrammarCompiler {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| anyhow!("grammar setup: {e}"))?;
         factory.quiet();
-        Ok(Self { factory, vocab: rows })
+        Ok(Self {
+            factory,
+            vocab: rows,
+            words: Arc::new(words),
+        })
+    }
+
+    /// The bytes of every token id, indexed by id (special tokens as `0xFF` + their text).
+    pub fn words(&self) -> &Arc<Vec<Vec<u8>>> {
+        &self.words
     }
 
     /// Compile a constraint. Errors (a bad schema, regex or grammar) are the client's: the
@@ -155,5 +166,443 @@ impl Constraint for GrammarConstraint {
             return 0;
         }
         self.matcher.validate_tokens(tokens).unwrap_or(0)
+    }
+}
+
+/// How a request's reasoning block (`<think>…</think>`) is bounded. The bound is enforced by
+/// the sampling-time mask: once the reasoning has used its budget, every row allows only the
+/// next token of the close marker, so under speculation the forced close lands exactly where
+/// plain decoding puts it (a draft that disagrees is rejected like any other).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReasoningControl {
+    /// The text that opens reasoning, e.g. `<think>`.
+    pub open: String,
+    /// The text that closes it, e.g. `</think>`.
+    pub close: String,
+    /// The rendered prompt already opened the block (its generation prompt ends with `open`):
+    /// the output starts inside the reasoning.
+    pub starts_open: bool,
+    /// Reasoning tokens allowed (tokens committed after the open marker and before the close
+    /// marker); then the close marker is forced. `None` = unbounded.
+    pub max_tokens: Option<usize>,
+    /// Reasoning characters allowed (Unicode scalar values after the open marker); then the
+    /// close marker is forced. Used for the bounded think prelude before a structured answer.
+    /// `None` = unbounded.
+    pub max_chars: Option<usize>,
+}
+
+/// What a request constrains its output to: a grammar for the answer and bounds on the
+/// reasoning before it. With both, the grammar applies after the reasoning block closes (a
+/// thinking model gets a bounded think prelude, then the constrained answer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OutputControl {
+    pub grammar: Option<GrammarSpec>,
+    pub reasoning: Option<ReasoningControl>,
+}
+
+impl OutputControl {
+    /// No constraint at all.
+    pub fn is_empty(&self) -> bool {
+        self.grammar.is_none() && self.reasoning.is_none()
+    }
+}
+
+/// Where the output is relative to the reasoning block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// Nothing decided yet: the output so far (`seen`) is blank or a proper prefix of the open
+    /// marker.
+    Start { seen: Vec<u8> },
+    /// Inside the reasoning: `tokens` and `chars` used, `tail` = the last bytes (enough to find
+    /// the close marker across token boundaries).
+    Thinking { tokens: usize, chars: usize, tail: Vec<u8> },
+    /// The budget is spent: the close marker's token `next` is forced.
+    Forcing { next: usize },
+    /// After the reasoning (or there was none): the answer, under the grammar if any.
+    Answer,
+}
+
+/// A [`ReasoningControl`] (and optionally a grammar for the answer) as a [`Constraint`].
+///
+/// Rules: the output is reasoning when it starts with the open marker (after blanks, when no
+/// grammar is set; exactly at the start when one is, since a grammar must see every answer
+/// byte) or when the prompt opened it; reasoning ends at the first close marker, or when the
+/// budget forces one. Tokens are matched on bytes, so a marker split over several tokens counts.
+/// Bytes after the close marker within the same token belong to no phase (typically the
+/// newlines of `>\n\n`); the grammar starts at the next token.
+pub struct ReasoningConstraint {
+    words: Arc<Vec<Vec<u8>>>,
+    open: Vec<u8>,
+    close: Vec<u8>,
+    forced_close: Vec<u32>,
+    max_tokens: Option<usize>,
+    max_chars: Option<usize>,
+    phase: Phase,
+    answer: Option<Box<dyn Constraint>>,
+}
+
+/// A token's text bytes (the special-token marker stripped).
+fn text_of(word: &[u8]) -> &[u8] {
+    match word.first() {
+        Some(&TokTrie::SPECIAL_TOKEN_MARKER) => &word[1..],
+        _ => word,
+    }
+}
+
+impl ReasoningConstraint {
+    /// `words`: the bytes of each token id ([`GrammarCompiler::words`]); `forced_close`: the
+    /// token ids of `control.close` (what the budget forces); `answer`: the grammar of the
+    /// answer, if any. Errors: an empty open or close marker, or `forced_close` empty.
+    pub fn new(
+        words: Arc<Vec<Vec<u8>>>,
+        control: &ReasoningControl,
+        forced_close: Vec<u32>,
+        answer: Option<Box<dyn Constraint>>,
+    ) -> Result<Self> {
+        if control.open.is_empty() || control.close.is_empty() || forced_close.is_empty() {
+            return Err(anyhow!("reasoning markers must not be empty"));
+        }
+        let mut c = Self {
+            words,
+            open: control.open.as_bytes().to_vec(),
+            close: control.close.as_bytes().to_vec(),
+            forced_close,
+            max_tokens: control.max_tokens,
+            max_chars: control.max_chars,
+            phase: Phase::Answer,
+            answer,
+        };
+        c.phase = if control.starts_open {
+            c.thinking(0, 0, Vec::new())
+        } else {
+            Phase::Start { seen: Vec::new() }
+        };
+        Ok(c)
+    }
+
+    fn word(&self, token: u32) -> &[u8] {
+        self.words.get(token as usize).map(|w| text_of(w)).unwrap_or(&[])
+    }
+
+    /// The thinking phase with these counts, or forcing when a budget is spent.
+    fn thinking(&self, tokens: usize, chars: usize, tail: Vec<u8>) -> Phase {
+        let spent = self.max_tokens.is_some_and(|m| tokens >= m) || self.max_chars.is_some_and(|m| chars >= m);
+        if spent {
+            Phase::Forcing { next: 0 }
+        } else {
+            Phase::Thinking { tokens, chars, tail }
+        }
+    }
+
+    /// After the reasoning text `text` (following the open marker, or a continuation of it):
+    /// thinking with updated counts, or the answer when `text` completes the close marker.
+    fn after_reasoning_text(&self, tokens: usize, chars: usize, tail: &[u8], text: &[u8]) -> Phase {
+        let mut joined = tail.to_vec();
+        joined.extend_from_slice(text);
+        if joined.windows(self.close.len()).any(|w| w == self.close.as_slice()) {
+            return Phase::Answer;
+        }
+        let keep = self.close.len().saturating_sub(1);
+        let tail = joined[joined.len().saturating_sub(keep)..].to_vec();
+        // Characters: UTF-8 bytes that are not continuation bytes.
+        let n = text.iter().filter(|&&b| b & 0xC0 != 0x80).count();
+        self.thinking(tokens, chars + n, tail)
+    }
+
+    /// Whether `token` may continue an opening `seen` toward the open marker.
+    fn continues_open(&self, seen: &[u8], token: u32) -> bool {
+        let w = self.word(token);
+        if w.is_empty() {
+            return false;
+        }
+        let mut s = seen.to_vec();
+        s.extend_from_slice(w);
+        let s = self.trim_blank(&s);
+        !s.is_empty() && (self.open.starts_with(s) || s.starts_with(&self.open))
+    }
+
+    /// Leading blanks are skipped before the open marker only when no grammar must see them.
+    fn trim_blank<'a>(&self, s: &'a [u8]) -> &'a [u8] {
+        if self.answer.is_some() {
+            s
+        } else {
+            s.trim_ascii_start()
+        }
+    }
+
+    /// The phase after `token`, and whether `token` belongs to the answer.
+    fn step(&self, phase: &Phase, token: u32) -> (Phase, bool) {
+        let w = self.word(token);
+        match phase {
+            Phase::Answer => (Phase::Answer, true),
+            Phase::Forcing { next } => {
+                if next + 1 >= self.forced_close.len() {
+                    (Phase::Answer, false)
+                } else {
+                    (Phase::Forcing { next: next + 1 }, false)
+                }
+            }
+            Phase::Thinking { tokens, chars, tail } => (self.after_reasoning_text(tokens + 1, *chars, tail, w), false),
+            Phase::Start { seen } => {
+                let mut s = seen.clone();
+                s.extend_from_slice(w);
+                let t = self.trim_blank(&s);
+                if t.starts_with(&self.open) {
+                    let rest = &t[self.open.len()..];
+                    let tokens = usize::from(!rest.is_empty());
+                    (self.after_reasoning_text(tokens, 0, &[], rest), false)
+                } else if self.open.starts_with(t) && (self.answer.is_none() || !t.is_empty()) {
+                    (Phase::Start { seen: s }, false)
+                } else {
+                    (Phase::Answer, true)
+                }
+            }
+        }
+    }
+}
+
+impl Constraint for ReasoningConstraint {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+        match &self.phase {
+            Phase::Answer => match self.answer.as_mut() {
+                Some(a) => a.mask(logits),
+                None => Ok(()),
+            },
+            Phase::Thinking { .. } => Ok(()),
+            Phase::Forcing { next } => {
+                let keep = self.forced_close[*next] as usize;
+                for (i, l) in logits.iter_mut().enumerate() {
+                    if i != keep {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+                Ok(())
+            }
+            Phase::Start { seen } => {
+                if self.answer.is_none() {
+                    return Ok(());
+                }
+                let seen = seen.clone();
+                if !seen.is_empty() {
+                    // Half an open marker: only its continuation.
+                    for (i, l) in logits.iter_mut().enumerate() {
+                        if !self.continues_open(&seen, i as u32) {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                    return Ok(());
+                }
+                // The first token: the answer's grammar, or the start of reasoning.
+                let open_ok: Vec<(usize, f32)> = logits
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| self.continues_open(&[], i as u32))
+                    .map(|(i, &l)| (i, l))
+                    .collect();
+                if let Some(a) = self.answer.as_mut() {
+                    a.mask(logits)?;
+                }
+                for (i, l) in open_ok {
+                    logits[i] = l;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn commit(&mut self, token: u32) -> Result<()> {
+        let (phase, to_answer) = self.step(&self.phase, token);
+        self.phase = phase;
+        match self.answer.as_mut() {
+            Some(a) if to_answer => a.commit(token),
+            _ => Ok(()),
+        }
+    }
+
+    fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        let mut phase = self.phase.clone();
+        for (i, &t) in tokens.iter().enumerate() {
+            match &phase {
+                Phase::Answer => {
+                    return i + self
+                        .answer
+                        .as_mut()
+                        .map_or(tokens.len() - i, |a| a.valid_prefix(&tokens[i..]));
+                }
+                Phase::Forcing { next } if self.forced_close[*next] != t => return i,
+                Phase::Start { seen } if self.answer.is_some() && !self.continues_open(seen, t) => {
+                    if !seen.is_empty() {
+                        return i;
+                    }
+                    return i + self
+                        .answer
+                        .as_mut()
+                        .map_or(tokens.len() - i, |a| a.valid_prefix(&tokens[i..]));
+                }
+                _ => {}
+            }
+            phase = self.step(&phase, t).0;
+        }
+        tokens.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A toy vocabulary: each id's bytes.
+    fn vocab() -> Arc<Vec<Vec<u8>>> {
+        let words = [
+            "<", "think", ">", "</", "hello", " ", "{", "}", "<think>", "</think>", ">\n\n", "x", "\n",
+        ];
+        Arc::new(words.iter().map(|w| w.as_bytes().to_vec()).collect())
+    }
+    const LT: u32 = 0;
+    const THINK: u32 = 1;
+    const GT: u32 = 2;
+    const LTS: u32 = 3;
+    const HELLO: u32 = 4;
+    const SP: u32 = 5;
+    const OPEN: u32 = 8;
+    const CLOSE: u32 = 9;
+    const GTNL: u32 = 10;
+    const X: u32 = 11;
+    const NL: u32 = 12;
+
+    fn control(starts_open: bool, max_tokens: Option<usize>) -> ReasoningControl {
+        ReasoningControl {
+            open: "<think>".into(),
+            close: "</think>".into(),
+            starts_open,
+            max_tokens,
+            max_chars: None,
+        }
+    }
+
+    fn allowed(c: &mut ReasoningConstraint) -> Vec<u32> {
+        let mut l = vec![0f32; 13];
+        c.mask(&mut l).expect("mask");
+        (0..13).filter(|&i| l[i as usize].is_finite()).collect()
+    }
+
+    #[test]
+    fn budget_forces_the_close_marker_then_frees_the_answer() {
+        let mut c =
+            ReasoningConstraint::new(vocab(), &control(true, Some(3)), vec![LTS, THINK, GT], None).expect("new");
+        for t in [HELLO, SP, HELLO] {
+            assert_eq!(allowed(&mut c).len(), 13);
+            c.commit(t).expect("commit");
+        }
+        // Budget spent: only the close marker, token by token.
+        for t in [LTS, THINK, GT] {
+            assert_eq!(allowed(&mut c), vec![t]);
+            c.commit(t).expect("commit");
+        }
+        assert_eq!(c.phase, Phase::Answer);
+        assert_eq!(allowed(&mut c).len(), 13);
+    }
+
+    #[test]
+    fn a_close_marker_split_over_tokens_ends_reasoning_before_the_budget() {
+        let mut c = ReasoningConstraint::new(vocab(), &control(true, Some(10)), vec![CLOSE], None).expect("new");
+        for t in [HELLO, LTS, THINK, GTNL] {
+            c.commit(t).expect("commit");
+        }
+        assert_eq!(c.phase, Phase::Answer);
+        // A later budget does not apply to the answer.
+        for _ in 0..20 {
+            c.commit(X).expect("commit");
+        }
+        assert_eq!(allowed(&mut c).len(), 13);
+    }
+
+    #[test]
+    fn reasoning_opened_by_the_output_counts_after_the_marker() {
+        let mut c = ReasoningConstraint::new(vocab(), &control(false, Some(2)), vec![CLOSE], None).expect("new");
+        for t in [NL, LT, THINK, GT, HELLO] {
+            assert_eq!(allowed(&mut c).len(), 13, "before {t}");
+            c.commit(t).expect("commit");
+        }
+        assert!(matches!(c.phase, Phase::Thinking { tokens: 1, .. }), "{:?}", c.phase);
+        c.commit(HELLO).expect("commit");
+        assert_eq!(allowed(&mut c), vec![CLOSE]);
+        // valid_prefix follows the same rules without advancing.
+        assert_eq!(c.valid_prefix(&[CLOSE, X, X]), 3);
+        assert_eq!(c.valid_prefix(&[X]), 0);
+        assert_eq!(allowed(&mut c), vec![CLOSE]);
+    }
+
+    #[test]
+    fn output_that_does_not_open_reasoning_is_never_bounded() {
+        let mut c = ReasoningConstraint::new(vocab(), &control(false, Some(0)), vec![CLOSE], None).expect("new");
+        c.commit(HELLO).expect("commit");
+        assert_eq!(c.phase, Phase::Answer);
+        c.commit(OPEN).expect("commit");
+        assert_eq!(c.phase, Phase::Answer, "a later <think> is content");
+    }
+
+    /// A grammar stand-in: allows only `{`, `x` and `}`.
+    struct Braces(Vec<u32>);
+    impl Constraint for Braces {
+        fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+            for (i, l) in logits.iter_mut().enumerate() {
+                if ![6, 7, 11].contains(&i) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            Ok(())
+        }
+        fn commit(&mut self, token: u32) -> Result<()> {
+            self.0.push(token);
+            Ok(())
+        }
+        fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+            tokens.iter().take_while(|t| [6, 7, 11].contains(*t)).count()
+        }
+    }
+
+    #[test]
+    fn with_a_grammar_the_first_token_is_the_grammar_or_the_open_marker() {
+        let mut c = ReasoningConstraint::new(
+            vocab(),
+            &control(false, Some(1)),
+            vec![CLOSE],
+            Some(Box::new(Braces(vec![]))),
+        )
+        .expect("new");
+        // `<`, `<think>` (open marker prefixes) and the grammar's tokens.
+        assert_eq!(allowed(&mut c), vec![LT, 6, 7, OPEN, X]);
+        c.commit(LT).expect("commit");
+        assert_eq!(allowed(&mut c), vec![THINK], "half a marker: only its continuation");
+        assert_eq!(c.valid_prefix(&[THINK, GT, HELLO, CLOSE, 6, X, SP]), 6);
+        for t in [THINK, GT, HELLO] {
+            c.commit(t).expect("commit");
+        }
+        assert_eq!(allowed(&mut c), vec![CLOSE]);
+        c.commit(CLOSE).expect("commit");
+        assert_eq!(allowed(&mut c), vec![6, 7, X]);
+        c.commit(6).expect("commit");
+        assert_eq!(c.phase, Phase::Answer);
+    }
+
+    #[test]
+    fn with_a_grammar_a_non_marker_first_token_goes_to_the_grammar() {
+        let mut c = ReasoningConstraint::new(
+            vocab(),
+            &control(false, None),
+            vec![CLOSE],
+            Some(Box::new(Braces(vec![]))),
+        )
+        .expect("new");
+        assert_eq!(c.valid_prefix(&[6, X, 7]), 3);
+        assert_eq!(
+            c.valid_prefix(&[SP]),
+            0,
+            "blank before the marker is the grammar's, which refuses it"
+        );
+        c.commit(6).expect("commit");
+        assert_eq!(c.phase, Phase::Answer);
+        assert_eq!(allowed(&mut c), vec![6, 7, X]);
     }
 }

@@ -5,7 +5,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Device;
 use specula_engine::bundle;
 use specula_engine::emit::Emitter;
-use specula_engine::model::{Family, LogitsRows, Model};
+use specula_engine::model::{Family, LogitsRows, Model, Segment};
 use specula_engine::testing::{write_tiny_gguf, write_tiny_hf, TinySpec};
 use specula_engine::{Engine, FinishReason, GenerateRequest, LoadOptions, SamplingParams};
 
@@ -103,6 +103,56 @@ fn verify_rows_equal_decode_rows_bitwise() {
                     "{dtype:?} {family:?}: row {i} of a {}-row forward differs from decode",
                     block.len()
                 );
+            }
+        }
+    }
+}
+
+/// A batched forward over several sequences (different lengths, positions, logits rows) gives
+/// each sequence the bits of its own forward, and leaves each cache as its own forward would.
+#[test]
+fn batched_forward_equals_separate_forwards_bitwise() {
+    let bits = |t: &candle_core::Tensor| -> Vec<Vec<u32>> {
+        let rows: Vec<Vec<f32>> = t.to_vec2().expect("rows");
+        rows.iter().map(|r| r.iter().map(|x| x.to_bits()).collect()).collect()
+    };
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+        for family in [Family::Llama, Family::Qwen2, Family::Qwen3] {
+            let dir = tmp();
+            let model = load_gguf(&TinySpec::with_dtype(family, dtype), dir.path());
+            // Three sequences with different prefixes already in their caches.
+            let prefixes: [&[u32]; 3] = [&TOKENS[..3], &TOKENS[2..9], &TOKENS[5..6]];
+            let steps: [(&[u32], LogitsRows); 3] = [
+                (&TOKENS[3..4], LogitsRows::Last),
+                (&TOKENS[1..6], LogitsRows::All),
+                (&TOKENS[6..9], LogitsRows::None),
+            ];
+            let mut solo = Vec::new();
+            let mut caches = Vec::new();
+            for (p, (t, rows)) in prefixes.iter().zip(steps) {
+                let mut kv = model.new_kv_cache();
+                model.forward(p, &mut kv, LogitsRows::None, &[]).expect("prefill");
+                caches.push(kv.clone());
+                let out = model.forward(t, &mut kv, rows, &[1]).expect("solo");
+                solo.push((bits(&out.logits), bits(&out.hidden[0]), kv));
+            }
+            let mut segs: Vec<Segment> = caches
+                .iter_mut()
+                .zip(steps)
+                .map(|(kv, (tokens, rows))| Segment { tokens, kv, rows })
+                .collect();
+            let outs = model.forward_batch(&mut segs, &[1]).expect("batched");
+            drop(segs);
+            for (i, (out, (logits, hidden, kv))) in outs.iter().zip(&solo).enumerate() {
+                assert_eq!(&bits(&out.logits), logits, "{dtype:?} {family:?}: segment {i} logits");
+                assert_eq!(
+                    &bits(&out.hidden[0]),
+                    hidden,
+                    "{dtype:?} {family:?}: segment {i} hidden"
+                );
+                let (k1, v1) = kv.layer(0, kv.len());
+                let (k2, v2) = caches[i].layer(0, caches[i].len());
+                assert_eq!((k1, v1), (k2, v2), "{dtype:?} {family:?}: segment {i} cache");
             }
         }
     }

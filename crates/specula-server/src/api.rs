@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::Stream;
 use serde_json::{json, Value};
+use specula_engine::constraint::GrammarSpec;
 use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -26,7 +27,7 @@ use crate::logprobs;
 use crate::params::{self, Body, Common, ToolChoice, MAX_TOP_LOGPROBS};
 use crate::reasoning::prompt_opens_reasoning;
 use crate::tools::{Dialect, ParserConfig};
-use crate::worker::{EngineHandle, Event, Prompt, Submission, SubmitError};
+use crate::worker::{EngineHandle, Event, Prompt, ReasoningLimits, Submission, SubmitError};
 
 /// OpenAI's legacy completions default for `max_tokens`.
 const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
@@ -65,6 +66,10 @@ struct Parsed {
     spec: SpecOptions,
     /// Chat: how the output is parsed (tool calls, reasoning).
     chat: Option<ChatSetup>,
+    /// `response_format`: the grammar the answer is constrained to.
+    grammar: Option<GrammarSpec>,
+    /// Chat: bounds on the model's reasoning.
+    reasoning: Option<ReasoningLimits>,
 }
 
 /// How a chat response's output is parsed.
@@ -141,6 +146,8 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let tools = params::tools(&b)?;
     let kwargs = params::template_kwargs(&b)?;
     let spec = parse_spec(h, &b)?;
+    let grammar = params::response_format(&b)?;
+    let limits = params::reasoning_limits(&b)?;
     let want = b.bool("logprobs")?.unwrap_or(false);
     let top = b.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i128)?;
     if !want && top.is_some_and(|t| t > 0) {
@@ -182,6 +189,11 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
             tools: parse_tools,
             thinking: m.chat.thinking,
         }),
+        grammar,
+        reasoning: Some(ReasoningLimits {
+            thinking: m.chat.thinking,
+            ..limits
+        }),
     })
 }
 
@@ -205,6 +217,7 @@ fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     }
     let logprobs = b.int_in("logprobs", 0, MAX_TOP_LOGPROBS as i128)?.map(|n| n as usize);
     let spec = parse_spec(h, &b)?;
+    let grammar = params::response_format(&b)?;
     Ok(Parsed {
         kind: Kind::Completion,
         prompt,
@@ -212,6 +225,8 @@ fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
         logprobs,
         spec,
         chat: None,
+        grammar,
+        reasoning: None,
     })
 }
 
@@ -249,6 +264,8 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
         default_max_tokens: (p.kind == Kind::Completion).then_some(COMPLETIONS_DEFAULT_MAX_TOKENS),
         stream: c.stream,
         endpoint: p.kind.endpoint(),
+        grammar: p.grammar.clone(),
+        reasoning: p.reasoning,
     };
     let mut rx = match h.submit(sub) {
         Ok(rx) => rx,
@@ -540,6 +557,7 @@ fn model_json(h: &EngineHandle) -> Value {
             "effective_spec": m.effective_spec,
             "tuned_default": m.tuned_default,
             "bundle": m.bundle,
+            "loads": m.loads,
         },
     })
 }

@@ -112,6 +112,7 @@ impl ApiError {
                     Some(p) => Some(p),
                     None if m.starts_with("speculative") || m.starts_with("draft_max") => Some("spec"),
                     None if m.starts_with("chat template") => Some("messages"),
+                    None if m.starts_with("response_format") => Some("response_format"),
                     None if m.starts_with("prompt") => Some(prompt_param),
                     None => None,
                 };

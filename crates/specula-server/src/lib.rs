@@ -1,8 +1,10 @@
 //! Specula's OpenAI-compatible HTTP server.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-//! `GET /v1/models/{id}`, `GET /health`, `GET /metrics` (Prometheus text). Errors use OpenAI's
-//! body `{"error": {"message", "type", "param", "code"}}`.
+//! `GET /v1/models/{id}`, `POST /v1/models/{id}/speculative` (change the speculation default at
+//! run time, loading or unloading a draft model when needed; `admin.rs`), `GET /health`,
+//! `GET /metrics` (Prometheus text). Errors use OpenAI's body
+//! `{"error": {"message", "type", "param", "code"}}`.
 //!
 //! Speculative decoding extensions: the request field `spec` (a mode string, or
 //! `{"mode", "draft_max", "adaptive"}` over the server default [`ServeOptions::spec`]), the
@@ -19,6 +21,7 @@
 //! The engine runs on one dedicated OS thread ([`EngineHandle`]); requests are served one at a
 //! time in arrival order, with at most `max_queue` waiting (more get 429 with `Retry-After: 1`).
 
+mod admin;
 mod api;
 mod chat_output;
 mod chat_prompt;
@@ -40,6 +43,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use tokio::net::TcpListener;
 
+pub use admin::LoadEvent;
 pub use chat_prompt::{ChatInfo, ChatPrompt};
 pub use error::ApiError;
 pub use metrics::Metrics;
@@ -68,6 +72,10 @@ pub struct ServeOptions {
     /// The tool-call dialect (`--tool-parser`); `None` = detected from the chat template and
     /// the model family.
     pub tool_parser: Option<tools::Dialect>,
+    /// Seconds the target's load took before serving, shown in `/v1/models` (`specula.loads`).
+    pub target_load_s: Option<f64>,
+    /// Seconds the draft model's load took before serving, if one is attached.
+    pub draft_load_s: Option<f64>,
 }
 
 impl Default for ServeOptions {
@@ -79,6 +87,8 @@ impl Default for ServeOptions {
             spec: Default::default(),
             bundle: None,
             tool_parser: None,
+            target_load_s: None,
+            draft_load_s: None,
         }
     }
 }
@@ -89,7 +99,7 @@ pub fn router(handle: EngineHandle) -> Router {
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/completions", post(api::completions))
         .route("/v1/models", get(api::list_models))
-        .route("/v1/models/{*model}", get(api::get_model))
+        .route("/v1/models/{*model}", get(api::get_model).post(admin::post_model))
         .route("/health", get(api::health))
         .route("/metrics", get(api::metrics))
         .method_not_allowed_fallback(api::method_not_allowed)
@@ -104,7 +114,8 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
     worker::check_spec_default(&engine, &opts.spec)
         .map_err(|e| anyhow::anyhow!("the server's speculation default: {e}"))?;
     let handle = EngineHandle::spawn_with_bundle(engine, opts.max_queue, opts.spec, opts.bundle.clone())
-        .with_tool_parser(opts.tool_parser);
+        .with_tool_parser(opts.tool_parser)
+        .with_load_seconds(opts.target_load_s, opts.draft_load_s);
     let listener = TcpListener::bind((opts.host.as_str(), opts.port))
         .await
         .with_context(|| format!("binding {}:{}", opts.host, opts.port))?;

@@ -34,6 +34,11 @@ pub struct Metrics {
     pub spec_target_steps: IntCounter,
     /// Tokens committed by those target steps (tau = committed / target steps).
     pub spec_committed: IntCounter,
+    /// Model loads by kind (`target`, `draft`): the target's load before serving counts once,
+    /// plus every draft model loaded at startup or by `POST /v1/models/{id}/speculative`.
+    pub model_loads: IntCounterVec,
+    /// Model unloads by kind (`draft`).
+    pub model_unloads: IntCounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -102,6 +107,16 @@ impl Metrics {
             "specula_spec_committed_tokens_total",
             "Tokens committed by target decode steps in speculative requests (tau = committed / target steps).",
         );
+        let model_loads = IntCounterVec::new(
+            Opts::new("specula_model_loads_total", "Model loads by kind (target, draft)."),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let model_unloads = IntCounterVec::new(
+            Opts::new("specula_model_unloads_total", "Model unloads by kind (draft)."),
+            &["kind"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(prompt_tokens.clone()),
@@ -117,6 +132,8 @@ impl Metrics {
             Box::new(spec_accepted.clone()),
             Box::new(spec_target_steps.clone()),
             Box::new(spec_committed.clone()),
+            Box::new(model_loads.clone()),
+            Box::new(model_unloads.clone()),
         ] {
             registry.register(c).expect("metric names are unique");
         }
@@ -136,6 +153,8 @@ impl Metrics {
             spec_accepted,
             spec_target_steps,
             spec_committed,
+            model_loads,
+            model_unloads,
         }
     }
 

@@ -9,9 +9,11 @@ use specula_engine::engine::MAX_DRAFT;
 use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, SamplingParams};
 
+use specula_engine::constraint::GrammarSpec;
+
 use crate::error::ApiError;
 use crate::tools::ToolSpec;
-use crate::worker::Prompt;
+use crate::worker::{Prompt, ReasoningLimits};
 
 /// Most alternatives `top_logprobs` / legacy `logprobs` may ask for (the engine's limit).
 pub const MAX_TOP_LOGPROBS: u64 = 20;
@@ -724,4 +726,96 @@ pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
         }
         other => Err(bad_type("prompt", expected, other)),
     }
+}
+
+/// Default bound of a thinking model's reasoning before a structured answer, in characters.
+pub const DEFAULT_THINK_PRELUDE_CHARS: usize = 4000;
+
+/// `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`,
+/// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`, and
+/// two extensions: `{"type": "regex", "regex": "..."}` and `{"type": "lark", "lark": "..."}`
+/// (llguidance's regex and Lark syntax). The schema is enforced whether or not `strict` is set.
+/// Whether the schema, regex or grammar compiles is checked on the engine (a 400 too).
+pub fn response_format(b: &Body) -> Result<Option<GrammarSpec>, ApiError> {
+    let param = "response_format";
+    let obj = match b.get(param) {
+        None => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(bad_type(param, "an object", v)),
+    };
+    let ty = match obj.get("type") {
+        Some(Value::String(t)) => t.as_str(),
+        Some(v) => return Err(bad_field_type(param, "response_format.type", "a string", v)),
+        None => return Err(missing("response_format.type")),
+    };
+    let text_field = |key: &str| -> Result<String, ApiError> {
+        match obj.get(key) {
+            Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+            Some(Value::String(_)) => Err(bad_value(param, format!("Invalid 'response_format.{key}': empty."))),
+            Some(v) => Err(bad_field_type(param, &format!("response_format.{key}"), "a string", v)),
+            None => Err(missing(&format!("response_format.{key}"))),
+        }
+    };
+    match ty {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(GrammarSpec::JsonObject)),
+        "json_schema" => {
+            let js = match obj.get("json_schema") {
+                Some(Value::Object(o)) => o,
+                Some(v) => return Err(bad_field_type(param, "response_format.json_schema", "an object", v)),
+                None => return Err(missing("response_format.json_schema")),
+            };
+            match js.get("name") {
+                None | Some(Value::String(_)) => {}
+                Some(v) => return Err(bad_field_type(param, "response_format.json_schema.name", "a string", v)),
+            }
+            match js.get("strict") {
+                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+                Some(v) => {
+                    return Err(bad_field_type(
+                        param,
+                        "response_format.json_schema.strict",
+                        "a boolean",
+                        v,
+                    ))
+                }
+            }
+            match js.get("schema") {
+                Some(s @ Value::Object(_)) => Ok(Some(GrammarSpec::JsonSchema(s.clone()))),
+                Some(v) => Err(bad_field_type(
+                    param,
+                    "response_format.json_schema.schema",
+                    "an object",
+                    v,
+                )),
+                None => Err(missing("response_format.json_schema.schema")),
+            }
+        }
+        "regex" => Ok(Some(GrammarSpec::Regex(text_field("regex")?))),
+        "lark" => Ok(Some(GrammarSpec::Lark(text_field("lark")?))),
+        other => Err(bad_value(
+            param,
+            format!(
+                "Invalid 'response_format.type': '{other}'. Supported values are: 'text', 'json_object', \
+                 'json_schema', and the extensions 'regex' and 'lark'."
+            ),
+        )),
+    }
+}
+
+/// Bounds on a thinking model's reasoning: `max_reasoning_tokens` (an extension: tokens of
+/// reasoning before `</think>` is forced) and `think_prelude_chars` (an extension: the bound,
+/// in characters, of the reasoning before a `response_format` answer; default
+/// [`DEFAULT_THINK_PRELUDE_CHARS`]).
+pub fn reasoning_limits(b: &Body) -> Result<ReasoningLimits, ApiError> {
+    Ok(ReasoningLimits {
+        thinking: false,
+        max_tokens: b
+            .int_in("max_reasoning_tokens", 0, u32::MAX as i128)?
+            .map(|n| n as usize),
+        prelude_chars: b
+            .int_in("think_prelude_chars", 0, u32::MAX as i128)?
+            .map(|n| n as usize)
+            .unwrap_or(DEFAULT_THINK_PRELUDE_CHARS),
+    })
 }

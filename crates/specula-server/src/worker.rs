@@ -8,9 +8,10 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use specula_engine::constraint::{GrammarSpec, OutputControl, ReasoningControl};
 use specula_engine::spec::SpecOptions;
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -18,6 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::chat_prompt::{self, ChatInfo, ChatPrompt};
 use crate::logprobs::TokenBytes;
 use crate::metrics::Metrics;
+use crate::reasoning::{prompt_opens_reasoning, THINK_CLOSE, THINK_OPEN};
 
 /// Default number of requests allowed to wait (see [`EngineHandle::spawn_with_queue`]).
 pub const DEFAULT_MAX_QUEUE: usize = 64;
@@ -50,10 +52,17 @@ pub struct ModelInfo {
     /// The bundle report's capability summary (`specula_engine::inspect`), when the server was
     /// started with one.
     pub bundle: Option<serde_json::Value>,
+    /// Recent model loads and unloads, oldest first (at most [`crate::admin::MAX_LOAD_LOG`]):
+    /// the target's and any draft model's before serving, then those made by
+    /// `POST /v1/models/{id}/speculative`.
+    pub loads: Vec<crate::admin::LoadEvent>,
 }
 
+/// The current [`ModelInfo`] of a handle; a speculation change replaces the whole value.
+pub(crate) type ModelCell = Arc<RwLock<Arc<ModelInfo>>>;
+
 /// What requests without a `spec` field run on `engine`, as JSON for `/v1/models`.
-fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_json::Value {
+pub(crate) fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_json::Value {
     let eff = engine.effective_spec(*spec);
     let resolved = engine.resolve_spec_mode(spec.mode);
     let tuned = engine
@@ -118,6 +127,42 @@ pub struct Submission {
     pub stream: bool,
     /// Endpoint name for logs.
     pub endpoint: &'static str,
+    /// Structured output (`response_format`): the answer is constrained to this grammar.
+    pub grammar: Option<GrammarSpec>,
+    /// Chat: bounds on the model's reasoning (`None` for completions).
+    pub reasoning: Option<ReasoningLimits>,
+}
+
+/// What a chat request bounds a thinking model's reasoning with (see
+/// `params::reasoning_limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReasoningLimits {
+    /// Tokens of reasoning before `</think>` is forced (`max_reasoning_tokens`).
+    pub max_tokens: Option<usize>,
+    /// Characters of reasoning before a structured answer (`think_prelude_chars`); applies only
+    /// with a grammar.
+    pub prelude_chars: usize,
+    /// The model may think even when the prompt does not open `<think>`.
+    pub thinking: bool,
+}
+
+impl ReasoningLimits {
+    /// The engine's reasoning control for a prompt ending in `prompt_tail`, with or without a
+    /// grammar for the answer; `None` when the model does not think here or nothing is bounded.
+    pub fn control(&self, prompt_tail: &str, grammar: bool) -> Option<ReasoningControl> {
+        let opens = prompt_opens_reasoning(prompt_tail);
+        if !(self.thinking || opens) {
+            return None;
+        }
+        let max_chars = grammar.then_some(self.prelude_chars);
+        (self.max_tokens.is_some() || max_chars.is_some()).then(|| ReasoningControl {
+            open: THINK_OPEN.to_string(),
+            close: THINK_CLOSE.to_string(),
+            starts_open: opens,
+            max_tokens: self.max_tokens,
+            max_chars,
+        })
+    }
 }
 
 /// What the worker reports about a job, in order: `Started`, then (streaming) `Delta`s, then
@@ -147,6 +192,8 @@ pub enum SubmitError {
 enum Work {
     Job(Box<Job>),
     Hold(mpsc::Receiver<()>, Slot),
+    /// A change of the speculation default (between jobs; takes no queue place).
+    Control(Box<crate::admin::Control>),
 }
 
 struct Job {
@@ -210,7 +257,7 @@ impl Drop for Slot {
 struct Shared {
     jobs: mpsc::Sender<Work>,
     queue: Arc<Queue>,
-    model: ModelInfo,
+    model: ModelCell,
     token_bytes: TokenBytes,
 }
 
@@ -224,7 +271,7 @@ pub struct EngineHandle {
 impl std::fmt::Debug for EngineHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EngineHandle")
-            .field("model", &self.shared.model.id)
+            .field("model", &self.model().id)
             .field("max_queue", &self.shared.queue.max_queue)
             .finish_non_exhaustive()
     }
@@ -263,7 +310,9 @@ impl EngineHandle {
         spec: SpecOptions,
         bundle: Option<serde_json::Value>,
     ) -> Self {
+        let metrics = Metrics::new();
         let model = ModelInfo {
+            loads: crate::admin::startup_loads(&engine, &metrics),
             effective_spec: effective_spec_json(&engine, &spec),
             tuned_default: engine.tuned_default().and_then(|t| serde_json::to_value(t).ok()),
             bundle,
@@ -277,7 +326,6 @@ impl EngineHandle {
             chat: ChatInfo::of(&engine),
         };
         let token_bytes = TokenBytes::new(engine.tokenizer().clone());
-        let metrics = Metrics::new();
         let queue = Arc::new(Queue {
             max_queue,
             pending: AtomicUsize::new(0),
@@ -289,30 +337,68 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("specula-engine".to_string())
             .stack_size(16 << 20)
-            .spawn(move || worker_loop(engine, rx, worker_metrics))
+            .spawn(move || {
+                let drafts = crate::admin::DraftState::new(&engine);
+                worker_loop(engine, drafts, rx, worker_metrics)
+            })
             .expect("spawning the engine thread");
         Self {
             shared: Arc::new(Shared {
                 jobs: tx,
                 queue,
-                model,
+                model: Arc::new(RwLock::new(Arc::new(model))),
                 token_bytes,
             }),
         }
     }
 
-    pub fn model(&self) -> &ModelInfo {
-        &self.shared.model
+    /// What the model serves now. A speculation change (`POST /v1/models/{id}/speculative`)
+    /// replaces it: the returned snapshot stays as it was, call again for the current state.
+    pub fn model(&self) -> Arc<ModelInfo> {
+        self.shared.model.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// This handle with the seconds the loads before serving took (the target's, the draft
+    /// model's) shown in `/v1/models` (`specula.loads`); unknown ones stay `null`.
+    pub fn with_load_seconds(self, target: Option<f64>, draft: Option<f64>) -> Self {
+        {
+            let mut cell = self.shared.model.write().unwrap_or_else(PoisonError::into_inner);
+            let mut m = (**cell).clone();
+            crate::admin::set_startup_seconds(&mut m.loads, target, draft);
+            *cell = Arc::new(m);
+        }
+        self
+    }
+
+    /// Queue a speculation change for the worker (after the jobs already queued); its outcome
+    /// is sent on `reply`. Takes no queue place.
+    pub(crate) fn control(
+        &self,
+        change: crate::admin::SpecChange,
+        reply: tokio::sync::oneshot::Sender<Result<crate::admin::Outcome, crate::error::ApiError>>,
+    ) -> Result<(), SubmitError> {
+        let ctl = crate::admin::Control {
+            change,
+            cell: self.shared.model.clone(),
+            reply,
+        };
+        self.shared
+            .jobs
+            .send(Work::Control(Box::new(ctl)))
+            .map_err(|_| SubmitError::WorkerGone)
     }
 
     /// This handle with the tool-call dialect set (`--tool-parser`) instead of detected; `None`
-    /// keeps the detected one. Other handles keep what they had.
+    /// keeps the detected one. Other handles keep what they had (and the returned one gets its
+    /// own [`ModelInfo`]: speculation changes made through the others are not shown by it).
     pub fn with_tool_parser(self, dialect: Option<crate::tools::Dialect>) -> Self {
         let Some(d) = dialect else {
             return self;
         };
         let mut shared = (*self.shared).clone();
-        shared.model.chat = shared.model.chat.with_dialect(d);
+        let mut model = (*self.model()).clone();
+        model.chat = model.chat.with_dialect(d);
+        shared.model = Arc::new(RwLock::new(Arc::new(model)));
         Self {
             shared: Arc::new(shared),
         }
@@ -390,16 +476,17 @@ pub fn check_spec_default(engine: &Engine, spec: &SpecOptions) -> Result<(), Str
     Ok(())
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
 }
 
-fn worker_loop(mut engine: Engine, rx: mpsc::Receiver<Work>, metrics: Metrics) {
+fn worker_loop(mut engine: Engine, mut drafts: crate::admin::DraftState, rx: mpsc::Receiver<Work>, metrics: Metrics) {
     for work in rx {
         match work {
+            Work::Control(ctl) => crate::admin::apply(&mut engine, &mut drafts, *ctl, &metrics),
             Work::Hold(release, mut slot) => {
                 slot.take();
                 metrics.running.inc();
@@ -476,6 +563,14 @@ fn run_job(
         }
     }
     engine.validate(&req)?;
+    // Compile the constraint before answering "started": a bad schema or grammar is a 400.
+    let control = OutputControl {
+        grammar: sub.grammar.clone(),
+        reasoning: sub
+            .reasoning
+            .and_then(|r| r.control(&prompt_tail, sub.grammar.is_some())),
+    };
+    let constraint = engine.compile_output_control(&control)?;
     if events
         .send(Event::Started {
             prompt_tokens: req.prompt_tokens.len(),
@@ -493,7 +588,7 @@ fn run_job(
             !events.is_closed()
         }
     };
-    engine.generate(&req, &mut on_delta)
+    engine.generate_with_constraint(&req, constraint, &mut on_delta)
 }
 
 /// The drafter family of a decode path, for metric labels: `ar` (plain decoding, also when

@@ -324,6 +324,115 @@ async fn a_template_that_opens_think_gets_reasoning_content() {
     }
 }
 
+/// `max_reasoning_tokens` forces `</think>` after that many reasoning tokens (the engine's mask,
+/// so the same bytes with speculation); `response_format` on a thinking model gets a bounded
+/// think prelude, then the constrained answer.
+#[tokio::test]
+async fn reasoning_budget_and_think_prelude_through_the_api() {
+    use specula_engine::constraint::{GrammarSpec, OutputControl, ReasoningControl};
+    let path = think_model();
+    let (app, _h) = serve(&path);
+    let mut eng = load(&path);
+    let prompt_text = "<|im_start|>user\nthe hen<|im_end|>\n<|im_start|>assistant\n<think>\n";
+    let tokens = eng.tokenize(prompt_text).expect("tokenize");
+    let close = eng.tokenize("</think>").expect("tokenize");
+    let direct_with = |eng: &mut Engine, control: &OutputControl, max_tokens: usize| {
+        let req = specula_engine::GenerateRequest {
+            prompt_tokens: tokens.clone(),
+            sampling: SamplingParams::greedy(),
+            max_tokens: Some(max_tokens),
+            stop: vec![],
+            logprobs: None,
+            ignore_eos: true,
+            spec: SpecOptions::default(),
+        };
+        eng.generate_with(&req, control, &mut |_| true).expect("generate")
+    };
+    for budget in [0usize, 3, 9] {
+        let control = OutputControl {
+            grammar: None,
+            reasoning: Some(ReasoningControl {
+                open: "<think>".into(),
+                close: "</think>".into(),
+                starts_open: true,
+                max_tokens: Some(budget),
+                max_chars: None,
+            }),
+        };
+        let out = direct_with(&mut eng, &control, 30);
+        assert_eq!(
+            &out.token_ids[budget..budget + close.len()],
+            close.as_slice(),
+            "budget {budget}"
+        );
+        let (reasoning, content) = split(true, &out.text);
+        for spec in ["off", "ngram"] {
+            let body = json!({"messages": [{"role": "user", "content": "the hen"}], "temperature": 0,
+                "max_tokens": 30, "ignore_eos": true, "max_reasoning_tokens": budget, "spec": spec});
+            let v = post(&app, CHAT, body).await.json();
+            let m = &v["choices"][0]["message"];
+            assert_eq!(
+                m.get("reasoning_content").and_then(Value::as_str).unwrap_or(""),
+                reasoning,
+                "budget {budget} {spec}: {v}"
+            );
+            assert_eq!(m["content"], content.as_str(), "budget {budget} {spec}: {v}");
+        }
+    }
+    // A structured answer: the prelude (here 20 characters) is bounded, then the regex holds.
+    let regex = "[ab]{3,6}";
+    let control = OutputControl {
+        grammar: Some(GrammarSpec::Regex(regex.into())),
+        reasoning: Some(ReasoningControl {
+            open: "<think>".into(),
+            close: "</think>".into(),
+            starts_open: true,
+            max_tokens: None,
+            max_chars: Some(20),
+        }),
+    };
+    let out = direct_with(&mut eng, &control, 60);
+    let (reasoning, content) = split(true, &out.text);
+    assert!(
+        content.len() >= 3 && content.len() <= 6 && content.chars().all(|c| c == 'a' || c == 'b'),
+        "{content:?}"
+    );
+    for spec in ["off", "ngram"] {
+        let body = json!({"messages": [{"role": "user", "content": "the hen"}], "temperature": 0,
+            "max_tokens": 60, "ignore_eos": true, "think_prelude_chars": 20, "spec": spec,
+            "response_format": {"type": "regex", "regex": regex}});
+        let v = post(&app, CHAT, body).await.json();
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["reasoning_content"], reasoning.as_str(), "{spec}: {v}");
+        assert_eq!(m["content"], content.as_str(), "{spec}: {v}");
+    }
+    // Bad values are 400s naming the field.
+    for (body, param) in [
+        (json!({"max_reasoning_tokens": -1}), "max_reasoning_tokens"),
+        (json!({"think_prelude_chars": "x"}), "think_prelude_chars"),
+        (json!({"response_format": {"type": "xml"}}), "response_format"),
+        (
+            json!({"response_format": {"type": "json_schema"}}),
+            "response_format.json_schema",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "regex", "regex": "("}}),
+            "response_format",
+        ),
+        (json!({"response_format": "json"}), "response_format"),
+    ] {
+        let mut b = body.clone();
+        b["messages"] = json!([{"role": "user", "content": "hi"}]);
+        let r = post(&app, CHAT, b).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.text);
+        assert_eq!(r.json()["error"]["param"], param, "{body}: {}", r.text);
+    }
+}
+
 #[tokio::test]
 async fn tool_parser_override() {
     let h = EngineHandle::spawn(load(&tools_model())).with_tool_parser(Some(Dialect::Bracket));

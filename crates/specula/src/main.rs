@@ -335,8 +335,12 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
 
 fn serve(a: ServeArgs) -> Result<()> {
     let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
+    let t = std::time::Instant::now();
     let mut engine = load(&a.model, a.served_model_name.clone())?;
+    let target_load_s = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
     a.spec.attach(&mut engine)?;
+    let draft_load_s = a.spec.draft_model.is_some().then(|| t.elapsed().as_secs_f64());
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -351,6 +355,8 @@ fn serve(a: ServeArgs) -> Result<()> {
             spec: a.spec.options(),
             bundle: report.map(|r| r.capabilities_json()),
             tool_parser: a.tool_parser,
+            target_load_s: Some(target_load_s),
+            draft_load_s,
         },
     ))
 }

@@ -55,14 +55,7 @@ pub fn cached_path(entry: &CatalogEntry) -> Option<PathBuf> {
 }
 
 fn cached_path_in(cache: &Path, entry: &CatalogEntry) -> Option<PathBuf> {
-    let path = model_path(cache, entry);
-    let meta = fs::metadata(&path).ok()?;
-    if !meta.is_file() || meta.len() != entry.size_bytes {
-        return None;
-    }
-    let marker = fs::read_to_string(marker_path(&path)).ok()?;
-    let recorded = marker.split_whitespace().next()?;
-    recorded.eq_ignore_ascii_case(entry.sha256).then_some(path)
+    specula_engine::cache::verified_model_in(cache, entry)
 }
 
 /// Every catalog entry with its cached path (`None` when not downloaded), for `specula list`.

@@ -352,6 +352,57 @@ fn openai_python_client_tool_calls() {
     eprintln!("openai_python_client_tool_calls: {:.1}s", t0.elapsed().as_secs_f64());
 }
 
+/// The JSON Schema each `json` fixture prompt is answered under (what the prompt asks for).
+fn json_prompt_schema(id: &str) -> Value {
+    let strings = json!({"type": "array", "items": {"type": "string"}});
+    match id {
+        "p32" => json!({"type": "object", "additionalProperties": false,
+            "properties": {"title": {"type": "string"}, "author": {"type": "string"},
+                           "year": {"type": "integer"}, "genres": strings},
+            "required": ["title", "author", "year", "genres"]}),
+        "p34" => json!({"type": "object", "additionalProperties": false,
+            "properties": {"city": {"type": "string"}, "temperature_c": {"type": "number"},
+                           "humidity_percent": {"type": "number"}, "conditions": {"type": "string"}},
+            "required": ["city", "temperature_c", "humidity_percent", "conditions"]}),
+        "p36" => json!({"type": "object", "additionalProperties": false,
+            "properties": {"title": {"type": "string"},
+                           "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+                           "location": {"type": "string"},
+                           "attendees": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 3}},
+            "required": ["title", "date", "location", "attendees"]}),
+        "p38" => json!({"type": "object", "additionalProperties": false,
+            "properties": {"host": {"type": "string"}, "port": {"type": "integer"}, "tls": {"type": "boolean"},
+                           "max_connections": {"type": "integer"},
+                           "log_level": {"type": "string", "enum": ["debug", "info", "warning", "error"]}},
+            "required": ["host", "port", "tls", "max_connections", "log_level"]}),
+        other => panic!("no schema for json prompt {other}: add one"),
+    }
+}
+
+/// Structured output through the official client on every `json` fixture prompt: `json_schema`
+/// content validates against the schema, streamed and speculative (n-gram) output are the same
+/// bytes; `json_object` gives an object.
+#[test]
+fn openai_python_client_json_schema() {
+    let t0 = Instant::now();
+    require_model(MODEL);
+    let mut server = Server::spawn(MODEL);
+    let cases: Vec<Value> = support::fixture_prompts()
+        .into_iter()
+        .filter(|p| p.kind == "json")
+        .map(|p| {
+            json!({"id": p.id, "messages": messages_json(&p.messages), "max_tokens": 128,
+                   "schema": json_prompt_schema(&p.id)})
+        })
+        .collect();
+    assert_eq!(cases.len(), 4, "the fixtures have four json prompts");
+    let expect = json!({"model": MODEL, "json": cases});
+    server.wait_ready();
+    run_openai_client(&server, &expect, &["--only", "json"], 5);
+    drop(server);
+    eprintln!("openai_python_client_json_schema: {:.1}s", t0.elapsed().as_secs_f64());
+}
+
 #[test]
 fn cli_errors() {
     let t0 = Instant::now();

@@ -262,6 +262,15 @@ pub enum LogitsRows {
     None,
 }
 
+/// One sequence's part of a batched forward pass ([`Model::forward_batch`]): its new tokens,
+/// its KV cache (the tokens go at positions `kv.len() ..`), and which rows need logits.
+#[derive(Debug)]
+pub struct Segment<'a> {
+    pub tokens: &'a [u32],
+    pub kv: &'a mut KvCache,
+    pub rows: LogitsRows,
+}
+
 /// What a forward pass returns.
 #[derive(Debug)]
 pub struct ForwardOutput {
@@ -375,48 +384,64 @@ impl Model {
     ///
     /// Errors: empty `tokens`, a position past the context window, a token id outside the vocab.
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, rows: LogitsRows, taps: &[usize]) -> Result<ForwardOutput> {
+        let mut segs = [Segment { tokens, kv, rows }];
+        let mut outs = self.forward_batch(&mut segs, taps)?;
+        outs.pop()
+            .ok_or_else(|| anyhow::anyhow!("the forward returned no output"))
+    }
+
+    /// One forward pass over several sequences at once (continuous batching): the rows of every
+    /// segment are stacked through the projections and the MLP (the weights are read once for
+    /// all of them), and each segment attends over its own KV cache at its own positions.
+    /// Returns one [`ForwardOutput`] per segment, in order, as [`Model::forward`] would for that
+    /// segment alone; on batch-invariant kernels ([`Model::batch_invariant`]) the bits are the
+    /// same, whatever the other segments are.
+    ///
+    /// Errors: as [`Model::forward`], for any segment; no segment's cache then changes.
+    pub fn forward_batch(&self, segs: &mut [Segment<'_>], taps: &[usize]) -> Result<Vec<ForwardOutput>> {
         // Run on a pool worker: the parallel kernels inside then split work with the other
         // workers instead of waking the calling thread once per operation.
-        let out = pool().install(|| self.forward_inner(tokens, kv, rows, taps));
+        let out = pool().install(|| self.forward_inner(segs, taps));
         if out.is_err() {
-            kv.discard_uncommitted();
+            for s in segs.iter_mut() {
+                s.kv.discard_uncommitted();
+            }
         }
         out
     }
 
-    fn forward_inner(
-        &self,
-        tokens: &[u32],
-        kv: &mut KvCache,
-        rows: LogitsRows,
-        taps: &[usize],
-    ) -> Result<ForwardOutput> {
-        let n = tokens.len();
-        let start = kv.len();
+    fn forward_inner(&self, segs: &mut [Segment<'_>], taps: &[usize]) -> Result<Vec<ForwardOutput>> {
         let cfg = &self.config;
-        if n == 0 {
-            bail!("forward needs at least one token");
+        if segs.is_empty() {
+            bail!("forward needs at least one sequence");
         }
-        if start + n > cfg.context_length {
-            bail!(
-                "positions {}..{} exceed the context window of {} tokens",
-                start,
-                start + n,
-                cfg.context_length
-            );
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            bail!("token id {bad} is outside the vocabulary ({} tokens)", cfg.vocab_size);
+        for s in segs.iter() {
+            let (n, start) = (s.tokens.len(), s.kv.len());
+            if n == 0 {
+                bail!("forward needs at least one token");
+            }
+            if start + n > cfg.context_length {
+                bail!(
+                    "positions {}..{} exceed the context window of {} tokens",
+                    start,
+                    start + n,
+                    cfg.context_length
+                );
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                bail!("token id {bad} is outside the vocabulary ({} tokens)", cfg.vocab_size);
+            }
         }
         if let Some(&bad) = taps.iter().find(|&&t| t > cfg.num_layers) {
             bail!("hidden-state tap {bad} is out of range (0..={})", cfg.num_layers);
         }
         let eps = cfg.rms_norm_eps as f32;
-        let mut x = self.embedding.forward(tokens, &self.device)?;
+        let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let mut x = self.embedding.forward(&tokens, &self.device)?;
         let mut hidden = vec![None; taps.len()];
         for (li, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let attn = self.attention(block, li, &h, start, kv)?;
+            let attn = self.attention(block, li, &h, segs)?;
             x = (x + attn)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let g = block.gate.forward(&h)?;
@@ -429,59 +454,112 @@ impl Model {
                 }
             }
         }
-        kv.advance(n)?;
+        for s in segs.iter_mut() {
+            s.kv.advance(s.tokens.len())?;
+        }
         let normed = rms_norm(&x, &self.output_norm, eps)?;
         for (slot, &t) in hidden.iter_mut().zip(taps) {
             if t == cfg.num_layers {
                 *slot = Some(normed.clone());
             }
         }
-        let hidden = hidden.into_iter().flatten().collect();
-        let logits = match rows {
-            LogitsRows::All => self.lm_head.forward(&normed)?,
-            LogitsRows::Last => self.lm_head.forward(&normed.narrow(0, n - 1, 1)?)?,
-            LogitsRows::None => Tensor::zeros((0, cfg.vocab_size), DType::F32, &self.device)?,
+        let hidden: Vec<Tensor> = hidden.into_iter().flatten().collect();
+        // The rows that need logits, through the LM head in one product.
+        let mut pick = Vec::new();
+        let mut off = 0;
+        for s in segs.iter() {
+            let n = s.tokens.len();
+            match s.rows {
+                LogitsRows::All => pick.extend((off..off + n).map(|r| r as u32)),
+                LogitsRows::Last => pick.push((off + n - 1) as u32),
+                LogitsRows::None => {}
+            }
+            off += n;
+        }
+        let logits = if pick.is_empty() {
+            None
+        } else {
+            let idx = Tensor::new(pick.as_slice(), &self.device)?;
+            Some(self.lm_head.forward(&normed.index_select(&idx, 0)?)?)
         };
-        Ok(ForwardOutput { logits, hidden })
+        let mut outs = Vec::with_capacity(segs.len());
+        let (mut off, mut lrow) = (0, 0);
+        for s in segs.iter() {
+            let n = s.tokens.len();
+            let k = match s.rows {
+                LogitsRows::All => n,
+                LogitsRows::Last => 1,
+                LogitsRows::None => 0,
+            };
+            let seg_logits = match &logits {
+                Some(l) if k > 0 => l.narrow(0, lrow, k)?,
+                _ => Tensor::zeros((0, cfg.vocab_size), DType::F32, &self.device)?,
+            };
+            let seg_hidden = hidden
+                .iter()
+                .map(|h| h.narrow(0, off, n))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            outs.push(ForwardOutput {
+                logits: seg_logits,
+                hidden: seg_hidden,
+            });
+            off += n;
+            lrow += k;
+        }
+        Ok(outs)
     }
 
-    /// Grouped-query attention of block `li` for `h` (`[n, hidden]`) at positions
-    /// `start .. start + n`; appends K and V to the cache.
-    fn attention(&self, block: &Block, li: usize, h: &Tensor, start: usize, kv: &mut KvCache) -> Result<Tensor> {
+    /// Grouped-query attention of block `li` for `h` (`[rows of all segments, hidden]`): each
+    /// segment's rows at its positions `kv.len() .. kv.len() + n` over its own cache; appends K
+    /// and V to each cache.
+    fn attention(&self, block: &Block, li: usize, h: &Tensor, segs: &mut [Segment<'_>]) -> Result<Tensor> {
         let cfg = &self.config;
-        let n = h.dim(0)?;
+        let total = h.dim(0)?;
         let d = cfg.head_dim;
         let eps = cfg.rms_norm_eps as f32;
         let mut q = block.q.forward(h)?;
         let mut k = block.k.forward(h)?;
         let v = block.v.forward(h)?;
         if let (Some(qn), Some(kn)) = (&block.q_norm, &block.k_norm) {
-            q = rms_norm(&q.reshape((n * cfg.num_heads, d))?, qn, eps)?;
-            k = rms_norm(&k.reshape((n * cfg.num_kv_heads, d))?, kn, eps)?;
+            q = rms_norm(&q.reshape((total * cfg.num_heads, d))?, qn, eps)?;
+            k = rms_norm(&k.reshape((total * cfg.num_kv_heads, d))?, kn, eps)?;
         }
-        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-        let mut k = k.flatten_all()?.to_vec1::<f32>()?;
-        let v = v.flatten_all()?.to_vec1::<f32>()?;
-        self.apply_rope(&mut q, cfg.num_heads, start);
-        self.apply_rope(&mut k, cfg.num_kv_heads, start);
-        // The cache holds K and V rounded to f16 (llama.cpp's default cache type).
-        let k: Vec<f32> = k.iter().map(|&x| attention::round_f16(x)).collect();
-        let v: Vec<f32> = v.iter().map(|&x| attention::round_f16(x)).collect();
-        kv.append(li, &k, &v)?;
-        let (keys, values) = kv.layer(li, start + n);
-        let out = attention::attend(
-            &q,
-            keys,
-            values,
-            &attention::AttnShape {
-                rows: n,
-                start,
-                num_heads: cfg.num_heads,
-                num_kv_heads: cfg.num_kv_heads,
-                head_dim: d,
-            },
-        );
-        let out = Tensor::from_vec(out, (n, cfg.num_heads * d), &self.device)?;
+        let q_all = q.flatten_all()?.to_vec1::<f32>()?;
+        let k_all = k.flatten_all()?.to_vec1::<f32>()?;
+        let v_all = v.flatten_all()?.to_vec1::<f32>()?;
+        let (qw, kw) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let mut out = Vec::with_capacity(total * qw);
+        let mut off = 0;
+        for s in segs.iter_mut() {
+            let n = s.tokens.len();
+            let start = s.kv.len();
+            let mut q = q_all[off * qw..(off + n) * qw].to_vec();
+            let mut k = k_all[off * kw..(off + n) * kw].to_vec();
+            self.apply_rope(&mut q, cfg.num_heads, start);
+            self.apply_rope(&mut k, cfg.num_kv_heads, start);
+            // The cache holds K and V rounded to f16 (llama.cpp's default cache type).
+            let k: Vec<f32> = k.iter().map(|&x| attention::round_f16(x)).collect();
+            let v: Vec<f32> = v_all[off * kw..(off + n) * kw]
+                .iter()
+                .map(|&x| attention::round_f16(x))
+                .collect();
+            s.kv.append(li, &k, &v)?;
+            let (keys, values) = s.kv.layer(li, start + n);
+            out.extend(attention::attend(
+                &q,
+                keys,
+                values,
+                &attention::AttnShape {
+                    rows: n,
+                    start,
+                    num_heads: cfg.num_heads,
+                    num_kv_heads: cfg.num_kv_heads,
+                    head_dim: d,
+                },
+            ));
+            off += n;
+        }
+        let out = Tensor::from_vec(out, (total, qw), &self.device)?;
         block.o.forward(&out)
     }
 

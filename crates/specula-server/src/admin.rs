@@ -1,0 +1,480 @@
+//! Run-time changes of the speculation default (`POST /v1/models/{id}/speculative`) and the log
+//! of model loads shown in `/v1/models` (`specula.loads`) and counted by
+//! `specula_model_loads_total{kind}`.
+//!
+//! A change is a control message on the engine worker's job channel: it runs between two
+//! generations, after the jobs queued before it and before those queued after it, so a load
+//! never races a generation (generations queued behind a load wait for it). It loads only when
+//! what must be loaded changes: a draft model that is not attached yet (or another one than the
+//! attached one); switching among `off`, `ngram`, `on`, `default` and `draft` with what is
+//! already attached loads nothing. Switching away from `draft` keeps the draft model attached
+//! (switching back is then free, and `on` / `default` keep using it); `"unload_draft": true`
+//! frees it. A failed load changes nothing.
+//!
+//! Requests resolve the server default into their own settings when they are parsed, so a
+//! request admitted before a change runs with the settings it was admitted with. If those name
+//! a draft model that a change unloaded before the request ran, it fails with a 400; if the
+//! draft model was replaced, it drafts with the new one (greedy output is the same either way).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, PoisonError};
+use std::time::Instant;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path as UrlPath, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Serialize;
+use serde_json::{json, Value};
+use specula_engine::engine::MAX_DRAFT;
+use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::tuning::TunedDefault;
+use specula_engine::Engine;
+use tokio::sync::oneshot;
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::params::Body;
+use crate::worker::{effective_spec_json, EngineHandle, ModelCell, ModelInfo};
+
+/// How many load events `/v1/models` keeps (the oldest are dropped first).
+pub const MAX_LOAD_LOG: usize = 32;
+
+/// One model load or unload.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LoadEvent {
+    /// `load` or `unload`.
+    pub event: &'static str,
+    /// `target` or `draft`.
+    pub kind: &'static str,
+    /// The model's id (for a draft model: the name or path it was asked for by).
+    pub model: String,
+    /// The file or directory it was read from, when known.
+    pub path: Option<String>,
+    /// Seconds the load took; `None` for an unload, and for a load done before the server
+    /// started whose time was not reported.
+    pub seconds: Option<f64>,
+    /// Unix seconds when it happened.
+    pub at: u64,
+}
+
+impl LoadEvent {
+    fn new(event: &'static str, kind: &'static str, model: &str, path: Option<&Path>, seconds: Option<f64>) -> Self {
+        Self {
+            event,
+            kind,
+            model: model.to_string(),
+            path: path.map(|p| p.display().to_string()),
+            seconds,
+            at: crate::worker::unix_now(),
+        }
+    }
+}
+
+/// The load events of the engine handed to the server (the target, and the draft model if one
+/// is attached), counted in `metrics`.
+pub(crate) fn startup_loads(engine: &Engine, metrics: &Metrics) -> Vec<LoadEvent> {
+    let mut loads = vec![LoadEvent::new("load", "target", engine.model_id(), None, None)];
+    metrics.model_loads.with_label_values(&["target"]).inc();
+    if let Some(d) = engine.draft_model_id() {
+        loads.push(LoadEvent::new("load", "draft", d, None, None));
+        metrics.model_loads.with_label_values(&["draft"]).inc();
+    }
+    for e in &loads {
+        tracing::info!(kind = e.kind, model = %e.model, "model loaded before serving");
+    }
+    loads
+}
+
+/// Fill in the seconds of the startup loads (see [`EngineHandle::with_load_seconds`]).
+pub(crate) fn set_startup_seconds(loads: &mut [LoadEvent], target: Option<f64>, draft: Option<f64>) {
+    for e in loads.iter_mut().filter(|e| e.event == "load" && e.seconds.is_none()) {
+        e.seconds = match e.kind {
+            "target" => target,
+            _ => draft,
+        };
+    }
+}
+
+/// What a change asks for (the request body); absent fields keep the current setting.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct SpecChange {
+    pub mode: Option<SpecMode>,
+    pub draft_max: Option<usize>,
+    pub adaptive: Option<bool>,
+    /// Attach this draft model (a GGUF file, a bundle directory or a pulled catalog name),
+    /// unless it is the attached one.
+    pub draft_model: Option<String>,
+    /// Detach the draft model.
+    pub unload_draft: bool,
+}
+
+const FIELD_NAMES: [&str; 5] = ["mode", "draft_model", "draft_max", "adaptive", "unload_draft"];
+const FIELDS: &str = "'mode', 'draft_model', 'draft_max', 'adaptive' and 'unload_draft'";
+
+/// Parse the body of `POST /v1/models/{id}/speculative`.
+fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
+    if let Some(key) = v
+        .as_object()
+        .and_then(|o| o.keys().find(|k| !FIELD_NAMES.contains(&k.as_str())))
+    {
+        return Err(ApiError::invalid(
+            format!("Unrecognized request argument supplied: '{key}'. A speculation change takes {FIELDS}."),
+            Some(key),
+        )
+        .with_code("unknown_parameter"));
+    }
+    let b = Body::new(v)?;
+    let mode = match b.str("mode")? {
+        None => None,
+        Some(m) => Some(SpecMode::parse(m).ok_or_else(|| {
+            ApiError::invalid(
+                format!("Invalid 'mode' '{m}': expected one of 'off', 'default', 'on', 'ngram' and 'draft'."),
+                Some("mode"),
+            )
+            .with_code("invalid_value")
+        })?),
+    };
+    let draft_max = b.int_in("draft_max", 1, MAX_DRAFT as i128)?.map(|k| k as usize);
+    let adaptive = b.bool("adaptive")?;
+    let draft_model = b.str("draft_model")?.map(str::to_string);
+    if draft_model.as_deref() == Some("") {
+        return Err(ApiError::invalid(
+            "Invalid 'draft_model': expected a file, a directory or a catalog name, got ''.",
+            Some("draft_model"),
+        )
+        .with_code("invalid_value"));
+    }
+    let unload_draft = b.bool("unload_draft")?.unwrap_or(false);
+    if unload_draft && (draft_model.is_some() || mode == Some(SpecMode::Draft)) {
+        return Err(ApiError::invalid(
+            "'unload_draft' cannot be combined with 'draft_model' or mode 'draft'.",
+            Some("unload_draft"),
+        )
+        .with_code("invalid_value"));
+    }
+    Ok(SpecChange {
+        mode,
+        draft_max,
+        adaptive,
+        draft_model,
+        unload_draft,
+    })
+}
+
+/// A change on its way to the engine worker.
+pub(crate) struct Control {
+    pub change: SpecChange,
+    /// The model info of the handle that asked (replaced once the change is made).
+    pub cell: ModelCell,
+    pub reply: oneshot::Sender<Result<Outcome, ApiError>>,
+}
+
+/// What a change did.
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    previous: SpecOptions,
+    info: Arc<ModelInfo>,
+    events: Vec<LoadEvent>,
+}
+
+impl Outcome {
+    fn to_json(&self) -> Value {
+        let m = &self.info;
+        json!({
+            "object": "specula.spec_change",
+            "model": m.id,
+            "reloaded": !self.events.is_empty(),
+            "events": self.events,
+            "previous": spec_json(&self.previous),
+            "spec": spec_json(&m.spec),
+            "draft_model": m.draft_model,
+            "effective_spec": m.effective_spec,
+        })
+    }
+}
+
+fn spec_json(s: &SpecOptions) -> Value {
+    json!({"mode": s.mode.as_str(), "draft_max": s.draft_max, "adaptive": s.adaptive})
+}
+
+/// Which draft model is attached: the id it was attached under and its file (canonical), when
+/// known (a draft model attached before serving under an id that is neither a path nor a pulled
+/// catalog name has none).
+#[derive(Debug, Clone, PartialEq)]
+struct DraftKey {
+    id: String,
+    path: Option<PathBuf>,
+}
+
+/// The worker's view of what is attached, and what the tuning file chose at startup.
+pub(crate) struct DraftState {
+    current: Option<DraftKey>,
+    startup: Option<DraftKey>,
+    /// The measured choice `default` followed at startup; it was measured with the startup
+    /// drafters, so it applies only while those are what is attached.
+    startup_tuned: Option<TunedDefault>,
+}
+
+fn canonical(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
+impl DraftState {
+    pub(crate) fn new(engine: &Engine) -> Self {
+        let current = engine.draft_model_id().map(|id| DraftKey {
+            id: id.to_string(),
+            path: specula_engine::cache::resolve_local(id).ok().map(|p| canonical(&p)),
+        });
+        Self {
+            startup: current.clone(),
+            current,
+            startup_tuned: engine.tuned_default().cloned(),
+        }
+    }
+}
+
+enum Action {
+    Keep,
+    Load { id: String, path: PathBuf },
+    Unload,
+}
+
+/// Make a change on the worker thread and answer it. A panic is answered as a 500 (the engine
+/// is left as the panic left it).
+pub(crate) fn apply(engine: &mut Engine, state: &mut DraftState, ctl: Control, metrics: &Metrics) {
+    let Control { change, cell, reply } = ctl;
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        change_on_worker(engine, state, &change, &cell, metrics)
+    }));
+    let result = result.unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".to_string());
+        tracing::error!("engine panicked while changing the speculation default: {msg}");
+        Err(ApiError::internal(format!(
+            "engine panicked while changing the speculation default: {msg}"
+        )))
+    });
+    if let Err(e) = &result {
+        tracing::info!("speculation change rejected: {}", e.message);
+    }
+    let _ = reply.send(result);
+}
+
+fn change_on_worker(
+    engine: &mut Engine,
+    state: &mut DraftState,
+    change: &SpecChange,
+    cell: &ModelCell,
+    metrics: &Metrics,
+) -> Result<Outcome, ApiError> {
+    let cur = cell.read().unwrap_or_else(PoisonError::into_inner).clone();
+    let previous = cur.spec;
+    let spec = SpecOptions {
+        mode: change.mode.unwrap_or(previous.mode),
+        draft_max: change.draft_max.unwrap_or(previous.draft_max),
+        adaptive: change.adaptive.unwrap_or(previous.adaptive),
+    };
+
+    // What must be loaded or unloaded.
+    let action = match &change.draft_model {
+        Some(name) if state.current.as_ref().is_some_and(|k| &k.id == name) => Action::Keep,
+        Some(name) => {
+            let path = specula_engine::cache::resolve_local(name).map_err(|e| {
+                ApiError::invalid(format!("Invalid 'draft_model': {e:#}."), Some("draft_model"))
+                    .with_code("draft_model_not_found")
+            })?;
+            let same_file = state
+                .current
+                .as_ref()
+                .is_some_and(|k| k.path.as_ref() == Some(&canonical(&path)));
+            if same_file {
+                Action::Keep
+            } else {
+                Action::Load { id: name.clone(), path }
+            }
+        }
+        None if change.unload_draft && state.current.is_some() => Action::Unload,
+        None => Action::Keep,
+    };
+    let draft_after = match &action {
+        Action::Keep => state.current.is_some(),
+        Action::Load { .. } => true,
+        Action::Unload => false,
+    };
+    if spec.mode == SpecMode::Draft && !draft_after {
+        return Err(ApiError::invalid(
+            format!(
+                "Speculative mode 'draft' needs a draft model, and {} has none attached: give 'draft_model' \
+                 (a GGUF file, a bundle directory or a pulled catalog name).",
+                cur.id
+            ),
+            Some("mode"),
+        )
+        .with_code("invalid_value"));
+    }
+
+    let mut events = Vec::new();
+    match action {
+        Action::Keep => {}
+        Action::Load { id, path } => {
+            let t = Instant::now();
+            engine.attach_draft_model(&path, &id).map_err(|e| {
+                ApiError::invalid(
+                    format!("The draft model '{id}' could not be attached (nothing was changed): {e:#}."),
+                    Some("draft_model"),
+                )
+                .with_code("draft_model_unusable")
+            })?;
+            let seconds = t.elapsed().as_secs_f64();
+            metrics.model_loads.with_label_values(&["draft"]).inc();
+            tracing::info!(kind = "draft", model = %id, path = %path.display(), "model loaded in {seconds:.2}s");
+            events.push(LoadEvent::new("load", "draft", &id, Some(&path), Some(seconds)));
+            if let Some(old) = state.current.take() {
+                metrics.model_unloads.with_label_values(&["draft"]).inc();
+                tracing::info!(kind = "draft", model = %old.id, "model unloaded (replaced)");
+                events.push(LoadEvent::new("unload", "draft", &old.id, old.path.as_deref(), None));
+            }
+            state.current = Some(DraftKey {
+                id,
+                path: Some(canonical(&path)),
+            });
+        }
+        Action::Unload => {
+            let old = state.current.take();
+            let id = engine.detach_draft_model().unwrap_or_default();
+            metrics.model_unloads.with_label_values(&["draft"]).inc();
+            tracing::info!(kind = "draft", model = %id, "model unloaded");
+            events.push(LoadEvent::new(
+                "unload",
+                "draft",
+                &id,
+                old.as_ref().and_then(|k| k.path.as_deref()),
+                None,
+            ));
+        }
+    }
+    if !events.is_empty() {
+        let tuned = (state.current == state.startup)
+            .then(|| state.startup_tuned.clone())
+            .flatten();
+        engine.set_tuned_default(tuned);
+    }
+    // Cannot fail after the checks above; kept as the one definition of a servable default.
+    crate::worker::check_spec_default(engine, &spec)
+        .map_err(|e| ApiError::invalid(e, Some("mode")).with_code("invalid_value"))?;
+
+    let mut loads = cur.loads.clone();
+    loads.extend(events.iter().cloned());
+    let drop_n = loads.len().saturating_sub(MAX_LOAD_LOG);
+    loads.drain(..drop_n);
+    let info = Arc::new(ModelInfo {
+        spec,
+        draft_model: engine.draft_model_id().map(str::to_string),
+        effective_spec: effective_spec_json(engine, &spec),
+        tuned_default: engine.tuned_default().and_then(|t| serde_json::to_value(t).ok()),
+        loads,
+        ..(*cur).clone()
+    });
+    *cell.write().unwrap_or_else(PoisonError::into_inner) = info.clone();
+    tracing::info!(
+        model = %info.id,
+        spec = spec.mode.as_str(),
+        draft_max = spec.draft_max,
+        adaptive = spec.adaptive,
+        draft_model = info.draft_model.as_deref().unwrap_or("none"),
+        drafter = %info.effective_spec["drafter"],
+        reloaded = !events.is_empty(),
+        "speculation default changed"
+    );
+    Ok(Outcome { previous, info, events })
+}
+
+/// `POST /v1/models/{id}/speculative`: change the speculation default of requests without a
+/// `spec` field, loading or unloading a draft model when needed (see the module docs). Other
+/// `POST /v1/models/...` paths are 404.
+pub async fn post_model(
+    State(h): State<EngineHandle>,
+    UrlPath(rest): UrlPath<String>,
+    body: Result<Json<Value>, JsonRejection>,
+) -> Response {
+    let Some(id) = rest.strip_suffix("/speculative") else {
+        return ApiError::route_not_found("POST", &format!("/v1/models/{rest}")).into_response();
+    };
+    if id != h.model().id {
+        return ApiError::model_not_found(id).into_response();
+    }
+    let change = match body.map_err(ApiError::from).and_then(|Json(v)| parse_change(&v)) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let (tx, rx) = oneshot::channel();
+    if h.control(change, tx).is_err() {
+        return ApiError::internal("the engine worker is not running").into_response();
+    }
+    match rx.await {
+        Ok(Ok(outcome)) => Json(outcome.to_json()).into_response(),
+        Ok(Err(e)) => e.into_response(),
+        Err(_) => ApiError::internal("the engine worker stopped").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_changes() {
+        assert_eq!(parse_change(&json!({})).unwrap(), SpecChange::default());
+        let c = parse_change(&json!({"mode": "draft", "draft_model": "m.gguf", "draft_max": 6, "adaptive": false}))
+            .unwrap();
+        assert_eq!(c.mode, Some(SpecMode::Draft));
+        assert_eq!(c.draft_model.as_deref(), Some("m.gguf"));
+        assert_eq!(c.draft_max, Some(6));
+        assert_eq!(c.adaptive, Some(false));
+        assert!(
+            parse_change(&json!({"mode": "off", "unload_draft": true}))
+                .unwrap()
+                .unload_draft
+        );
+        // null = absent.
+        assert_eq!(parse_change(&json!({"mode": null})).unwrap(), SpecChange::default());
+        for (body, param) in [
+            (json!({"mode": "fast"}), "mode"),
+            (json!({"mode": 1}), "mode"),
+            (json!({"draft_max": 0}), "draft_max"),
+            (json!({"draft_max": MAX_DRAFT + 1}), "draft_max"),
+            (json!({"adaptive": "yes"}), "adaptive"),
+            (json!({"draft_model": ""}), "draft_model"),
+            (json!({"spec": "ngram"}), "spec"),
+            (json!({"unload_draft": true, "mode": "draft"}), "unload_draft"),
+            (json!({"unload_draft": true, "draft_model": "m"}), "unload_draft"),
+        ] {
+            let e = parse_change(&body).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {e:?}");
+        }
+        assert!(parse_change(&json!(["mode"])).is_err());
+    }
+
+    #[test]
+    fn startup_seconds_fill_only_unknown_loads() {
+        let ev = |kind, seconds| LoadEvent {
+            event: "load",
+            kind,
+            model: "m".into(),
+            path: None,
+            seconds,
+            at: 0,
+        };
+        let mut loads = vec![ev("target", None), ev("draft", None), ev("draft", Some(0.5))];
+        let mut got = loads.clone();
+        set_startup_seconds(&mut got, Some(1.0), Some(2.0));
+        loads[0].seconds = Some(1.0);
+        loads[1].seconds = Some(2.0);
+        assert_eq!(got, loads);
+    }
+}
