@@ -48,7 +48,8 @@ pub use chat_prompt::{ChatInfo, ChatPrompt};
 pub use error::ApiError;
 pub use metrics::Metrics;
 pub use worker::{
-    check_spec_default, EngineHandle, Event, HoldGuard, ModelInfo, Prompt, Submission, SubmitError, DEFAULT_MAX_QUEUE,
+    check_spec_default, EngineHandle, Event, HoldGuard, ModelInfo, Prompt, Submission, SubmitError, DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
 };
 
 /// Largest request body accepted (long prompts given as token-id arrays are verbose).
@@ -62,8 +63,10 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub struct ServeOptions {
     pub host: String,
     pub port: u16,
-    /// Requests allowed to wait while one runs; more get HTTP 429.
+    /// Requests allowed to wait while `max_batch` run; more get HTTP 429.
     pub max_queue: usize,
+    /// Requests decoded together (continuous batching).
+    pub max_batch: usize,
     /// Speculative decoding for requests that do not set the `spec` field.
     pub spec: specula_engine::spec::SpecOptions,
     /// The bundle's capability summary from `specula_engine::inspect`
@@ -84,6 +87,7 @@ impl Default for ServeOptions {
             host: "127.0.0.1".to_string(),
             port: 8000,
             max_queue: DEFAULT_MAX_QUEUE,
+            max_batch: DEFAULT_MAX_BATCH,
             spec: Default::default(),
             bundle: None,
             tool_parser: None,
@@ -115,7 +119,8 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         .map_err(|e| anyhow::anyhow!("the server's speculation default: {e}"))?;
     let handle = EngineHandle::spawn_with_bundle(engine, opts.max_queue, opts.spec, opts.bundle.clone())
         .with_tool_parser(opts.tool_parser)
-        .with_load_seconds(opts.target_load_s, opts.draft_load_s);
+        .with_load_seconds(opts.target_load_s, opts.draft_load_s)
+        .with_max_batch(opts.max_batch);
     let listener = TcpListener::bind((opts.host.as_str(), opts.port))
         .await
         .with_context(|| format!("binding {}:{}", opts.host, opts.port))?;
@@ -129,6 +134,7 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
     tracing::info!(
         model = %m.id,
         max_queue = opts.max_queue,
+        max_batch = opts.max_batch,
         spec = m.spec.mode.as_str(),
         draft_max = m.spec.draft_max,
         adaptive = m.spec.adaptive,

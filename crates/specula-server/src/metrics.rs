@@ -14,7 +14,7 @@ pub struct Metrics {
     pub completion_tokens: IntCounter,
     /// Requests admitted and waiting for the engine.
     pub queue_depth: IntGauge,
-    /// Requests the engine is working on (0 or 1).
+    /// Requests the engine is working on (up to the batch size).
     pub running: IntGauge,
     /// Generations finished, by finish reason.
     pub finished: IntCounterVec,
@@ -24,6 +24,8 @@ pub struct Metrics {
     pub prefill_seconds: Histogram,
     /// Seconds a request waited in the queue before the engine took it.
     pub queue_seconds: Histogram,
+    /// Requests in each batched target step (continuous batching).
+    pub batch_sequences: Histogram,
     /// Finished generations by decode path (`ar`, `ngram`, `draft-model`).
     pub spec_requests: IntCounterVec,
     /// Draft tokens proposed (speculative requests).
@@ -82,6 +84,14 @@ impl Metrics {
         );
         let prefill_seconds = hist("specula_prefill_seconds", "Seconds of prefill per generation.");
         let queue_seconds = hist("specula_queue_seconds", "Seconds a request waited for the engine.");
+        let batch_sequences = Histogram::with_opts(
+            HistogramOpts::new(
+                "specula_batch_sequences",
+                "Requests decoded together in one target step (continuous batching).",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
+        )
+        .expect("valid metric");
         let spec_requests = IntCounterVec::new(
             Opts::new(
                 "specula_spec_requests_total",
@@ -127,6 +137,7 @@ impl Metrics {
             Box::new(generation_seconds.clone()),
             Box::new(prefill_seconds.clone()),
             Box::new(queue_seconds.clone()),
+            Box::new(batch_sequences.clone()),
             Box::new(spec_requests.clone()),
             Box::new(spec_drafted.clone()),
             Box::new(spec_accepted.clone()),
@@ -148,6 +159,7 @@ impl Metrics {
             generation_seconds,
             prefill_seconds,
             queue_seconds,
+            batch_sequences,
             spec_requests,
             spec_drafted,
             spec_accepted,

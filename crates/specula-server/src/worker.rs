@@ -12,6 +12,7 @@ use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use specula_engine::constraint::{GrammarSpec, OutputControl, ReasoningControl};
+use specula_engine::sequence::{Sequence, StepOutcome};
 use specula_engine::spec::SpecOptions;
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -20,6 +21,9 @@ use crate::chat_prompt::{self, ChatInfo, ChatPrompt};
 use crate::logprobs::TokenBytes;
 use crate::metrics::Metrics;
 use crate::reasoning::{prompt_opens_reasoning, THINK_CLOSE, THINK_OPEN};
+
+/// Default number of requests decoded together by `specula serve` (continuous batching).
+pub const DEFAULT_MAX_BATCH: usize = 8;
 
 /// Default number of requests allowed to wait (see [`EngineHandle::spawn_with_queue`]).
 pub const DEFAULT_MAX_QUEUE: usize = 64;
@@ -206,6 +210,8 @@ struct Job {
 /// Admission counters shared by the handles and the worker.
 struct Queue {
     max_queue: usize,
+    /// Requests decoded together (continuous batching); read by the worker at each admission.
+    max_batch: AtomicUsize,
     /// Admitted and not finished (running + waiting).
     pending: AtomicUsize,
     /// Admitted and not yet taken by the worker.
@@ -214,9 +220,11 @@ struct Queue {
 }
 
 impl Queue {
-    /// Reserve a place: at most one running plus `max_queue` waiting.
+    /// Reserve a place: at most `max_batch` running plus `max_queue` waiting.
     fn admit(self: &Arc<Self>) -> Result<Slot, SubmitError> {
-        let limit = self.max_queue.saturating_add(1);
+        let limit = self
+            .max_queue
+            .saturating_add(self.max_batch.load(Ordering::SeqCst).max(1));
         self.pending
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| (p < limit).then_some(p + 1))
             .map_err(|_| SubmitError::QueueFull)?;
@@ -328,6 +336,7 @@ impl EngineHandle {
         let token_bytes = TokenBytes::new(engine.tokenizer().clone());
         let queue = Arc::new(Queue {
             max_queue,
+            max_batch: AtomicUsize::new(1),
             pending: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             metrics: metrics.clone(),
@@ -337,9 +346,12 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("specula-engine".to_string())
             .stack_size(16 << 20)
-            .spawn(move || {
-                let drafts = crate::admin::DraftState::new(&engine);
-                worker_loop(engine, drafts, rx, worker_metrics)
+            .spawn({
+                let queue = queue.clone();
+                move || {
+                    let drafts = crate::admin::DraftState::new(&engine);
+                    worker_loop(engine, drafts, rx, worker_metrics, queue)
+                }
             })
             .expect("spawning the engine thread");
         Self {
@@ -406,6 +418,20 @@ impl EngineHandle {
 
     pub fn metrics(&self) -> &Metrics {
         &self.shared.queue.metrics
+    }
+
+    /// Decode up to `n` requests together (continuous batching: one batched target forward per
+    /// step for all of them; each request's output stays byte-identical to running it alone on
+    /// batch-invariant kernels). Default 1 (one request at a time). Applies from the next
+    /// admission.
+    pub fn with_max_batch(self, n: usize) -> Self {
+        self.shared.queue.max_batch.store(n.max(1), Ordering::SeqCst);
+        self
+    }
+
+    /// Requests decoded together at most.
+    pub fn max_batch(&self) -> usize {
+        self.shared.queue.max_batch.load(Ordering::SeqCst)
     }
 
     pub fn max_queue(&self) -> usize {
@@ -483,67 +509,176 @@ pub(crate) fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-fn worker_loop(mut engine: Engine, mut drafts: crate::admin::DraftState, rx: mpsc::Receiver<Work>, metrics: Metrics) {
-    for work in rx {
-        match work {
-            Work::Control(ctl) => crate::admin::apply(&mut engine, &mut drafts, *ctl, &metrics),
-            Work::Hold(release, mut slot) => {
-                slot.take();
-                metrics.running.inc();
-                let _ = release.recv();
-                metrics.running.dec();
-            }
-            Work::Job(job) => {
-                let Job {
-                    sub,
-                    events,
-                    enqueued,
-                    mut slot,
-                } = *job;
-                slot.take();
-                metrics.queue_seconds.observe(enqueued.elapsed().as_secs_f64());
-                if events.is_closed() {
-                    tracing::info!(endpoint = sub.endpoint, "client went away while queued");
-                    continue;
+/// A request being decoded by the worker.
+struct Running {
+    seq: Sequence,
+    events: UnboundedSender<Event>,
+    stream: bool,
+    endpoint: &'static str,
+    slot: Slot,
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+/// Continuous batching: admit what is waiting (up to `max_batch` running), run one batched
+/// step for every running request, hand out their deltas, retire the finished ones; block for
+/// work only when nothing runs.
+fn worker_loop(
+    mut engine: Engine,
+    mut drafts: crate::admin::DraftState,
+    rx: mpsc::Receiver<Work>,
+    metrics: Metrics,
+    queue: Arc<Queue>,
+) {
+    let mut running: Vec<Running> = Vec::new();
+    let mut open = true;
+    while open || !running.is_empty() {
+        // Admission.
+        while open {
+            let max_batch = queue.max_batch.load(Ordering::SeqCst).max(1);
+            let work = if running.is_empty() {
+                match rx.recv() {
+                    Ok(w) => w,
+                    Err(_) => {
+                        open = false;
+                        break;
+                    }
                 }
-                metrics.running.inc();
-                let result = std::panic::catch_unwind(AssertUnwindSafe(|| run_job(&mut engine, &sub, &events)));
-                metrics.running.dec();
-                let event = match result {
-                    Ok(Ok(out)) => {
-                        record_done(&metrics, sub.endpoint, &out);
-                        Event::Done(out)
+            } else if running.len() < max_batch {
+                match rx.try_recv() {
+                    Ok(w) => w,
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
                     }
-                    Ok(Err(e)) => {
-                        tracing::info!(endpoint = sub.endpoint, "request rejected: {e}");
-                        Event::Failed(e)
+                }
+            } else {
+                break;
+            };
+            match work {
+                Work::Control(ctl) => crate::admin::apply(&mut engine, &mut drafts, *ctl, &metrics),
+                Work::Hold(release, mut slot) => {
+                    slot.take();
+                    metrics.running.inc();
+                    let _ = release.recv();
+                    metrics.running.dec();
+                }
+                Work::Job(job) => {
+                    let Job {
+                        sub,
+                        events,
+                        enqueued,
+                        mut slot,
+                    } = *job;
+                    slot.take();
+                    metrics.queue_seconds.observe(enqueued.elapsed().as_secs_f64());
+                    if events.is_closed() {
+                        tracing::info!(endpoint = sub.endpoint, "client went away while queued");
+                        continue;
                     }
-                    Err(panic) => {
-                        let msg = panic
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap_or_else(|| "unknown panic".to_string());
-                        tracing::error!(endpoint = sub.endpoint, "engine panicked: {msg}");
-                        Event::Failed(RequestError::Internal(format!("engine panicked: {msg}")))
-                    }
-                };
-                // Free the queue place first: a client that sends its next request as soon as
-                // this one answers must find it free.
-                drop(slot);
-                let _ = events.send(event);
+                    let started = std::panic::catch_unwind(AssertUnwindSafe(|| start_job(&mut engine, &sub, &events)));
+                    let failure = match started {
+                        Ok(Ok(seq)) => {
+                            metrics.running.inc();
+                            running.push(Running {
+                                seq,
+                                events,
+                                stream: sub.stream,
+                                endpoint: sub.endpoint,
+                                slot,
+                            });
+                            continue;
+                        }
+                        Ok(Err(e)) => {
+                            tracing::info!(endpoint = sub.endpoint, "request rejected: {e}");
+                            e
+                        }
+                        Err(panic) => {
+                            let msg = panic_message(panic.as_ref());
+                            tracing::error!(endpoint = sub.endpoint, "engine panicked: {msg}");
+                            RequestError::Internal(format!("engine panicked: {msg}"))
+                        }
+                    };
+                    drop(slot);
+                    let _ = events.send(Event::Failed(failure));
+                }
             }
+        }
+        if running.is_empty() {
+            continue;
+        }
+        // One batched step for every running request.
+        metrics.batch_sequences.observe(running.len() as f64);
+        let results = {
+            let mut seqs: Vec<&mut Sequence> = running.iter_mut().map(|r| &mut r.seq).collect();
+            std::panic::catch_unwind(AssertUnwindSafe(|| engine.step(&mut seqs)))
+        };
+        let results: Vec<Result<Option<StepOutcome>, RequestError>> = match results {
+            Ok(r) => r,
+            Err(panic) => {
+                let msg = panic_message(panic.as_ref());
+                tracing::error!("engine panicked: {msg}");
+                (0..running.len())
+                    .map(|_| Err(RequestError::Internal(format!("engine panicked: {msg}"))))
+                    .collect()
+            }
+        };
+        let mut done = Vec::new();
+        for (i, (r, res)) in running.iter_mut().zip(results).enumerate() {
+            match res {
+                Ok(Some(outcome)) => {
+                    let d = &outcome.delta;
+                    let has_output = !d.text.is_empty() || !d.token_ids.is_empty();
+                    let alive = if r.stream && has_output {
+                        r.events.send(Event::Delta(outcome.delta)).is_ok()
+                    } else {
+                        !r.events.is_closed()
+                    };
+                    if !alive {
+                        r.seq.cancel();
+                    }
+                    if outcome.finished || !alive {
+                        done.push((i, None));
+                    }
+                }
+                Ok(None) => done.push((i, None)),
+                Err(e) => done.push((i, Some(e))),
+            }
+        }
+        // Retire the finished requests (from the back, so the indices stay valid).
+        for (i, err) in done.into_iter().rev() {
+            let r = running.swap_remove(i);
+            metrics.running.dec();
+            let (out, _kv) = r.seq.finish();
+            let event = match err {
+                None => {
+                    record_done(&metrics, r.endpoint, &out);
+                    Event::Done(out)
+                }
+                Some(e) => {
+                    tracing::error!(endpoint = r.endpoint, "request failed: {e}");
+                    Event::Failed(e)
+                }
+            };
+            // Free the queue place first: a client that sends its next request as soon as
+            // this one answers must find it free.
+            drop(r.slot);
+            let _ = r.events.send(event);
         }
     }
     tracing::debug!("engine worker stopped");
 }
 
-/// Template, tokenize, validate and generate one job (on the worker thread).
-fn run_job(
-    engine: &mut Engine,
-    sub: &Submission,
-    events: &UnboundedSender<Event>,
-) -> Result<GenerateOutput, RequestError> {
+/// Template, tokenize, validate a job and compile its constraint; answer "started"; return its
+/// sequence (on the worker thread).
+fn start_job(engine: &mut Engine, sub: &Submission, events: &UnboundedSender<Event>) -> Result<Sequence, RequestError> {
     let mut prompt_tail = String::new();
     let tokens = match &sub.prompt {
         Prompt::Chat(p) => {
@@ -571,6 +706,7 @@ fn run_job(
             .and_then(|r| r.control(&prompt_tail, sub.grammar.is_some())),
     };
     let constraint = engine.compile_output_control(&control)?;
+    let seq = engine.start_sequence(&req, constraint)?;
     if events
         .send(Event::Started {
             prompt_tokens: req.prompt_tokens.len(),
@@ -580,15 +716,7 @@ fn run_job(
     {
         return Err(RequestError::Internal("client went away".to_string()));
     }
-    let stream = sub.stream;
-    let mut on_delta = |d: &StreamDelta| {
-        if stream {
-            events.send(Event::Delta(d.clone())).is_ok()
-        } else {
-            !events.is_closed()
-        }
-    };
-    engine.generate_with_constraint(&req, constraint, &mut on_delta)
+    Ok(seq)
 }
 
 /// The drafter family of a decode path, for metric labels: `ar` (plain decoding, also when

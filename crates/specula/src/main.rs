@@ -55,9 +55,13 @@ struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Requests allowed to wait while one runs; more get HTTP 429.
+    /// Requests allowed to wait while --max-batch run; more get HTTP 429.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
+    /// Requests decoded together (continuous batching: one batched target forward per step;
+    /// each request's output stays byte-identical to running it alone).
+    #[arg(long, default_value_t = specula_server::DEFAULT_MAX_BATCH as u16, value_parser = clap::value_parser!(u16).range(1..=256))]
+    max_batch: u16,
     /// The model id clients use (default: the catalog name or the file name).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -352,6 +356,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             host: a.host,
             port: a.port,
             max_queue: a.max_queue,
+            max_batch: a.max_batch as usize,
             spec: a.spec.options(),
             bundle: report.map(|r| r.capabilities_json()),
             tool_parser: a.tool_parser,

@@ -1,0 +1,136 @@
+//! Continuous batching: with 1, 4, 16 and 32 concurrent greedy streams mixing plain decoding,
+//! n-gram and draft-model speculation, every stream's output is byte-identical to the same
+//! request run alone, and the engine really decoded them together (`specula_batch_sequences`).
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use specula_engine::{catalog, Engine, LoadOptions};
+use specula_server::{router, EngineHandle};
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn smollm2() -> Engine {
+    let entry = catalog::lookup(catalog::DEFAULT_MODEL).expect("catalog entry");
+    let path = specula_engine::cache::models_dir().join(entry.file_name);
+    assert!(
+        path.exists(),
+        "{} is not in the model cache; run `specula pull {}` (scripts/test.sh does)",
+        path.display(),
+        catalog::DEFAULT_MODEL
+    );
+    let mut engine = Engine::load(&path, "smollm2", LoadOptions::default()).expect("load SmolLM2");
+    // SmolLM2 drafts for itself: the draft-model path with the model at hand.
+    engine.attach_draft_model(&path, "smollm2-draft").expect("attach draft");
+    engine
+}
+
+/// 32 requests over the fixture prompts (not the long-context ones): spec off / ngram / draft in turn, lengths 8..24, every
+/// third one streamed.
+fn requests() -> Vec<Value> {
+    let text = std::fs::read_to_string(repo_root().join("tests/fixtures/prompts.jsonl")).expect("fixture prompts");
+    let prompts: Vec<Value> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str::<Value>(l).expect("fixture line"))
+        // Short prompts: the long-context ones would make this a prefill test.
+        .filter(|p| p["kind"] != "long_context")
+        .collect();
+    (0..32)
+        .map(|i| {
+            let p = &prompts[(i * 7) % prompts.len()];
+            let spec = ["off", "ngram", "draft"][i % 3];
+            json!({"messages": p["messages"], "temperature": 0, "max_tokens": 8 + (i * 5) % 17,
+                   "spec": {"mode": spec, "draft_max": 1 + i % 6}, "stream": i % 3 == 2})
+        })
+        .collect()
+}
+
+fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("repository root")
+        .to_path_buf()
+}
+
+/// The text of a reply: the message content, or the streamed content deltas.
+fn content(reply: &Reply, streamed: bool) -> String {
+    assert_eq!(reply.status, axum::http::StatusCode::OK, "{}", reply.text);
+    if !streamed {
+        return reply.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content")
+            .to_string();
+    }
+    // Data events only (a long wait in the queue also brings keep-alive comments, ":").
+    reply
+        .text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| {
+            let v: Value = serde_json::from_str(d).expect("chunk");
+            v["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+        })
+        .collect()
+}
+
+/// Steps that decoded more than one request, from `/metrics`.
+async fn batched_steps(app: &axum::Router) -> (u64, u64) {
+    let text = get(app, "/metrics").await.text;
+    let find = |key: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let single = find("specula_batch_sequences_bucket{le=\"1\"}");
+    let total = find("specula_batch_sequences_count");
+    (total - single, total)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_streams_are_byte_identical_to_solo_runs() {
+    let reqs = requests();
+    // Alone: one request at a time.
+    let solo_app = router(EngineHandle::spawn_with_queue(smollm2(), 64));
+    let mut solo = Vec::new();
+    for r in &reqs {
+        solo.push(content(&post(&solo_app, CHAT, r.clone()).await, r["stream"] == true));
+    }
+    assert!(solo.iter().all(|s| !s.is_empty()));
+    // Together, at several batch sizes.
+    let handle = EngineHandle::spawn_with_queue(smollm2(), 64);
+    let app = router(handle.clone());
+    for concurrency in [1usize, 4, 16, 32] {
+        let handle = handle.clone().with_max_batch(concurrency);
+        assert_eq!(handle.max_batch(), concurrency);
+        let (before, _) = batched_steps(&app).await;
+        let futures = reqs.iter().take(concurrency.max(4)).map(|r| {
+            let app = app.clone();
+            let r = r.clone();
+            async move { content(&post(&app, CHAT, r.clone()).await, r["stream"] == true) }
+        });
+        let got = futures::future::join_all(futures).await;
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(
+                g.as_bytes(),
+                solo[i].as_bytes(),
+                "request {i} ({}) at concurrency {concurrency}",
+                reqs[i]["spec"]
+            );
+        }
+        let (after, total) = batched_steps(&app).await;
+        if concurrency == 1 {
+            assert_eq!(after, before, "max_batch 1 never batches");
+        } else {
+            assert!(
+                after > before,
+                "concurrency {concurrency}: no step decoded two requests ({total} steps)"
+            );
+        }
+    }
+}
