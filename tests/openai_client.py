@@ -20,6 +20,10 @@ With `--only json` (and a "json" section in --expect: a list of {"id", "messages
 gives content that parses and validates against the schema, the same content streamed and with
 `extra_body={"spec": "ngram"}`; then `json_object` gives a JSON object.
 
+With `--only reasoning` (and a "reasoning" section: {"messages", "max_tokens", "reasoning_content",
+"content"}), on a model whose template opens `<think>`: `message.reasoning_content` and `content`
+are the expected split, and the streamed `delta.reasoning_content` pieces concatenate to it.
+
 With `--only tools` (and a "tools" section in --expect), it checks tool calls instead, on a model
 that makes them (the Rust test uses Qwen2.5-Coder-0.5B):
   * a tool call: finish_reason "tool_calls", one call with the expected name and arguments;
@@ -267,6 +271,29 @@ def run_json(client, model, cases):
     ok(f"json_object: {content!r}")
 
 
+def run_reasoning(client, model, exp):
+    """reasoning_content through the client, plain and streamed."""
+    params = dict(model=model, messages=exp["messages"], temperature=0, max_tokens=exp["max_tokens"],
+                  extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(**params)
+    msg = resp.choices[0].message
+    got = getattr(msg, "reasoning_content", None)
+    check_eq("reasoning_content", got, exp["reasoning_content"])
+    check_eq("content after the reasoning", msg.content or "", exp["content"])
+    ok(f"reasoning_content ({len(got)} chars) and content ({len(msg.content or '')} chars) as expected")
+    pieces, content = [], []
+    for chunk in client.chat.completions.create(**params, stream=True):
+        for c in chunk.choices:
+            r = getattr(c.delta, "reasoning_content", None)
+            if r:
+                pieces.append(r)
+            if c.delta.content:
+                content.append(c.delta.content)
+    check_eq("streamed reasoning_content", "".join(pieces), exp["reasoning_content"])
+    check_eq("streamed content", "".join(content), exp["content"])
+    ok(f"streamed reasoning_content in {len(pieces)} deltas equals the non-streamed one")
+
+
 def run(args, expect):
     client = OpenAI(base_url=args.base_url, api_key="specula-test", max_retries=0, timeout=args.timeout)
 
@@ -274,6 +301,11 @@ def run(args, expect):
     model = expect.get("model") or (models[0] if models else None)
     check(model in models, f"models.list(): {model!r} not in {models}")
     ok(f"models.list() -> {models}")
+
+    if args.only == "reasoning":
+        check("reasoning" in expect, "--only reasoning needs a 'reasoning' section in --expect")
+        run_reasoning(client, model, expect["reasoning"])
+        return
 
     if args.only == "json":
         check("json" in expect, "--only json needs a 'json' section in --expect")
@@ -394,7 +426,7 @@ def main():
     ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--expect", help="JSON file with inputs and expected results (see the module docstring)")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
-    ap.add_argument("--only", choices=["tools", "json"], help="run only these checks")
+    ap.add_argument("--only", choices=["tools", "json", "reasoning"], help="run only these checks")
     args = ap.parse_args()
     expect = {}
     if args.expect:

@@ -201,6 +201,12 @@ fn permute_for_interleaved(w: &Tensor, heads: usize) -> Result<Tensor> {
 
 /// Write a tiny random model as a GGUF file.
 pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
+    write_tiny_gguf_with_template(path, spec, TINY_TEMPLATE)
+}
+
+/// As [`write_tiny_gguf`], with `template` as the GGUF's `tokenizer.chat_template` (e.g. one
+/// that opens `<think>` in the generation prompt).
+pub fn write_tiny_gguf_with_template(path: &Path, spec: &TinySpec, template: &str) -> Result<()> {
     let (tokens, merges, types) = tiny_vocab();
     let weights = tiny_weights(spec, tokens.len())?;
     let arch = spec.family.as_str();
@@ -248,7 +254,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
             V::Array(types.iter().map(|&t| V::I32(t)).collect()),
         ),
         ("tokenizer.ggml.eos_token_id".into(), V::U32(tokens.len() as u32 - 1)),
-        ("tokenizer.chat_template".into(), V::String(TINY_TEMPLATE.into())),
+        ("tokenizer.chat_template".into(), V::String(template.into())),
     ];
     let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

@@ -352,6 +352,56 @@ fn openai_python_client_tool_calls() {
     eprintln!("openai_python_client_tool_calls: {:.1}s", t0.elapsed().as_secs_f64());
 }
 
+/// `reasoning_content` through the official client: a tiny random model whose chat template
+/// opens `<think>` in the generation prompt (Qwen3-style); the expected split comes from the
+/// library's generation and the server's splitter.
+#[test]
+fn openai_python_client_reasoning_content() {
+    use specula_engine::testing::{write_tiny_gguf_with_template, TinySpec};
+    use specula_server::reasoning::{ReasoningEvent, ReasoningSplitter};
+    const THINK_TEMPLATE: &str = "{%- for message in messages %}<|im_start|>{{ message.role }}\n\
+        {{ message.content }}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n\
+        <think>\n{% endif %}";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny-think.gguf");
+    let spec = TinySpec::new(specula_engine::model::Family::Qwen2);
+    write_tiny_gguf_with_template(&path, &spec, THINK_TEMPLATE).expect("write tiny model");
+    let messages = vec![ChatMessage::new("user", "the hen")];
+    let max_tokens = 24;
+    let text = {
+        let mut engine = Engine::load(&path, "tiny-think", specula_engine::LoadOptions::default()).expect("load");
+        let prompt = engine.chat_prompt_tokens(&messages).expect("prompt");
+        let req = GenerateRequest {
+            prompt_tokens: prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens: Some(max_tokens),
+            stop: vec![],
+            logprobs: None,
+            ignore_eos: true,
+            spec: Default::default(),
+        };
+        engine.generate(&req, &mut |_| true).expect("generate").text
+    };
+    let mut splitter = ReasoningSplitter::new(true);
+    let mut events = Vec::new();
+    splitter.feed(&text, &mut events);
+    splitter.finish(&mut events);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for e in events {
+        match e {
+            ReasoningEvent::Reasoning(t) => reasoning.push_str(&t),
+            ReasoningEvent::Content(t) => content.push_str(&t),
+        }
+    }
+    assert!(!reasoning.is_empty(), "the tiny model's output is reasoning: {text:?}");
+    let mut server = Server::spawn(path.to_str().expect("utf-8 path"));
+    let expect = json!({"reasoning": {"messages": messages_json(&messages), "max_tokens": max_tokens,
+        "reasoning_content": reasoning, "content": content}});
+    server.wait_ready();
+    run_openai_client(&server, &expect, &["--only", "reasoning"], 2);
+    drop(server);
+}
+
 /// The JSON Schema each `json` fixture prompt is answered under (what the prompt asks for).
 fn json_prompt_schema(id: &str) -> Value {
     let strings = json!({"type": "array", "items": {"type": "string"}});
