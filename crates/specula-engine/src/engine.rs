@@ -12,6 +12,7 @@ use crate::chat::{ChatMessage, ChatTemplate};
 use crate::constraint::{Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningConstraint};
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig, Segment};
+use crate::prefix_cache::PrefixCache;
 use crate::sequence::{Sequence, SequenceEnv, StepInput, StepOutcome};
 use crate::spec::SpecMode;
 use crate::tokenizer::Tokenizer;
@@ -23,6 +24,9 @@ pub struct LoadOptions {
     pub device: Device,
     /// Prompt tokens per prefill forward (bounds activation memory).
     pub prefill_chunk: usize,
+    /// Bytes of KV rows the prefix cache may hold ([`crate::prefix_cache`]); 0 = no prefix
+    /// cache. Used only on batch-invariant models (where reuse is exact).
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for LoadOptions {
@@ -30,6 +34,7 @@ impl Default for LoadOptions {
         Self {
             device: Device::Cpu,
             prefill_chunk: 512,
+            prefix_cache_bytes: 0,
         }
     }
 }
@@ -54,6 +59,8 @@ pub struct Engine {
     tuned: Option<crate::tuning::TunedDefault>,
     /// Built on the first constrained request.
     grammar: Option<GrammarCompiler>,
+    /// KV rows of seen prefixes (`LoadOptions::prefix_cache_bytes`).
+    prefix: Option<PrefixCache>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -71,7 +78,10 @@ impl Engine {
 
     pub fn from_bundle(bundle: LoadedBundle, id: &str, opts: LoadOptions) -> Self {
         let kv = bundle.model.new_kv_cache();
+        let prefix = (opts.prefix_cache_bytes > 0 && bundle.model.batch_invariant())
+            .then(|| PrefixCache::new(opts.prefix_cache_bytes));
         Self {
+            prefix,
             bundle,
             id: id.to_string(),
             kv,
@@ -428,7 +438,7 @@ impl Engine {
                 break;
             }
         }
-        let (out, _kv) = seq.finish();
+        let out = self.retire(seq, result.is_ok());
         result.map(|()| out)
     }
 
@@ -437,15 +447,52 @@ impl Engine {
     /// request's `spec` is resolved as [`Engine::effective_spec`] says. Errors: the request is
     /// invalid for this model ([`Engine::validate`]).
     pub fn start_sequence(
-        &self,
+        &mut self,
         req: &GenerateRequest,
         constraint: Option<Box<dyn Constraint>>,
     ) -> Result<Sequence, RequestError> {
         self.validate(req)?;
         let mut req = req.clone();
         req.spec = self.effective_spec(req.spec);
-        let kv = self.bundle.model.new_kv_cache();
-        Ok(Sequence::with_constraint(self.sequence_env(), req, kv, constraint))
+        let mut kv = self.bundle.model.new_kv_cache();
+        // A prefix-cache hit fills the cache with the prefix's rows (at least one prompt token
+        // is left to feed: its logits give the first output token).
+        let cached = match self.prefix.as_mut() {
+            Some(p) => {
+                let n = req.prompt_tokens.len().saturating_sub(1);
+                p.lookup(&req.prompt_tokens, n, &mut kv).unwrap_or_else(|e| {
+                    tracing::warn!("prefix cache lookup failed, prefilling cold: {e:#}");
+                    kv.clear();
+                    0
+                })
+            }
+            None => 0,
+        };
+        let mut seq = Sequence::with_constraint(self.sequence_env(), req, kv, constraint);
+        if cached > 0 {
+            seq.skip_prefix(cached);
+        }
+        Ok(seq)
+    }
+
+    /// Finish `seq` and return its output; when it ended without an error (`ok`), its prompt
+    /// and output rows enter the prefix cache (the positions whose tokens were fed to the
+    /// model: the prompt and every output token but the last).
+    pub fn retire(&mut self, seq: Sequence, ok: bool) -> GenerateOutput {
+        let prompt = seq.request().prompt_tokens.clone();
+        let (out, kv) = seq.finish();
+        if let (Some(p), true) = (self.prefix.as_mut(), ok) {
+            let mut tokens = prompt;
+            let fed = tokens.len() + out.token_ids.len().saturating_sub(1);
+            tokens.extend_from_slice(&out.token_ids);
+            p.insert(&tokens, fed, &kv);
+        }
+        out
+    }
+
+    /// The prefix cache's counters, when it is on.
+    pub fn prefix_cache_stats(&self) -> Option<crate::prefix_cache::PrefixCacheStats> {
+        self.prefix.as_ref().map(PrefixCache::stats)
     }
 
     /// One target forward for every unfinished sequence of `seqs` (continuous batching): their

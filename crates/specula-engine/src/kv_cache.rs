@@ -68,6 +68,16 @@ impl KvCache {
         self.truncate(0);
     }
 
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Floats per position per layer (`kv_heads * head_dim`).
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
     /// Bytes of memory in use.
     pub fn bytes(&self) -> usize {
         self.keys.iter().chain(&self.values).map(|l| l.len() * 4).sum()

@@ -14,6 +14,7 @@ pub mod inspect;
 pub mod kernels;
 pub mod kv_cache;
 pub mod model;
+pub mod prefix_cache;
 pub mod sampling;
 pub mod sequence;
 pub mod spec;

@@ -114,6 +114,7 @@ fn usage_json(out: &GenerateOutput) -> Value {
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.completion_tokens,
         "total_tokens": s.prompt_tokens + s.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
     })
 }
 

@@ -41,6 +41,14 @@ pub struct Metrics {
     pub model_loads: IntCounterVec,
     /// Model unloads by kind (`draft`).
     pub model_unloads: IntCounterVec,
+    /// Requests whose prompt reused cached KV rows (prefix cache on).
+    pub prefix_cache_hits: IntCounter,
+    /// Requests that reused nothing (prefix cache on).
+    pub prefix_cache_misses: IntCounter,
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_cache_hit_tokens: IntCounter,
+    /// Bytes the prefix cache holds.
+    pub prefix_cache_bytes: IntGauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -127,8 +135,30 @@ impl Metrics {
             &["kind"],
         )
         .expect("valid metric");
+        let prefix_cache_hits = IntCounter::new(
+            "specula_prefix_cache_hits_total",
+            "Requests whose prompt reused cached KV rows.",
+        )
+        .expect("valid metric");
+        let prefix_cache_misses = IntCounter::new(
+            "specula_prefix_cache_misses_total",
+            "Requests that reused no cached KV rows (prefix cache on).",
+        )
+        .expect("valid metric");
+        let prefix_cache_hit_tokens = IntCounter::new(
+            "specula_prefix_cache_hit_tokens_total",
+            "Prompt tokens served from the prefix cache.",
+        )
+        .expect("valid metric");
+        let prefix_cache_bytes =
+            IntGauge::new("specula_prefix_cache_bytes", "Bytes of KV rows the prefix cache holds.")
+                .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(prefix_cache_hits.clone()),
+            Box::new(prefix_cache_misses.clone()),
+            Box::new(prefix_cache_hit_tokens.clone()),
+            Box::new(prefix_cache_bytes.clone()),
             Box::new(prompt_tokens.clone()),
             Box::new(completion_tokens.clone()),
             Box::new(queue_depth.clone()),
@@ -167,6 +197,10 @@ impl Metrics {
             spec_committed,
             model_loads,
             model_unloads,
+            prefix_cache_hits,
+            prefix_cache_misses,
+            prefix_cache_hit_tokens,
+            prefix_cache_bytes,
         }
     }
 

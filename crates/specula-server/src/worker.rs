@@ -656,7 +656,17 @@ fn worker_loop(
         for (i, err) in done.into_iter().rev() {
             let r = running.swap_remove(i);
             metrics.running.dec();
-            let (out, _kv) = r.seq.finish();
+            let out = engine.retire(r.seq, err.is_none());
+            if let Some(pc) = engine.prefix_cache_stats() {
+                let cached = out.stats.cached_prompt_tokens;
+                if cached > 0 {
+                    metrics.prefix_cache_hits.inc();
+                    metrics.prefix_cache_hit_tokens.inc_by(cached as u64);
+                } else {
+                    metrics.prefix_cache_misses.inc();
+                }
+                metrics.prefix_cache_bytes.set(pc.bytes as i64);
+            }
             let event = match err {
                 None => {
                     record_done(&metrics, r.endpoint, &out);

@@ -12,6 +12,10 @@ use specula_server::{router, EngineHandle};
 const CHAT: &str = "/v1/chat/completions";
 
 fn smollm2() -> Engine {
+    smollm2_with(LoadOptions::default())
+}
+
+fn smollm2_with(opts: LoadOptions) -> Engine {
     let entry = catalog::lookup(catalog::DEFAULT_MODEL).expect("catalog entry");
     let path = specula_engine::cache::models_dir().join(entry.file_name);
     assert!(
@@ -20,7 +24,7 @@ fn smollm2() -> Engine {
         path.display(),
         catalog::DEFAULT_MODEL
     );
-    let mut engine = Engine::load(&path, "smollm2", LoadOptions::default()).expect("load SmolLM2");
+    let mut engine = Engine::load(&path, "smollm2", opts).expect("load SmolLM2");
     // SmolLM2 drafts for itself: the draft-model path with the model at hand.
     engine.attach_draft_model(&path, "smollm2-draft").expect("attach draft");
     engine
@@ -102,8 +106,12 @@ async fn concurrent_streams_are_byte_identical_to_solo_runs() {
         solo.push(content(&post(&solo_app, CHAT, r.clone()).await, r["stream"] == true));
     }
     assert!(solo.iter().all(|s| !s.is_empty()));
-    // Together, at several batch sizes.
-    let handle = EngineHandle::spawn_with_queue(smollm2(), 64);
+    // Together, at several batch sizes, with the prefix cache on (the requests repeat prompts).
+    let cached = LoadOptions {
+        prefix_cache_bytes: 256 << 20,
+        ..LoadOptions::default()
+    };
+    let handle = EngineHandle::spawn_with_queue(smollm2_with(cached), 64);
     let app = router(handle.clone());
     for concurrency in [1usize, 4, 16, 32] {
         let handle = handle.clone().with_max_batch(concurrency);
@@ -133,4 +141,40 @@ async fn concurrent_streams_are_byte_identical_to_solo_runs() {
             );
         }
     }
+    let metrics = get(&app, "/metrics").await.text;
+    let hits: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("specula_prefix_cache_hits_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .expect("prefix cache hit counter");
+    assert!(hits > 0, "repeated prompts hit the prefix cache");
+}
+
+/// The second identical prompt is served from the prefix cache: usage and /metrics say so, and
+/// the answer is the same bytes.
+#[tokio::test]
+async fn a_repeated_prompt_reports_a_prefix_cache_hit() {
+    let opts = LoadOptions {
+        prefix_cache_bytes: 64 << 20,
+        ..LoadOptions::default()
+    };
+    let app = router(EngineHandle::spawn_with_queue(smollm2_with(opts), 4));
+    let body = json!({"messages": [{"role": "user", "content": "Name three rivers of Europe."}],
+        "temperature": 0, "max_tokens": 24});
+    let first = post(&app, CHAT, body.clone()).await.json();
+    let second = post(&app, CHAT, body).await.json();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached_tokens");
+    let prompt = second["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(cached > 0 && cached < prompt, "cached {cached} of {prompt}");
+    assert_eq!(
+        first["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"],
+        "same bytes from the cache"
+    );
+    let metrics = get(&app, "/metrics").await.text;
+    assert!(metrics.contains("specula_prefix_cache_hits_total 1"), "{metrics}");
+    assert!(metrics.contains("specula_prefix_cache_misses_total 1"), "{metrics}");
 }

@@ -62,6 +62,10 @@ struct ServeArgs {
     /// each request's output stays byte-identical to running it alone).
     #[arg(long, default_value_t = specula_server::DEFAULT_MAX_BATCH as u16, value_parser = clap::value_parser!(u16).range(1..=256))]
     max_batch: u16,
+    /// MiB of KV rows the exact prefix cache may hold (reused across requests and turns;
+    /// least recently used blocks are evicted); 0 turns it off.
+    #[arg(long, default_value_t = 1024)]
+    prefix_cache_mb: usize,
     /// The model id clients use (default: the catalog name or the file name).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -304,6 +308,11 @@ fn run(cli: Cli) -> Result<()> {
 
 /// Resolve and load a model; the id is the catalog name or the file/dir name.
 fn load(spec: &str, id: Option<String>) -> Result<Engine> {
+    load_with(spec, id, LoadOptions::default())
+}
+
+/// [`load`] with load options (e.g. a prefix cache for `serve`).
+fn load_with(spec: &str, id: Option<String>, opts: LoadOptions) -> Result<Engine> {
     let path: PathBuf = pull::resolve_model(spec, true)?;
     let id = id.unwrap_or_else(|| {
         if catalog::lookup(spec).is_some() {
@@ -315,8 +324,7 @@ fn load(spec: &str, id: Option<String>) -> Result<Engine> {
         }
     });
     let t = std::time::Instant::now();
-    let engine =
-        Engine::load(&path, &id, LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
+    let engine = Engine::load(&path, &id, opts).with_context(|| format!("loading {}", path.display()))?;
     tracing::info!(
         model = %id,
         path = %path.display(),
@@ -340,7 +348,11 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
 fn serve(a: ServeArgs) -> Result<()> {
     let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let t = std::time::Instant::now();
-    let mut engine = load(&a.model, a.served_model_name.clone())?;
+    let opts = LoadOptions {
+        prefix_cache_bytes: a.prefix_cache_mb.saturating_mul(1 << 20),
+        ..LoadOptions::default()
+    };
+    let mut engine = load_with(&a.model, a.served_model_name.clone(), opts)?;
     let target_load_s = t.elapsed().as_secs_f64();
     let t = std::time::Instant::now();
     a.spec.attach(&mut engine)?;
