@@ -502,6 +502,10 @@ impl Engine {
     /// batching gain). Then each sequence absorbs its rows (acceptance, emission, the next
     /// draft).
     ///
+    /// Prompt rows are budgeted: at most `LoadOptions::prefill_chunk` of them per step (the
+    /// first prefilling sequence always runs), so a burst of new requests does not stall the
+    /// running streams; a deferred sequence gets an empty outcome and feeds its chunk later.
+    ///
     /// Returns one entry per sequence, in order: `Ok(None)` for a sequence that was already
     /// finished, `Ok(Some(outcome))`, or the error of its forward or acceptance (an internal
     /// error; the sequence should then be finished by the caller).
@@ -509,7 +513,24 @@ impl Engine {
     /// [`Model::forward_batch`]: crate::model::Model::forward_batch
     pub fn step(&self, seqs: &mut [&mut Sequence]) -> Vec<Result<Option<StepOutcome>, RequestError>> {
         let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
-        let inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();
+        let mut inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();
+        // Prefill budget: at most `prefill_chunk` prompt rows per step (and always the first
+        // prefilling sequence's chunk), so running streams keep flowing while new prompts are
+        // prefilled; a deferred sequence feeds the same chunk at a later step.
+        let mut deferred = vec![false; seqs.len()];
+        let mut prefill_rows = 0;
+        for (i, s) in seqs.iter().enumerate() {
+            let Some(inp) = inputs[i].as_ref().filter(|_| s.is_prefilling()) else {
+                continue;
+            };
+            let n = inp.tokens.len();
+            if prefill_rows > 0 && prefill_rows + n > self.opts.prefill_chunk {
+                inputs[i] = None;
+                deferred[i] = true;
+            } else {
+                prefill_rows += n;
+            }
+        }
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| inputs[i].is_some()).collect();
         let model = &self.bundle.model;
         let groups: Vec<Vec<usize>> = if model.batch_invariant() {
@@ -517,7 +538,8 @@ impl Engine {
         } else {
             live.into_iter().map(|i| vec![i]).collect()
         };
-        let mut results: Vec<Result<Option<StepOutcome>, RequestError>> = (0..seqs.len()).map(|_| Ok(None)).collect();
+        let mut results: Vec<Result<Option<StepOutcome>, RequestError>> =
+            deferred.iter().map(|&d| Ok(d.then(StepOutcome::default))).collect();
         for group in groups.into_iter().filter(|g| !g.is_empty()) {
             let mut segs: Vec<Segment> = seqs
                 .iter_mut()

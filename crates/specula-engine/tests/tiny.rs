@@ -158,6 +158,64 @@ fn batched_forward_equals_separate_forwards_bitwise() {
     }
 }
 
+/// `Engine::step` over several sequences: prompt rows per step stay within the prefill budget
+/// (a running stream keeps decoding while others prefill), and each output equals its solo run.
+#[test]
+fn stepping_sequences_together_budgets_prefill_and_matches_solo_runs() {
+    let dir = tmp();
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::with_dtype(Family::Qwen2, GgmlDType::Q8_0)).expect("write");
+    let opts = || LoadOptions {
+        prefill_chunk: 8,
+        ..LoadOptions::default()
+    };
+    let mut e = Engine::load(&path, "tiny", opts()).expect("load");
+    let req = |n: usize, salt: u32| GenerateRequest {
+        prompt_tokens: (0..n as u32).map(|i| 97 + (i * 7 + salt) % 26).collect(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(12),
+        stop: vec![],
+        logprobs: None,
+        ignore_eos: true,
+        spec: Default::default(),
+    };
+    let reqs = [req(3, 0), req(30, 1), req(21, 2)];
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| e.generate(r, &mut |_| true).expect("solo").token_ids)
+        .collect();
+    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let before: Vec<usize> = seqs.iter().map(|s| s.kv().len()).collect();
+        let prefilling: Vec<bool> = seqs.iter().map(|s| s.is_prefilling()).collect();
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+        let fed: Vec<usize> = seqs
+            .iter()
+            .zip(&before)
+            .map(|(s, b)| s.kv().len().saturating_sub(*b))
+            .collect();
+        let prompt_rows: usize = fed.iter().zip(&prefilling).filter(|(_, p)| **p).map(|(f, _)| *f).sum();
+        assert!(
+            prompt_rows <= 8,
+            "step {steps}: {prompt_rows} prompt rows > budget ({fed:?})"
+        );
+        if steps == 1 {
+            // The short request decodes while the long ones are still prefilling.
+            assert!(!seqs[0].is_prefilling() && fed[0] == 1, "step 1: {fed:?}");
+        }
+        steps += 1;
+        assert!(steps < 200, "no progress");
+    }
+    for (i, s) in seqs.into_iter().enumerate() {
+        let out = e.retire(s, true);
+        assert_eq!(out.token_ids, solo[i], "sequence {i}");
+    }
+}
+
 #[test]
 fn kv_truncate_rolls_back_exactly() {
     let dir = tmp();
