@@ -49,6 +49,8 @@ pub struct Metrics {
     pub prefix_cache_hit_tokens: IntCounter,
     /// Bytes the prefix cache holds.
     pub prefix_cache_bytes: IntGauge,
+    /// Bytes of KV cache held by running requests (0 when idle: nothing leaks).
+    pub kv_bytes: IntGauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -153,8 +155,14 @@ impl Metrics {
         let prefix_cache_bytes =
             IntGauge::new("specula_prefix_cache_bytes", "Bytes of KV rows the prefix cache holds.")
                 .expect("valid metric");
+        let kv_bytes = IntGauge::new(
+            "specula_kv_bytes",
+            "Bytes of KV cache held by running requests (0 when idle).",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(kv_bytes.clone()),
             Box::new(prefix_cache_hits.clone()),
             Box::new(prefix_cache_misses.clone()),
             Box::new(prefix_cache_hit_tokens.clone()),
@@ -201,6 +209,7 @@ impl Metrics {
             prefix_cache_misses,
             prefix_cache_hit_tokens,
             prefix_cache_bytes,
+            kv_bytes,
         }
     }
 

@@ -682,6 +682,8 @@ fn worker_loop(
             drop(r.slot);
             let _ = r.events.send(event);
         }
+        let held: usize = running.iter().map(|r| r.seq.kv().bytes()).sum();
+        metrics.kv_bytes.set(held as i64);
     }
     tracing::debug!("engine worker stopped");
 }
