@@ -490,6 +490,12 @@ impl Engine {
         out
     }
 
+    /// Bytes of KV cache one position takes (every layer's K and V rows, f32).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let c = self.config();
+        c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    }
+
     /// The prefix cache's counters, when it is on.
     pub fn prefix_cache_stats(&self) -> Option<crate::prefix_cache::PrefixCacheStats> {
         self.prefix.as_ref().map(PrefixCache::stats)

@@ -145,6 +145,7 @@ const PARAM_NAMES: &[&str] = &[
     "frequency_penalty",
     "top_logprobs",
     "logprobs",
+    "max_tokens",
 ];
 
 impl IntoResponse for ApiError {

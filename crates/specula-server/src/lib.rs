@@ -67,6 +67,9 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Requests decoded together (continuous batching).
     pub max_batch: usize,
+    /// Bytes of KV cache running requests may reserve together (`None`: no limit); see
+    /// [`EngineHandle::with_kv_budget`].
+    pub kv_budget_bytes: Option<usize>,
     /// Speculative decoding for requests that do not set the `spec` field.
     pub spec: specula_engine::spec::SpecOptions,
     /// The bundle's capability summary from `specula_engine::inspect`
@@ -88,6 +91,7 @@ impl Default for ServeOptions {
             port: 8000,
             max_queue: DEFAULT_MAX_QUEUE,
             max_batch: DEFAULT_MAX_BATCH,
+            kv_budget_bytes: None,
             spec: Default::default(),
             bundle: None,
             tool_parser: None,
@@ -121,6 +125,10 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         .with_tool_parser(opts.tool_parser)
         .with_load_seconds(opts.target_load_s, opts.draft_load_s)
         .with_max_batch(opts.max_batch);
+    let handle = match opts.kv_budget_bytes {
+        Some(b) => handle.with_kv_budget(b),
+        None => handle,
+    };
     let listener = TcpListener::bind((opts.host.as_str(), opts.port))
         .await
         .with_context(|| format!("binding {}:{}", opts.host, opts.port))?;
@@ -135,6 +143,7 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         model = %m.id,
         max_queue = opts.max_queue,
         max_batch = opts.max_batch,
+        kv_budget_mib = opts.kv_budget_bytes.map(|b| b >> 20),
         spec = m.spec.mode.as_str(),
         draft_max = m.spec.draft_max,
         adaptive = m.spec.adaptive,

@@ -212,6 +212,9 @@ struct Queue {
     max_queue: usize,
     /// Requests decoded together (continuous batching); read by the worker at each admission.
     max_batch: AtomicUsize,
+    /// Bytes of KV cache the running requests may reserve together (worst case: prompt +
+    /// max_tokens positions each); read by the worker at each admission.
+    kv_budget: AtomicUsize,
     /// Admitted and not finished (running + waiting).
     pending: AtomicUsize,
     /// Admitted and not yet taken by the worker.
@@ -337,6 +340,7 @@ impl EngineHandle {
         let queue = Arc::new(Queue {
             max_queue,
             max_batch: AtomicUsize::new(1),
+            kv_budget: AtomicUsize::new(usize::MAX),
             pending: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             metrics: metrics.clone(),
@@ -429,6 +433,15 @@ impl EngineHandle {
         self
     }
 
+    /// Let running requests reserve at most `bytes` of KV cache together. A request reserves
+    /// its worst case, (prompt + max_tokens) positions, when it starts; one that would not fit
+    /// next to the running ones waits (in order) until enough of them finish, and one that
+    /// cannot fit even alone is refused with a 400 naming the numbers. Default: no limit.
+    pub fn with_kv_budget(self, bytes: usize) -> Self {
+        self.shared.queue.kv_budget.store(bytes.max(1), Ordering::SeqCst);
+        self
+    }
+
     /// Requests decoded together at most.
     pub fn max_batch(&self) -> usize {
         self.shared.queue.max_batch.load(Ordering::SeqCst)
@@ -512,6 +525,8 @@ pub(crate) fn unix_now() -> u64 {
 /// A request being decoded by the worker.
 struct Running {
     seq: Sequence,
+    /// KV bytes reserved for it (its worst case).
+    reserved: usize,
     events: UnboundedSender<Event>,
     stream: bool,
     endpoint: &'static str,
@@ -537,12 +552,21 @@ fn worker_loop(
     queue: Arc<Queue>,
 ) {
     let mut running: Vec<Running> = Vec::new();
+    // A job that waits for KV memory (it goes first once enough is free).
+    let mut blocked: Option<Box<Job>> = None;
     let mut open = true;
     while open || !running.is_empty() {
         // Admission.
-        while open {
+        while open || blocked.is_some() {
             let max_batch = queue.max_batch.load(Ordering::SeqCst).max(1);
-            let work = if running.is_empty() {
+            let work = if let Some(job) = blocked.take() {
+                if running.len() < max_batch {
+                    Work::Job(job)
+                } else {
+                    blocked = Some(job);
+                    break;
+                }
+            } else if running.is_empty() {
                 match rx.recv() {
                     Ok(w) => w,
                     Err(_) => {
@@ -570,25 +594,30 @@ fn worker_loop(
                     let _ = release.recv();
                     metrics.running.dec();
                 }
-                Work::Job(job) => {
-                    let Job {
-                        sub,
-                        events,
-                        enqueued,
-                        mut slot,
-                    } = *job;
-                    slot.take();
-                    metrics.queue_seconds.observe(enqueued.elapsed().as_secs_f64());
-                    if events.is_closed() {
-                        tracing::info!(endpoint = sub.endpoint, "client went away while queued");
+                Work::Job(mut job) => {
+                    job.slot.take();
+                    if job.events.is_closed() {
+                        tracing::info!(endpoint = job.sub.endpoint, "client went away while queued");
                         continue;
                     }
-                    let started = std::panic::catch_unwind(AssertUnwindSafe(|| start_job(&mut engine, &sub, &events)));
+                    let budget = queue.kv_budget.load(Ordering::SeqCst);
+                    let free = budget.saturating_sub(running.iter().map(|r| r.reserved).sum());
+                    let started = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        start_job(&mut engine, &job.sub, &job.events, free, budget)
+                    }));
                     let failure = match started {
-                        Ok(Ok(seq)) => {
+                        Ok(Ok(Some((seq, reserved)))) => {
+                            let Job {
+                                sub,
+                                events,
+                                enqueued,
+                                slot,
+                            } = *job;
+                            metrics.queue_seconds.observe(enqueued.elapsed().as_secs_f64());
                             metrics.running.inc();
                             running.push(Running {
                                 seq,
+                                reserved,
                                 events,
                                 stream: sub.stream,
                                 endpoint: sub.endpoint,
@@ -596,18 +625,23 @@ fn worker_loop(
                             });
                             continue;
                         }
+                        Ok(Ok(None)) => {
+                            // Not enough KV memory next to the running requests: wait for them.
+                            blocked = Some(job);
+                            break;
+                        }
                         Ok(Err(e)) => {
-                            tracing::info!(endpoint = sub.endpoint, "request rejected: {e}");
+                            tracing::info!(endpoint = job.sub.endpoint, "request rejected: {e}");
                             e
                         }
                         Err(panic) => {
                             let msg = panic_message(panic.as_ref());
-                            tracing::error!(endpoint = sub.endpoint, "engine panicked: {msg}");
+                            tracing::error!(endpoint = job.sub.endpoint, "engine panicked: {msg}");
                             RequestError::Internal(format!("engine panicked: {msg}"))
                         }
                     };
-                    drop(slot);
-                    let _ = events.send(Event::Failed(failure));
+                    drop(job.slot);
+                    let _ = job.events.send(Event::Failed(failure));
                 }
             }
         }
@@ -690,7 +724,15 @@ fn worker_loop(
 
 /// Template, tokenize, validate a job and compile its constraint; answer "started"; return its
 /// sequence (on the worker thread).
-fn start_job(engine: &mut Engine, sub: &Submission, events: &UnboundedSender<Event>) -> Result<Sequence, RequestError> {
+/// `Ok(None)`: the request's worst-case KV (prompt + max_tokens positions) does not fit in the
+/// `free` bytes left next to the running requests (it fits the whole `budget`: it can wait).
+fn start_job(
+    engine: &mut Engine,
+    sub: &Submission,
+    events: &UnboundedSender<Event>,
+    free: usize,
+    budget: usize,
+) -> Result<Option<(Sequence, usize)>, RequestError> {
     let mut prompt_tail = String::new();
     let tokens = match &sub.prompt {
         Prompt::Chat(p) => {
@@ -710,6 +752,25 @@ fn start_job(engine: &mut Engine, sub: &Submission, events: &UnboundedSender<Eve
         }
     }
     engine.validate(&req)?;
+    let prompt = req.prompt_tokens.len();
+    let room = engine.context_length().saturating_sub(prompt);
+    let positions = prompt + req.max_tokens.unwrap_or(room).min(room);
+    let per_token = engine.kv_bytes_per_token();
+    let need = positions.saturating_mul(per_token);
+    if need > budget {
+        return Err(RequestError::InvalidParameter(format!(
+            "max_tokens too large for the KV budget: this request may need {:.1} MiB of KV cache ({positions} positions: {prompt} prompt \
+             tokens + up to {} generated, {:.1} KiB each), more than the server's KV budget of {:.1} MiB \
+             (--kv-budget-mb); lower max_tokens or shorten the prompt",
+            need as f64 / 1048576.0,
+            positions - prompt,
+            per_token as f64 / 1024.0,
+            budget as f64 / 1048576.0
+        )));
+    }
+    if need > free {
+        return Ok(None);
+    }
     // Compile the constraint before answering "started": a bad schema or grammar is a 400.
     let control = OutputControl {
         grammar: sub.grammar.clone(),
@@ -728,7 +789,7 @@ fn start_job(engine: &mut Engine, sub: &Submission, events: &UnboundedSender<Eve
     {
         return Err(RequestError::Internal("client went away".to_string()));
     }
-    Ok(seq)
+    Ok(Some((seq, need)))
 }
 
 /// The drafter family of a decode path, for metric labels: `ar` (plain decoding, also when

@@ -178,3 +178,59 @@ async fn a_repeated_prompt_reports_a_prefix_cache_hit() {
     assert!(metrics.contains("specula_prefix_cache_hits_total 1"), "{metrics}");
     assert!(metrics.contains("specula_prefix_cache_misses_total 1"), "{metrics}");
 }
+
+/// KV admission on the tiny model: a request whose worst case exceeds the budget is a 400
+/// naming the numbers; two requests that fit alone but not together run one after the other
+/// (never in one step), with the outputs of solo runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_kv_budget_refuses_what_cannot_fit_and_queues_what_must_wait() {
+    let e = spec_engine();
+    let per_token = e.kv_bytes_per_token();
+    // Room for 100 positions.
+    let handle = EngineHandle::spawn_with_queue(e, 8)
+        .with_max_batch(4)
+        .with_kv_budget(100 * per_token);
+    let app = router(handle.clone());
+    let body = |max_tokens: usize| json!({"prompt": "the hen and the fox", "temperature": 0, "max_tokens": max_tokens, "ignore_eos": true});
+    let r = post(&app, "/v1/completions", body(200)).await;
+    let err = assert_error(&r, axum::http::StatusCode::BAD_REQUEST, Some("max_tokens"));
+    let msg = err["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("KV budget") && msg.contains("MiB"), "{msg}");
+    // Two requests queued together (the worker held until both wait), then released.
+    let pair = |max_tokens: usize| {
+        let app = app.clone();
+        let handle = handle.clone();
+        async move {
+            let guard = handle.hold().expect("hold");
+            let tasks: Vec<_> = (0..2)
+                .map(|_| {
+                    let app = app.clone();
+                    tokio::spawn(async move { post(&app, "/v1/completions", body(max_tokens)).await })
+                })
+                .collect();
+            while handle.waiting() < 2 {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            drop(guard);
+            let mut texts = Vec::new();
+            for t in tasks {
+                let r = t.await.expect("task");
+                assert_eq!(r.status, axum::http::StatusCode::OK, "{}", r.text);
+                texts.push(r.json()["choices"][0]["text"].clone());
+            }
+            texts
+        }
+    };
+    // 60 positions each: one fits, two do not, so they run one after the other.
+    let solo = post(&app, "/v1/completions", body(50)).await.json();
+    let (before, _) = batched_steps(&app).await;
+    for t in pair(50).await {
+        assert_eq!(t, solo["choices"][0]["text"]);
+    }
+    let (after, _) = batched_steps(&app).await;
+    assert_eq!(after, before, "the two requests never shared a step");
+    // 30 positions each: both fit, so they share steps.
+    pair(10).await;
+    let (shared, _) = batched_steps(&app).await;
+    assert!(shared > after, "small requests were batched together");
+}

@@ -66,6 +66,11 @@ struct ServeArgs {
     /// least recently used blocks are evicted); 0 turns it off.
     #[arg(long, default_value_t = 1024)]
     prefix_cache_mb: usize,
+    /// MiB of KV cache running requests may reserve together (each its worst case, prompt +
+    /// max_tokens); a request that does not fit waits, one that cannot fit alone is refused.
+    /// 0 = half of the memory available after loading.
+    #[arg(long, default_value_t = 0)]
+    kv_budget_mb: usize,
     /// The model id clients use (default: the catalog name or the file name).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -358,6 +363,14 @@ fn serve(a: ServeArgs) -> Result<()> {
     a.spec.attach(&mut engine)?;
     let draft_load_s = a.spec.draft_model.is_some().then(|| t.elapsed().as_secs_f64());
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
+    let kv_budget = if a.kv_budget_mb > 0 {
+        a.kv_budget_mb.saturating_mul(1 << 20)
+    } else {
+        // Half of what is left after loading (the prefix cache has its own budget).
+        specula_engine::inspect::memory::available_memory()
+            .map(|b| (b / 2) as usize)
+            .unwrap_or(usize::MAX)
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -369,6 +382,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             port: a.port,
             max_queue: a.max_queue,
             max_batch: a.max_batch as usize,
+            kv_budget_bytes: Some(kv_budget),
             spec: a.spec.options(),
             bundle: report.map(|r| r.capabilities_json()),
             tool_parser: a.tool_parser,
