@@ -25,6 +25,8 @@ const ACCEPT_DECAY: f64 = 0.9;
 const TIME_ALPHA: f64 = 0.25;
 /// Prior cost of one extra verify row, as a fraction of a one-row forward.
 const PRIOR_ROW_SLOPE: f64 = 0.1;
+/// Drafting steps between two one-row (no draft) steps that re-measure the unit of every cost.
+const RECALIBRATE_EVERY: usize = 32;
 
 /// The per-request draft-length controller.
 #[derive(Debug, Clone)]
@@ -41,6 +43,8 @@ pub struct DraftLength {
     pause: usize,
     backoff: usize,
     probing: bool,
+    /// Drafting steps since the last one-row forward was measured.
+    since_one_row: usize,
 }
 
 impl DraftLength {
@@ -58,6 +62,7 @@ impl DraftLength {
             pause: 0,
             backoff: 1,
             probing: false,
+            since_one_row: 0,
         }
     }
 
@@ -136,8 +141,17 @@ impl DraftLength {
             }
             return 0;
         }
+        // Every cost is relative to a one-row forward, which a sequence that always drafts never
+        // runs: measure one (a step without drafts) before the first decision on measured
+        // multi-row costs, and again every RECALIBRATE_EVERY drafting steps.
+        let multi_row_measured = self.forward_s.iter().skip(1).any(Option::is_some);
+        if multi_row_measured && (self.forward_s[0].is_none() || self.since_one_row >= RECALIBRATE_EVERY) {
+            self.since_one_row = 0;
+            return 0;
+        }
         let (k, gain) = self.best();
         if self.probing {
+            self.since_one_row += 1;
             return k;
         }
         if gain < 1.0 {
@@ -145,6 +159,7 @@ impl DraftLength {
             self.backoff = (self.backoff * 2).min(MAX_PAUSE);
             return 0;
         }
+        self.since_one_row += 1;
         k
     }
 
@@ -252,6 +267,46 @@ mod tests {
         assert!((c.relative_forward_cost(2) - 1.1).abs() < 1e-9);
         assert!((c.relative_forward_cost(6) - 1.8).abs() < 1e-9);
         assert!((c.relative_forward_cost(9) - 2.4).abs() < 1e-9);
+    }
+
+    /// A sequence that always drafts never runs a one-row forward: the controller runs one to
+    /// measure the unit of its costs, then pauses when drafting does not pay (the draft model of
+    /// a 2-core CPU: drafts cost 0.6 of a target step, an r-row verify 0.6 r).
+    #[test]
+    fn costs_are_calibrated_with_a_one_row_step_then_bad_drafting_pauses() {
+        let mut c = DraftLength::new(4, true);
+        assert!(c.next_k() > 0, "optimistic start");
+        for _ in 0..3 {
+            c.observe_forward(5, 0.030);
+            c.observe_draft(4, 0.024);
+            c.update(4, 3);
+        }
+        assert_eq!(c.next_k(), 0, "a one-row step to measure the unit");
+        c.observe_forward(1, 0.010);
+        let (_, gain) = c.best();
+        assert!(gain < 1.0, "predicted {gain}");
+        assert_eq!(c.next_k(), 0, "does not pay: pause");
+        // Cheap drafts with the same acceptance pay again, and a re-measure comes every
+        // RECALIBRATE_EVERY drafting steps.
+        let mut c = DraftLength::new(4, true);
+        c.observe_forward(1, 0.010);
+        let mut ones = 0;
+        for _ in 0..(3 * RECALIBRATE_EVERY) {
+            let k = c.next_k();
+            if k == 0 {
+                ones += 1;
+                c.observe_forward(1, 0.010);
+            } else {
+                c.observe_forward(k + 1, 0.010 * (1.0 + 0.2 * k as f64));
+                c.observe_draft(k, 0.0001 * k as f64);
+                c.update(k, k);
+            }
+        }
+        assert!(
+            (2..=4).contains(&ones),
+            "{ones} one-row steps in {} steps",
+            3 * RECALIBRATE_EVERY
+        );
     }
 
     #[test]
