@@ -61,6 +61,9 @@ pub struct Engine {
     grammar: Option<GrammarCompiler>,
     /// KV rows of seen prefixes (`LoadOptions::prefix_cache_bytes`).
     prefix: Option<PrefixCache>,
+    /// What finished requests learned about drafting, by decode path (see
+    /// [`crate::spec::DraftLength::warm_start`]).
+    controller_priors: std::collections::HashMap<String, crate::spec::DraftLength>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -82,6 +85,7 @@ impl Engine {
             .then(|| PrefixCache::new(opts.prefix_cache_bytes));
         Self {
             prefix,
+            controller_priors: Default::default(),
             bundle,
             id: id.to_string(),
             kv,
@@ -308,6 +312,7 @@ impl Engine {
             prefill_chunk: self.opts.prefill_chunk,
             batch_invariant: self.bundle.model.batch_invariant(),
             draft: self.draft.as_ref().map(|d| (d.model.clone(), d.id.clone())),
+            controller_priors: self.controller_priors.clone(),
         }
     }
 
@@ -480,6 +485,9 @@ impl Engine {
     /// model: the prompt and every output token but the last).
     pub fn retire(&mut self, seq: Sequence, ok: bool) -> GenerateOutput {
         let prompt = seq.request().prompt_tokens.clone();
+        if let Some((path, ctl)) = seq.controller() {
+            self.controller_priors.insert(path.to_string(), ctl.clone());
+        }
         let (out, kv) = seq.finish();
         if let (Some(p), true) = (self.prefix.as_mut(), ok) {
             let mut tokens = prompt;

@@ -40,6 +40,9 @@ pub struct SequenceEnv {
     pub batch_invariant: bool,
     /// The attached draft model and its id.
     pub draft: Option<(Arc<Model>, String)>,
+    /// What earlier requests learned about drafting, by decode path (`ngram`,
+    /// `draft-model:ID`): a new request's draft-length controller starts from it.
+    pub controller_priors: std::collections::HashMap<String, DraftLength>,
 }
 
 /// The tokens of one target forward for a sequence.
@@ -147,7 +150,10 @@ impl Sequence {
         // Acceptance at temperature > 0 draws from its own stream, derived from the request seed.
         let accept_rng = (drafter.is_some() && !req.sampling.is_greedy())
             .then(|| UniformRandomness(ChaCha20Rng::seed_from_u64(sampler.fork_seed())));
-        let k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
+        let mut k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
+        if let Some(prior) = env.controller_priors.get(&stats.spec.decode_path) {
+            k_ctl.warm_start(prior);
+        }
         let context = req.prompt_tokens.clone();
         Self {
             req,
@@ -197,6 +203,14 @@ impl Sequence {
         self.kv.truncate(n);
         self.prefilled = n;
         self.stats.cached_prompt_tokens = n;
+    }
+
+    /// The draft-length controller (what this request learned about drafting), with its
+    /// decode path; `None` when the request did not speculate.
+    pub fn controller(&self) -> Option<(&str, &DraftLength)> {
+        self.drafter
+            .as_ref()
+            .map(|_| (self.stats.spec.decode_path.as_str(), &self.k_ctl))
     }
 
     /// Has generation finished?

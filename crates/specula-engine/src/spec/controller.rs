@@ -66,6 +66,26 @@ impl DraftLength {
         }
     }
 
+    /// Start from what an earlier request with the same drafter learned (acceptance counts,
+    /// measured costs): a new request then does not pay again to find out that drafting does not
+    /// pay. When the prior predicts a loss, the request starts paused for the longest back-off
+    /// (a draft model also skips its prompt prefill until a probe). A fixed k ignores priors.
+    pub fn warm_start(&mut self, prior: &DraftLength) {
+        if !self.adaptive {
+            return;
+        }
+        self.accepted = prior.accepted;
+        self.tested = prior.tested;
+        for (mine, theirs) in self.forward_s.iter_mut().zip(&prior.forward_s) {
+            *mine = *theirs;
+        }
+        self.draft_token_s = prior.draft_token_s;
+        if self.forward_s[0].is_some() && self.best().1 < 1.0 {
+            self.pause = MAX_PAUSE;
+            self.backoff = MAX_PAUSE;
+        }
+    }
+
     /// The estimated per-token acceptance probability α.
     pub fn alpha(&self) -> f64 {
         ((self.accepted + 1.0) / (self.tested + 2.0)).clamp(0.0, 0.999)
@@ -315,6 +335,25 @@ mod tests {
             "{ones} one-row steps in {} steps",
             3 * RECALIBRATE_EVERY
         );
+    }
+
+    #[test]
+    fn a_prior_that_does_not_pay_starts_paused() {
+        let mut prior = measured(4, 0.6, 0.6);
+        for _ in 0..10 {
+            prior.update(4, 2);
+        }
+        assert!(prior.best().1 < 1.0);
+        let mut c = DraftLength::new(4, true);
+        c.warm_start(&prior);
+        assert!(
+            (0..MAX_PAUSE).all(|_| c.next_k() == 0),
+            "paused for the longest back-off"
+        );
+        assert!(c.next_k() > 0, "then one probe");
+        let mut fixed = DraftLength::new(4, false);
+        fixed.warm_start(&prior);
+        assert_eq!(fixed.next_k(), 4);
     }
 
     #[test]
