@@ -41,6 +41,14 @@
 //! `ggml_vec_dot_q*_K_q8_K`, ggml built with GCC 12 at `-O2 -mavx2 -mfma` and at
 //! `-O3 -march=native`) on random and on real Qwen2.5 Q4_K/Q6_K tensors: bitwise equal.
 //!
+//! Where AVX-512 VNNI is available, products of 2 or more rows of Q4_K/Q5_K/Q6_K run on tiles of
+//! two weight rows × up to [`vnni_rows`] activation rows (`avx2_impl::tile`): `vpdpbusd` sums of
+//! 4 products packed in pairs into one `vpdpwssd` per two chunks (25% fewer multiply
+//! instructions than `maddubs` + `madd`), the decoding of each super-block shared by all the
+//! rows, and the float steps of the two weight rows in one 512-bit register. One-row products
+//! (decode) stay on the row kernels, which stream the weights from memory faster.
+//! `SPECULA_KERNELS=avx2` forces the row kernels, `SPECULA_KERNELS=portable` the reference.
+//!
 //! **Batch invariance.** Every output element is computed by the same function of one weight row
 //! and one activation row, whatever the number of rows `m`: the multi-row micro-kernel only
 //! shares the decoding of each weight super-block between activation rows, and which group a row
@@ -50,7 +58,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
 use super::qmatmul::{hsum8, nearest_int};
-use super::run_rows;
+use super::{fixed_groups, row_groups, run_tiles};
 
 /// Weights per super-block.
 pub const QK_K: usize = 256;
@@ -191,8 +199,14 @@ impl KWeight {
     }
 
     /// `x`: `[m, k]` row-major f32 → `[m, n]` row-major f32. Row `i` of the result is bitwise
-    /// the same whatever `m` is. Panics if `x` is not `m * k` long.
+    /// the same whatever `m` is, and whichever [`KernelPath`](super::KernelPath) runs. Panics if
+    /// `x` is not `m * k` long.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_on(x, m, super::kernel_path())
+    }
+
+    /// [`matmul`](Self::matmul) on the given path (falling back to what the CPU supports).
+    pub(crate) fn matmul_on(&self, x: &[f32], m: usize, path: super::KernelPath) -> Vec<f32> {
         assert_eq!(
             x.len(),
             m * self.k,
@@ -201,9 +215,36 @@ impl KWeight {
             self.k
         );
         let rows: Vec<Q8KRow> = x.chunks_exact(self.k).map(quantize_row_q8k).collect();
-        let avx2 = super::qmatmul::has_avx2();
-        run_rows(self.n, self.k, &rows, MAX_ROWS, |j, xs, out| {
-            vec_dot_rows(self.row(j), xs, out, avx2)
+        let refs: Vec<&Q8KRow> = rows.iter().collect();
+        #[cfg(target_arch = "x86_64")]
+        if path == super::KernelPath::Best
+            && m > 1
+            && super::has_avx512_vnni()
+            && matches!(self.kind, KKind::Q4K | KKind::Q5K | KKind::Q6K)
+        {
+            let groups = row_groups(m, vnni_rows(self.kind));
+            let q8s = avx2_impl::pair_sums(&rows, self.k / QK_K);
+            return run_tiles(self.n, self.k, m, &groups, 2, |j0, nw, gi, out| {
+                let (i0, g) = groups[gi];
+                // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
+                // (`has_avx512_vnni`); ranges are checked inside.
+                unsafe { avx2_impl::tile_dispatch(self, &refs[i0..i0 + g], &q8s[i0..i0 + g], j0, nw, out) }
+            });
+        }
+        let groups = fixed_groups(m, MAX_ROWS);
+        let avx2 = super::qmatmul::has_avx2() && path != super::KernelPath::Portable;
+        let wide = avx2 && has_avx512();
+        run_tiles(self.n, self.k, m, &groups, 1, |j0, nw, gi, out| {
+            let (i0, g) = groups[gi];
+            for w in 0..nw {
+                vec_dot_rows_with(
+                    self.row(j0 + w),
+                    &refs[i0..i0 + g],
+                    &mut out[w * g..(w + 1) * g],
+                    avx2,
+                    wide,
+                );
+            }
         })
     }
 }
@@ -531,6 +572,16 @@ pub fn vec_dot_portable(w: KRow<'_>, x: &Q8KRow) -> f32 {
 /// Largest group of activation rows one call of the micro-kernel takes.
 pub const MAX_ROWS: usize = 8;
 
+/// Activation rows per tile of the VNNI kernels (two weight rows × this many rows): the most
+/// whose accumulators stay in the 32 vector registers, measured (Q6_K's wider weight decoding
+/// leaves room for fewer).
+pub fn vnni_rows(kind: KKind) -> usize {
+    match kind {
+        KKind::Q6K => 5,
+        _ => 8,
+    }
+}
+
 /// `out[r] = ` the product of weight row `w` with `xs[r]`, for 1..=[`MAX_ROWS`] rows at once
 /// (the weights are decoded once for all of them); each value is bitwise
 /// [`vec_dot_portable`]`(w, xs[r])`.
@@ -589,6 +640,7 @@ mod avx2_impl {
     //! [`block_row_portable`] (checked bitwise by the tests).
 
     use super::*;
+    use crate::kernels::qmatmul::vnni_impl::f16_pair;
     use std::arch::x86_64::*;
 
     /// `_mm256_shuffle_epi8` controls: entry `c` broadcasts i16 element `2c` over the low 128
@@ -725,6 +777,419 @@ mod avx2_impl {
             KKind::Q6K => q6k::<R>(w.data, x),
         };
         st.finish(w.kind, out);
+    }
+
+    /// Per row and super-block, the 8 sums of each 32 quants (`bsums[2g] + bsums[2g + 1]`, i16
+    /// wrapping adds as `_mm_hadd_epi16`): the operand of the Q4_K/Q5_K min products.
+    pub(super) fn pair_sums(rows: &[Q8KRow], nb: usize) -> Vec<Vec<i16>> {
+        rows.iter()
+            .map(|x| {
+                x.bsums[..nb * 16]
+                    .chunks_exact(2)
+                    .map(|p| p[0].wrapping_add(p[1]))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Q4_K / Q5_K / Q6_K as const generic parameters.
+    const Q4K: u8 = 4;
+    const Q5K: u8 = 5;
+    const Q6K: u8 = 6;
+
+    /// `[lo(a) + hi(a) | lo(b) + hi(b)]`: the 16-lane sums of two weight rows folded to ggml's
+    /// 8 lanes each (exact i32 adds), row `a` in the low half.
+    #[inline(always)]
+    unsafe fn fold2(a: __m512i, b: __m512i) -> __m512i {
+        let lo = _mm512_shuffle_i64x2::<0b01_00_01_00>(a, b);
+        let hi = _mm512_shuffle_i64x2::<0b11_10_11_10>(a, b);
+        _mm512_add_epi32(lo, hi)
+    }
+
+    /// Two f16 values (little-endian byte pairs) → `[f32(a) × 4, f32(b) × 4]`.
+    #[inline(always)]
+    unsafe fn f16_pair4(a: *const u8, b: *const u8) -> __m256 {
+        let h = (a as *const u16).read_unaligned() as u32 | ((b as *const u16).read_unaligned() as u32) << 16;
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(h as i32));
+        _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
+    }
+
+    /// Q4_K/Q5_K scales and mins of two super-blocks (`sa`, `sb`: their 12 packed bytes, readable
+    /// 16): [`scales_mins_k4`] four bytes at a time in vector lanes. Returns the 8 scales of each
+    /// as i16 (lanes 0..8, for `vpermw`) and the mins as `[mins a | mins b]` (8 i16 each).
+    #[inline(always)]
+    unsafe fn k4_scales2(sa: *const u8, sb: *const u8) -> (__m512i, __m512i, __m256i) {
+        // Per 128-bit half: [u0, u1, u2, -].
+        let v = _mm256_set_m128i(ld128(sb), ld128(sa));
+        let l1 = _mm256_shuffle_epi32::<0b10_01_10_00>(v); // [u0, u2, u1, u2]
+        let l2 = _mm256_shuffle_epi32::<0b01_01_00_00>(v); // [u0, u0, u1, u1]
+        let k1 = 0x3f3f_3f3f;
+        let k2 = 0x0f0f_0f0f;
+        let k3 = 0x0303_0303;
+        // [u0 & K1, u2 & K2, u1 & K1, (u2 >> 4) & K2]
+        let a = _mm256_and_si256(
+            _mm256_srlv_epi32(l1, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
+            _mm256_setr_epi32(k1, k2, k1, k2, k1, k2, k1, k2),
+        );
+        // [0, ((u0 >> 6) & K3) << 4, 0, ((u1 >> 6) & K3) << 4]
+        let b = _mm256_slli_epi32::<4>(_mm256_and_si256(
+            _mm256_srli_epi32::<6>(l2),
+            _mm256_setr_epi32(0, k3, 0, k3, 0, k3, 0, k3),
+        ));
+        // Bytes 0..8: scales, 8..16: mins (per half).
+        let sm = _mm256_or_si256(a, b);
+        let ma = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(sm));
+        let mb = _mm256_cvtepu8_epi16(_mm256_extracti128_si256::<1>(sm));
+        let mins2 = _mm256_permute2x128_si256::<0x31>(ma, mb);
+        (_mm512_castsi256_si512(ma), _mm512_castsi256_si512(mb), mins2)
+    }
+
+    /// `vpdpwssd`: `acc + a[2i] b[2i] + a[2i+1] b[2i+1]` per i32 lane (exact, wrapping). Inline
+    /// assembly, because LLVM otherwise splits most of them back into `vpmaddwd` + `vpaddd` (same
+    /// result, one more instruction).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+        let mut acc = acc;
+        std::arch::asm!(
+            "vpdpwssd {acc}, {a}, {b}",
+            acc = inout(zmm_reg) acc,
+            a = in(zmm_reg) a,
+            b = in(zmm_reg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    }
+
+    /// [`k4_scales2`] as arrays, for the tests.
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    pub(super) unsafe fn k4_scales2_for_test(sa: *const u8, sb: *const u8) -> ([i16; 32], [i16; 32], [i16; 16]) {
+        let (a, b, m) = k4_scales2(sa, sb);
+        let mut out = ([0i16; 32], [0i16; 32], [0i16; 16]);
+        _mm512_storeu_si512(out.0.as_mut_ptr() as *mut _, a);
+        _mm512_storeu_si512(out.1.as_mut_ptr() as *mut _, b);
+        _mm256_storeu_si256(out.2.as_mut_ptr() as *mut __m256i, m);
+        out
+    }
+
+    #[inline(always)]
+    unsafe fn ldz(p: *const i16) -> __m512i {
+        _mm512_loadu_si512(p as *const _)
+    }
+
+    /// `vpermw` controls for Q4_K/Q5_K: the scale operand of [`pack`]ed pair `p` (value vectors
+    /// `2p` and `2p + 1`, each 64 values: chunk `2j` in the low half, `2j + 1` in the high):
+    /// i16 `2i` is the scale of the first vector's i32 lane `i`, `2i + 1` the second's.
+    static IDX4: [[i16; 32]; 2] = {
+        let mut t = [[0i16; 32]; 2];
+        let mut p = 0;
+        while p < 2 {
+            let mut i = 0;
+            while i < 16 {
+                let hi = (i >= 8) as usize;
+                t[p][2 * i] = (4 * p + hi) as i16;
+                t[p][2 * i + 1] = (4 * p + 2 + hi) as i16;
+                i += 1;
+            }
+            p += 1;
+        }
+        t
+    };
+
+    /// `vpermw` controls for Q6_K: the scale operand of the [`pack`]ed pair of half `j` (value
+    /// vectors of chunks `(4j, 4j + 1)` and `(4j + 2, 4j + 3)`); one scale per 16 values.
+    static IDX6: [[i16; 32]; 2] = {
+        let mut t = [[0i16; 32]; 2];
+        let mut j = 0;
+        while j < 2 {
+            let mut i = 0;
+            while i < 16 {
+                // Lane i: chunk (i / 8) of the vector, values 4 (i % 8) .. + 4 of that chunk.
+                let group = 2 * (i / 8) + (i % 8) / 4;
+                t[j][2 * i] = (8 * j + group) as i16;
+                t[j][2 * i + 1] = (8 * j + 4 + group) as i16;
+                i += 1;
+            }
+            j += 1;
+        }
+        t
+    };
+
+    /// `vpdpbusd` from zero: per i32 lane `l`, the exact sum of the four products of unsigned
+    /// weights `w` and signed quants `y` at bytes `4l .. 4l + 4` (|sum| ≤ 4 · 63 · 128, so it
+    /// also fits in an i16).
+    #[inline(always)]
+    unsafe fn dot4(w: __m512i, y: __m512i) -> __m512i {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, y)
+    }
+
+    /// Two `dot4` results as i16 pairs: lane `l` = (`a[l]`, `b[l]`) (each fits in an i16, so the
+    /// truncation is exact), the operand of one `vpdpwssd` that scales and adds both.
+    #[inline(always)]
+    unsafe fn pack(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_permutex2var_epi16(a, ldz(PACK.as_ptr()), b)
+    }
+
+    /// `vpermt2w` control of [`pack`]: i16 `2i` from `a[2i]`, `2i + 1` from `b[2i]`.
+    static PACK: [i16; 32] = {
+        let mut t = [0i16; 32];
+        let mut i = 0;
+        while i < 16 {
+            t[2 * i] = (2 * i) as i16;
+            t[2 * i + 1] = (32 + 2 * i) as i16;
+            i += 1;
+        }
+        t
+    };
+
+    /// Q6_K weights of one super-block half `j` (values 128j..128j+128), unsigned 0..63: the
+    /// chunks `(4j, 4j + 1)` and `(4j + 2, 4j + 3)` as two 512-bit vectors (ggml's
+    /// `q4bits | q4bitsH` assembly, 64 values at a time).
+    #[inline(always)]
+    unsafe fn q6k_weights(q: *const u8, j: usize) -> (__m512i, __m512i) {
+        let ql = _mm512_loadu_si512(q.add(64 * j) as *const _);
+        let qh = _mm512_broadcast_i64x4(ld(q.add(128 + 32 * j)));
+        let m0f = _mm512_set1_epi8(0x0F);
+        let m30 = _mm512_set1_epi8(0x30);
+        // Bits 4..6 of each byte: qh bits (0,1) / (2,3) for chunks 4j / 4j+1 ...
+        let sh01 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+        let h01 = _mm512_and_si512(_mm512_sllv_epi16(qh, sh01), m30);
+        // ... and (4,5) / (6,7) for chunks 4j+2 / 4j+3.
+        let sh23 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+        let h23 = _mm512_and_si512(_mm512_srlv_epi16(qh, sh23), m30);
+        // (a & 0x0F) | b.
+        let w01 = _mm512_ternarylogic_epi32::<0xEC>(ql, h01, m0f);
+        let w23 = _mm512_ternarylogic_epi32::<0xEC>(_mm512_srli_epi16::<4>(ql), h23, m0f);
+        (w01, w23)
+    }
+
+    /// The VNNI tile: two weight rows (`pa`, `pb`: their super-blocks) × `R` activation rows,
+    /// for Q4_K/Q5_K/Q6_K. Per (weight row, activation row, super-block) the integer lanes are
+    /// ggml's, computed as: `vpdpbusd` gives the exact sum of each 4 products (one i32 lane per
+    /// ggml lane and 32-value chunk, two chunks per register); two such results are [`pack`]ed
+    /// into i16 pairs (exact: |sum| < 2^15) and one `vpdpwssd` multiplies each by its chunk's
+    /// scale and adds both to the lane (instead of `maddubs` + `madd` + `add` per chunk); the 16
+    /// lanes are folded to ggml's 8 with exact i32 adds. Integer addition is associative, so the
+    /// lanes equal ggml's exactly; the float operations are ggml's, with the two weight rows side
+    /// by side in one 512-bit register (low half: `pa`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile<const K: u8, const R: usize>(
+        pa: *const u8,
+        pb: *const u8,
+        nb: usize,
+        xs: &[&Q8KRow],
+        q8s: &[Vec<i16>],
+        out: &mut [f32],
+        two: bool,
+    ) {
+        let x: [&Q8KRow; R] = std::array::from_fn(|r| xs[r]);
+        let yq: [*const i8; R] = std::array::from_fn(|r| x[r].qs.as_ptr());
+        let bs: [*const i16; R] = std::array::from_fn(|r| x[r].bsums.as_ptr());
+        let ps: [*const i16; R] = std::array::from_fn(|r| q8s[r].as_ptr());
+        let bb = match K {
+            Q4K => 144,
+            Q5K => 176,
+            _ => 210,
+        };
+        let mut acc = [_mm512_setzero_ps(); R];
+        // Q4_K's `acc_m` (lanes 0..4: row a, 4..8: row b); Q5_K's `summs` (lanes 0 and 4).
+        let mut acc_m = [_mm256_setzero_ps(); R];
+        // The next tile's weight rows (two rows on): the pair's interleaved reads restart the
+        // hardware prefetchers' streams at every row, which stalls on short rows.
+        // Prefetch the weights of a tile ~8 KiB on (the same block of a later row pair): the
+        // pair's interleaved reads restart the hardware prefetchers' streams at every row,
+        // which stalls on short rows when the weights stream from memory.
+        let row_bytes = nb * bb;
+        let pf = 8192usize.div_ceil(row_bytes).max(2).next_multiple_of(2) * row_bytes;
+        for b in 0..nb {
+            let (qa, qb) = (pa.add(b * bb), pb.add(b * bb));
+            for off in (0..bb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(qa.wrapping_add(pf + off) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(qb.wrapping_add(pf + off) as *const i8);
+            }
+            let mut sumi = [[_mm512_setzero_si512(); 2]; R];
+            let (dw2, dmin2, mins2);
+            let mut sc16_2 = _mm512_setzero_si512();
+            if K == Q6K {
+                dw2 = f16_pair(
+                    qa.add(208).cast::<u16>().read_unaligned(),
+                    qb.add(208).cast::<u16>().read_unaligned(),
+                );
+                dmin2 = _mm256_setzero_ps();
+                mins2 = _mm256_setzero_si256();
+                let sa = _mm256_cvtepi8_epi16(ld128(qa.add(192)));
+                let sb = _mm256_cvtepi8_epi16(ld128(qb.add(192)));
+                sc16_2 = join(sa, sb);
+                let sc = [_mm512_castsi256_si512(sa), _mm512_castsi256_si512(sb)];
+                for (j, idx) in IDX6.iter().enumerate() {
+                    let mut w01 = [_mm512_setzero_si512(); 2];
+                    let mut w23 = [_mm512_setzero_si512(); 2];
+                    let mut sp = [_mm512_setzero_si512(); 2];
+                    for (h, q) in [qa, qb].into_iter().enumerate() {
+                        let (lo, hi) = q6k_weights(q, j);
+                        w01[h] = lo;
+                        w23[h] = hi;
+                        sp[h] = _mm512_permutexvar_epi16(ldz(idx.as_ptr()), sc[h]);
+                    }
+                    for r in 0..R {
+                        let yp = yq[r].add(b * QK_K + 128 * j);
+                        let y01 = _mm512_loadu_si512(yp as *const _);
+                        let y23 = _mm512_loadu_si512(yp.add(64) as *const _);
+                        for h in 0..2 {
+                            let p = pack(dot4(w01[h], y01), dot4(w23[h], y23));
+                            sumi[r][h] = dpwssd(sumi[r][h], p, sp[h]);
+                        }
+                    }
+                }
+            } else {
+                dw2 = f16_pair(qa.cast::<u16>().read_unaligned(), qb.cast::<u16>().read_unaligned());
+                dmin2 = f16_pair4(qa.add(2), qb.add(2));
+                let (sca, scb, m2) = k4_scales2(qa.add(4), qb.add(4));
+                mins2 = m2;
+                let sc = [sca, scb];
+                let hbits = if K == Q5K {
+                    [
+                        _mm512_broadcast_i64x4(ld(qa.add(16))),
+                        _mm512_broadcast_i64x4(ld(qb.add(16))),
+                    ]
+                } else {
+                    [_mm512_setzero_si512(); 2]
+                };
+                let off = if K == Q5K { 48 } else { 16 };
+                let nib_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+                for (p, idx) in IDX4.iter().enumerate() {
+                    let mut wv = [[_mm512_setzero_si512(); 2]; 2];
+                    let mut sp = [_mm512_setzero_si512(); 2];
+                    for (h, q) in [qa, qb].into_iter().enumerate() {
+                        sp[h] = _mm512_permutexvar_epi16(ldz(idx.as_ptr()), sc[h]);
+                        for (t, wt) in wv[h].iter_mut().enumerate() {
+                            let j = 2 * p + t;
+                            // [low nibbles | high nibbles] of the 32 bytes: values 64j..64j+64.
+                            let bits = _mm512_broadcast_i64x4(ld(q.add(off + 32 * j)));
+                            let w = _mm512_and_si512(_mm512_srlv_epi16(bits, nib_shift), _mm512_set1_epi8(0xF));
+                            *wt = if K == Q5K {
+                                // Fifth bit: bit 2j of `qh` for the low nibbles, 2j + 1 for the high.
+                                let bit = _mm512_inserti64x4::<1>(
+                                    _mm512_set1_epi8(1 << (2 * j)),
+                                    _mm256_set1_epi8(1 << (2 * j + 1)),
+                                );
+                                let k = _mm512_test_epi8_mask(hbits[h], bit);
+                                _mm512_mask_add_epi8(w, k, w, _mm512_set1_epi8(16))
+                            } else {
+                                w
+                            };
+                        }
+                    }
+                    for r in 0..R {
+                        let yp = yq[r].add(b * QK_K + 128 * p);
+                        let y0 = _mm512_loadu_si512(yp as *const _);
+                        let y1 = _mm512_loadu_si512(yp.add(64) as *const _);
+                        for h in 0..2 {
+                            let pk = pack(dot4(wv[h][0], y0), dot4(wv[h][1], y1));
+                            sumi[r][h] = dpwssd(sumi[r][h], pk, sp[h]);
+                        }
+                    }
+                }
+            }
+            for r in 0..R {
+                let yd = *x[r].d.get_unchecked(b);
+                let mut lanes = fold2(sumi[r][0], sumi[r][1]);
+                if K == Q6K {
+                    let bsv = _mm512_broadcast_i64x4(ld(bs[r].add(b * 16) as *const u8));
+                    lanes = _mm512_sub_epi32(lanes, _mm512_slli_epi32::<5>(_mm512_madd_epi16(bsv, sc16_2)));
+                } else {
+                    let q8 = _mm256_broadcastsi128_si256(ld128(ps[r].add(b * 8) as *const u8));
+                    let mut prod = _mm256_madd_epi16(mins2, q8);
+                    if K == Q5K {
+                        // Q5_K's scalar min sum: the four products' integer total in lanes 0 and 4.
+                        let t = _mm256_add_epi32(prod, _mm256_shuffle_epi32::<0b01_00_11_10>(prod));
+                        prod = _mm256_add_epi32(t, _mm256_shuffle_epi32::<0b10_11_00_01>(t));
+                    }
+                    let prod = _mm256_cvtepi32_ps(prod);
+                    acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin2, _mm256_set1_ps(-yd)), prod, acc_m[r]);
+                }
+                acc[r] = _mm512_fmadd_ps(
+                    _mm512_mul_ps(dw2, _mm512_set1_ps(yd)),
+                    _mm512_cvtepi32_ps(lanes),
+                    acc[r],
+                );
+            }
+        }
+        for r in 0..R {
+            let (ha, hb) = crate::kernels::qmatmul::vnni_impl::hsum_halves(acc[r]);
+            let mut m = [0f32; 8];
+            _mm256_storeu_ps(m.as_mut_ptr(), acc_m[r]);
+            for (h, v) in [(0, ha), (1, hb)] {
+                if h == 1 && !two {
+                    continue;
+                }
+                let mm = &m[4 * h..4 * h + 4];
+                out[h * R + r] = match K {
+                    Q4K => v + ((mm[0] + mm[2]) + (mm[1] + mm[3])),
+                    Q5K => v + mm[0],
+                    _ => v,
+                };
+            }
+        }
+    }
+
+    /// [`tile`] for the row count.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_rows<const K: u8>(
+        pa: *const u8,
+        pb: *const u8,
+        nb: usize,
+        xs: &[&Q8KRow],
+        q8s: &[Vec<i16>],
+        out: &mut [f32],
+        two: bool,
+    ) {
+        match xs.len() {
+            1 => tile::<K, 1>(pa, pb, nb, xs, q8s, out, two),
+            2 => tile::<K, 2>(pa, pb, nb, xs, q8s, out, two),
+            3 => tile::<K, 3>(pa, pb, nb, xs, q8s, out, two),
+            4 => tile::<K, 4>(pa, pb, nb, xs, q8s, out, two),
+            5 => tile::<K, 5>(pa, pb, nb, xs, q8s, out, two),
+            6 => tile::<K, 6>(pa, pb, nb, xs, q8s, out, two),
+            7 => tile::<K, 7>(pa, pb, nb, xs, q8s, out, two),
+            8 => tile::<K, 8>(pa, pb, nb, xs, q8s, out, two),
+            g => panic!("group of {g} rows"),
+        }
+    }
+
+    /// One tile of a Q4_K/Q5_K/Q6_K product on the VNNI kernel: weight rows `j0 .. j0 + nw`
+    /// (`nw` ≤ 2) × the rows `xs` (with their [`pair_sums`] `q8s`), `out[w * g + r]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn tile_dispatch(
+        w: &KWeight,
+        xs: &[&Q8KRow],
+        q8s: &[Vec<i16>],
+        j0: usize,
+        nw: usize,
+        out: &mut [f32],
+    ) {
+        let nb = w.k / QK_K;
+        let g = xs.len();
+        assert!(
+            (1..=2).contains(&nw) && j0 + nw <= w.n && q8s.len() == g && out.len() >= nw * g,
+            "tile out of range"
+        );
+        for (x, s) in xs.iter().zip(q8s) {
+            assert!(
+                x.d.len() >= nb && x.qs.len() >= nb * QK_K && x.bsums.len() >= nb * 16 && s.len() >= nb * 8,
+                "activation row shorter than the weight row"
+            );
+        }
+        let pa = w.row(j0).data.as_ptr();
+        let pb = w.row(j0 + nw - 1).data.as_ptr();
+        let two = nw == 2;
+        match w.kind {
+            KKind::Q4K => tile_rows::<Q4K>(pa, pb, nb, xs, q8s, out, two),
+            KKind::Q5K => tile_rows::<Q5K>(pa, pb, nb, xs, q8s, out, two),
+            KKind::Q6K => tile_rows::<Q6K>(pa, pb, nb, xs, q8s, out, two),
+            _ => panic!("no VNNI tile for {:?}", w.kind),
+        }
     }
 
     /// Two 256-bit halves as one 512-bit vector (`lo` in the low half).
@@ -1222,6 +1687,106 @@ mod tests {
         }
     }
 
+    /// A weight matrix of raw super-blocks: random bytes, every fifth block all-zero quant bytes
+    /// and every fifth all-0xFF (extreme quants, scales and mins), with finite f16 `d`/`dmin`.
+    fn raw_weight(kind: KKind, n: usize, k: usize, seed: u64) -> KWeight {
+        let bb = kind.block_bytes();
+        let nblocks = n * k / QK_K;
+        let mut st = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            st
+        };
+        let mut data = Vec::with_capacity(nblocks * bb);
+        for blk in 0..nblocks {
+            let start = data.len();
+            for _ in 0..bb {
+                data.push(match blk % 5 {
+                    0 => 0x00,
+                    1 => 0xFF,
+                    _ => next() as u8,
+                });
+            }
+            let f = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
+            let d = f((next() % 2000) as f32 / 1000.0 - 1.0);
+            let dmin = f((next() % 2000) as f32 / 1000.0 - 1.0);
+            let b = &mut data[start..start + bb];
+            match kind {
+                KKind::Q2K => {
+                    b[80..82].copy_from_slice(&d);
+                    b[82..84].copy_from_slice(&dmin);
+                }
+                KKind::Q3K => b[108..110].copy_from_slice(&d),
+                KKind::Q4K | KKind::Q5K => {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&dmin);
+                }
+                KKind::Q6K => b[208..210].copy_from_slice(&d),
+            }
+        }
+        KWeight { kind, n, k, data }
+    }
+
+    /// Activation rows: random, zero, one huge value, all at ±amax, large and tiny magnitudes.
+    fn raw_rows(m: usize, k: usize, seed: u64) -> Vec<f32> {
+        let mut x = pseudo(m * k, seed);
+        for (i, row) in x.chunks_exact_mut(k).enumerate() {
+            match i % 6 {
+                1 => row.iter_mut().for_each(|v| *v = 0.0),
+                2 => row[k / 3] = -1e6,
+                3 => row
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(t, v)| *v = if t % 3 == 0 { 5.0 } else { -5.0 }),
+                4 => row.iter_mut().for_each(|v| *v *= 3e4),
+                5 => row.iter_mut().for_each(|v| *v *= 1e-20),
+                _ => {}
+            }
+        }
+        x
+    }
+
+    /// Every path (the VNNI tiles, the AVX2 / AVX-512 BW kernels, the portable code) against
+    /// the portable per-row reference, bit for bit, for m = 1..=33, odd weight row counts,
+    /// 1..=3 super-blocks, on random and extreme weights and activations.
+    #[test]
+    fn all_paths_match_portable_bitwise() {
+        use super::super::KernelPath;
+        let kinds = [KKind::Q2K, KKind::Q3K, KKind::Q4K, KKind::Q5K, KKind::Q6K];
+        for kind in kinds {
+            for (n, nb) in [(7usize, 1usize), (5, 2), (3, 3)] {
+                let k = nb * QK_K;
+                let w = raw_weight(kind, n, k, 5 + n as u64);
+                for m in 1..=33usize {
+                    let x = raw_rows(m, k, 200 + m as u64);
+                    let want: Vec<u32> = x
+                        .chunks_exact(k)
+                        .flat_map(|xr| {
+                            let q = quantize_row_q8k(xr);
+                            (0..n).map(move |j| (j, q.clone()))
+                        })
+                        .map(|(j, q)| vec_dot_portable(w.row(j), &q).to_bits())
+                        .collect();
+                    for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
+                        let got: Vec<u32> = w.matmul_on(&x, m, path).iter().map(|v| v.to_bits()).collect();
+                        if got != want {
+                            let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+                            panic!(
+                                "{kind:?} n={n} nb={nb} m={m} {path:?}: element [{}, {}] {} vs portable {}",
+                                at / n,
+                                at % n,
+                                f32::from_bits(got[at]),
+                                f32::from_bits(want[at])
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Process CPU time in seconds (Linux), else wall time since the first call.
     fn cpu_seconds() -> f64 {
         #[cfg(target_os = "linux")]
@@ -1246,12 +1811,19 @@ mod tests {
         }
     }
 
-    /// Our Q4_K / Q6_K product against candle's `QMatMul` on an 8960 × 1536 matrix (the 1.5B
-    /// FFN shape), per row count: best of 3 process-CPU times. Run single-threaded:
-    /// `RAYON_NUM_THREADS=1 cargo test --release -p specula-engine --lib kquants::tests::speed -- --ignored --nocapture`
+    /// Our Q4_K / Q6_K product (VNNI tiles, and the AVX2 / AVX-512 BW row kernels) against
+    /// candle's `QMatMul` on an 8960 × 1536 matrix (the 1.5B FFN shape), per row count: best of
+    /// 3 process-CPU times. One thread, inside the pool as the model runs them:
+    /// `cargo test --release -p specula-engine --lib kquants::tests::speed_vs_candle -- --ignored --nocapture`
     #[test]
     #[ignore]
     fn speed_vs_candle() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(speed_vs_candle_in_pool);
+    }
+
+    fn speed_vs_candle_in_pool() {
+        use super::super::KernelPath;
         let (n, k) = (8960, 1536);
         for dt in [GgmlDType::Q4K, GgmlDType::Q6K] {
             let (q, _) = weight(dt, n, k);
@@ -1273,17 +1845,78 @@ mod tests {
                         .fold(f64::MAX, f64::min)
                 };
                 let ours = best(&|| {
-                    std::hint::black_box(w.matmul(&x, m));
+                    std::hint::black_box(w.matmul_on(&x, m, KernelPath::Best));
+                });
+                let old = best(&|| {
+                    std::hint::black_box(w.matmul_on(&x, m, KernelPath::Avx2));
                 });
                 let theirs = best(&|| {
                     std::hint::black_box(qm.forward(&xt).unwrap());
                 });
                 eprintln!(
-                    "{dt:?} m={m:3}: ours {:7.3} ms, candle {:7.3} ms ({:.2}x)",
+                    "{dt:?} m={m:3}: ours {:7.3} ms, ours (avx2 path) {:7.3} ms, candle {:7.3} ms ({:.2}x)",
                     ours * 1e3,
+                    old * 1e3,
                     theirs * 1e3,
                     ours / theirs
                 );
+            }
+        }
+    }
+
+    /// One-row products on matrices larger than the L3 cache (weights streamed from memory),
+    /// per path: `cargo test --release -p specula-engine --lib kquants::tests::speed_streamed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn speed_streamed() {
+        use super::super::KernelPath;
+        for (dt, n, k) in [
+            (GgmlDType::Q4K, 8960usize, 8960usize),
+            (GgmlDType::Q6K, 32768, 1536),
+            (GgmlDType::Q4K, 1536, 8960),
+        ] {
+            let w = KWeight::from_qtensor(&weight(dt, n, k).0).unwrap().unwrap();
+            let copies: Vec<KWeight> = (0..4).map(|_| w.clone()).collect();
+            for m in [1usize, 2, 8] {
+                let x = pseudo(m * k, 5);
+                for path in [KernelPath::Avx2, KernelPath::Best] {
+                    let t = std::time::Instant::now();
+                    for _ in 0..5 {
+                        for c in &copies {
+                            std::hint::black_box(c.matmul_on(&x, m, path));
+                        }
+                    }
+                    let per = t.elapsed().as_secs_f64() / 20.0;
+                    let gbs = (w.data.len() as f64) / per / 1e9;
+                    eprintln!("{dt:?} {n}x{k} m={m} {path:?}: {:.3} ms ({gbs:.1} GB/s)", per * 1e3);
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_k4_scales_match_scalar() {
+        if !super::super::has_avx512_vnni() {
+            return;
+        }
+        let mut st = 777u32;
+        for _ in 0..300 {
+            let bytes: Vec<u8> = (0..32)
+                .map(|_| {
+                    st = st.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                    (st >> 16) as u8
+                })
+                .collect();
+            // SAFETY: AVX-512 VNNI (with AVX2) was detected; 16 bytes are readable at each pointer.
+            let (a, b, m2) = unsafe { avx2_impl::k4_scales2_for_test(bytes.as_ptr(), bytes[16..].as_ptr()) };
+            for (h, off) in [(0usize, 0usize), (1, 16)] {
+                let want = scales_mins_k4(&bytes[off..off + 12]);
+                let sc = if h == 0 { &a } else { &b };
+                let sc_want: Vec<i16> = want[..8].iter().map(|&v| v as i16).collect();
+                let m_want: Vec<i16> = want[8..].iter().map(|&v| v as i16).collect();
+                assert_eq!(&sc[..8], &sc_want[..], "scales {h}");
+                assert_eq!(&m2[8 * h..8 * h + 8], &m_want[..], "mins {h}");
             }
         }
     }

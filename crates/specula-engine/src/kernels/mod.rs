@@ -5,67 +5,198 @@ pub mod qmatmul;
 
 use rayon::prelude::*;
 
+/// Which implementation of the kernels runs. Every choice gives the same bits (tested); the
+/// switch exists for side-by-side speed comparisons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelPath {
+    /// The fastest the CPU supports (the default).
+    Best,
+    /// The AVX2 (and, for the K-quants, AVX-512 BW) kernels as they were before the AVX-512 VNNI
+    /// multi-row kernels: `SPECULA_KERNELS=avx2`.
+    Avx2,
+    /// The portable reference code: `SPECULA_KERNELS=portable`.
+    Portable,
+}
+
+/// The path chosen by the `SPECULA_KERNELS` environment variable (`avx2` or `portable`; anything
+/// else, or unset, is [`KernelPath::Best`]), read once.
+pub fn kernel_path() -> KernelPath {
+    static P: std::sync::OnceLock<KernelPath> = std::sync::OnceLock::new();
+    *P.get_or_init(|| match std::env::var("SPECULA_KERNELS").as_deref() {
+        Ok("avx2") => KernelPath::Avx2,
+        Ok("portable") => KernelPath::Portable,
+        _ => KernelPath::Best,
+    })
+}
+
+/// AVX-512 F/BW/VL with VNNI, and the AVX2 + FMA + F16C set, available at run time (the 512-bit
+/// multi-row kernels of both modules).
+pub fn has_avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            qmatmul::has_avx2()
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Split `m` activation rows into `ceil(m / max)` groups of near-equal size (the larger ones
+/// first): `(first row, rows)` pairs. Which group a row lands in never changes its arithmetic.
+pub(crate) fn row_groups(m: usize, max: usize) -> Vec<(usize, usize)> {
+    let max = max.max(1);
+    let ng = m.div_ceil(max);
+    let mut out = Vec::with_capacity(ng);
+    let mut i = 0;
+    for g in 0..ng {
+        let size = m / ng + usize::from(g < m % ng);
+        out.push((i, size));
+        i += size;
+    }
+    out
+}
+
+/// Split `m` activation rows into groups of `max` from the first row (the last one shorter):
+/// the grouping of the AVX2 kernels, kept as it was.
+pub(crate) fn fixed_groups(m: usize, max: usize) -> Vec<(usize, usize)> {
+    let max = max.max(1);
+    (0..m).step_by(max).map(|i| (i, max.min(m - i))).collect()
+}
+
 /// Schedule a row-wise product `y[i, j] = f(weight row j, activation row i)` for `n` weight rows
-/// (of `k` inputs each) and `xs.len()` activation rows; returns `y` as `[m, n]` row-major.
+/// (of `k` inputs each) and `m` activation rows split into `groups` ([`row_groups`]); returns `y`
+/// as `[m, n]` row-major.
 ///
-/// `dot(j, rows, out)` computes `out[r] = f(j, rows[r])` for a group of 1..=`group` activation
-/// rows (a micro-kernel that shares the unpacking of weight row `j` between them); it must give
-/// bitwise the same value for a row whatever group it is computed in, which is what makes the
-/// product batch-invariant (the grouping depends on `m`). Weight rows are split into chunks
-/// over the rayon pool; inside a chunk, tiles of 16 weight rows stay in cache across all
-/// activation rows.
-pub(crate) fn run_rows<X: Sync>(
+/// `kern(j0, nw, gi, out)` computes the tile of weight rows `j0 .. j0 + nw` (`nw` ≤ `wtile`) and
+/// the rows of group `gi` (`g` rows): `out[w * g + r] = f(j0 + w, first + r)`. It must give
+/// bitwise the same value for an element whatever tile it is computed in, which is what makes the
+/// product batch-invariant (the tiling depends on `m`). Weight rows are split into chunks over
+/// the rayon pool; inside a chunk, panels of 16 weight rows stay in cache across all activation
+/// row groups.
+pub(crate) fn run_tiles(
     n: usize,
     k: usize,
-    xs: &[X],
-    group: usize,
-    dot: impl Fn(usize, &[&X], &mut [f32]) + Sync,
+    m: usize,
+    groups: &[(usize, usize)],
+    wtile: usize,
+    kern: impl Fn(usize, usize, usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
-    let m = xs.len();
-    let mut out_t = vec![0f32; n * m];
+    let mut out = vec![0f32; m * n];
     if m == 0 || n == 0 {
-        return out_t;
+        return out;
     }
-    let refs: Vec<&X> = xs.iter().collect();
-    let group = group.max(1);
-    const TILE: usize = 16;
+    let wtile = wtile.max(1);
+    let gmax = groups.iter().map(|g| g.1).max().unwrap_or(1);
+    const PANEL: usize = 16;
     let threads = rayon::current_num_threads().max(1);
-    let per_chunk = n.div_ceil(threads * 4).next_multiple_of(TILE).max(TILE);
-    let work = |(c, chunk): (usize, &mut [f32])| {
+    let per_chunk = n.div_ceil(threads * 4).next_multiple_of(PANEL).max(PANEL);
+    let chunks = n.div_ceil(per_chunk);
+    let dst = OutPtr(out.as_mut_ptr());
+    let work = |c: usize| {
         let j0 = c * per_chunk;
-        let rows_here = chunk.len() / m;
-        let mut y = vec![0f32; group];
-        for t0 in (0..rows_here).step_by(TILE) {
-            let t1 = (t0 + TILE).min(rows_here);
-            for i in (0..m).step_by(group) {
-                let g = group.min(m - i);
-                for jj in t0..t1 {
-                    dot(j0 + jj, &refs[i..i + g], &mut y[..g]);
-                    chunk[jj * m + i..jj * m + i + g].copy_from_slice(&y[..g]);
+        let j1 = (j0 + per_chunk).min(n);
+        let mut buf = vec![0f32; wtile * gmax];
+        for t0 in (j0..j1).step_by(PANEL) {
+            let t1 = (t0 + PANEL).min(j1);
+            for (gi, &(i0, g)) in groups.iter().enumerate() {
+                for j in (t0..t1).step_by(wtile) {
+                    let nw = wtile.min(t1 - j);
+                    kern(j, nw, gi, &mut buf[..nw * g]);
+                    for w in 0..nw {
+                        for r in 0..g {
+                            // SAFETY: `(i0 + r, j + w)` is inside the `[m, n]` output, and this
+                            // chunk is the only writer of columns `j0 .. j1`.
+                            unsafe { dst.write((i0 + r) * n + j + w, buf[w * g + r]) };
+                        }
+                    }
                 }
             }
         }
     };
     if n * k * m >= 1 << 15 {
-        out_t.par_chunks_mut(per_chunk * m).enumerate().for_each(work);
+        (0..chunks).into_par_iter().for_each(work);
     } else {
-        out_t.chunks_mut(per_chunk * m).enumerate().for_each(work);
+        (0..chunks).for_each(work);
     }
-    transpose(&out_t, n, m)
+    out
 }
 
-/// `[n, m]` row-major → `[m, n]` row-major (in 32 × 32 tiles, to stay in cache).
-pub(crate) fn transpose(t: &[f32], n: usize, m: usize) -> Vec<f32> {
-    const B: usize = 32;
-    let mut out = vec![0f32; m * n];
-    for j0 in (0..n).step_by(B) {
-        for i0 in (0..m).step_by(B) {
-            for j in j0..(j0 + B).min(n) {
-                for i in i0..(i0 + B).min(m) {
-                    out[i * n + j] = t[j * m + i];
+/// The output buffer of [`run_tiles`], shared by the chunks (each writes its own columns).
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// SAFETY: the chunks of `run_tiles` write disjoint elements through it, and the buffer outlives
+// the parallel loop.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// # Safety
+    /// `at` is in bounds of the buffer and no other thread accesses that element concurrently.
+    unsafe fn write(self, at: usize, v: f32) {
+        *self.0.add(at) = v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_groups_cover_rows_in_order() {
+        for m in 0..70 {
+            for max in 1..10 {
+                let g = row_groups(m, max);
+                assert_eq!(g.len(), m.div_ceil(max));
+                let mut next = 0;
+                for &(i0, s) in &g {
+                    assert_eq!(i0, next);
+                    assert!(s >= 1 && s <= max);
+                    next += s;
+                }
+                assert_eq!(next, m);
+            }
+        }
+    }
+
+    #[test]
+    fn fixed_groups_cover_rows_in_order() {
+        assert_eq!(fixed_groups(9, 4), vec![(0, 4), (4, 4), (8, 1)]);
+        assert_eq!(fixed_groups(8, 8), vec![(0, 8)]);
+        assert!(fixed_groups(0, 4).is_empty());
+    }
+
+    #[test]
+    fn run_tiles_places_every_element() {
+        for (n, m, wtile, gmax) in [
+            (37, 1, 8, 8),
+            (40, 9, 4, 8),
+            (16, 33, 2, 8),
+            (5, 3, 1, 2),
+            (100, 2, 3, 1),
+        ] {
+            let groups = row_groups(m, gmax);
+            let y = run_tiles(n, 1 << 14, m, &groups, wtile, |j0, nw, gi, out| {
+                let (i0, g) = groups[gi];
+                for w in 0..nw {
+                    for r in 0..g {
+                        out[w * g + r] = ((j0 + w) * 1000 + i0 + r) as f32;
+                    }
+                }
+            });
+            for i in 0..m {
+                for j in 0..n {
+                    assert_eq!(y[i * n + j], (j * 1000 + i) as f32, "n={n} m={m} [{i},{j}]");
                 }
             }
         }
     }
-    out
 }

@@ -13,10 +13,20 @@
 //! `hsum_float_8` order, and for the `_1` types the `m_w * s_x` terms (accumulated separately)
 //! are added.
 //!
+//! **Paths.** The portable path ([`vec_dot_portable`]) is the reference; the AVX2 path is ggml's
+//! loop (`maddubs` + `madd`), sharing each weight block's unpacking between 4 activation rows
+//! ([`vec_dot4`]). Where AVX-512 VNNI is available, every product runs on a tile kernel
+//! (`vnni_impl`): two weight rows per 512-bit register times up to [`VNNI_ROWS`] activation rows
+//! (8 weight rows × 1 for decode), the integer lanes by one `vpdpbusd` per (weight row pair, row,
+//! block) over the weights encoded unsigned (`w + bias`, the exact `-bias * sum(q)` of each lane
+//! precomputed per activation row as the accumulator's start), the float steps of both weight rows
+//! in one register. `SPECULA_KERNELS=avx2` / `=portable` force the other paths.
+//!
 //! **Batch invariance.** Every output element is computed by the same function of one weight row
 //! and one activation row, whatever the number of rows `m`: a row of an m-row product is bitwise
-//! equal to the 1-row product. The AVX2 path and the portable path compute the same exact integer
-//! lane sums and the same float operations, so they agree bitwise too.
+//! equal to the 1-row product. All paths compute the same exact integer lane sums (the Q8 quants
+//! are in -127..=127, so no `maddubs` pair saturates) and the same float operations in the same
+//! order, so they agree bitwise too (tested).
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
@@ -211,8 +221,14 @@ impl QWeight {
         }
     }
 
-    /// `x`: `[m, k]` row-major f32 → `[m, n]` row-major f32.
+    /// `x`: `[m, k]` row-major f32 → `[m, n]` row-major f32. Row `i` of the result is bitwise
+    /// the same whatever `m` is, and whichever [`KernelPath`](super::KernelPath) runs.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_on(x, m, super::kernel_path())
+    }
+
+    /// [`matmul`](Self::matmul) on the given path (falling back to what the CPU supports).
+    pub(crate) fn matmul_on(&self, x: &[f32], m: usize, path: super::KernelPath) -> Vec<f32> {
         assert_eq!(
             x.len(),
             m * self.k,
@@ -221,16 +237,94 @@ impl QWeight {
             self.k
         );
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
-        let avx2 = has_avx2();
-        super::run_rows(self.n, self.k, &rows, 4, |j, xs, out| {
-            if let Ok(x4) = <[&QuantRow; 4]>::try_from(xs) {
-                out.copy_from_slice(&vec_dot4(self.row(j), x4, avx2));
+        #[cfg(target_arch = "x86_64")]
+        if path == super::KernelPath::Best && super::has_avx512_vnni() {
+            return self.matmul_vnni(&rows);
+        }
+        let avx2 = has_avx2() && path != super::KernelPath::Portable;
+        let groups = super::fixed_groups(m, 4);
+        super::run_tiles(self.n, self.k, m, &groups, 1, |j, _, gi, out| {
+            let (i0, g) = groups[gi];
+            let xs = &rows[i0..i0 + g];
+            if let Ok(x4) = <&[QuantRow; 4]>::try_from(xs) {
+                out.copy_from_slice(&vec_dot4(self.row(j), [&x4[0], &x4[1], &x4[2], &x4[3]], avx2));
             } else {
                 for (o, x) in out.iter_mut().zip(xs) {
                     *o = vec_dot(self.row(j), x, avx2);
                 }
             }
         })
+    }
+
+    /// [`matmul`](Self::matmul) on the AVX-512 VNNI tile kernel ([`vnni_impl::tile`]): tiles of 2
+    /// to 8 weight rows × up to [`VNNI_ROWS`] activation rows.
+    #[cfg(target_arch = "x86_64")]
+    fn matmul_vnni(&self, rows: &[QuantRow]) -> Vec<f32> {
+        let m = rows.len();
+        let groups = super::row_groups(m, VNNI_ROWS);
+        let acts = Acts::new(self.kind, rows, &groups, self.k / QK);
+        let wtile = if m == 1 { 8 } else { 2 * vnni_impl::WIDE };
+        super::run_tiles(self.n, self.k, m, &groups, wtile, |j0, nw, gi, out| {
+            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
+            // (`has_avx512_vnni`); the tile's rows and blocks are in range (checked inside).
+            unsafe { vnni_impl::tile_dispatch(self, &acts, j0, nw, gi, out) }
+        })
+    }
+}
+
+/// Largest activation row group of the VNNI tile kernel.
+pub const VNNI_ROWS: usize = 8;
+
+/// Activation rows prepared for the VNNI kernel: the quantized rows, and per row and block the
+/// exact integer correction of the unsigned weight encoding (`-bias * sum of quants 4l..4l+3`
+/// in lane `l`: the kernel multiplies `w + bias` ≥ 0, as `vpdpbusd` needs), and per row group the
+/// Q8_1 sums `s` transposed to `[block][row]`.
+struct Acts<'a> {
+    rows: &'a [QuantRow],
+    groups: &'a [(usize, usize)],
+    nb: usize,
+    /// `[row][block][lane]` (empty for the `_1` kinds, whose weights are unsigned already).
+    corr: Vec<i32>,
+    /// `[group][block][VNNI_ROWS]`, zero-padded (empty unless the kind has a min).
+    s_t: Vec<f32>,
+}
+
+impl<'a> Acts<'a> {
+    fn new(kind: QKind, rows: &'a [QuantRow], groups: &'a [(usize, usize)], nb: usize) -> Self {
+        let bias = match kind {
+            QKind::Q4_0 => 8,
+            QKind::Q5_0 => 16,
+            QKind::Q8_0 => 128,
+            QKind::Q4_1 | QKind::Q5_1 => 0,
+        };
+        let mut corr = Vec::new();
+        if bias != 0 {
+            corr.reserve(rows.len() * nb * 8);
+            for x in rows {
+                for q in x.qs.chunks_exact(4) {
+                    let s: i32 = q.iter().map(|&v| v as i32).sum();
+                    corr.push(-bias * s);
+                }
+            }
+        }
+        let mut s_t = Vec::new();
+        if kind.has_min() {
+            s_t = vec![0f32; groups.len() * nb * VNNI_ROWS];
+            for (gi, &(i0, g)) in groups.iter().enumerate() {
+                for r in 0..g {
+                    for b in 0..nb {
+                        s_t[(gi * nb + b) * VNNI_ROWS + r] = rows[i0 + r].s[b];
+                    }
+                }
+            }
+        }
+        Self {
+            rows,
+            groups,
+            nb,
+            corr,
+            s_t,
+        }
     }
 }
 
@@ -486,6 +580,216 @@ mod avx2_impl {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod vnni_impl {
+    //! The AVX-512 VNNI tile kernel: 2 weight rows per 512-bit register (row `a` in the low 256
+    //! bits, row `b` in the high), times 1..=8 activation rows broadcast to both halves. Per
+    //! (weight row, activation row, block) the eight i32 lanes are the exact integer sums of
+    //! ggml's lanes (`vpdpbusd` over the weights encoded unsigned, started from the exact
+    //! correction of that encoding), converted and accumulated with one FMA by `d_w * d_x`, in
+    //! block order; the final reduction is `hsum_float_8` plus the `m_w * s_x` sum: the float
+    //! operations of [`vec_dot`](super::vec_dot), lane for lane.
+
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// f16 bits `a`, `b` → `[f32(a) × 8, f32(b) × 8]` (F16C conversion: exact).
+    #[inline(always)]
+    pub(crate) unsafe fn f16_pair(a: u16, b: u16) -> __m512 {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((a as u32 | (b as u32) << 16) as i32));
+        let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
+    }
+
+    /// The nibbles of two blocks' 16 packed bytes `qa`, `qb`: `[qa & 15, qa >> 4, qb & 15,
+    /// qb >> 4]` (16 bytes each: values 0..16 then 16..32 of each block).
+    #[inline(always)]
+    unsafe fn nib2(qa: *const u8, qb: *const u8) -> __m512i {
+        let t = _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(qa as *const __m128i)),
+            _mm_loadu_si128(qb as *const __m128i),
+        );
+        let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(t), _mm256_srli_epi16::<4>(t));
+        let z = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
+        _mm512_and_si512(z, _mm512_set1_epi8(0x0F))
+    }
+
+    /// [`QKind`] as a const generic parameter.
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q5_0: u8 = 2;
+    const Q5_1: u8 = 3;
+    const Q8_0: u8 = 4;
+
+    /// Block `b` of two weight rows (`ba`, `bb`: the blocks' indices in the whole matrix) in the
+    /// low and high halves, as unsigned bytes `w + bias` (`bias` 0 for the `_1` kinds, 8 / 16 /
+    /// 128 for Q4_0 / Q5_0 / Q8_0).
+    #[inline(always)]
+    unsafe fn weights2<const K: u8>(qs: *const u8, qh: *const u32, ba: usize, bb: usize) -> __m512i {
+        match K {
+            Q4_0 | Q4_1 => nib2(qs.add(ba * 16), qs.add(bb * 16)),
+            Q5_0 | Q5_1 => {
+                let z = nib2(qs.add(ba * 16), qs.add(bb * 16));
+                let h = *qh.add(ba) as u64 | (*qh.add(bb) as u64) << 32;
+                _mm512_mask_add_epi8(z, _cvtu64_mask64(h), z, _mm512_set1_epi8(16))
+            }
+            _ => {
+                let lo = _mm256_loadu_si256(qs.add(ba * 32) as *const __m256i);
+                let hi = _mm256_loadu_si256(qs.add(bb * 32) as *const __m256i);
+                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                _mm512_xor_si512(z, _mm512_set1_epi8(0x80u8 as i8))
+            }
+        }
+    }
+
+    /// ggml's `hsum_float_8`, `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`, of each 256-bit half,
+    /// as the two values (low half, high half): the same additions in the same order, four lanes
+    /// at a time.
+    #[inline(always)]
+    pub(crate) unsafe fn hsum_halves(v: __m512) -> (f32, f32) {
+        // Lane i (i < 4) of each half: a_i + a_{i+4}.
+        let r = _mm512_add_ps(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v));
+        // Lanes 0, 1: r0 + r2, r1 + r3.
+        let t = _mm512_add_ps(r, _mm512_permute_ps::<0b01_00_11_10>(r));
+        // Lane 0: (r0 + r2) + (r1 + r3).
+        let u = _mm512_add_ps(t, _mm512_permute_ps::<0b10_11_00_01>(t));
+        let mut l = [0f32; 16];
+        _mm512_storeu_ps(l.as_mut_ptr(), u);
+        (l[0], l[8])
+    }
+
+    /// One tile: weight rows `j0 .. j0 + nw` (`nw` ≤ `2 * WP`; missing rows of the last pair
+    /// repeat the last row, their results dropped) × the `R` rows of group `gi` (from row `i0`);
+    /// `out[w * R + r]`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile<const K: u8, const WP: usize, const R: usize>(
+        w: &QWeight,
+        a: &Acts<'_>,
+        j0: usize,
+        nw: usize,
+        i0: usize,
+        gi: usize,
+        out: &mut [f32],
+    ) {
+        let nb = a.nb;
+        let has_min = K == Q4_1 || K == Q5_1;
+        let jr = |t: usize| (j0 + t.min(nw - 1)) * nb;
+        let row_a: [usize; WP] = std::array::from_fn(|p| jr(2 * p));
+        let row_b: [usize; WP] = std::array::from_fn(|p| jr(2 * p + 1));
+        let yq: [*const i8; R] = std::array::from_fn(|r| a.rows[i0 + r].qs.as_ptr());
+        let yd: [*const f32; R] = std::array::from_fn(|r| a.rows[i0 + r].d.as_ptr());
+        let cq: [*const i32; R] = std::array::from_fn(|r| {
+            if has_min {
+                std::ptr::null()
+            } else {
+                a.corr.as_ptr().add((i0 + r) * nb * 8)
+            }
+        });
+        let st = if has_min {
+            a.s_t.as_ptr().add(gi * nb * VNNI_ROWS)
+        } else {
+            std::ptr::null()
+        };
+        let (qs, qh, wd, wm) = (w.qs.as_ptr(), w.qh.as_ptr(), w.d.as_ptr(), w.m.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); R]; WP];
+        let mut summs = [_mm512_setzero_ps(); WP];
+        for b in 0..nb {
+            let mut wv = [_mm512_setzero_si512(); WP];
+            let mut dw = [_mm512_setzero_ps(); WP];
+            let mut mw = [_mm512_setzero_ps(); WP];
+            for p in 0..WP {
+                let (ba, bb) = (row_a[p] + b, row_b[p] + b);
+                wv[p] = weights2::<K>(qs, qh, ba, bb);
+                dw[p] = f16_pair(*wd.add(ba), *wd.add(bb));
+                if has_min {
+                    mw[p] = f16_pair(*wm.add(ba), *wm.add(bb));
+                }
+            }
+            for r in 0..R {
+                let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(yq[r].add(b * QK) as *const __m256i));
+                let c = if has_min {
+                    _mm512_setzero_si512()
+                } else {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(cq[r].add(b * 8) as *const __m256i))
+                };
+                let dx = _mm512_set1_ps(*yd[r].add(b));
+                for p in 0..WP {
+                    let lanes = _mm512_dpbusd_epi32(c, wv[p], y);
+                    acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw[p], dx), acc[p][r]);
+                }
+            }
+            if has_min {
+                let s = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
+                    st.add(b * VNNI_ROWS) as *const f64
+                )));
+                for p in 0..WP {
+                    summs[p] = _mm512_fmadd_ps(mw[p], s, summs[p]);
+                }
+            }
+        }
+        for p in 0..WP {
+            let mut sm = [0f32; 16];
+            _mm512_storeu_ps(sm.as_mut_ptr(), summs[p]);
+            for r in 0..R {
+                let (ha, hb) = hsum_halves(acc[p][r]);
+                for (h, v) in [(0, ha), (1, hb)] {
+                    let t = 2 * p + h;
+                    if t < nw {
+                        out[t * R + r] = v + sm[8 * h + r];
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`tile`] for the kind and the group's row count.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_rows<const K: u8>(w: &QWeight, a: &Acts<'_>, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+        let (i0, g) = a.groups[gi];
+        match g {
+            1 => tile::<K, 4, 1>(w, a, j0, nw, i0, gi, out),
+            2 => tile::<K, WIDE, 2>(w, a, j0, nw, i0, gi, out),
+            3 => tile::<K, WIDE, 3>(w, a, j0, nw, i0, gi, out),
+            4 => tile::<K, WIDE, 4>(w, a, j0, nw, i0, gi, out),
+            5 => tile::<K, WIDE, 5>(w, a, j0, nw, i0, gi, out),
+            6 => tile::<K, WIDE, 6>(w, a, j0, nw, i0, gi, out),
+            7 => tile::<K, WIDE, 7>(w, a, j0, nw, i0, gi, out),
+            8 => tile::<K, WIDE, 8>(w, a, j0, nw, i0, gi, out),
+            _ => panic!("group of {g} rows"),
+        }
+    }
+
+    /// Weight row pairs per tile for groups of 2..=8 rows.
+    pub(super) const WIDE: usize = 2;
+
+    /// One tile of the product (see [`QWeight::matmul`]): weight rows `j0 .. j0 + nw`, the rows
+    /// of group `gi`, `out[w * g + r]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn tile_dispatch(w: &QWeight, a: &Acts<'_>, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+        let nb = a.nb;
+        let (i0, g) = a.groups[gi];
+        let wp = if g == 1 { 4 } else { WIDE };
+        assert!(
+            nw >= 1 && nw <= 2 * wp && j0 + nw <= w.n && nb * QK == w.k && out.len() >= nw * g,
+            "tile out of range"
+        );
+        for x in &a.rows[i0..i0 + g] {
+            assert!(
+                x.qs.len() >= nb * QK && x.d.len() >= nb,
+                "activation row shorter than the weights"
+            );
+        }
+        match w.kind {
+            QKind::Q4_0 => tile_rows::<Q4_0>(w, a, j0, nw, gi, out),
+            QKind::Q4_1 => tile_rows::<Q4_1>(w, a, j0, nw, gi, out),
+            QKind::Q5_0 => tile_rows::<Q5_0>(w, a, j0, nw, gi, out),
+            QKind::Q5_1 => tile_rows::<Q5_1>(w, a, j0, nw, gi, out),
+            QKind::Q8_0 => tile_rows::<Q8_0>(w, a, j0, nw, gi, out),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -571,6 +875,252 @@ mod tests {
                     f.to_bits(),
                     "{dt:?} row {j}: portable and SIMD paths differ"
                 );
+            }
+        }
+    }
+
+    /// A weight matrix with random blocks, some blocks at the extremes of the encoding (all
+    /// quants minimal / maximal, all high bits set), and random f16 scales and mins.
+    fn raw_weight(kind: QKind, n: usize, k: usize, seed: u64) -> QWeight {
+        let nb_all = n * k / QK;
+        let mut st = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+        let mut next = move || {
+            st ^= st << 13;
+            st ^= st >> 7;
+            st ^= st << 17;
+            st
+        };
+        let ql = kind.qs_bytes();
+        let mut w = QWeight {
+            kind,
+            n,
+            k,
+            d: Vec::new(),
+            m: Vec::new(),
+            qs: Vec::new(),
+            qh: Vec::new(),
+        };
+        for blk in 0..nb_all {
+            let mode = blk % 5;
+            let scale = (next() % 2000) as f32 / 1000.0 * if next() % 2 == 0 { 1.0 } else { -1.0 };
+            w.d.push(f16::from_f32(scale * 0.01).to_bits());
+            if kind.has_min() {
+                w.m.push(f16::from_f32((next() % 2000) as f32 / 1000.0 - 1.0).to_bits());
+            }
+            for _ in 0..ql {
+                w.qs.push(match mode {
+                    0 => 0x00,
+                    1 => 0xFF,
+                    2 if kind == QKind::Q8_0 => 0x80,
+                    3 if kind == QKind::Q8_0 => 0x7F,
+                    _ => next() as u8,
+                });
+            }
+            if matches!(kind, QKind::Q5_0 | QKind::Q5_1) {
+                w.qh.push(match mode {
+                    0 => 0,
+                    1 => u32::MAX,
+                    _ => next() as u32,
+                });
+            }
+        }
+        w
+    }
+
+    /// Activation rows: random, zero, one huge value (the rest quantize to 0), all at ±amax,
+    /// large and tiny magnitudes.
+    fn raw_rows(m: usize, k: usize, seed: u64) -> Vec<f32> {
+        let mut x = pseudo(m * k, seed);
+        for (i, row) in x.chunks_exact_mut(k).enumerate() {
+            match i % 6 {
+                1 => row.iter_mut().for_each(|v| *v = 0.0),
+                2 => row[k / 2] = 1e6,
+                3 => row
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(t, v)| *v = if t % 3 == 0 { 5.0 } else { -5.0 }),
+                4 => row.iter_mut().for_each(|v| *v *= 3e4),
+                5 => row.iter_mut().for_each(|v| *v *= 1e-20),
+                _ => {}
+            }
+        }
+        x
+    }
+
+    /// Every path (the VNNI tile kernel, the AVX2 kernels, the portable code) against the
+    /// portable per-row reference, bit for bit, for m = 1..=33, odd weight row counts and
+    /// several block counts, on random and extreme weights and activations.
+    #[test]
+    fn all_paths_match_portable_bitwise() {
+        use super::super::KernelPath;
+        let kinds = [QKind::Q4_0, QKind::Q4_1, QKind::Q5_0, QKind::Q5_1, QKind::Q8_0];
+        for kind in kinds {
+            for (n, nb) in [(21usize, 1usize), (19, 3), (13, 7)] {
+                let k = nb * QK;
+                let w = raw_weight(kind, n, k, 11 + n as u64);
+                for m in 1..=33usize {
+                    let x = raw_rows(m, k, 100 + m as u64);
+                    let want: Vec<u32> = x
+                        .chunks_exact(k)
+                        .flat_map(|xr| {
+                            let q = quantize_row(xr);
+                            (0..n).map(move |j| (j, q.clone()))
+                        })
+                        .map(|(j, q)| vec_dot_portable(w.row(j), &q).to_bits())
+                        .collect();
+                    for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
+                        let got: Vec<u32> = w.matmul_on(&x, m, path).iter().map(|v| v.to_bits()).collect();
+                        if got != want {
+                            let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+                            panic!(
+                                "{kind:?} n={n} nb={nb} m={m} {path:?}: element [{}, {}] {} vs portable {}",
+                                at / n,
+                                at % n,
+                                f32::from_bits(got[at]),
+                                f32::from_bits(want[at])
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The vector `hsum_float_8` of the VNNI kernel against the scalar one, on values whose
+    /// sums round differently in another order, signed zeros and infinities.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_hsum_is_hsum8() {
+        if !super::super::has_avx512_vnni() {
+            return;
+        }
+        let special = [
+            0.0f32,
+            -0.0,
+            1e30,
+            -1e30,
+            1.0,
+            3e-39,
+            f32::INFINITY,
+            1e-8,
+            16_777_216.0,
+            0.1,
+        ];
+        let mut vals = pseudo(16 * 400, 4);
+        for (i, v) in vals.iter_mut().enumerate() {
+            *v = match i % 7 {
+                0 => special[i / 7 % special.len()],
+                1 => *v * 1e8,
+                _ => *v,
+            };
+        }
+        for c in vals.chunks_exact(16) {
+            // SAFETY: AVX-512 was detected above; `c` holds 16 floats.
+            let (a, b) = unsafe {
+                use std::arch::x86_64::_mm512_loadu_ps;
+                vnni_impl::hsum_halves(_mm512_loadu_ps(c.as_ptr()))
+            };
+            let want_a = hsum8(c[..8].try_into().unwrap());
+            let want_b = hsum8(c[8..].try_into().unwrap());
+            assert_eq!(
+                (a.to_bits(), b.to_bits()),
+                (want_a.to_bits(), want_b.to_bits()),
+                "{c:?}"
+            );
+        }
+    }
+
+    /// Process CPU time in seconds (Linux), else wall time since the first call.
+    fn cpu_seconds() -> f64 {
+        #[cfg(target_os = "linux")]
+        {
+            #[repr(C)]
+            struct Timespec {
+                sec: i64,
+                nsec: i64,
+            }
+            extern "C" {
+                fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+            }
+            let mut ts = Timespec { sec: 0, nsec: 0 };
+            // SAFETY: a valid out-pointer of the layout clock_gettime writes (2 = process CPU).
+            unsafe { clock_gettime(2, &mut ts) };
+            ts.sec as f64 + ts.nsec as f64 * 1e-9
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+            T0.get_or_init(std::time::Instant::now).elapsed().as_secs_f64()
+        }
+    }
+
+    /// Q4_1 / Q8_0 / Q5_0 products on a 1536 × 576 matrix (SmolLM2's FFN up shape) and a
+    /// 4608 × 1536 one, per row count and path: best of 3 process-CPU times, and ns per (weight
+    /// row, activation row, block). One thread, inside the pool as the model runs them:
+    /// `cargo test --release -p specula-engine --lib kernels::qmatmul::tests::speed -- --ignored --nocapture --exact`
+    #[test]
+    #[ignore]
+    fn speed() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(speed_in_pool);
+    }
+
+    fn speed_in_pool() {
+        use super::super::KernelPath;
+        for (n, k) in [(1536usize, 576usize), (4608, 1536)] {
+            for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q5_0] {
+                let (q, _) = weight(dt, n, k);
+                let w = QWeight::from_qtensor(&q).unwrap().unwrap();
+                for path in [KernelPath::Avx2, KernelPath::Best] {
+                    let mut line = format!("{dt:?} {n}x{k} {path:?}:");
+                    for m in [1usize, 2, 4, 8, 9, 16, 32, 64] {
+                        let x = pseudo(m * k, 5);
+                        let reps = (200 / m).max(4);
+                        let best = (0..3)
+                            .map(|_| {
+                                let t = cpu_seconds();
+                                for _ in 0..reps {
+                                    std::hint::black_box(w.matmul_on(&x, m, path));
+                                }
+                                (cpu_seconds() - t) / reps as f64
+                            })
+                            .fold(f64::MAX, f64::min);
+                        let per = best / (n * m * (k / QK)) as f64 * 1e9;
+                        line.push_str(&format!(" m={m}: {:.3} ms ({per:.2} ns)", best * 1e3));
+                    }
+                    eprintln!("{line}");
+                }
+            }
+        }
+    }
+
+    /// Products on matrices larger than the L3 cache (weights streamed from memory), per path:
+    /// `cargo test --release -p specula-engine --lib qmatmul::tests::speed_streamed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn speed_streamed() {
+        use super::super::KernelPath;
+        for (dt, n, k) in [
+            (GgmlDType::Q8_0, 65536usize, 896usize),
+            (GgmlDType::Q5_0, 4864, 4864),
+            (GgmlDType::Q4_1, 1536, 9216),
+        ] {
+            let w = QWeight::from_qtensor(&weight(dt, n, k).0).unwrap().unwrap();
+            let copies: Vec<QWeight> = (0..4).map(|_| w.clone()).collect();
+            let bytes = w.d.len() * dt.type_size();
+            for m in [1usize, 2, 8] {
+                let x = pseudo(m * k, 5);
+                for path in [KernelPath::Avx2, KernelPath::Best] {
+                    let t = std::time::Instant::now();
+                    for _ in 0..5 {
+                        for c in &copies {
+                            std::hint::black_box(c.matmul_on(&x, m, path));
+                        }
+                    }
+                    let per = t.elapsed().as_secs_f64() / 20.0;
+                    let gbs = bytes as f64 / per / 1e9;
+                    eprintln!("{dt:?} {n}x{k} m={m} {path:?}: {:.3} ms ({gbs:.1} GB/s)", per * 1e3);
+                }
             }
         }
     }
