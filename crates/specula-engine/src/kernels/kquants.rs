@@ -1788,28 +1788,7 @@ mod tests {
     }
 
     /// Process CPU time in seconds (Linux), else wall time since the first call.
-    fn cpu_seconds() -> f64 {
-        #[cfg(target_os = "linux")]
-        {
-            #[repr(C)]
-            struct Timespec {
-                sec: i64,
-                nsec: i64,
-            }
-            extern "C" {
-                fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-            }
-            let mut ts = Timespec { sec: 0, nsec: 0 };
-            // SAFETY: a valid out-pointer of the layout clock_gettime writes (2 = process CPU).
-            unsafe { clock_gettime(2, &mut ts) };
-            ts.sec as f64 + ts.nsec as f64 * 1e-9
-        }
-        #[cfg(not(target_os = "linux"))]
-        {
-            static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-            T0.get_or_init(std::time::Instant::now).elapsed().as_secs_f64()
-        }
-    }
+    use super::super::cpu_seconds;
 
     /// Our Q4_K / Q6_K product (VNNI tiles, and the AVX2 / AVX-512 BW row kernels) against
     /// candle's `QMatMul` on an 8960 × 1536 matrix (the 1.5B FFN shape), per row count: best of

@@ -1031,28 +1031,7 @@ mod tests {
     }
 
     /// Process CPU time in seconds (Linux), else wall time since the first call.
-    fn cpu_seconds() -> f64 {
-        #[cfg(target_os = "linux")]
-        {
-            #[repr(C)]
-            struct Timespec {
-                sec: i64,
-                nsec: i64,
-            }
-            extern "C" {
-                fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-            }
-            let mut ts = Timespec { sec: 0, nsec: 0 };
-            // SAFETY: a valid out-pointer of the layout clock_gettime writes (2 = process CPU).
-            unsafe { clock_gettime(2, &mut ts) };
-            ts.sec as f64 + ts.nsec as f64 * 1e-9
-        }
-        #[cfg(not(target_os = "linux"))]
-        {
-            static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-            T0.get_or_init(std::time::Instant::now).elapsed().as_secs_f64()
-        }
-    }
+    use super::super::cpu_seconds;
 
     /// Q4_1 / Q8_0 / Q5_0 products on a 1536 × 576 matrix (SmolLM2's FFN up shape) and a
     /// 4608 × 1536 one, per row count and path: best of 3 process-CPU times, and ns per (weight
