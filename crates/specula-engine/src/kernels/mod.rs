@@ -146,6 +146,32 @@ impl OutPtr {
     }
 }
 
+/// Seconds of CPU time used by this process (wall time where that is not available): the
+/// clock of the kernels' ignored speed tests.
+#[cfg(test)]
+pub(crate) fn cpu_seconds() -> f64 {
+    #[cfg(target_os = "linux")]
+    {
+        #[repr(C)]
+        struct Timespec {
+            sec: i64,
+            nsec: i64,
+        }
+        extern "C" {
+            fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+        }
+        let mut ts = Timespec { sec: 0, nsec: 0 };
+        // SAFETY: a valid out-pointer of the layout clock_gettime writes (2 = process CPU).
+        unsafe { clock_gettime(2, &mut ts) };
+        ts.sec as f64 + ts.nsec as f64 * 1e-9
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        T0.get_or_init(std::time::Instant::now).elapsed().as_secs_f64()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,31 +224,5 @@ mod tests {
                 }
             }
         }
-    }
-}
-
-/// Seconds of CPU time used by this process (wall time where that is not available): the
-/// clock of the kernels' ignored speed tests.
-#[cfg(test)]
-pub(crate) fn cpu_seconds() -> f64 {
-    #[cfg(target_os = "linux")]
-    {
-        #[repr(C)]
-        struct Timespec {
-            sec: i64,
-            nsec: i64,
-        }
-        extern "C" {
-            fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-        }
-        let mut ts = Timespec { sec: 0, nsec: 0 };
-        // SAFETY: a valid out-pointer of the layout clock_gettime writes (2 = process CPU).
-        unsafe { clock_gettime(2, &mut ts) };
-        ts.sec as f64 + ts.nsec as f64 * 1e-9
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-        T0.get_or_init(std::time::Instant::now).elapsed().as_secs_f64()
     }
 }
