@@ -59,6 +59,8 @@ pub struct Engine {
     tuned: Option<crate::tuning::TunedDefault>,
     /// Built on the first constrained request.
     grammar: Option<GrammarCompiler>,
+    /// The attached MTP head ([`crate::spec::mtp`]).
+    mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
     /// KV rows of seen prefixes (`LoadOptions::prefix_cache_bytes`).
     prefix: Option<PrefixCache>,
     /// What finished requests learned about drafting, by decode path (see
@@ -91,6 +93,7 @@ impl Engine {
             kv,
             opts,
             draft: None,
+            mtp: None,
             grammar: None,
             tuned: None,
         }
@@ -122,6 +125,21 @@ impl Engine {
         Ok(())
     }
 
+    /// Load an MTP head (a directory with config.json and safetensors, or one safetensors file)
+    /// for this engine's model and attach it: `SpecMode::Mtp` drafts with it, and `Default` /
+    /// `On` use it when no draft model is attached. Errors: the head does not load or does not
+    /// fit the target (the message names the file and the tensor or field).
+    pub fn attach_mtp_head(&mut self, path: &Path) -> Result<()> {
+        let head = crate::spec::mtp::MtpHead::load(path, &self.bundle.model)?;
+        self.mtp = Some(Arc::new(head));
+        Ok(())
+    }
+
+    /// The attached MTP head, if any.
+    pub fn mtp_head(&self) -> Option<&crate::spec::mtp::MtpHead> {
+        self.mtp.as_deref()
+    }
+
     /// The attached draft model's id, if any.
     pub fn draft_model_id(&self) -> Option<&str> {
         self.draft.as_ref().map(|d| d.id.as_str())
@@ -143,7 +161,7 @@ impl Engine {
             mode,
             ..Default::default()
         });
-        crate::sequence::resolve(spec.mode, self.draft.is_some())
+        crate::sequence::resolve(spec.mode, self.draft.is_some(), self.mtp.is_some())
     }
 
     /// Make `SpecMode::Default` follow a measured tuning choice (`None`: the built-in chain).
@@ -161,7 +179,10 @@ impl Engine {
     /// is left to the built-in chain. Everything else is unchanged.
     pub fn effective_spec(&self, spec: crate::spec::SpecOptions) -> crate::spec::SpecOptions {
         match &self.tuned {
-            Some(t) if spec.mode == SpecMode::Default && (t.mode != SpecMode::Draft || self.draft.is_some()) => {
+            Some(t)
+                if spec.mode == SpecMode::Default
+                    && (t.mode != SpecMode::Draft || self.draft.is_some())
+                    && (t.mode != SpecMode::Mtp || self.mtp.is_some()) => {
                 crate::spec::SpecOptions {
                     mode: t.mode,
                     draft_max: t.draft_max.clamp(1, MAX_DRAFT),
@@ -278,6 +299,13 @@ impl Engine {
                 self.id
             )));
         }
+        if req.spec.mode == SpecMode::Mtp && self.mtp.is_none() {
+            return Err(RequestError::InvalidParameter(format!(
+                "speculative mode `mtp` needs an MTP head, and {} has none attached \
+                 (start the server with --drafter, or train one with `specula distill`)",
+                self.id
+            )));
+        }
         if req.spec.draft_max == 0 || req.spec.draft_max > MAX_DRAFT {
             return Err(RequestError::InvalidParameter(format!(
                 "draft_max must be between 1 and {MAX_DRAFT}, got {}",
@@ -312,6 +340,7 @@ impl Engine {
             prefill_chunk: self.opts.prefill_chunk,
             batch_invariant: self.bundle.model.batch_invariant(),
             draft: self.draft.as_ref().map(|d| (d.model.clone(), d.id.clone())),
+            mtp: self.mtp.clone(),
             controller_priors: self.controller_priors.clone(),
         }
     }
@@ -555,6 +584,10 @@ impl Engine {
         let mut results: Vec<Result<Option<StepOutcome>, RequestError>> =
             deferred.iter().map(|&d| Ok(d.then(StepOutcome::default))).collect();
         for group in groups.into_iter().filter(|g| !g.is_empty()) {
+            // The union of the group's drafter taps (MTP heads, block drafters).
+            let mut taps: Vec<usize> = group.iter().flat_map(|&i| seqs[i].taps().to_vec()).collect();
+            taps.sort_unstable();
+            taps.dedup();
             let mut segs: Vec<Segment> = seqs
                 .iter_mut()
                 .enumerate()
@@ -567,7 +600,7 @@ impl Engine {
                     })
                 })
                 .collect();
-            let outs = model.forward_batch(&mut segs, &[]);
+            let outs = model.forward_batch(&mut segs, &taps);
             drop(segs);
             match outs {
                 Err(e) => {
@@ -578,8 +611,19 @@ impl Engine {
                 }
                 Ok(outs) => {
                     for (&i, out) in group.iter().zip(outs) {
-                        let rows = out.logits.to_vec2::<f32>().map_err(anyhow::Error::from);
-                        results[i] = rows.and_then(|r| seqs[i].absorb(r)).map(Some).map_err(internal);
+                        let absorbed = (|| {
+                            let rows = out.logits.to_vec2::<f32>()?;
+                            let hidden = seqs[i]
+                                .taps()
+                                .iter()
+                                .map(|t| {
+                                    let at = taps.iter().position(|u| u == t).unwrap_or(0);
+                                    Ok(out.hidden[at].flatten_all()?.to_vec1::<f32>()?)
+                                })
+                                .collect::<Result<Vec<_>>>()?;
+                            seqs[i].absorb_with_hidden(rows, hidden)
+                        })();
+                        results[i] = absorbed.map(Some).map_err(internal);
                     }
                 }
             }

@@ -40,6 +40,8 @@ pub struct SequenceEnv {
     pub batch_invariant: bool,
     /// The attached draft model and its id.
     pub draft: Option<(Arc<Model>, String)>,
+    /// The attached MTP head.
+    pub mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
     /// What earlier requests learned about drafting, by decode path (`ngram`,
     /// `draft-model:ID`): a new request's draft-length controller starts from it.
     pub controller_priors: std::collections::HashMap<String, DraftLength>,
@@ -87,6 +89,9 @@ pub struct Sequence {
     decode_started: Option<Instant>,
     /// When the pending forward's input was handed out (for the controller's timings).
     forward_started: Option<Instant>,
+    /// The drafter's taps from the last verify forward: its first position and one
+    /// `[fed, hidden]` buffer per tap (the committed rows go to the drafter after acceptance).
+    tapped: Option<(usize, Vec<Vec<f32>>)>,
 }
 
 impl Sequence {
@@ -121,7 +126,7 @@ impl Sequence {
         // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
         // stats say why.
         let mut drafter: Option<Box<dyn Drafter>> = None;
-        let resolved = resolve(req.spec.mode, env.draft.is_some());
+        let resolved = resolve(req.spec.mode, env.draft.is_some(), env.mtp.is_some());
         stats.spec.decode_path = match (resolved, &env.draft) {
             (None, _) => "ar".into(),
             (Some(_), _) if !env.batch_invariant => {
@@ -142,6 +147,22 @@ impl Sequence {
                 format!("draft-model:{id}")
             }
             (Some(SpecMode::Draft), None) => "ar (no draft model attached)".into(),
+            (Some(SpecMode::Mtp), _) => match &env.mtp {
+                Some(head) => {
+                    let seed = if req.sampling.is_greedy() {
+                        0
+                    } else {
+                        sampler.fork_seed()
+                    };
+                    drafter = Some(Box::new(crate::spec::mtp::MtpDrafter::new(
+                        head.clone(),
+                        &req.sampling,
+                        seed,
+                    )));
+                    "mtp".into()
+                }
+                None => "ar (no MTP head attached)".into(),
+            },
             (Some(_), _) => {
                 drafter = Some(Box::new(NgramDrafter::default()));
                 "ngram".into()
@@ -174,6 +195,16 @@ impl Sequence {
             started: Instant::now(),
             decode_started: None,
             forward_started: None,
+            tapped: None,
+        }
+    }
+
+    /// The target hidden states this sequence's drafter reads ([`Drafter::taps`]); the caller
+    /// returns them with the logits rows ([`Sequence::absorb_with_hidden`]).
+    pub fn taps(&self) -> &[usize] {
+        match &self.drafter {
+            Some(d) => d.taps(),
+            None => &[],
         }
     }
 
@@ -250,11 +281,27 @@ impl Sequence {
     /// advance: accept, emit, and prepare the next input (drafting happens here).
     ///
     /// Errors: a drafter failure (the sequence cannot continue).
-    pub fn absorb(&mut self, mut rows: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
+    pub fn absorb(&mut self, rows: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
+        self.absorb_with_hidden(rows, Vec::new())
+    }
+
+    /// As [`Sequence::absorb`], with the forward's hidden states at [`Sequence::taps`]: one
+    /// row-major `[fed tokens, hidden]` f32 buffer per tap, in that order (empty when the
+    /// sequence has no taps). The committed rows go to the drafter ([`Drafter::observe`]).
+    pub fn absorb_with_hidden(&mut self, mut rows: Vec<Vec<f32>>, hidden: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
         let secs = self.forward_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let has_taps = !hidden.is_empty() && !self.taps().is_empty();
         if self.decode_started.is_none() {
             let prompt_len = self.req.prompt_tokens.len();
             let end = (self.prefilled + self.env.prefill_chunk.max(1)).min(prompt_len);
+            if has_taps {
+                // Every prompt row is committed.
+                let (start, n) = (self.prefilled, end - self.prefilled);
+                let views: Vec<&[f32]> = hidden.iter().map(Vec::as_slice).collect();
+                if let Some(d) = self.drafter.as_mut() {
+                    d.observe(start, n, &views)?;
+                }
+            }
             self.prefilled = end;
             if end < prompt_len {
                 return Ok(StepOutcome::default());
@@ -266,6 +313,9 @@ impl Sequence {
             let fed = 1 + self.draft.len();
             self.stats.spec.record_forward(fed, secs);
             self.k_ctl.observe_forward(fed, secs);
+            if has_taps {
+                self.tapped = Some((self.kv.len().saturating_sub(fed), hidden));
+            }
         }
         if rows.is_empty() {
             anyhow::bail!("the forward returned no logits rows");
@@ -366,6 +416,15 @@ impl Sequence {
         let keep = self.kv.len() - draft.len() + accepted;
         self.kv.truncate(keep);
         self.context.extend_from_slice(&block);
+        if let (Some((start, hidden)), Some(d)) = (self.tapped.take(), self.drafter.as_mut()) {
+            // The fed token and the accepted drafts are committed; their rows go to the drafter.
+            let n = accepted + 1;
+            let views: Vec<&[f32]> = hidden
+                .iter()
+                .map(|h| &h[..(h.len() / (draft.len() + 1)) * n])
+                .collect();
+            d.observe(start, n, &views)?;
+        }
 
         // Next step: [next, draft...], one row per position.
         let ctx = self.env.context_length;
@@ -445,11 +504,13 @@ impl Sequence {
 }
 
 /// The drafter a speculative mode resolves to: `None` for AR.
-pub fn resolve(mode: SpecMode, has_draft_model: bool) -> Option<SpecMode> {
+pub fn resolve(mode: SpecMode, has_draft_model: bool, has_mtp: bool) -> Option<SpecMode> {
     match mode {
         SpecMode::Off => None,
         SpecMode::Default | SpecMode::On => Some(if has_draft_model {
             SpecMode::Draft
+        } else if has_mtp {
+            SpecMode::Mtp
         } else {
             SpecMode::Ngram
         }),

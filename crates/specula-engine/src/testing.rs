@@ -319,3 +319,113 @@ pub fn write_tiny_hf(dir: &Path, spec: &TinySpec) -> Result<()> {
     )?;
     Ok(())
 }
+
+/// Uniform values in `[-scale, scale]` from a xorshift stream (reproducible test weights).
+struct Uniform(u64);
+
+impl Uniform {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn tensor(&mut self, shape: &[usize], scale: f32) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                self.0 ^= self.0 << 13;
+                self.0 ^= self.0 >> 7;
+                self.0 ^= self.0 << 17;
+                ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * scale
+            })
+            .collect();
+        Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+    }
+
+    /// `1 + U(-scale, scale)` (a norm weight).
+    fn norm(&mut self, n: usize, scale: f32) -> Result<Tensor> {
+        Ok((self.tensor(&[n], scale)? + 1.0)?)
+    }
+}
+
+/// Random weights of a head block of the target's shape under `prefix` (HF names).
+fn random_block(u: &mut Uniform, target: &crate::model::Model, prefix: &str) -> Result<Vec<(String, Tensor)>> {
+    let c = target.config();
+    let (h, f) = (c.hidden_size, c.intermediate_size);
+    let (qd, kd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let mut w = vec![
+        (format!("{prefix}input_layernorm.weight"), u.norm(h, 0.1)?),
+        (format!("{prefix}post_attention_layernorm.weight"), u.norm(h, 0.1)?),
+        (format!("{prefix}self_attn.q_proj.weight"), u.tensor(&[qd, h], 0.3)?),
+        (format!("{prefix}self_attn.k_proj.weight"), u.tensor(&[kd, h], 0.3)?),
+        (format!("{prefix}self_attn.v_proj.weight"), u.tensor(&[kd, h], 0.3)?),
+        (format!("{prefix}self_attn.o_proj.weight"), u.tensor(&[h, qd], 0.3)?),
+        (format!("{prefix}mlp.gate_proj.weight"), u.tensor(&[f, h], 0.3)?),
+        (format!("{prefix}mlp.up_proj.weight"), u.tensor(&[f, h], 0.3)?),
+        (format!("{prefix}mlp.down_proj.weight"), u.tensor(&[h, f], 0.3)?),
+    ];
+    if c.family == Family::Qwen2 {
+        for (n, d) in [("q", qd), ("k", kd), ("v", kd)] {
+            w.push((format!("{prefix}self_attn.{n}_proj.bias"), u.tensor(&[d], 0.1)?));
+        }
+    }
+    if c.family == Family::Qwen3 {
+        w.push((format!("{prefix}self_attn.q_norm.weight"), u.norm(c.head_dim, 0.1)?));
+        w.push((format!("{prefix}self_attn.k_norm.weight"), u.norm(c.head_dim, 0.1)?));
+    }
+    Ok(w)
+}
+
+/// Write a random-weight MTP head for `target` into the directory `dir` (config.json +
+/// model.safetensors) in `layout`'s tensor names, optionally with a reduced draft vocabulary.
+pub fn write_random_mtp_head(
+    dir: &Path,
+    target: &crate::model::Model,
+    layout: crate::spec::mtp::MtpLayout,
+    draft_vocab: Option<&[u32]>,
+    seed: u64,
+) -> Result<()> {
+    use crate::spec::mtp::MtpLayout;
+    std::fs::create_dir_all(dir)?;
+    let mut u = Uniform::new(seed);
+    let c = target.config();
+    let h = c.hidden_size;
+    let (p, names) = match layout {
+        MtpLayout::DeepseekV3 => (
+            format!("model.layers.{}.", c.num_layers),
+            ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"],
+        ),
+        MtpLayout::Qwen3Next => (
+            "mtp.".to_string(),
+            [
+                "pre_fc_norm_embedding.weight",
+                "pre_fc_norm_hidden.weight",
+                "fc.weight",
+                "norm.weight",
+            ],
+        ),
+    };
+    let block_prefix = match layout {
+        MtpLayout::DeepseekV3 => p.clone(),
+        MtpLayout::Qwen3Next => "mtp.layers.0.".to_string(),
+    };
+    let mut map: HashMap<String, Tensor> = random_block(&mut u, target, &block_prefix)?.into_iter().collect();
+    map.insert(format!("{p}{}", names[0]), u.norm(h, 0.1)?);
+    map.insert(format!("{p}{}", names[1]), u.norm(h, 0.1)?);
+    map.insert(format!("{p}{}", names[2]), u.tensor(&[h, 2 * h], 0.3)?);
+    map.insert(format!("{p}{}", names[3]), u.norm(h, 0.1)?);
+    if let Some(ids) = draft_vocab {
+        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let n = ids.len();
+        map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+    }
+    candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
+    let config = serde_json::json!({
+        "model_type": "specula_mtp",
+        "num_nextn_predict_layers": 1,
+        "num_hidden_layers": c.num_layers,
+        "vocab_size": c.vocab_size,
+        "hidden_source": "pre_norm",
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}

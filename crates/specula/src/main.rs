@@ -175,6 +175,12 @@ struct SpecArgs {
     /// A draft model (GGUF file, bundle directory or catalog name) with the target's tokenizer.
     #[arg(long)]
     draft_model: Option<String>,
+    /// A native drafter for this model: an MTP head (a directory with config.json and
+    /// safetensors, or one safetensors file, e.g. written by `specula distill`). Without it, an
+    /// MTP head beside the model (`<model>.mtp/` next to a GGUF file, `mtp/` in a bundle
+    /// directory) is used when present.
+    #[arg(long)]
+    drafter: Option<PathBuf>,
     /// Maximum draft length k per target step.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=32))]
     draft_max: u64,
@@ -190,6 +196,7 @@ enum SpecArg {
     On,
     Ngram,
     Draft,
+    Mtp,
 }
 
 impl SpecArgs {
@@ -201,14 +208,16 @@ impl SpecArgs {
                 SpecArg::On => SpecMode::On,
                 SpecArg::Ngram => SpecMode::Ngram,
                 SpecArg::Draft => SpecMode::Draft,
+                SpecArg::Mtp => SpecMode::Mtp,
             },
             draft_max: self.draft_max as usize,
             adaptive: !self.fixed_k,
         }
     }
 
-    /// Attach the draft model, if one is given; `--spec draft` without one is an error.
-    fn attach(&self, engine: &mut Engine) -> Result<()> {
+    /// Attach the draft model and the MTP head, if given (or found beside `model_path`);
+    /// `--spec draft` / `--spec mtp` without one is an error.
+    fn attach(&self, engine: &mut Engine, model_path: Option<&std::path::Path>) -> Result<()> {
         match &self.draft_model {
             Some(m) => {
                 let path: PathBuf = pull::resolve_model(m, true)?;
@@ -221,8 +230,34 @@ impl SpecArgs {
             None if matches!(self.spec, SpecArg::Draft) => bail!("--spec draft needs --draft-model"),
             None => {}
         }
+        let beside = model_path.and_then(mtp_sidecar);
+        match self.drafter.as_ref().or(beside.as_ref()) {
+            Some(p) => {
+                engine
+                    .attach_mtp_head(p)
+                    .with_context(|| format!("loading the MTP head {}", p.display()))?;
+                tracing::info!(drafter = %p.display(), "MTP head attached");
+            }
+            None if matches!(self.spec, SpecArg::Mtp) => {
+                bail!("--spec mtp needs an MTP head: --drafter PATH (train one with `specula distill`)")
+            }
+            None => {}
+        }
         Ok(())
     }
+}
+
+/// An MTP head beside a model: `<stem>.mtp/` or `<stem>.mtp.safetensors` next to a GGUF file,
+/// `mtp/` or `mtp.safetensors` in a bundle directory.
+fn mtp_sidecar(model: &std::path::Path) -> Option<PathBuf> {
+    let candidates = if model.is_dir() {
+        vec![model.join("mtp"), model.join("mtp.safetensors")]
+    } else {
+        let stem = model.file_stem()?.to_string_lossy().into_owned();
+        let dir = model.parent()?;
+        vec![dir.join(format!("{stem}.mtp")), dir.join(format!("{stem}.mtp.safetensors"))]
+    };
+    candidates.into_iter().find(|p| p.exists())
 }
 
 #[derive(Args, Debug)]
@@ -360,7 +395,8 @@ fn serve(a: ServeArgs) -> Result<()> {
     let mut engine = load_with(&a.model, a.served_model_name.clone(), opts)?;
     let target_load_s = t.elapsed().as_secs_f64();
     let t = std::time::Instant::now();
-    a.spec.attach(&mut engine)?;
+    let model_path = pull::resolve_model(&a.model, false).ok();
+    a.spec.attach(&mut engine, model_path.as_deref())?;
     let draft_load_s = a.spec.draft_model.is_some().then(|| t.elapsed().as_secs_f64());
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     let kv_budget = if a.kv_budget_mb > 0 {
@@ -395,7 +431,8 @@ fn serve(a: ServeArgs) -> Result<()> {
 fn generate(a: GenerateArgs) -> Result<()> {
     let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let mut engine = load(&a.model, None)?;
-    a.spec.attach(&mut engine)?;
+    let model_path = pull::resolve_model(&a.model, false).ok();
+    a.spec.attach(&mut engine, model_path.as_deref())?;
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     let prompt_tokens = if a.chat {
         engine.chat_prompt_tokens(&[ChatMessage::new("user", &a.prompt)])?

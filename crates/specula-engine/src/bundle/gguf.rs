@@ -208,17 +208,18 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
         });
     }
     let output_norm = r.dense("output_norm.weight")?;
-    let lm_head = if r.has("output.weight") {
-        Linear::from_qtensor(r.q("output.weight")?, None)?
+    let lm_table = if r.has("output.weight") {
+        r.q("output.weight")?
     } else {
-        Linear::from_qtensor(embd.clone(), None)?
+        embd.clone()
     };
+    let lm_head = Linear::from_qtensor(lm_table.clone(), None)?;
     let rope_factors = match r.opt_dense("rope_freqs.weight")? {
         Some(t) => Some(t.flatten_all()?.to_vec1::<f32>()?),
         None => None,
     };
     let embedding = Embedding::Quantized(embd);
-    let model = Model::new(
+    let mut model = Model::new(
         config,
         embedding,
         blocks,
@@ -227,6 +228,7 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
         rope_factors,
         device.clone(),
     )?;
+    model.set_lm_head_table(Embedding::Quantized(lm_table));
     let name = header.get_str("general.name").map(str::to_string).unwrap_or_else(|| {
         path.file_stem()
             .map(|s| s.to_string_lossy().into_owned())

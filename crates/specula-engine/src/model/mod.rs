@@ -293,6 +293,9 @@ pub struct Model {
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     device: Device,
+    /// The LM head's weights as a row table (quantized GGUF tensor), for draft heads that
+    /// borrow rows of it ([`Model::lm_head_rows`]).
+    lm_head_table: Option<Embedding>,
 }
 
 impl Model {
@@ -349,7 +352,32 @@ impl Model {
             rope_cos,
             rope_sin,
             device,
+            lm_head_table: None,
         })
+    }
+
+    /// Keep the LM head's weight table (the GGUF tensor behind [`Model::lm_head`]) so that
+    /// [`Model::lm_head_rows`] can read rows of it.
+    pub fn set_lm_head_table(&mut self, table: Embedding) {
+        self.lm_head_table = Some(table);
+    }
+
+    /// Rows `ids` of the LM head's weight, dequantized: `[ids.len(), hidden]` f32 (what draft
+    /// heads borrow). Errors: an id outside the vocabulary, or a model loaded without the table.
+    pub fn lm_head_rows(&self, ids: &[u32]) -> Result<Tensor> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary ({} tokens)", self.config.vocab_size);
+        }
+        if let Some(t) = &self.lm_head_table {
+            return t.forward(ids, &self.device);
+        }
+        match &self.lm_head.weight {
+            Weight::Candle(QMatMul::Tensor(w)) => {
+                let idx = Tensor::new(ids, &self.device)?;
+                Ok(w.index_select(&idx, 0)?.to_dtype(DType::F32)?)
+            }
+            _ => bail!("this model's LM head rows are not available to draft heads"),
+        }
     }
 
     pub fn device(&self) -> &Device {

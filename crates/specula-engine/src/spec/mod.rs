@@ -9,6 +9,8 @@
 
 pub mod controller;
 pub mod draft_model;
+pub mod head;
+pub mod mtp;
 pub mod ngram;
 pub mod verify;
 
@@ -18,10 +20,11 @@ pub use controller::DraftLength;
 
 /// Which drafter a request uses.
 ///
-/// `default` and `on` pick the best drafter the engine has: the attached draft model, else n-gram
-/// lookup. `default` will later follow a measured tuning file (it may choose AR); `on` always
+/// `default` and `on` pick the best drafter the engine has: the attached draft model, else the
+/// attached MTP head, else n-gram lookup. `default` will later follow a measured tuning file (it may choose AR); `on` always
 /// speculates where it is exact, with the adaptive controller deciding k per step. `ngram` and
-/// `draft` name a drafter explicitly (`draft` without an attached draft model is a request error).
+/// `draft` and `mtp` name a drafter explicitly (`draft` or `mtp` without the drafter attached is a
+/// request error).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SpecMode {
@@ -36,6 +39,8 @@ pub enum SpecMode {
     Ngram,
     /// The attached draft model.
     Draft,
+    /// The attached MTP head ([`mtp`]).
+    Mtp,
 }
 
 impl SpecMode {
@@ -47,6 +52,7 @@ impl SpecMode {
             "on" => Self::On,
             "ngram" => Self::Ngram,
             "draft" => Self::Draft,
+            "mtp" => Self::Mtp,
             _ => return None,
         })
     }
@@ -58,6 +64,7 @@ impl SpecMode {
             Self::On => "on",
             Self::Ngram => "ngram",
             Self::Draft => "draft",
+            Self::Mtp => "mtp",
         }
     }
 }
@@ -127,6 +134,21 @@ pub trait Drafter: Send {
     fn propose(&mut self, context: &[u32], k: usize) -> anyhow::Result<Proposal>;
     /// A short name for stats and logs.
     fn name(&self) -> &'static str;
+    /// The target hidden states this drafter reads, as [`crate::model::Model::forward`] tap
+    /// indices (block `i`'s output; `num_layers` = after the final norm). Empty (the default)
+    /// for drafters that read only tokens.
+    fn taps(&self) -> &[usize] {
+        &[]
+    }
+    /// The target's hidden states at committed positions `start .. start + n`: one row-major
+    /// `[n, hidden]` f32 buffer per tap, in [`Drafter::taps`] order. Called after every target
+    /// forward with the rows that were committed (every prompt row; the fed token and the
+    /// accepted drafts of a verify), before the next [`Drafter::propose`]. Positions before the
+    /// first observed one (a prefix-cache hit) are never observed.
+    fn observe(&mut self, start: usize, n: usize, hidden: &[&[f32]]) -> anyhow::Result<()> {
+        let _ = (start, n, hidden);
+        Ok(())
+    }
 }
 
 /// Per-request speculation counters.

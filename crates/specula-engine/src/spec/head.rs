@@ -1,0 +1,416 @@
+//! The layers of native draft heads (MTP heads, block drafters), written once with candle tensor
+//! operations so that the same code drafts (plain tensors) and trains (`specula distill`: the
+//! weights are candle `Var`s and the loss is back-propagated through this code).
+//!
+//! A head block is a pre-norm transformer block of the target's family (Touvron et al. 2023, as
+//! in [`crate::model`]): RMSNorm → grouped-query attention with RoPE (Qwen2 q/k/v biases, Qwen3
+//! per-head q/k norms) → residual → RMSNorm → SwiGLU → residual. Unlike the target's forward,
+//! nothing here is bit-for-bit llama.cpp: a drafter's numbers only decide what is proposed, and
+//! the target verifies every proposal.
+
+use std::collections::HashMap;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Model, RopeStyle};
+
+/// Shape of a head block: the target's attention and MLP hyper-parameters by default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BlockShape {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// `interleaved` (GGUF Llama q/k) or `neox` (HF checkpoints, Qwen).
+    pub rope_style: String,
+}
+
+impl BlockShape {
+    /// The target's block shape.
+    pub fn of_target(model: &Model) -> Self {
+        let c = model.config();
+        Self {
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_attention_heads: c.num_heads,
+            num_key_value_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            rms_norm_eps: c.rms_norm_eps,
+            rope_theta: c.rope_theta,
+            rope_style: match c.rope_style {
+                RopeStyle::Interleaved => "interleaved".into(),
+                RopeStyle::Neox => "neox".into(),
+            },
+        }
+    }
+
+    fn interleaved(&self) -> bool {
+        self.rope_style == "interleaved"
+    }
+}
+
+/// A dense linear layer `y = x W^T (+ b)`, `W`: `[out, in]` f32.
+#[derive(Debug, Clone)]
+pub struct Dense {
+    pub w: Tensor,
+    pub b: Option<Tensor>,
+}
+
+impl Dense {
+    /// `x`: `[n, in]` or `[b, n, in]` → `[.., out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match x.rank() {
+            2 => x.matmul(&self.w.t()?)?,
+            _ => x.broadcast_matmul(&self.w.t()?)?,
+        };
+        Ok(match &self.b {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// RMSNorm over the last dimension, `x / sqrt(mean(x²) + eps) * w` (differentiable).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)?)
+}
+
+/// How the new rows of a block attend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnMask {
+    /// Row `i` sees every past key and the new rows `0..=i` (MTP heads).
+    Causal,
+    /// Every new row sees every past key and every new row (a block drafter's block).
+    Bidirectional,
+}
+
+/// One transformer block of a head.
+#[derive(Debug, Clone)]
+pub struct HeadBlock {
+    pub shape: BlockShape,
+    pub attn_norm: Tensor,
+    pub q: Dense,
+    pub k: Dense,
+    pub v: Dense,
+    pub o: Dense,
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    pub ffn_norm: Tensor,
+    pub gate: Dense,
+    pub up: Dense,
+    pub down: Dense,
+}
+
+/// RoPE cos / sin tables `[n, head_dim / 2]` for positions `pos0 .. pos0 + n` (RoFormer, Su et
+/// al. 2021: theta_i = pos · base^(-2i/d)).
+pub fn rope_tables(shape: &BlockShape, pos0: usize, n: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = shape.head_dim / 2;
+    let mut cos = Vec::with_capacity(n * half);
+    let mut sin = Vec::with_capacity(n * half);
+    for p in pos0..pos0 + n {
+        for i in 0..half {
+            let inv = shape.rope_theta.powf(-2.0 * i as f64 / shape.head_dim as f64);
+            let t = p as f64 * inv;
+            cos.push(t.cos() as f32);
+            sin.push(t.sin() as f32);
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (n, half), device)?,
+        Tensor::from_vec(sin, (n, half), device)?,
+    ))
+}
+
+impl HeadBlock {
+    /// Rotate `x` (`[b, heads, n, head_dim]`) by the tables of [`rope_tables`].
+    pub fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        Ok(if self.shape.interleaved() {
+            candle_nn::rotary_emb::rope_i_slow(&x, cos, sin)?
+        } else {
+            candle_nn::rotary_emb::rope_slow(&x, cos, sin)?
+        })
+    }
+
+    /// Keys and values of `x` (`[b, n, hidden]`, already normed as the block's attention input
+    /// expects, or a context feature) at positions `pos0 ..`: each `[b, kv_heads, n, head_dim]`,
+    /// keys rotated.
+    pub fn keys_values(&self, x: &Tensor, pos0: usize) -> Result<(Tensor, Tensor)> {
+        let s = &self.shape;
+        let (b, n, _) = x.dims3()?;
+        let (hk, d) = (s.num_key_value_heads, s.head_dim);
+        let mut k = self.k.forward(x)?.reshape((b, n, hk, d))?;
+        if let Some(kn) = &self.k_norm {
+            k = rms_norm(&k, kn, s.rms_norm_eps)?;
+        }
+        let k = k.transpose(1, 2)?;
+        let v = self.v.forward(x)?.reshape((b, n, hk, d))?.transpose(1, 2)?.contiguous()?;
+        let (cos, sin) = rope_tables(s, pos0, n, x.device())?;
+        Ok((self.rope(&k, &cos, &sin)?, v))
+    }
+
+    /// Run the block on `x` (`[b, n, hidden]`, rows at positions `pos0 .. pos0 + n`), attending
+    /// to `past` keys and values (each `[b, kv_heads, m, head_dim]`, rotated) and to the new rows
+    /// as `mask` says. Returns the block's output `[b, n, hidden]` and the new rows' keys and
+    /// values (`[b, kv_heads, n, head_dim]`) for the caller's cache.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        pos0: usize,
+        past: Option<(&Tensor, &Tensor)>,
+        mask: AttnMask,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let s = &self.shape;
+        let (b, n, _) = x.dims3()?;
+        let (hq, hk, d) = (s.num_attention_heads, s.num_key_value_heads, s.head_dim);
+        let h = rms_norm(x, &self.attn_norm, s.rms_norm_eps)?;
+        let mut q = self.q.forward(&h)?.reshape((b, n, hq, d))?;
+        if let Some(qn) = &self.q_norm {
+            q = rms_norm(&q, qn, s.rms_norm_eps)?;
+        }
+        let (cos, sin) = rope_tables(s, pos0, n, x.device())?;
+        let q = self.rope(&q.transpose(1, 2)?, &cos, &sin)?;
+        let (k_new, v_new) = self.keys_values(&h, pos0)?;
+        let (k, v) = match past {
+            Some((pk, pv)) => (Tensor::cat(&[pk, &k_new], 2)?, Tensor::cat(&[pv, &v_new], 2)?),
+            None => (k_new.clone(), v_new.clone()),
+        };
+        let m = k.dim(2)? - n;
+        let rep = hq / hk;
+        let expand = |t: &Tensor| -> Result<Tensor> {
+            let (b, hk, len, d) = t.dims4()?;
+            Ok(t.unsqueeze(2)?
+                .broadcast_as((b, hk, rep, len, d))?
+                .contiguous()?
+                .reshape((b, hk * rep, len, d))?)
+        };
+        let (k, v) = (expand(&k)?, expand(&v)?);
+        let scores = (q.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
+        let scores = match mask {
+            AttnMask::Bidirectional => scores,
+            AttnMask::Causal => {
+                let mut bias = vec![0f32; n * (m + n)];
+                for i in 0..n {
+                    for j in m + i + 1..m + n {
+                        bias[i * (m + n) + j] = -1e9;
+                    }
+                }
+                let bias = Tensor::from_vec(bias, (n, m + n), x.device())?;
+                scores.broadcast_add(&bias)?
+            }
+        };
+        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        let att = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, n, hq * d))?;
+        let x = (x + self.o.forward(&att)?)?;
+        let h = rms_norm(&x, &self.ffn_norm, s.rms_norm_eps)?;
+        let g = self.gate.forward(&h)?;
+        let u = self.up.forward(&h)?;
+        let x = (&x + self.down.forward(&(g.silu()? * u)?)?)?;
+        Ok((x, k_new, v_new))
+    }
+}
+
+/// Named f32 tensors of a head, with the file they came from for error messages.
+pub struct NamedTensors {
+    pub file: String,
+    pub map: HashMap<String, Tensor>,
+}
+
+impl NamedTensors {
+    /// Read every `.safetensors` file of `path` (a directory, or one file), converted to f32
+    /// (integer tensors keep their type).
+    pub fn read(path: &std::path::Path) -> Result<Self> {
+        let files: Vec<std::path::PathBuf> = if path.is_dir() {
+            let mut v: Vec<_> = std::fs::read_dir(path)
+                .with_context(|| format!("reading {}", path.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            v.sort();
+            v
+        } else {
+            vec![path.to_path_buf()]
+        };
+        if files.is_empty() {
+            bail!("{}: no .safetensors file", path.display());
+        }
+        let mut map = HashMap::new();
+        for f in &files {
+            let ts = candle_core::safetensors::load(f, &Device::Cpu)
+                .with_context(|| format!("{}: not a readable safetensors file", f.display()))?;
+            for (k, t) in ts {
+                let t = match t.dtype() {
+                    DType::F16 | DType::BF16 | DType::F64 => t.to_dtype(DType::F32)?,
+                    _ => t,
+                };
+                map.insert(k, t);
+            }
+        }
+        Ok(Self {
+            file: if files.len() == 1 {
+                files[0].display().to_string()
+            } else {
+                path.display().to_string()
+            },
+            map,
+        })
+    }
+
+    /// The tensor `name`, of shape `dims` (errors name the file, the tensor and both shapes).
+    pub fn get(&self, name: &str, dims: &[usize], what: &str) -> Result<Tensor> {
+        let t = self
+            .map
+            .get(name)
+            .ok_or_else(|| anyhow!("{}: missing tensor '{name}' ({what})", self.file))?;
+        if t.dims() != dims {
+            bail!(
+                "{}: tensor '{name}' has shape {:?}, expected {dims:?} ({what})",
+                self.file,
+                t.dims()
+            );
+        }
+        Ok(t.clone())
+    }
+
+    pub fn opt(&self, name: &str, dims: &[usize], what: &str) -> Result<Option<Tensor>> {
+        if self.map.contains_key(name) {
+            self.get(name, dims, what).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// A head block under `prefix` (HF names: `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
+    /// optional q/k biases and norms, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`).
+    pub fn block(&self, prefix: &str, shape: &BlockShape) -> Result<HeadBlock> {
+        let s = shape;
+        let (h, f) = (s.hidden_size, s.intermediate_size);
+        let (qd, kd) = (s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim);
+        let lin = |name: &str, out: usize, inp: usize| -> Result<Dense> {
+            Ok(Dense {
+                w: self.get(&format!("{prefix}{name}.weight"), &[out, inp], "a projection")?,
+                b: self.opt(&format!("{prefix}{name}.bias"), &[out], "a projection bias")?,
+            })
+        };
+        Ok(HeadBlock {
+            shape: s.clone(),
+            attn_norm: self.get(&format!("{prefix}input_layernorm.weight"), &[h], "a norm over the hidden size")?,
+            q: lin("self_attn.q_proj", qd, h)?,
+            k: lin("self_attn.k_proj", kd, h)?,
+            v: lin("self_attn.v_proj", kd, h)?,
+            o: lin("self_attn.o_proj", h, qd)?,
+            q_norm: self.opt(&format!("{prefix}self_attn.q_norm.weight"), &[s.head_dim], "a per-head norm")?,
+            k_norm: self.opt(&format!("{prefix}self_attn.k_norm.weight"), &[s.head_dim], "a per-head norm")?,
+            ffn_norm: self.get(
+                &format!("{prefix}post_attention_layernorm.weight"),
+                &[h],
+                "a norm over the hidden size",
+            )?,
+            gate: lin("mlp.gate_proj", f, h)?,
+            up: lin("mlp.up_proj", f, h)?,
+            down: lin("mlp.down_proj", h, f)?,
+        })
+    }
+}
+
+/// The tensors of a head block under `prefix`, by HF name (the inverse of
+/// [`NamedTensors::block`]), for writing.
+pub fn block_tensors(b: &HeadBlock, prefix: &str) -> Vec<(String, Tensor)> {
+    let mut v = vec![
+        (format!("{prefix}input_layernorm.weight"), b.attn_norm.clone()),
+        (format!("{prefix}post_attention_layernorm.weight"), b.ffn_norm.clone()),
+    ];
+    for (name, l) in [
+        ("self_attn.q_proj", &b.q),
+        ("self_attn.k_proj", &b.k),
+        ("self_attn.v_proj", &b.v),
+        ("self_attn.o_proj", &b.o),
+        ("mlp.gate_proj", &b.gate),
+        ("mlp.up_proj", &b.up),
+        ("mlp.down_proj", &b.down),
+    ] {
+        v.push((format!("{prefix}{name}.weight"), l.w.clone()));
+        if let Some(bias) = &l.b {
+            v.push((format!("{prefix}{name}.bias"), bias.clone()));
+        }
+    }
+    if let Some(t) = &b.q_norm {
+        v.push((format!("{prefix}self_attn.q_norm.weight"), t.clone()));
+    }
+    if let Some(t) = &b.k_norm {
+        v.push((format!("{prefix}self_attn.k_norm.weight"), t.clone()));
+    }
+    v
+}
+
+/// The draft LM head: rows of the target's LM head (all of them, or a frequency-ranked subset,
+/// FR-Spec: Zhao et al. 2025), as a dense `[rows, hidden]` f32 matrix, and the token id of each
+/// row. Drafting over a subset keeps exactness: the target still verifies over the full
+/// vocabulary.
+#[derive(Debug, Clone)]
+pub struct DraftVocab {
+    pub rows: Tensor,
+    /// `None`: row `i` is token `i` (the full vocabulary).
+    pub ids: Option<Vec<u32>>,
+    pub vocab_size: usize,
+}
+
+impl DraftVocab {
+    /// The target's LM head rows for `ids` (`None` = every token).
+    pub fn from_target(model: &Model, ids: Option<Vec<u32>>) -> Result<Self> {
+        let v = model.config().vocab_size;
+        if let Some(bad) = ids.as_ref().and_then(|ids| ids.iter().find(|&&t| t as usize >= v)) {
+            bail!("draft vocabulary token {bad} is outside the target's vocabulary ({v} tokens)");
+        }
+        let all: Vec<u32>;
+        let pick = match &ids {
+            Some(ids) => ids.as_slice(),
+            None => {
+                all = (0..v as u32).collect();
+                &all
+            }
+        };
+        let rows = model.lm_head_rows(pick)?;
+        Ok(Self {
+            rows,
+            ids,
+            vocab_size: v,
+        })
+    }
+
+    /// Logits `[.., rows]` of normed hidden states `[.., hidden]`.
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        Ok(match h.rank() {
+            2 => h.matmul(&self.rows.t()?)?,
+            _ => h.broadcast_matmul(&self.rows.t()?)?,
+        })
+    }
+
+    /// The token id of draft row `i`.
+    pub fn token(&self, i: usize) -> u32 {
+        match &self.ids {
+            Some(ids) => ids[i],
+            None => i as u32,
+        }
+    }
+
+    /// A full-vocabulary logits row from a draft row (tokens outside the subset get -inf).
+    pub fn full_row(&self, row: &[f32]) -> Vec<f32> {
+        match &self.ids {
+            None => row.to_vec(),
+            Some(ids) => {
+                let mut full = vec![f32::NEG_INFINITY; self.vocab_size];
+                for (&t, &l) in ids.iter().zip(row) {
+                    full[t as usize] = l;
+                }
+                full
+            }
+        }
+    }
+}

@@ -1,0 +1,424 @@
+//! Multi-token-prediction (MTP) head drafter (DeepSeek-V3 technical report, §2.2).
+//!
+//! For the target's hidden state `h_j` at position `j` and the next token `t_{j+1}`, the head
+//! computes `h'_j = Block(W_proj [RMSNorm_e(embed(t_{j+1})) ; RMSNorm_h(h_j)])` and predicts
+//! `t_{j+2}` from `lm_head(RMSNorm(h'_j))`, with the target's embedding and LM head shared.
+//! Drafting chains it: `h'` and the drafted token feed the next step, so one head drafts any
+//! depth D. The head's block attends causally over its own KV cache of earlier positions.
+//!
+//! Which target hidden state feeds the head is part of its contract (`hidden_source` in the
+//! head's config): `pre_norm` (the last block's output, DeepSeek-V3's choice, the default) or
+//! `post_norm` (after the target's final norm).
+//!
+//! Tensor layouts (see [`crate::inspect`]): DeepSeek-V3 (`model.layers.{L}.enorm`, `hnorm`,
+//! `eh_proj`, `shared_head.norm`, optional `shared_head.head`, and the block under the same
+//! prefix) and Qwen3-Next (`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc`,
+//! `mtp.norm`, block `mtp.layers.0.*`). A head with several MTP layers drafts with the first,
+//! chained. An optional `draft_vocab` integer tensor lists the token ids of a reduced draft
+//! vocabulary (FR-Spec, Zhao et al. 2025): the head then pays for those LM head rows only.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::head::{block_tensors, rms_norm, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
+use super::{Drafter, Proposal};
+use crate::model::{Embedding, Model};
+use crate::sampling::{argmax, Sampler, SamplingParams};
+
+/// Which target hidden state an MTP head reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum HiddenSource {
+    /// The last block's output, before the final norm (DeepSeek-V3).
+    #[default]
+    PreNorm,
+    /// After the target's final norm.
+    PostNorm,
+}
+
+impl HiddenSource {
+    /// The [`Model::forward`] tap that gives this hidden state.
+    pub fn tap(self, num_layers: usize) -> usize {
+        match self {
+            Self::PreNorm => num_layers - 1,
+            Self::PostNorm => num_layers,
+        }
+    }
+}
+
+/// Tensor naming of an MTP head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MtpLayout {
+    DeepseekV3,
+    Qwen3Next,
+}
+
+/// An MTP head's `config.json` (every field optional: a missing shape is the target's).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MtpConfig {
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// MTP layers in the file (DeepSeek-V3's marker).
+    #[serde(default)]
+    pub num_nextn_predict_layers: Option<usize>,
+    #[serde(default)]
+    pub hidden_source: HiddenSource,
+    #[serde(default, flatten)]
+    pub shape: Option<BlockShape>,
+    /// The target's layer count (DeepSeek-V3 names the MTP layer after the trunk's layers).
+    #[serde(default)]
+    pub num_hidden_layers: Option<usize>,
+    #[serde(default)]
+    pub vocab_size: Option<usize>,
+    /// What `specula distill` recorded: data, steps, final loss, held-out acceptance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<serde_json::Value>,
+}
+
+/// The weights of an MTP head (dense f32), borrowing the target's embedding and LM head rows.
+#[derive(Debug, Clone)]
+pub struct MtpWeights {
+    pub enorm: Tensor,
+    pub hnorm: Tensor,
+    /// `[hidden, 2 × hidden]`, input `[embedding ; hidden state]`.
+    pub eh_proj: Dense,
+    pub block: HeadBlock,
+    /// The norm before the LM head (`shared_head.norm`).
+    pub norm: Tensor,
+}
+
+impl MtpWeights {
+    /// One step of the head: `emb`, `hidden` (`[b, n, h]`, rows at positions `pos0 ..`) →
+    /// the block's output `h'` (`[b, n, h]`, before the final norm) and the new keys and values.
+    pub fn forward(
+        &self,
+        emb: &Tensor,
+        hidden: &Tensor,
+        pos0: usize,
+        past: Option<(&Tensor, &Tensor)>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let eps = self.block.shape.rms_norm_eps;
+        let x = Tensor::cat(&[&rms_norm(emb, &self.enorm, eps)?, &rms_norm(hidden, &self.hnorm, eps)?], 2)?;
+        let x = self.eh_proj.forward(&x)?;
+        self.block.forward(&x, pos0, past, AttnMask::Causal)
+    }
+
+    /// The tensors in DeepSeek-V3 naming under `model.layers.{layer}.`, for writing.
+    pub fn tensors(&self, layer: usize) -> Vec<(String, Tensor)> {
+        let p = format!("model.layers.{layer}.");
+        let mut v = block_tensors(&self.block, &p);
+        v.push((format!("{p}enorm.weight"), self.enorm.clone()));
+        v.push((format!("{p}hnorm.weight"), self.hnorm.clone()));
+        v.push((format!("{p}eh_proj.weight"), self.eh_proj.w.clone()));
+        v.push((format!("{p}shared_head.norm.weight"), self.norm.clone()));
+        v
+    }
+}
+
+/// A loaded MTP head, ready to draft for its target.
+#[derive(Debug)]
+pub struct MtpHead {
+    pub config: MtpConfig,
+    pub layout: MtpLayout,
+    pub weights: MtpWeights,
+    pub vocab: DraftVocab,
+    /// The target's embedding table (shared).
+    pub embedding: Embedding,
+    /// The target tap this head reads.
+    pub tap: usize,
+    /// Where it was loaded from.
+    pub source: String,
+}
+
+impl MtpHead {
+    /// Load an MTP head for `target` from `path`: a directory (config.json + safetensors) or one
+    /// safetensors file. Errors name the file and the tensor or field: no MTP tensors in either
+    /// layout, a shape that does not fit the target (hidden size, heads, vocabulary).
+    pub fn load(path: &Path, target: &Model) -> Result<Self> {
+        let cfg_path = if path.is_dir() {
+            Some(path.join("config.json"))
+        } else {
+            None
+        };
+        let config: MtpConfig = match cfg_path.as_ref().filter(|p| p.exists()) {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+                serde_json::from_str(&text).with_context(|| format!("{}: not a valid MTP head config", p.display()))?
+            }
+            None => MtpConfig::default(),
+        };
+        let tensors = NamedTensors::read(path)?;
+        Self::from_tensors(config, &tensors, target)
+    }
+
+    /// As [`MtpHead::load`], from read tensors.
+    pub fn from_tensors(config: MtpConfig, t: &NamedTensors, target: &Model) -> Result<Self> {
+        let tc = target.config();
+        let shape = config.shape.clone().unwrap_or_else(|| BlockShape::of_target(target));
+        if shape.hidden_size != tc.hidden_size {
+            bail!(
+                "{}: hidden_size {} does not match the target's hidden size {}",
+                t.file,
+                shape.hidden_size,
+                tc.hidden_size
+            );
+        }
+        if let Some(v) = config.vocab_size.filter(|&v| v != tc.vocab_size) {
+            bail!(
+                "{}: vocab_size {v} does not match the target's vocabulary ({} tokens)",
+                t.file,
+                tc.vocab_size
+            );
+        }
+        let h = shape.hidden_size;
+        // DeepSeek-V3: the lowest `model.layers.{N}.` holding `eh_proj`.
+        let ds_layer = t
+            .map
+            .keys()
+            .filter_map(|k| {
+                let rest = k.strip_prefix("model.layers.")?;
+                let (n, rest) = rest.split_once('.')?;
+                (rest == "eh_proj.weight").then(|| n.parse::<usize>().ok()).flatten()
+            })
+            .min();
+        let (layout, weights) = if let Some(l) = ds_layer {
+            let p = format!("model.layers.{l}.");
+            (
+                MtpLayout::DeepseekV3,
+                MtpWeights {
+                    enorm: t.get(&format!("{p}enorm.weight"), &[h], "the embedding norm")?,
+                    hnorm: t.get(&format!("{p}hnorm.weight"), &[h], "the hidden-state norm")?,
+                    eh_proj: Dense {
+                        w: t.get(
+                            &format!("{p}eh_proj.weight"),
+                            &[h, 2 * h],
+                            "hidden × [embedding ; hidden state]",
+                        )?,
+                        b: None,
+                    },
+                    block: t.block(&p, &shape)?,
+                    norm: t.get(&format!("{p}shared_head.norm.weight"), &[h], "the final norm")?,
+                },
+            )
+        } else if t.map.keys().any(|k| k.starts_with("mtp.")) {
+            (
+                MtpLayout::Qwen3Next,
+                MtpWeights {
+                    enorm: t.get("mtp.pre_fc_norm_embedding.weight", &[h], "the embedding norm")?,
+                    hnorm: t.get("mtp.pre_fc_norm_hidden.weight", &[h], "the hidden-state norm")?,
+                    eh_proj: Dense {
+                        w: t.get("mtp.fc.weight", &[h, 2 * h], "hidden × [embedding ; hidden state]")?,
+                        b: None,
+                    },
+                    block: t.block("mtp.layers.0.", &shape)?,
+                    norm: t.get("mtp.norm.weight", &[h], "the final norm")?,
+                },
+            )
+        } else {
+            bail!(
+                "{}: no MTP head tensors (neither model.layers.N.eh_proj.weight, DeepSeek-V3 layout, nor mtp.fc.weight, Qwen3-Next layout)",
+                t.file
+            );
+        };
+        let ids = match t.map.get("draft_vocab") {
+            None => None,
+            Some(ids) => Some(
+                ids.to_dtype(DType::I64)
+                    .and_then(|x| x.flatten_all()?.to_vec1::<i64>())
+                    .with_context(|| format!("{}: tensor 'draft_vocab' is not a list of token ids", t.file))?
+                    .into_iter()
+                    .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
+                    .collect::<Vec<u32>>(),
+            ),
+        };
+        let vocab = DraftVocab::from_target(target, ids).with_context(|| format!("{}: draft_vocab", t.file))?;
+        let tap = config.hidden_source.tap(tc.num_layers);
+        Ok(Self {
+            config: MtpConfig {
+                shape: Some(shape),
+                ..config
+            },
+            layout,
+            weights,
+            vocab,
+            embedding: target.embedding.clone(),
+            tap,
+            source: t.file.clone(),
+        })
+    }
+
+    /// Embeddings of `ids`: `[1, n, hidden]` f32.
+    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        Ok(self.embedding.forward(ids, &Device::Cpu)?.unsqueeze(0)?)
+    }
+
+    /// Draft-vocabulary logits of `h'` rows (`[.., hidden]`).
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let n = rms_norm(h, &self.weights.norm, self.weights.block.shape.rms_norm_eps)?;
+        self.vocab.logits(&n)
+    }
+}
+
+/// An MTP head's per-request state: the target hidden states of committed positions and the
+/// head's own KV cache.
+pub struct MtpDrafter {
+    head: Arc<MtpHead>,
+    taps: [usize; 1],
+    /// Target hidden rows for positions `base .. base + n_hidden`, row-major.
+    hidden: Vec<f32>,
+    base: usize,
+    /// Head cache rows computed from committed inputs (positions `base .. base + kv_true`);
+    /// rows past them came from a draft chain and are dropped at the next proposal.
+    kv_true: usize,
+    cache: Option<(Tensor, Tensor)>,
+    sampler: Option<Sampler>,
+}
+
+impl MtpDrafter {
+    /// A drafter for one request: greedy drafts for greedy requests, else drafts sampled with
+    /// the request's temperature and filters (penalties off) from an RNG seeded by `seed`.
+    pub fn new(head: Arc<MtpHead>, params: &SamplingParams, seed: u64) -> Self {
+        let sampler = (!params.is_greedy()).then(|| {
+            Sampler::new(SamplingParams {
+                repetition_penalty: 1.0,
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
+                seed: Some(seed),
+                ..params.clone()
+            })
+        });
+        let taps = [head.tap];
+        Self {
+            head,
+            taps,
+            hidden: Vec::new(),
+            base: 0,
+            kv_true: 0,
+            cache: None,
+            sampler,
+        }
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.head.weights.block.shape.hidden_size
+    }
+
+    fn n_hidden(&self) -> usize {
+        self.hidden.len() / self.hidden_size()
+    }
+
+    fn cache_truncate(&mut self, len: usize) -> Result<()> {
+        if let Some((k, v)) = &self.cache {
+            if k.dim(2)? > len {
+                self.cache = if len == 0 {
+                    None
+                } else {
+                    Some((k.narrow(2, 0, len)?, v.narrow(2, 0, len)?))
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Run the head on rows at positions `pos0 ..` and append their keys and values.
+    fn run(&mut self, emb: &Tensor, hidden: &Tensor, pos0: usize) -> Result<Tensor> {
+        let past = self.cache.as_ref().map(|(k, v)| (k, v));
+        let (out, k, v) = self.head.weights.forward(emb, hidden, pos0, past)?;
+        self.cache = Some(match self.cache.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        });
+        Ok(out)
+    }
+
+    fn pick(&mut self, h_last: &Tensor) -> Result<(u32, Option<Vec<(u32, f32)>>)> {
+        let row = self.head.logits(h_last)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(match self.sampler.as_mut() {
+            None => (self.head.vocab.token(argmax(&row) as usize), None),
+            Some(s) => {
+                let dist = s.distribution(&self.head.vocab.full_row(&row));
+                let t = s.draw(&dist);
+                (t, Some(dist))
+            }
+        })
+    }
+}
+
+impl Drafter for MtpDrafter {
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
+        let n = context.len();
+        let hs = self.hidden_size();
+        // The head at position j reads h_j and t_{j+1}: committed rows j = base .. n - 2.
+        if k == 0 || n < 2 || self.n_hidden() == 0 || self.base + self.n_hidden() < n - 1 {
+            return Ok(Proposal::default());
+        }
+        self.cache_truncate(self.kv_true)?;
+        let from = self.base + self.kv_true;
+        let last = n - 2;
+        if from > last {
+            // Nothing new was committed since the last proposal (cannot happen in the
+            // sequence protocol); no draft rather than a stale one.
+            return Ok(Proposal::default());
+        }
+        let rows = last + 1 - from;
+        let emb = self.head.embed(&context[from + 1..=last + 1])?;
+        let off = (from - self.base) * hs;
+        let hid = Tensor::from_slice(&self.hidden[off..off + rows * hs], (1, rows, hs), &Device::Cpu)?;
+        let out = self.run(&emb, &hid, from)?;
+        self.kv_true = last + 1 - self.base;
+        let mut h_last = out.i((.., rows - 1..rows, ..))?;
+        let mut tokens = Vec::with_capacity(k);
+        let mut qs = Vec::with_capacity(k);
+        for i in 0..k {
+            let (t, q) = self.pick(&h_last)?;
+            tokens.push(t);
+            if let Some(q) = q {
+                qs.push(q);
+            }
+            if i + 1 < k {
+                let emb = self.head.embed(&[t])?;
+                h_last = self.run(&emb, &h_last, n - 1 + i)?;
+            }
+        }
+        Ok(Proposal {
+            tokens,
+            q: self.sampler.is_some().then_some(qs),
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        "mtp"
+    }
+
+    fn taps(&self) -> &[usize] {
+        &self.taps
+    }
+
+    fn observe(&mut self, start: usize, n: usize, hidden: &[&[f32]]) -> Result<()> {
+        let hs = self.hidden_size();
+        let Some(rows) = hidden.first() else {
+            return Ok(());
+        };
+        if rows.len() != n * hs {
+            bail!("MTP head: {} hidden values for {n} rows of {hs}", rows.len());
+        }
+        let end = self.base + self.n_hidden();
+        if self.hidden.is_empty() || start > end || start < self.base {
+            // First rows, or a gap (a prefix-cache hit): start over from `start`.
+            self.hidden.clear();
+            self.base = start;
+            self.kv_true = 0;
+            self.cache = None;
+        } else if start < end {
+            self.hidden.truncate((start - self.base) * hs);
+            self.kv_true = self.kv_true.min((start - self.base).saturating_sub(1));
+        }
+        self.hidden.extend_from_slice(rows);
+        Ok(())
+    }
+}
