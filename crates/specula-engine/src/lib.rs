@@ -8,6 +8,7 @@ pub mod cache;
 pub mod catalog;
 pub mod chat;
 pub mod constraint;
+pub mod distill;
 pub mod emit;
 pub mod engine;
 pub mod inspect;

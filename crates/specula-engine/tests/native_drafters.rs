@@ -136,3 +136,121 @@ fn mtp_head_that_does_not_fit_is_refused_naming_file_and_tensor() {
     let r = req(prompt, SpecMode::Mtp, 4, SamplingParams::greedy());
     assert!(e.generate(&r, &mut |_| true).is_err());
 }
+
+fn distill_opts(out: &std::path::Path, steps: usize) -> specula_engine::distill::DistillOptions {
+    specula_engine::distill::DistillOptions {
+        out: out.to_path_buf(),
+        prompts: 24,
+        answer_tokens: 48,
+        seq_len: 64,
+        batch: 2,
+        steps: Some(steps),
+        lr: 3e-3,
+        warmup: 5,
+        draft_vocab: 0,
+        checkpoint_every: 5,
+        held_out: 0.2,
+        ..Default::default()
+    }
+}
+
+fn tiny_with_path(family: Family) -> (tempfile::TempDir, std::path::PathBuf, Engine) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(
+        &path,
+        &TinySpec {
+            dtype: GgmlDType::Q8_0,
+            ..TinySpec::new(family)
+        },
+    )
+    .expect("write");
+    let e = Engine::load(&path, "tiny", LoadOptions::default()).expect("load");
+    (dir, path, e)
+}
+
+/// `specula distill` end to end on a tiny target: the trained head loads, drafts tokens the
+/// target accepts, and greedy output with it is byte-identical to AR; an interrupted run resumes
+/// from its checkpoint to the same weights as an uninterrupted one.
+#[test]
+fn distilled_mtp_head_is_accepted_exact_and_resumable() {
+    let (dir, path, mut e) = tiny_with_path(Family::Qwen2);
+    let full = dir.path().join("full");
+    let r = specula_engine::distill::run_mtp(&mut e, &path, None, &distill_opts(&full, 40), &mut |_| {})
+        .expect("distill");
+    assert!(r.finished && r.steps_done == 40, "{r:?}");
+    assert!(r.final_loss.is_finite());
+    let first_loss = {
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(full.join("config.json")).expect("config")).expect("json");
+        cfg["training"]["loss_history"][0][1].as_f64().expect("loss history")
+    };
+    assert!(r.final_loss < first_loss, "training lowered the loss: {first_loss} -> {}", r.final_loss);
+    assert!(r.held_out_top1.is_some());
+
+    // Interrupted after 12 steps, then resumed: the same head, bit for bit.
+    let parts = dir.path().join("parts");
+    let mut o = distill_opts(&parts, 40);
+    o.stop_after = Some(12);
+    let r1 = specula_engine::distill::run_mtp(&mut e, &path, None, &o, &mut |_| {}).expect("first part");
+    assert!(!r1.finished && r1.steps_done == 12);
+    assert!(!parts.join("model.safetensors").exists());
+    o.stop_after = None;
+    let r2 = specula_engine::distill::run_mtp(&mut e, &path, None, &o, &mut |_| {}).expect("resume");
+    assert!(r2.finished && r2.steps_done == 40);
+    assert_eq!(
+        std::fs::read(full.join("model.safetensors")).expect("full"),
+        std::fs::read(parts.join("model.safetensors")).expect("parts"),
+        "resumed training must end where uninterrupted training ends"
+    );
+    // A checkpoint of another run is not silently continued.
+    let mut other = distill_opts(&parts, 50);
+    other.stop_after = Some(1);
+    let err = specula_engine::distill::run_mtp(&mut e, &path, None, &other, &mut |_| {}).expect_err("mismatch");
+    assert!(format!("{err:#}").contains("--restart"), "{err:#}");
+
+    // The head drafts, the target accepts some drafts, and the output is AR's.
+    e.attach_mtp_head(&full).expect("attach");
+    let mut accepted = 0;
+    for text in ["the then the thin the then", "in the thin then", "then the"] {
+        let prompt = e.tokenize(text).expect("tokenize");
+        let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
+        for k in [1, 3] {
+            let sp = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, k, SamplingParams::greedy()));
+            assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{text:?} k={k}");
+            assert_eq!(ar.token_ids, sp.token_ids, "{text:?} k={k}");
+            accepted += sp.stats.spec.accepted;
+        }
+    }
+    assert!(accepted > 0, "a trained head drafts tokens the target accepts");
+}
+
+/// Training refuses, before any step, a head to start from that does not fit the target.
+#[test]
+fn distill_refuses_a_head_of_the_wrong_shape_before_training() {
+    let (dir, path, mut e) = tiny_with_path(Family::Llama);
+    let wide = {
+        let p = dir.path().join("wide.gguf");
+        write_tiny_gguf(
+            &p,
+            &TinySpec {
+                hidden: 128,
+                dtype: GgmlDType::Q8_0,
+                ..TinySpec::new(Family::Llama)
+            },
+        )
+        .expect("write");
+        Engine::load(&p, "wide", LoadOptions::default()).expect("load")
+    };
+    let head = dir.path().join("wide-head");
+    write_random_mtp_head(&head, wide.model(), MtpLayout::DeepseekV3, None, 1).expect("write");
+    let out = dir.path().join("out");
+    let mut stages = Vec::new();
+    let err = specula_engine::distill::run_mtp(&mut e, &path, Some(&head), &distill_opts(&out, 5), &mut |p| {
+        stages.push(format!("{p:?}"))
+    })
+    .expect_err("must be refused");
+    let msg = format!("{err:#}");
+    assert!(msg.contains("model.safetensors") && msg.contains("expected"), "{msg}");
+    assert!(stages.is_empty(), "nothing ran before the error: {stages:?}");
+}

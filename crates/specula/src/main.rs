@@ -1,3 +1,4 @@
+mod distill;
 mod inspect_cmd;
 mod preflight;
 mod pull;
@@ -44,6 +45,9 @@ enum Command {
     /// Measure AR and each drafter at k = 1..8 on built-in prompts, check every speculative
     /// output is identical to AR, and write specula_tuning.json (used by `--spec default`).
     Tune(tune::TuneArgs),
+    /// Train a native draft head (an MTP head) for a model by distillation from the model
+    /// itself, and write it as a sidecar for `--drafter`.
+    Distill(distill::DistillArgs),
 }
 
 #[derive(Args, Debug)]
@@ -343,6 +347,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench(a),
         Command::Inspect(a) => inspect_cmd::run(a),
         Command::Tune(a) => tune::run(a),
+        Command::Distill(a) => distill::run(a),
     }
 }
 

@@ -257,3 +257,43 @@ fn quantization_summary(header: &GgufHeader) -> String {
         .collect::<Vec<_>>()
         .join(", ")
 }
+
+/// The weights of block `layer` of a GGUF model, dequantized to f32 and named as in HF
+/// checkpoints (`input_layernorm.weight`, `self_attn.q_proj.weight`, ..., relative to the
+/// layer): what `specula distill` initialises a draft head's block from. Errors: the file does
+/// not read, or the layer is missing.
+pub fn dense_block(path: &Path, layer: usize) -> Result<Vec<(String, Tensor)>> {
+    let mut file = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let content = gguf_file::Content::read(&mut file).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let names = [
+        ("attn_norm.weight", "input_layernorm.weight"),
+        ("ffn_norm.weight", "post_attention_layernorm.weight"),
+        ("attn_q.weight", "self_attn.q_proj.weight"),
+        ("attn_q.bias", "self_attn.q_proj.bias"),
+        ("attn_k.weight", "self_attn.k_proj.weight"),
+        ("attn_k.bias", "self_attn.k_proj.bias"),
+        ("attn_v.weight", "self_attn.v_proj.weight"),
+        ("attn_v.bias", "self_attn.v_proj.bias"),
+        ("attn_output.weight", "self_attn.o_proj.weight"),
+        ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+        ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+        ("ffn_gate.weight", "mlp.gate_proj.weight"),
+        ("ffn_up.weight", "mlp.up_proj.weight"),
+        ("ffn_down.weight", "mlp.down_proj.weight"),
+    ];
+    let mut out = Vec::new();
+    for (g, hf) in names {
+        let name = format!("blk.{layer}.{g}");
+        if !content.tensor_infos.contains_key(&name) {
+            continue;
+        }
+        let t = content
+            .tensor(&mut file, &name, &Device::Cpu)
+            .map_err(|e| anyhow!("{}: reading tensor '{name}': {e}", path.display()))?;
+        out.push((hf.to_string(), t.dequantize(&Device::Cpu)?));
+    }
+    if out.is_empty() {
+        bail!("{}: no tensors for block {layer}", path.display());
+    }
+    Ok(out)
+}

@@ -93,6 +93,26 @@ pub struct MtpWeights {
 }
 
 impl MtpWeights {
+    /// The weights under `prefix` in DeepSeek-V3 names (`enorm`, `hnorm`, `eh_proj`,
+    /// `shared_head.norm`, the block). Errors name the file, the tensor and the shapes.
+    pub fn from_named(t: &NamedTensors, prefix: &str, shape: &BlockShape) -> Result<Self> {
+        let (p, h) = (prefix, shape.hidden_size);
+        Ok(Self {
+            enorm: t.get(&format!("{p}enorm.weight"), &[h], "the embedding norm")?,
+            hnorm: t.get(&format!("{p}hnorm.weight"), &[h], "the hidden-state norm")?,
+            eh_proj: Dense {
+                w: t.get(
+                    &format!("{p}eh_proj.weight"),
+                    &[h, 2 * h],
+                    "hidden × [embedding ; hidden state]",
+                )?,
+                b: None,
+            },
+            block: t.block(p, shape)?,
+            norm: t.get(&format!("{p}shared_head.norm.weight"), &[h], "the final norm")?,
+        })
+    }
+
     /// One step of the head: `emb`, `hidden` (`[b, n, h]`, rows at positions `pos0 ..`) →
     /// the block's output `h'` (`[b, n, h]`, before the final norm) and the new keys and values.
     pub fn forward(
@@ -187,23 +207,9 @@ impl MtpHead {
             })
             .min();
         let (layout, weights) = if let Some(l) = ds_layer {
-            let p = format!("model.layers.{l}.");
             (
                 MtpLayout::DeepseekV3,
-                MtpWeights {
-                    enorm: t.get(&format!("{p}enorm.weight"), &[h], "the embedding norm")?,
-                    hnorm: t.get(&format!("{p}hnorm.weight"), &[h], "the hidden-state norm")?,
-                    eh_proj: Dense {
-                        w: t.get(
-                            &format!("{p}eh_proj.weight"),
-                            &[h, 2 * h],
-                            "hidden × [embedding ; hidden state]",
-                        )?,
-                        b: None,
-                    },
-                    block: t.block(&p, &shape)?,
-                    norm: t.get(&format!("{p}shared_head.norm.weight"), &[h], "the final norm")?,
-                },
+                MtpWeights::from_named(t, &format!("model.layers.{l}."), &shape)?,
             )
         } else if t.map.keys().any(|k| k.starts_with("mtp.")) {
             (

@@ -1,0 +1,247 @@
+//! Training text for `specula distill`: user files and the target's own greedy answers to a
+//! built-in prompt set. Cached as `data/sequences.json` in the output directory.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::{DistillOptions, Progress};
+use crate::chat::ChatMessage;
+use crate::sampling::SamplingParams;
+use crate::spec::SpecOptions;
+use crate::types::GenerateRequest;
+use crate::Engine;
+
+/// Token sequences to train on, with where they came from.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Sequences {
+    pub sequences: Vec<Vec<u32>>,
+    /// Human-readable description of the sources (for the training record).
+    pub sources: Vec<String>,
+}
+
+impl Sequences {
+    pub fn tokens(&self) -> usize {
+        self.sequences.iter().map(Vec::len).sum()
+    }
+}
+
+/// File extensions read from `--data` directories.
+const TEXT_EXTS: &[&str] = &[
+    "txt", "md", "rst", "py", "rs", "js", "ts", "go", "c", "h", "cpp", "java", "json", "toml", "yaml", "yml", "sh",
+    "html", "css", "sql",
+];
+
+fn collect_files(p: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    if p.is_dir() {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(p)
+            .with_context(|| format!("reading {}", p.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        entries.sort();
+        for e in entries {
+            if e.is_dir() {
+                collect_files(&e, out)?;
+            } else if e.extension().is_some_and(|x| TEXT_EXTS.iter().any(|t| x == *t)) {
+                out.push(e);
+            }
+        }
+    } else if p.is_file() {
+        out.push(p.to_path_buf());
+    } else {
+        bail!("--data {}: no such file or directory", p.display());
+    }
+    Ok(())
+}
+
+/// Tokenize user text: each file cut into sequences of at most `max_len` tokens.
+pub fn from_files(engine: &Engine, paths: &[PathBuf], max_len: usize) -> Result<Sequences> {
+    let mut files = Vec::new();
+    for p in paths {
+        collect_files(p, &mut files)?;
+    }
+    let mut out = Sequences::default();
+    for f in &files {
+        let Ok(text) = std::fs::read_to_string(f) else {
+            continue; // not UTF-8: skipped
+        };
+        let ids = engine
+            .tokenize(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
+        for chunk in ids.chunks(max_len.max(8)) {
+            if chunk.len() >= 8 {
+                out.sequences.push(chunk.to_vec());
+            }
+        }
+    }
+    if !files.is_empty() {
+        out.sources.push(format!(
+            "{} file(s) from {}: {} tokens",
+            files.len(),
+            paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+            out.tokens()
+        ));
+    }
+    Ok(out)
+}
+
+/// Task templates of the built-in prompt set (`{}` = a topic).
+const TASKS: &[&str] = &[
+    "Explain {} to a beginner in a short paragraph.",
+    "Write three bullet points about {}.",
+    "Give a step-by-step guide related to {}.",
+    "Write a short story in which {} plays a role.",
+    "Write a polite email to a colleague about {}.",
+    "What are the pros and cons of {}? Answer briefly.",
+    "Summarise the history of {} in a few sentences.",
+    "Write a Python function related to {}, with a docstring and a usage example.",
+    "Write a JavaScript snippet that demonstrates something about {}.",
+    "Write a Rust function related to {}, with comments.",
+    "Write a SQL query for a table about {} and explain it.",
+    "Write a bash script that helps with {}.",
+    "Describe a common mistake people make with {} and how to avoid it.",
+    "Write a haiku and a short explanation about {}.",
+    "Give a JSON object describing {} with a few fields.",
+    "Answer a quiz question about {} and explain the answer.",
+    "Compare {} with a related idea in a short table.",
+    "Write a short dialogue between two friends about {}.",
+    "List five facts about {}.",
+    "Write unit tests in Python for a function that deals with {}.",
+];
+
+const TOPICS: &[&str] = &[
+    "sorting algorithms", "the water cycle", "linked lists", "baking bread", "machine learning", "recursion",
+    "the solar system", "hash maps", "gardening in spring", "climate change", "binary search", "public transport",
+    "regular expressions", "the French revolution", "photosynthesis", "HTTP requests", "time management",
+    "prime numbers", "volcanoes", "unit testing", "saving money", "the immune system", "string formatting",
+    "mountain hiking", "databases", "electric cars", "file input and output", "the Roman empire", "chess openings",
+    "matrix multiplication", "healthy breakfast", "version control with git", "ocean currents", "dates and times",
+    "learning a language", "graph traversal", "renewable energy", "error handling", "birds migration",
+    "web accessibility", "coffee brewing", "caching", "the moon landing", "stacks and queues", "team meetings",
+    "JSON parsing", "earthquakes", "command line tools", "music theory", "dynamic programming",
+];
+
+/// The `i`-th prompt of the built-in set (tasks × topics, interleaved so any prefix mixes both).
+pub fn builtin_prompt(i: usize) -> String {
+    let task = TASKS[i % TASKS.len()];
+    let topic = TOPICS[(i / TASKS.len() + i * 7) % TOPICS.len()];
+    task.replace("{}", topic)
+}
+
+/// Size of the built-in prompt set.
+pub fn builtin_prompts() -> usize {
+    TASKS.len() * TOPICS.len()
+}
+
+/// The target's greedy answers to the first `n` built-in prompts (prompt + answer per sequence),
+/// decoded with continuous batching.
+pub fn generate_answers(
+    engine: &mut Engine,
+    n: usize,
+    answer_tokens: usize,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Sequences> {
+    let n = n.min(builtin_prompts());
+    progress(Progress::Stage {
+        name: "generating target answers",
+        total: n as u64,
+    });
+    let mut queue = (0..n).rev().collect::<Vec<_>>();
+    let mut active: Vec<crate::sequence::Sequence> = Vec::new();
+    let mut out = Sequences::default();
+    let mut done = 0u64;
+    let batch = 16;
+    while !queue.is_empty() || !active.is_empty() {
+        while active.len() < batch {
+            let Some(i) = queue.pop() else { break };
+            let prompt = engine
+                .chat_prompt_tokens(&[ChatMessage::new("user", &builtin_prompt(i))])
+                .map_err(|e| anyhow::anyhow!("built-in prompt {i}: {e}"))?;
+            let room = engine.context_length().saturating_sub(prompt.len() + 1);
+            let req = GenerateRequest {
+                prompt_tokens: prompt,
+                sampling: SamplingParams::greedy(),
+                max_tokens: Some(answer_tokens.min(room).max(1)),
+                stop: vec![],
+                logprobs: None,
+                ignore_eos: false,
+                spec: SpecOptions::default(),
+            };
+            active.push(engine.start_sequence(&req, None).map_err(|e| anyhow::anyhow!("{e}"))?);
+        }
+        let results = {
+            let mut refs: Vec<&mut crate::sequence::Sequence> = active.iter_mut().collect();
+            engine.step(&mut refs)
+        };
+        for r in &results {
+            if let Err(e) = r {
+                bail!("generating training answers: {e}");
+            }
+        }
+        let mut i = 0;
+        while i < active.len() {
+            if active[i].finished().is_some() {
+                let seq = active.swap_remove(i);
+                let mut tokens = seq.request().prompt_tokens.clone();
+                let o = engine.retire(seq, true);
+                tokens.extend_from_slice(&o.token_ids);
+                out.sequences.push(tokens);
+                done += 1;
+                progress(Progress::Advance {
+                    done,
+                    loss: None,
+                    tokens_per_s: None,
+                });
+            } else {
+                i += 1;
+            }
+        }
+    }
+    out.sources.push(format!(
+        "greedy answers of the target to {n} built-in prompts (at most {answer_tokens} tokens each): {} tokens with prompts",
+        out.tokens()
+    ));
+    Ok(out)
+}
+
+/// The training sequences for `opts`, from the cache in `opts.out` when it was made with the same
+/// data options, else built and cached.
+pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn FnMut(Progress)) -> Result<Sequences> {
+    let path = opts.out.join("data").join("sequences.json");
+    let key = serde_json::json!({
+        "data": opts.data,
+        "prompts": opts.prompts,
+        "answer_tokens": opts.answer_tokens,
+        "model": engine.model_id(),
+    });
+    if path.exists() && !opts.restart {
+        let text = std::fs::read_to_string(&path)?;
+        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+        if v.get("key") == Some(&key) {
+            let s: Sequences = serde_json::from_value(v["sequences"].clone())?;
+            progress(Progress::Note(format!(
+                "reusing {} training sequences ({} tokens) from {}",
+                s.sequences.len(),
+                s.tokens(),
+                path.display()
+            )));
+            return Ok(s);
+        }
+    }
+    let mut all = from_files(engine, &opts.data, 1024)?;
+    if opts.prompts > 0 {
+        let gen = generate_answers(engine, opts.prompts, opts.answer_tokens, progress)?;
+        all.sequences.extend(gen.sequences);
+        all.sources.extend(gen.sources);
+    }
+    if all.sequences.is_empty() {
+        bail!("no training data: give --data files or --prompts N > 0");
+    }
+    std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
+    std::fs::write(
+        &path,
+        serde_json::to_string(&serde_json::json!({"key": key, "sequences": all}))?,
+    )?;
+    Ok(all)
+}

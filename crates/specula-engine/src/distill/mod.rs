@@ -1,0 +1,149 @@
+//! `specula distill`: train a native draft head (an MTP head) for a target, by distillation from
+//! the target itself.
+//!
+//! Pipeline (each stage cached in the output directory, so an interrupted run resumes):
+//! 1. **Data** ([`data`]): text the user gives (`--data` files or directories, tokenized and cut
+//!    into sequences) and/or the target's own greedy answers to a built-in prompt set (which
+//!    shares no prompt with the benchmark set in `tests/fixtures/prompts.jsonl`).
+//! 2. **Teacher** ([`teacher`]): one target forward per sequence, keeping the hidden state the head
+//!    reads (f16) and the target's next-token distribution at every position (its top entries:
+//!    soft labels).
+//! 3. **Training** ([`train`]): the head's block is initialised from the target's last block, and
+//!    trained with candle autograd on the KL divergence to the target's distribution of
+//!    `t_{j+2}` (AdamW, linear warm-up then cosine decay, global-norm gradient clipping,
+//!    checkpoints with the optimizer state, resume). The draft LM head is the target's, over a
+//!    frequency-ranked subset of the vocabulary (FR-Spec, Zhao et al. 2025), frozen.
+//! 4. **Output**: `config.json` (shape, hidden source, the training record: data, steps, final
+//!    loss, held-out top-1 agreement) and `model.safetensors` in the DeepSeek-V3 layout, which
+//!    [`crate::spec::mtp::MtpHead::load`] and `specula inspect` read.
+
+pub mod data;
+pub mod teacher;
+pub mod train;
+
+use std::path::PathBuf;
+
+use crate::spec::mtp::HiddenSource;
+
+/// What `specula distill` was asked to do.
+#[derive(Debug, Clone)]
+pub struct DistillOptions {
+    /// Output directory (the head, its config, caches and checkpoints).
+    pub out: PathBuf,
+    /// Text files or directories to train on.
+    pub data: Vec<PathBuf>,
+    /// Prompts of the built-in set whose greedy answers are generated (0 = none).
+    pub prompts: usize,
+    /// Most tokens per generated answer.
+    pub answer_tokens: usize,
+    /// Rows per training window.
+    pub seq_len: usize,
+    /// Windows per optimizer step.
+    pub batch: usize,
+    /// Optimizer steps in all (`None`: `epochs` passes over the training windows).
+    pub steps: Option<usize>,
+    pub epochs: f64,
+    /// Peak learning rate, warm-up steps, AdamW weight decay, gradient-norm clip.
+    pub lr: f64,
+    pub warmup: usize,
+    pub weight_decay: f64,
+    pub clip: f64,
+    /// Tokens in the draft vocabulary (most frequent in the data); 0 = the full vocabulary.
+    pub draft_vocab: usize,
+    /// Soft-label entries kept per position.
+    pub top_k: usize,
+    /// Fraction of sequences held out for the final evaluation.
+    pub held_out: f64,
+    /// Steps between checkpoints.
+    pub checkpoint_every: usize,
+    /// Stop after this many steps in this run (a checkpoint is written): for tests of resume.
+    pub stop_after: Option<usize>,
+    /// Ignore an existing checkpoint and start over.
+    pub restart: bool,
+    pub hidden_source: HiddenSource,
+    pub seed: u64,
+}
+
+impl Default for DistillOptions {
+    fn default() -> Self {
+        Self {
+            out: PathBuf::from("mtp-head"),
+            data: Vec::new(),
+            prompts: 400,
+            answer_tokens: 256,
+            seq_len: 256,
+            batch: 4,
+            steps: None,
+            epochs: 3.0,
+            lr: 1e-3,
+            warmup: 50,
+            weight_decay: 0.01,
+            clip: 1.0,
+            draft_vocab: 8192,
+            top_k: 16,
+            held_out: 0.05,
+            checkpoint_every: 50,
+            stop_after: None,
+            restart: false,
+            hidden_source: HiddenSource::PreNorm,
+            seed: 0,
+        }
+    }
+}
+
+/// Progress events for the caller's display (the CLI draws them with a progress bar).
+#[derive(Debug, Clone)]
+pub enum Progress {
+    /// A stage starts: its name and how many units it has (sequences, steps).
+    Stage { name: &'static str, total: u64 },
+    /// Units done in the current stage, with the training loss and tokens/s when training.
+    Advance {
+        done: u64,
+        loss: Option<f64>,
+        tokens_per_s: Option<f64>,
+    },
+    /// A line worth printing.
+    Note(String),
+}
+
+/// Everything `specula distill` does for an MTP head: data, teacher pass, training, output.
+/// `model_path`: the target's GGUF file or bundle directory (for the initial block); `init`: an
+/// existing head to continue from. Errors before any training step when a head or checkpoint
+/// does not fit the target (the message names the file and the tensor).
+pub fn run_mtp(
+    engine: &mut crate::Engine,
+    model_path: &std::path::Path,
+    init: Option<&std::path::Path>,
+    opts: &DistillOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> anyhow::Result<train::TrainReport> {
+    // A head to start from must fit before anything expensive runs.
+    if let Some(p) = init {
+        crate::spec::mtp::MtpHead::load(p, engine.model())?;
+    }
+    std::fs::create_dir_all(&opts.out)?;
+    let seqs = data::sequences(engine, opts, progress)?;
+    let tap = opts.hidden_source.tap(engine.config().num_layers);
+    let teacher = teacher::teacher(
+        engine.model(),
+        &seqs,
+        tap,
+        opts.top_k.max(1),
+        &opts.out.join("data"),
+        progress,
+    )?;
+    let eos = engine.eos_ids().to_vec();
+    let report = train::train(engine.model(), &eos, model_path, init, &teacher, opts, progress)?;
+    if report.finished {
+        let rec = opts.out.join("training.json");
+        std::fs::write(
+            &rec,
+            serde_json::to_string_pretty(&serde_json::json!({
+                "report": report,
+                "data": seqs.sources,
+                "positions": teacher.positions(),
+            }))?,
+        )?;
+    }
+    Ok(report)
+}

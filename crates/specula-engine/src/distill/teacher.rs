@@ -1,0 +1,216 @@
+//! The teacher pass of `specula distill`: the target's hidden states and next-token
+//! distributions over the training sequences. Cached as `data/teacher.safetensors`.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use half::f16;
+use rayon::prelude::*;
+
+use super::data::Sequences;
+use super::Progress;
+use crate::model::{LogitsRows, Model};
+
+/// Teacher outputs for every position of every sequence.
+#[derive(Debug, Clone)]
+pub struct Teacher {
+    pub hidden_size: usize,
+    pub top_k: usize,
+    /// The tap the hidden states come from.
+    pub tap: usize,
+    /// All sequences' tokens, concatenated.
+    pub tokens: Vec<u32>,
+    /// Sequence `s` is `tokens[offsets[s] .. offsets[s + 1]]`.
+    pub offsets: Vec<usize>,
+    /// `[N, hidden]`: the tapped hidden state after each token.
+    pub hidden: Vec<f16>,
+    /// `[N, top_k]`: the target's most likely next tokens after each position, and their
+    /// probabilities (softmax at temperature 1 over the full vocabulary).
+    pub label_ids: Vec<u32>,
+    pub label_p: Vec<f16>,
+}
+
+impl Teacher {
+    pub fn positions(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn sequences(&self) -> usize {
+        self.offsets.len() - 1
+    }
+}
+
+/// The `k` largest entries of a logits row as (id, probability).
+pub fn top_probs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    for (i, &l) in row.iter().enumerate() {
+        if best.len() == k && l <= best[k - 1].0 {
+            continue;
+        }
+        let at = best.partition_point(|&(v, _)| v >= l);
+        best.insert(at, (l, i as u32));
+        best.truncate(k);
+    }
+    best.into_iter()
+        .map(|(l, i)| (i, (((l - max) as f64).exp() / sum) as f32))
+        .collect()
+}
+
+fn fingerprint(seqs: &Sequences, tap: usize, top_k: usize) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        h ^= x;
+        h = h.wrapping_mul(0x100_0000_01b3);
+    };
+    eat(tap as u64);
+    eat(top_k as u64);
+    for s in &seqs.sequences {
+        eat(s.len() as u64);
+        for &t in s {
+            eat(t as u64);
+        }
+    }
+    h
+}
+
+/// Run the target over `seqs` (or read the cache in `dir`), keeping the hidden state at `tap`
+/// and the top `top_k` next-token probabilities of every position.
+pub fn teacher(
+    model: &Model,
+    seqs: &Sequences,
+    tap: usize,
+    top_k: usize,
+    dir: &Path,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Teacher> {
+    let key = fingerprint(seqs, tap, top_k);
+    let path = dir.join("teacher.safetensors");
+    if let Some(t) = read_cache(&path, key)? {
+        progress(Progress::Note(format!(
+            "reusing the teacher pass ({} positions) from {}",
+            t.positions(),
+            path.display()
+        )));
+        return Ok(t);
+    }
+    let h = model.config().hidden_size;
+    let ctx = model.config().context_length;
+    let mut t = Teacher {
+        hidden_size: h,
+        top_k,
+        tap,
+        tokens: Vec::new(),
+        offsets: vec![0],
+        hidden: Vec::new(),
+        label_ids: Vec::new(),
+        label_p: Vec::new(),
+    };
+    progress(Progress::Stage {
+        name: "teacher pass (target hidden states and distributions)",
+        total: seqs.sequences.len() as u64,
+    });
+    let started = std::time::Instant::now();
+    for (si, seq) in seqs.sequences.iter().enumerate() {
+        let seq = &seq[..seq.len().min(ctx)];
+        let mut kv = model.new_kv_cache();
+        for chunk in seq.chunks(256) {
+            let out = model.forward(chunk, &mut kv, LogitsRows::All, &[tap])?;
+            let logits = out.logits.to_vec2::<f32>()?;
+            let hid = out.hidden[0].flatten_all()?.to_vec1::<f32>()?;
+            t.hidden.extend(hid.iter().map(|&x| f16::from_f32(x)));
+            let labels: Vec<Vec<(u32, f32)>> = logits.par_iter().map(|row| top_probs(row, top_k)).collect();
+            for l in labels {
+                for i in 0..top_k {
+                    let (id, p) = l.get(i).copied().unwrap_or((0, 0.0));
+                    t.label_ids.push(id);
+                    t.label_p.push(f16::from_f32(p));
+                }
+            }
+        }
+        t.tokens.extend_from_slice(seq);
+        t.offsets.push(t.tokens.len());
+        let secs = started.elapsed().as_secs_f64();
+        progress(Progress::Advance {
+            done: si as u64 + 1,
+            loss: None,
+            tokens_per_s: Some(t.tokens.len() as f64 / secs.max(1e-9)),
+        });
+    }
+    write_cache(&path, key, &t)?;
+    Ok(t)
+}
+
+fn write_cache(path: &Path, key: u64, t: &Teacher) -> Result<()> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let dev = Device::Cpu;
+    let n = t.positions();
+    let offsets: Vec<i64> = t.offsets.iter().map(|&o| o as i64).collect();
+    let meta: Vec<i64> = vec![key as i64, t.tap as i64, t.top_k as i64, t.hidden_size as i64];
+    let map: HashMap<String, Tensor> = [
+        ("meta", Tensor::from_vec(meta, 4, &dev)?),
+        ("tokens", Tensor::from_vec(t.tokens.clone(), n, &dev)?),
+        ("offsets", Tensor::from_vec(offsets, t.offsets.len(), &dev)?),
+        ("hidden", Tensor::from_vec(t.hidden.clone(), (n, t.hidden_size), &dev)?),
+        ("label_ids", Tensor::from_vec(t.label_ids.clone(), (n, t.top_k), &dev)?),
+        ("label_p", Tensor::from_vec(t.label_p.clone(), (n, t.top_k), &dev)?),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let tmp = path.with_extension("tmp");
+    candle_core::safetensors::save(&map, &tmp)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+fn read_cache(path: &Path, key: u64) -> Result<Option<Teacher>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let m = candle_core::safetensors::load(path, &Device::Cpu).with_context(|| format!("{}", path.display()))?;
+    let get = |k: &str| {
+        m.get(k)
+            .cloned()
+            .with_context(|| format!("{}: missing '{k}'", path.display()))
+    };
+    let meta = get("meta")?.to_vec1::<i64>()?;
+    if meta.len() != 4 || meta[0] != key as i64 {
+        return Ok(None);
+    }
+    let (tap, top_k, h) = (meta[1] as usize, meta[2] as usize, meta[3] as usize);
+    let t = Teacher {
+        hidden_size: h,
+        top_k,
+        tap,
+        tokens: get("tokens")?.to_vec1::<u32>()?,
+        offsets: get("offsets")?.to_vec1::<i64>()?.into_iter().map(|o| o as usize).collect(),
+        hidden: get("hidden")?.flatten_all()?.to_vec1::<f16>()?,
+        label_ids: get("label_ids")?.flatten_all()?.to_vec1::<u32>()?,
+        label_p: get("label_p")?.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?,
+    };
+    if t.hidden.len() != t.positions() * h || t.label_ids.len() != t.positions() * top_k {
+        bail!("{}: inconsistent teacher cache (delete it)", path.display());
+    }
+    Ok(Some(t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_probs_are_the_largest_normalised_entries() {
+        let row = [0.0f32, 2.0, 1.0, 3.0, -1.0];
+        let p = top_probs(&row, 3);
+        assert_eq!(p.iter().map(|x| x.0).collect::<Vec<_>>(), vec![3, 1, 2]);
+        let z: f64 = row.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((p[0].1 as f64 - 3f64.exp() / z).abs() < 1e-6);
+        assert!((p[2].1 as f64 - 1f64.exp() / z).abs() < 1e-6);
+    }
+}

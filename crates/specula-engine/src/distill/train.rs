@@ -1,0 +1,620 @@
+//! Training an MTP head on the teacher's outputs (candle autograd).
+//!
+//! Row `j` of a sequence feeds the head `h_j` (the target's tapped hidden state after `t_j`) and
+//! `t_{j+1}`; the label is the target's distribution of `t_{j+2}` (its soft labels after
+//! `t_{j+1}`), restricted to the draft vocabulary. Loss: cross-entropy of the head's draft
+//! distribution against those probabilities (the KL divergence up to the target's entropy),
+//! averaged over rows. Optimizer: AdamW (Loshchilov & Hutter 2019) with decoupled weight decay on
+//! matrices, linear warm-up then cosine decay to a tenth of the peak rate, and the gradient
+//! clipped to a global L2 norm. Checkpoints hold the weights and both Adam moments, so a resumed
+//! run continues exactly where it stopped.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use super::teacher::Teacher;
+use super::{DistillOptions, Progress};
+use crate::model::Model;
+use crate::spec::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
+use crate::spec::mtp::{MtpConfig, MtpWeights};
+
+/// What a finished (or stopped) training run reports.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainReport {
+    pub steps_done: usize,
+    pub total_steps: usize,
+    pub final_loss: f64,
+    /// Held-out rows where the head's argmax is the target's argmax (greedy depth-1 acceptance
+    /// on teacher-forced text).
+    pub held_out_top1: Option<f64>,
+    pub held_out_rows: usize,
+    pub train_rows: usize,
+    pub seconds: f64,
+    pub finished: bool,
+}
+
+/// One training window: rows `start .. start + len` (global teacher positions).
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    start: usize,
+    len: usize,
+}
+
+/// Windows of `seq_len` rows over the given sequences (row j needs positions j + 1 and j + 2 of
+/// its sequence... its label is the distribution after t_{j+1}).
+fn windows(t: &Teacher, seqs: &[usize], seq_len: usize) -> Vec<Window> {
+    let mut w = Vec::new();
+    for &s in seqs {
+        let (a, b) = (t.offsets[s], t.offsets[s + 1]);
+        if b < a + 2 {
+            continue;
+        }
+        let rows = b - a - 1; // rows j = 0 .. n - 2
+        let mut j = 0;
+        while j < rows {
+            let len = seq_len.min(rows - j);
+            w.push(Window { start: a + j, len });
+            j += len;
+        }
+    }
+    w
+}
+
+/// The draft vocabulary: the `n` most frequent tokens of the training text (ties by id),
+/// always with the end-of-generation ids; `None` for the full vocabulary.
+pub fn draft_vocab(t: &Teacher, n: usize, vocab: usize, eos: &[u32]) -> Option<Vec<u32>> {
+    if n == 0 || n >= vocab {
+        return None;
+    }
+    let mut count = vec![0u64; vocab];
+    for &tok in &t.tokens {
+        if (tok as usize) < vocab {
+            count[tok as usize] += 1;
+        }
+    }
+    for &e in eos {
+        if (e as usize) < vocab {
+            count[e as usize] = u64::MAX;
+        }
+    }
+    let mut ids: Vec<u32> = (0..vocab as u32).collect();
+    ids.sort_by(|&a, &b| count[b as usize].cmp(&count[a as usize]).then(a.cmp(&b)));
+    ids.truncate(n);
+    ids.sort_unstable();
+    Some(ids)
+}
+
+/// Normal(0, std) values from a seeded stream (Box-Muller).
+fn normal(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
+    use rand::Rng;
+    (0..n)
+        .map(|_| {
+            let u1: f64 = rng.gen::<f64>().max(1e-12);
+            let u2: f64 = rng.gen::<f64>();
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * std
+        })
+        .collect()
+}
+
+/// Initial weights of a head for `target` (DeepSeek-V3 names under `prefix`): the block copied
+/// from the target's last block (read from `model_path`), both input norms at one, `eh_proj`
+/// passing the hidden state through (identity) plus a small random embedding part, the final
+/// norm the target's.
+pub fn initial_weights(target: &Model, model_path: &Path, prefix: &str, seed: u64) -> Result<HashMap<String, Tensor>> {
+    let c = target.config();
+    let h = c.hidden_size;
+    let last = c.num_layers - 1;
+    let block: Vec<(String, Tensor)> = if model_path.is_dir() {
+        let t = NamedTensors::read(model_path)?;
+        let p = format!("model.layers.{last}.");
+        t.map
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(&p).map(|r| (r.to_string(), v.clone())))
+            .collect()
+    } else {
+        crate::bundle::gguf::dense_block(model_path, last)?
+    };
+    let dev = Device::Cpu;
+    let mut m: HashMap<String, Tensor> = block
+        .into_iter()
+        .map(|(k, v)| Ok((format!("{prefix}{k}"), v.to_dtype(DType::F32)?)))
+        .collect::<Result<_>>()?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let emb_part = Tensor::from_vec(normal(&mut rng, h * h, 0.02), (h, h), &dev)?;
+    let eye = Tensor::eye(h, DType::F32, &dev)?;
+    m.insert(format!("{prefix}eh_proj.weight"), Tensor::cat(&[&emb_part, &eye], 1)?);
+    m.insert(format!("{prefix}enorm.weight"), Tensor::ones(h, DType::F32, &dev)?);
+    m.insert(format!("{prefix}hnorm.weight"), Tensor::ones(h, DType::F32, &dev)?);
+    m.insert(
+        format!("{prefix}shared_head.norm.weight"),
+        target.output_norm.to_dtype(DType::F32)?,
+    );
+    Ok(m)
+}
+
+/// AdamW state for one parameter.
+struct Param {
+    name: String,
+    var: Var,
+    m: Tensor,
+    v: Tensor,
+    decay: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+struct CheckpointMeta {
+    step: usize,
+    /// Options and data that must match for a resume.
+    key: serde_json::Value,
+    loss_history: Vec<(usize, f64)>,
+}
+
+fn checkpoint_dir(out: &Path) -> PathBuf {
+    out.join("checkpoint")
+}
+
+fn save_checkpoint(out: &Path, params: &[Param], vocab: Option<&[u32]>, meta: &CheckpointMeta) -> Result<()> {
+    let dir = checkpoint_dir(out);
+    std::fs::create_dir_all(&dir)?;
+    let mut map: HashMap<String, Tensor> = HashMap::new();
+    for p in params {
+        map.insert(p.name.clone(), p.var.as_tensor().clone());
+        map.insert(format!("adam_m.{}", p.name), p.m.clone());
+        map.insert(format!("adam_v.{}", p.name), p.v.clone());
+    }
+    if let Some(ids) = vocab {
+        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let n = ids.len();
+        map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+    }
+    let tmp = dir.join("state.safetensors.tmp");
+    candle_core::safetensors::save(&map, &tmp)?;
+    std::fs::rename(&tmp, dir.join("state.safetensors"))?;
+    let tmp = dir.join("state.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(meta)?)?;
+    std::fs::rename(&tmp, dir.join("state.json"))?;
+    Ok(())
+}
+
+/// The layer prefix the head's tensors use (DeepSeek-V3: after the trunk's layers).
+pub fn layer_prefix(target: &Model) -> String {
+    format!("model.layers.{}.", target.config().num_layers)
+}
+
+/// Train an MTP head on `teacher` and write it to `opts.out`. `model_path`: the target's file or
+/// directory (the head's block starts from its last block). `init`: start from an existing head
+/// instead (its shapes must fit the target).
+pub fn train(
+    target: &Model,
+    eos: &[u32],
+    model_path: &Path,
+    init: Option<&Path>,
+    teacher: &Teacher,
+    opts: &DistillOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<TrainReport> {
+    let dev = Device::Cpu;
+    let c = target.config();
+    let h = c.hidden_size;
+    if teacher.hidden_size != h {
+        bail!(
+            "the teacher data has hidden size {}, the target {h} (delete {})",
+            teacher.hidden_size,
+            opts.out.join("data").display()
+        );
+    }
+    let shape = BlockShape::of_target(target);
+    let prefix = layer_prefix(target);
+    // Train / held-out split by sequence (every n-th sequence held out).
+    let n_seq = teacher.sequences();
+    let every = if opts.held_out > 0.0 {
+        ((1.0 / opts.held_out).round() as usize).max(2)
+    } else {
+        usize::MAX
+    };
+    let (held, train_seqs): (Vec<usize>, Vec<usize>) = (0..n_seq).partition(|s| n_seq > 1 && s % every == every - 1);
+    let train_w = windows(teacher, &train_seqs, opts.seq_len.max(2));
+    let held_w = windows(teacher, &held, opts.seq_len.max(2));
+    if train_w.is_empty() {
+        bail!("no training rows: the sequences are too short");
+    }
+    let batch = opts.batch.max(1);
+    let total_steps = opts
+        .steps
+        .unwrap_or_else(|| ((opts.epochs * train_w.len() as f64) / batch as f64).ceil() as usize)
+        .max(1);
+    let vocab_ids = draft_vocab(teacher, opts.draft_vocab, c.vocab_size, eos);
+    let key = serde_json::json!({
+        "positions": teacher.positions(),
+        "tap": teacher.tap,
+        "total_steps": total_steps,
+        "batch": batch,
+        "seq_len": opts.seq_len,
+        "lr": opts.lr,
+        "warmup": opts.warmup,
+        "weight_decay": opts.weight_decay,
+        "clip": opts.clip,
+        "draft_vocab": opts.draft_vocab,
+        "seed": opts.seed,
+        "hidden_size": h,
+        "vocab_size": c.vocab_size,
+    });
+    // Weights: a checkpoint (resume), an initial head, or the target's last block.
+    let ck = checkpoint_dir(&opts.out);
+    let mut step = 0;
+    let mut loss_history = Vec::new();
+    let mut moments: Option<NamedTensors> = None;
+    let weights: HashMap<String, Tensor> = if ck.join("state.json").exists() && !opts.restart {
+        let meta: CheckpointMeta = serde_json::from_str(&std::fs::read_to_string(ck.join("state.json"))?)
+            .with_context(|| format!("{}", ck.join("state.json").display()))?;
+        if meta.key != key {
+            bail!(
+                "{} holds a checkpoint of a different training run ({} vs {}); pass --restart to start over",
+                ck.display(),
+                meta.key,
+                key
+            );
+        }
+        let t = NamedTensors::read(&ck.join("state.safetensors"))?;
+        // Shapes are checked against the target before any step.
+        MtpWeights::from_named(&t, &prefix, &shape)?;
+        step = meta.step;
+        loss_history = meta.loss_history;
+        progress(Progress::Note(format!(
+            "resuming from the checkpoint at step {step} of {total_steps}"
+        )));
+        let w = t
+            .map
+            .iter()
+            .filter(|(k, _)| k.starts_with(&prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        moments = Some(t);
+        w
+    } else if let Some(p) = init {
+        let t = NamedTensors::read(p)?;
+        let layer = t
+            .map
+            .keys()
+            .filter_map(|k| {
+                let (n, rest) = k.strip_prefix("model.layers.")?.split_once('.')?;
+                (rest == "eh_proj.weight").then(|| n.parse::<usize>().ok()).flatten()
+            })
+            .min()
+            .with_context(|| format!("{}: not an MTP head in the DeepSeek-V3 layout", t.file))?;
+        let from = format!("model.layers.{layer}.");
+        MtpWeights::from_named(&t, &from, &shape)?;
+        t.map
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(&from).map(|r| (format!("{prefix}{r}"), v.clone())))
+            .collect()
+    } else {
+        initial_weights(target, model_path, &prefix, opts.seed)?
+    };
+    // Check every shape against the target before training.
+    MtpWeights::from_named(
+        &NamedTensors {
+            file: "initial weights".into(),
+            map: weights.clone(),
+        },
+        &prefix,
+        &shape,
+    )?;
+    let mut names: Vec<String> = weights.keys().cloned().collect();
+    names.sort();
+    let mut params = Vec::with_capacity(names.len());
+    let mut var_map = HashMap::new();
+    for name in names {
+        let t = weights[&name].to_dtype(DType::F32)?.contiguous()?;
+        let (m, v) = match &moments {
+            Some(ck) => (
+                ck.get(&format!("adam_m.{name}"), t.dims(), "an Adam moment")?,
+                ck.get(&format!("adam_v.{name}"), t.dims(), "an Adam moment")?,
+            ),
+            None => (t.zeros_like()?, t.zeros_like()?),
+        };
+        let var = Var::from_tensor(&t)?;
+        var_map.insert(name.clone(), var.as_tensor().clone());
+        params.push(Param {
+            decay: t.rank() >= 2,
+            name,
+            var,
+            m,
+            v,
+        });
+    }
+    let head = MtpWeights::from_named(
+        &NamedTensors {
+            file: "training".into(),
+            map: var_map,
+        },
+        &prefix,
+        &shape,
+    )?;
+    let vocab = DraftVocab::from_target(target, vocab_ids.clone())?;
+    let vrows = vocab.rows.dim(0)?;
+    // Full id → draft row.
+    let mut to_row = vec![u32::MAX; c.vocab_size];
+    for i in 0..vrows {
+        to_row[vocab.token(i) as usize] = i as u32;
+    }
+    // The window order of every step: a fresh permutation per epoch.
+    // Windows of similar length share a batch (less padding): each epoch shuffles, sorts runs of
+    // 16 batches by length, and shuffles the batches.
+    let mut order: Vec<usize> = Vec::with_capacity(total_steps * batch + train_w.len());
+    let mut epoch = 0u64;
+    while order.len() < total_steps * batch {
+        let mut rng = ChaCha8Rng::seed_from_u64(opts.seed ^ epoch.wrapping_mul(0x9E37_79B9));
+        let mut perm: Vec<usize> = (0..train_w.len()).collect();
+        perm.shuffle(&mut rng);
+        for run in perm.chunks_mut(16 * batch) {
+            run.sort_by_key(|&i| train_w[i].len);
+        }
+        let mut batches: Vec<&[usize]> = perm.chunks(batch).collect();
+        batches.shuffle(&mut rng);
+        for b in batches {
+            order.extend_from_slice(b);
+            // A short last batch is topped up so every step has `batch` windows.
+            for j in b.len()..batch {
+                order.push(perm[j % perm.len()]);
+            }
+        }
+        epoch += 1;
+    }
+    progress(Progress::Stage {
+        name: "training",
+        total: total_steps as u64,
+    });
+    progress(Progress::Advance {
+        done: step as u64,
+        loss: None,
+        tokens_per_s: None,
+    });
+    let started = std::time::Instant::now();
+    let mut rows_done = 0usize;
+    let mut last_loss = loss_history.last().map(|&(_, l)| l).unwrap_or(f64::NAN);
+    let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
+    let stop_at = opts.stop_after.map(|n| (step + n).min(total_steps)).unwrap_or(total_steps);
+    let embedding = &target.embedding;
+    while step < stop_at {
+        let ws: Vec<Window> = order[step * batch..(step + 1) * batch]
+            .iter()
+            .map(|&i| train_w[i])
+            .collect();
+        let (loss, rows) = {
+            let (emb, hid, labels, n_rows) = batch_tensors(teacher, &ws, opts.seq_len, embedding, &to_row, vrows)?;
+            let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
+            let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
+            let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+            let loss = ((labels * logp)?.sum_all()? * (-1.0 / n_rows.max(1) as f64))?;
+            (loss, n_rows)
+        };
+        let grads = loss.backward()?;
+        // Global-norm clipping.
+        let mut sq = 0f64;
+        for p in &params {
+            if let Some(g) = grads.get(p.var.as_tensor()) {
+                sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+            }
+        }
+        let norm = sq.sqrt();
+        let scale = if opts.clip > 0.0 && norm > opts.clip {
+            opts.clip / norm
+        } else {
+            1.0
+        };
+        let lr = lr_at(step, total_steps, opts.lr, opts.warmup);
+        let t = (step + 1) as i32;
+        let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+        for p in params.iter_mut() {
+            let Some(g) = grads.get(p.var.as_tensor()) else {
+                continue;
+            };
+            let g = (g * scale)?;
+            p.m = ((&p.m * b1)? + (&g * (1.0 - b1))?)?;
+            p.v = ((&p.v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+            let update = ((&p.m / c1)? / ((&p.v / c2)?.sqrt()? + eps)?)?;
+            let w = p.var.as_tensor();
+            let w = if p.decay {
+                (w * (1.0 - lr * opts.weight_decay))?
+            } else {
+                w.clone()
+            };
+            p.var.set(&(w - (update * lr)?)?)?;
+        }
+        last_loss = loss.to_scalar::<f32>()? as f64;
+        step += 1;
+        rows_done += rows;
+        if step % 10 == 0 || step == stop_at {
+            loss_history.push((step, last_loss));
+        }
+        progress(Progress::Advance {
+            done: step as u64,
+            loss: Some(last_loss),
+            tokens_per_s: Some(rows_done as f64 / started.elapsed().as_secs_f64().max(1e-9)),
+        });
+        if step % opts.checkpoint_every.max(1) == 0 || step == stop_at {
+            let meta = CheckpointMeta {
+                step,
+                key: key.clone(),
+                loss_history: loss_history.clone(),
+            };
+            save_checkpoint(&opts.out, &params, vocab_ids.as_deref(), &meta)?;
+        }
+    }
+    let finished = step >= total_steps;
+    let (held_out_top1, held_rows) = if finished {
+        evaluate(teacher, &held_w, opts.seq_len, &head, &vocab, &to_row, embedding, &shape)?
+    } else {
+        (None, 0)
+    };
+    let report = TrainReport {
+        steps_done: step,
+        total_steps,
+        final_loss: last_loss,
+        held_out_top1,
+        held_out_rows: held_rows,
+        train_rows: train_w.iter().map(|w| w.len).sum(),
+        seconds: started.elapsed().as_secs_f64(),
+        finished,
+    };
+    if finished {
+        write_head(&opts.out, target, &head, vocab_ids.as_deref(), opts, &report, &loss_history)?;
+    }
+    let _ = dev;
+    Ok(report)
+}
+
+/// Linear warm-up to `peak` over `warmup` steps, then cosine decay to `peak / 10`.
+pub fn lr_at(step: usize, total: usize, peak: f64, warmup: usize) -> f64 {
+    if step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let span = total.saturating_sub(warmup).max(1) as f64;
+    let x = ((step - warmup) as f64 / span).min(1.0);
+    let floor = peak / 10.0;
+    floor + (peak - floor) * 0.5 * (1.0 + (std::f64::consts::PI * x).cos())
+}
+
+/// The inputs of a batch of windows, padded to `seq_len` rows: embeddings of `t_{j+1}`
+/// `[b, T, h]`, hidden states `h_j` `[b, T, h]`, label probabilities `[b, T, draft rows]`
+/// (zero on padding rows), and the number of real rows.
+fn batch_tensors(
+    t: &Teacher,
+    ws: &[Window],
+    seq_len: usize,
+    embedding: &crate::model::Embedding,
+    to_row: &[u32],
+    vrows: usize,
+) -> Result<(Tensor, Tensor, Tensor, usize)> {
+    let dev = Device::Cpu;
+    let longest = ws.iter().map(|w| w.len).max().unwrap_or(1);
+    let (b, tl, h, k) = (ws.len(), longest.min(seq_len.max(1)), t.hidden_size, t.top_k);
+    let mut ids = vec![0u32; b * tl];
+    let mut hid = vec![0f32; b * tl * h];
+    let mut lab = vec![0f32; b * tl * vrows];
+    let mut n = 0;
+    for (wi, w) in ws.iter().enumerate() {
+        for r in 0..w.len {
+            let g = w.start + r; // position j (global)
+            let row = wi * tl + r;
+            ids[row] = t.tokens[g + 1];
+            for (dst, src) in hid[row * h..(row + 1) * h].iter_mut().zip(&t.hidden[g * h..(g + 1) * h]) {
+                *dst = src.to_f32();
+            }
+            // The distribution of t_{j+2}: the teacher's row after t_{j+1}.
+            let l = g + 1;
+            for i in 0..k {
+                let id = t.label_ids[l * k + i] as usize;
+                let p = t.label_p[l * k + i].to_f32();
+                let dr = to_row.get(id).copied().unwrap_or(u32::MAX);
+                if dr != u32::MAX && p > 0.0 {
+                    lab[row * vrows + dr as usize] += p;
+                }
+            }
+            n += 1;
+        }
+    }
+    let emb = embedding.forward(&ids, &dev)?.reshape((b, tl, h))?;
+    Ok((
+        emb,
+        Tensor::from_vec(hid, (b, tl, h), &dev)?,
+        Tensor::from_vec(lab, (b, tl, vrows), &dev)?,
+        n,
+    ))
+}
+
+/// Top-1 agreement of the head with the teacher on `ws` (padding rows excluded).
+#[allow(clippy::too_many_arguments)]
+fn evaluate(
+    t: &Teacher,
+    ws: &[Window],
+    seq_len: usize,
+    head: &MtpWeights,
+    vocab: &DraftVocab,
+    to_row: &[u32],
+    embedding: &crate::model::Embedding,
+    shape: &BlockShape,
+) -> Result<(Option<f64>, usize)> {
+    if ws.is_empty() {
+        return Ok((None, 0));
+    }
+    let (mut hit, mut total) = (0usize, 0usize);
+    for chunk in ws.chunks(4) {
+        let (emb, hid, _, _) = batch_tensors(t, chunk, seq_len, embedding, to_row, vocab.rows.dim(0)?)?;
+        let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
+        let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
+        let best = logits.argmax(D::Minus1)?.to_vec2::<u32>()?;
+        for (wi, w) in chunk.iter().enumerate() {
+            for r in 0..w.len {
+                let l = w.start + r + 1;
+                let target_top = t.label_ids[l * t.top_k];
+                if vocab.token(best[wi][r] as usize) == target_top {
+                    hit += 1;
+                }
+                total += 1;
+            }
+        }
+    }
+    Ok((Some(hit as f64 / total.max(1) as f64), total))
+}
+
+/// Write the trained head: `model.safetensors` (DeepSeek-V3 layout, f32, with `draft_vocab`)
+/// and `config.json` with the shape, hidden source and training record.
+fn write_head(
+    out: &Path,
+    target: &Model,
+    head: &MtpWeights,
+    vocab: Option<&[u32]>,
+    opts: &DistillOptions,
+    report: &TrainReport,
+    loss_history: &[(usize, f64)],
+) -> Result<()> {
+    let c = target.config();
+    let mut map: HashMap<String, Tensor> = HashMap::new();
+    for (k, v) in head.tensors(c.num_layers) {
+        map.insert(k, v.detach().to_dtype(DType::F16)?);
+    }
+    if let Some(ids) = vocab {
+        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let n = ids.len();
+        map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+    }
+    std::fs::create_dir_all(out)?;
+    candle_core::safetensors::save(&map, out.join("model.safetensors"))?;
+    let config = MtpConfig {
+        model_type: Some("specula_mtp".into()),
+        num_nextn_predict_layers: Some(1),
+        hidden_source: opts.hidden_source,
+        shape: Some(BlockShape::of_target(target)),
+        num_hidden_layers: Some(c.num_layers),
+        vocab_size: Some(c.vocab_size),
+        training: Some(serde_json::json!({
+            "steps": report.steps_done,
+            "final_loss": report.final_loss,
+            "held_out_top1_agreement": report.held_out_top1,
+            "held_out_rows": report.held_out_rows,
+            "train_rows": report.train_rows,
+            "seconds": report.seconds,
+            "batch": opts.batch,
+            "seq_len": opts.seq_len,
+            "lr": opts.lr,
+            "warmup": opts.warmup,
+            "weight_decay": opts.weight_decay,
+            "clip": opts.clip,
+            "draft_vocab": vocab.map(<[u32]>::len),
+            "soft_label_top_k": opts.top_k,
+            "seed": opts.seed,
+            "loss_history": loss_history,
+        })),
+    };
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}

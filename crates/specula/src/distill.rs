@@ -1,0 +1,191 @@
+//! `specula distill`: train a native draft head for a model (see
+//! `specula_engine::distill`).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use specula_engine::catalog::DEFAULT_MODEL;
+use specula_engine::distill::{self, DistillOptions, Progress};
+use specula_engine::spec::mtp::HiddenSource;
+
+#[derive(Args, Debug)]
+pub struct DistillArgs {
+    /// The target: a GGUF file, a bundle directory or a catalog name (pulled if missing).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    target: String,
+    /// What to train: `mtp` (a multi-token-prediction head, DeepSeek-V3 §2.2).
+    #[arg(long, value_enum, default_value = "mtp")]
+    kind: Kind,
+    /// Output directory: the head (config.json + model.safetensors), the training record, and
+    /// the data cache and checkpoints that let an interrupted run resume.
+    #[arg(long)]
+    out: PathBuf,
+    /// Text files or directories to train on (repeatable).
+    #[arg(long)]
+    data: Vec<PathBuf>,
+    /// Built-in prompts whose greedy answers by the target are generated as training text
+    /// (0 = only --data).
+    #[arg(long, default_value_t = 400)]
+    prompts: usize,
+    /// Most tokens per generated answer.
+    #[arg(long, default_value_t = 256)]
+    answer_tokens: usize,
+    /// Optimizer steps (default: --epochs passes over the training rows).
+    #[arg(long)]
+    steps: Option<usize>,
+    #[arg(long, default_value_t = 3.0)]
+    epochs: f64,
+    /// Windows per step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Rows per window.
+    #[arg(long, default_value_t = 256)]
+    seq_len: usize,
+    /// Peak learning rate (AdamW; linear warm-up, cosine decay to a tenth).
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 50)]
+    warmup: usize,
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Clip the gradient to this global L2 norm (0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f64,
+    /// Draft vocabulary: the N most frequent tokens of the training text (FR-Spec); 0 = all.
+    #[arg(long, default_value_t = 8192)]
+    draft_vocab: usize,
+    /// Soft-label entries kept per position from the target's distribution.
+    #[arg(long, default_value_t = 16)]
+    top_k: usize,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 50)]
+    checkpoint_every: usize,
+    /// Stop after N steps of this run (a checkpoint is written; run again to resume).
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Ignore the data cache and checkpoint in --out and start over.
+    #[arg(long)]
+    restart: bool,
+    /// Start from an existing MTP head (its shapes must fit the target).
+    #[arg(long)]
+    init: Option<PathBuf>,
+    /// Which target hidden state the head reads.
+    #[arg(long, value_enum, default_value = "pre-norm")]
+    hidden_source: Source,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy)]
+enum Kind {
+    Mtp,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy)]
+enum Source {
+    PreNorm,
+    PostNorm,
+}
+
+pub fn run(a: DistillArgs) -> Result<()> {
+    let Kind::Mtp = a.kind;
+    if a.batch == 0 || a.seq_len < 2 {
+        bail!("--batch must be at least 1 and --seq-len at least 2");
+    }
+    let path = crate::pull::resolve_model(&a.target, true)?;
+    let mut engine = crate::load(&a.target, None)?;
+    let opts = DistillOptions {
+        out: a.out.clone(),
+        data: a.data.clone(),
+        prompts: a.prompts,
+        answer_tokens: a.answer_tokens,
+        seq_len: a.seq_len,
+        batch: a.batch,
+        steps: a.steps,
+        epochs: a.epochs,
+        lr: a.lr,
+        warmup: a.warmup,
+        weight_decay: a.weight_decay,
+        clip: a.clip,
+        draft_vocab: a.draft_vocab,
+        top_k: a.top_k,
+        held_out: 0.05,
+        checkpoint_every: a.checkpoint_every,
+        stop_after: a.stop_after,
+        restart: a.restart,
+        hidden_source: match a.hidden_source {
+            Source::PreNorm => HiddenSource::PreNorm,
+            Source::PostNorm => HiddenSource::PostNorm,
+        },
+        seed: a.seed,
+    };
+    let mut bar: Option<ProgressBar> = None;
+    let mut on_progress = |p: Progress| match p {
+        Progress::Stage { name, total } => {
+            if let Some(b) = bar.take() {
+                b.finish();
+            }
+            let b = ProgressBar::new(total);
+            b.set_style(
+                ProgressStyle::with_template("{msg:<40} [{bar:30}] {pos}/{len} {prefix} ({elapsed} / ~{eta})")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            b.set_message(name);
+            bar = Some(b);
+        }
+        Progress::Advance {
+            done,
+            loss,
+            tokens_per_s,
+        } => {
+            if let Some(b) = &bar {
+                b.set_position(done);
+                let mut s = String::new();
+                if let Some(l) = loss {
+                    s.push_str(&format!("loss {l:.4} "));
+                }
+                if let Some(t) = tokens_per_s {
+                    s.push_str(&format!("{t:.0} tok/s"));
+                }
+                b.set_prefix(s);
+            }
+        }
+        Progress::Note(n) => match &bar {
+            Some(b) => b.println(n),
+            None => eprintln!("{n}"),
+        },
+    };
+    let report = distill::run_mtp(&mut engine, &path, a.init.as_deref(), &opts, &mut on_progress)?;
+    if let Some(b) = bar.take() {
+        b.finish();
+    }
+    if report.finished {
+        eprintln!(
+            "trained {} steps in {:.0} s: final loss {:.4}, held-out top-1 agreement with the target {}; head written to {}",
+            report.steps_done,
+            report.seconds,
+            report.final_loss,
+            report
+                .held_out_top1
+                .map_or("n/a".to_string(), |a| format!("{a:.3}")),
+            a.out.display()
+        );
+        eprintln!(
+            "use it: specula serve {} --drafter {} --spec mtp",
+            a.target,
+            a.out.display()
+        );
+    } else {
+        eprintln!(
+            "stopped at step {} of {}; the checkpoint is in {} (run the same command again to resume)",
+            report.steps_done,
+            report.total_steps,
+            a.out.join("checkpoint").display()
+        );
+    }
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
