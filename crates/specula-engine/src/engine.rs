@@ -61,6 +61,8 @@ pub struct Engine {
     grammar: Option<GrammarCompiler>,
     /// The attached MTP head ([`crate::spec::mtp`]).
     mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
+    /// The attached block drafter ([`crate::spec::block`]).
+    block: Option<Arc<crate::spec::block::BlockDrafterModel>>,
     /// KV rows of seen prefixes (`LoadOptions::prefix_cache_bytes`).
     prefix: Option<PrefixCache>,
     /// What finished requests learned about drafting, by decode path (see
@@ -94,6 +96,7 @@ impl Engine {
             opts,
             draft: None,
             mtp: None,
+            block: None,
             grammar: None,
             tuned: None,
         }
@@ -135,6 +138,20 @@ impl Engine {
         Ok(())
     }
 
+    /// Load a block drafter (a folder with config.json and safetensors) for this engine's model
+    /// and attach it: `SpecMode::Block` drafts with it. Errors: it does not load or does not fit
+    /// the target (the message names the file and the field or tensor).
+    pub fn attach_block_drafter(&mut self, dir: &Path) -> Result<()> {
+        let m = crate::spec::block::BlockDrafterModel::load(dir, &self.bundle.model)?;
+        self.block = Some(Arc::new(m));
+        Ok(())
+    }
+
+    /// The attached block drafter, if any.
+    pub fn block_drafter(&self) -> Option<&crate::spec::block::BlockDrafterModel> {
+        self.block.as_deref()
+    }
+
     /// The attached MTP head, if any.
     pub fn mtp_head(&self) -> Option<&crate::spec::mtp::MtpHead> {
         self.mtp.as_deref()
@@ -161,7 +178,7 @@ impl Engine {
             mode,
             ..Default::default()
         });
-        crate::sequence::resolve(spec.mode, self.draft.is_some(), self.mtp.is_some())
+        crate::sequence::resolve(spec.mode, self.draft.is_some(), self.mtp.is_some(), self.block.is_some())
     }
 
     /// Make `SpecMode::Default` follow a measured tuning choice (`None`: the built-in chain).
@@ -182,7 +199,8 @@ impl Engine {
             Some(t)
                 if spec.mode == SpecMode::Default
                     && (t.mode != SpecMode::Draft || self.draft.is_some())
-                    && (t.mode != SpecMode::Mtp || self.mtp.is_some()) => {
+                    && (t.mode != SpecMode::Mtp || self.mtp.is_some())
+                    && (t.mode != SpecMode::Block || self.block.is_some()) => {
                 crate::spec::SpecOptions {
                     mode: t.mode,
                     draft_max: t.draft_max.clamp(1, MAX_DRAFT),
@@ -306,6 +324,13 @@ impl Engine {
                 self.id
             )));
         }
+        if req.spec.mode == SpecMode::Block && self.block.is_none() {
+            return Err(RequestError::InvalidParameter(format!(
+                "speculative mode `block` needs a block drafter, and {} has none attached \
+                 (start the server with --drafter DIR)",
+                self.id
+            )));
+        }
         if req.spec.draft_max == 0 || req.spec.draft_max > MAX_DRAFT {
             return Err(RequestError::InvalidParameter(format!(
                 "draft_max must be between 1 and {MAX_DRAFT}, got {}",
@@ -341,6 +366,7 @@ impl Engine {
             batch_invariant: self.bundle.model.batch_invariant(),
             draft: self.draft.as_ref().map(|d| (d.model.clone(), d.id.clone())),
             mtp: self.mtp.clone(),
+            block: self.block.clone(),
             controller_priors: self.controller_priors.clone(),
         }
     }

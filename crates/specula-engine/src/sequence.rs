@@ -42,6 +42,8 @@ pub struct SequenceEnv {
     pub draft: Option<(Arc<Model>, String)>,
     /// The attached MTP head.
     pub mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
+    /// The attached block drafter.
+    pub block: Option<Arc<crate::spec::block::BlockDrafterModel>>,
     /// What earlier requests learned about drafting, by decode path (`ngram`,
     /// `draft-model:ID`): a new request's draft-length controller starts from it.
     pub controller_priors: std::collections::HashMap<String, DraftLength>,
@@ -126,7 +128,7 @@ impl Sequence {
         // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
         // stats say why.
         let mut drafter: Option<Box<dyn Drafter>> = None;
-        let resolved = resolve(req.spec.mode, env.draft.is_some(), env.mtp.is_some());
+        let resolved = resolve(req.spec.mode, env.draft.is_some(), env.mtp.is_some(), env.block.is_some());
         stats.spec.decode_path = match (resolved, &env.draft) {
             (None, _) => "ar".into(),
             (Some(_), _) if !env.batch_invariant => {
@@ -162,6 +164,22 @@ impl Sequence {
                     "mtp".into()
                 }
                 None => "ar (no MTP head attached)".into(),
+            },
+            (Some(SpecMode::Block), _) => match &env.block {
+                Some(m) => {
+                    let seed = if req.sampling.is_greedy() {
+                        0
+                    } else {
+                        sampler.fork_seed()
+                    };
+                    drafter = Some(Box::new(crate::spec::block::BlockDrafter::new(
+                        m.clone(),
+                        &req.sampling,
+                        seed,
+                    )));
+                    "block".into()
+                }
+                None => "ar (no block drafter attached)".into(),
             },
             (Some(_), _) => {
                 drafter = Some(Box::new(NgramDrafter::default()));
@@ -504,13 +522,15 @@ impl Sequence {
 }
 
 /// The drafter a speculative mode resolves to: `None` for AR.
-pub fn resolve(mode: SpecMode, has_draft_model: bool, has_mtp: bool) -> Option<SpecMode> {
+pub fn resolve(mode: SpecMode, has_draft_model: bool, has_mtp: bool, has_block: bool) -> Option<SpecMode> {
     match mode {
         SpecMode::Off => None,
         SpecMode::Default | SpecMode::On => Some(if has_draft_model {
             SpecMode::Draft
         } else if has_mtp {
             SpecMode::Mtp
+        } else if has_block {
+            SpecMode::Block
         } else {
             SpecMode::Ngram
         }),

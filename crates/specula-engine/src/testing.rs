@@ -429,3 +429,37 @@ pub fn write_random_mtp_head(
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     Ok(())
 }
+
+/// Write a random-weight block drafter (DFlash layout) for `target` into `dir`: `layers`
+/// drafter layers of the target's block shape, reading the target's `target_layer_ids`.
+pub fn write_random_block_drafter(
+    dir: &Path,
+    target: &crate::model::Model,
+    block_size: usize,
+    target_layer_ids: &[usize],
+    layers: usize,
+    seed: u64,
+) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut u = Uniform::new(seed);
+    let c = target.config();
+    let h = c.hidden_size;
+    let mut map: HashMap<String, Tensor> = HashMap::new();
+    for i in 0..layers {
+        map.extend(random_block(&mut u, target, &format!("layers.{i}."))?);
+    }
+    map.insert("fc.weight".into(), u.tensor(&[h, target_layer_ids.len() * h], 0.3)?);
+    map.insert("hidden_norm.weight".into(), u.norm(h, 0.1)?);
+    map.insert("norm.weight".into(), u.norm(h, 0.1)?);
+    candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
+    let config = serde_json::json!({
+        "model_type": "specula_block_drafter",
+        "block_size": block_size,
+        "target_layer_ids": target_layer_ids,
+        "mask_token_id": 0,
+        "num_hidden_layers": layers,
+        "vocab_size": c.vocab_size,
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}

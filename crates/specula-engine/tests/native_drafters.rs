@@ -1,12 +1,12 @@
-//! Native drafters (MTP heads): random-weight heads in both tensor layouts load from test
-//! bundles, draft, and pass the G-gate (greedy output byte-identical to AR) on tiny random
+//! Native drafters (MTP heads, block drafters): random-weight heads in both MTP tensor layouts
+//! and random block drafters load from test bundles, draft, and pass the G-gate (greedy output byte-identical to AR) on tiny random
 //! targets; a head that does not fit its target is refused with the file and tensor named.
 
 use candle_core::quantized::GgmlDType;
 use specula_engine::model::Family;
 use specula_engine::spec::mtp::MtpLayout;
 use specula_engine::spec::{SpecMode, SpecOptions};
-use specula_engine::testing::{write_random_mtp_head, write_tiny_gguf, TinySpec};
+use specula_engine::testing::{write_random_block_drafter, write_random_mtp_head, write_tiny_gguf, TinySpec};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 
 fn tiny(family: Family, dtype: GgmlDType) -> (tempfile::TempDir, Engine) {
@@ -253,4 +253,59 @@ fn distill_refuses_a_head_of_the_wrong_shape_before_training() {
     let msg = format!("{err:#}");
     assert!(msg.contains("model.safetensors") && msg.contains("expected"), "{msg}");
     assert!(stages.is_empty(), "nothing ran before the error: {stages:?}");
+}
+
+#[test]
+fn random_block_drafters_draft_a_block_and_match_ar() {
+    for (family, dtype) in [
+        (Family::Llama, GgmlDType::Q4_1),
+        (Family::Qwen2, GgmlDType::Q8_0),
+        (Family::Qwen3, GgmlDType::Q5_0),
+    ] {
+        let (dir, mut e) = tiny(family, dtype);
+        let bd = dir.path().join("tiny.drafter");
+        write_random_block_drafter(&bd, e.model(), 8, &[0, 1], 1, 5).expect("write");
+        e.attach_block_drafter(&bd).expect("attach");
+        assert_eq!(e.block_drafter().expect("attached").taps, vec![0, 1]);
+        let prompt = e.tokenize("the then the thin the then").expect("tokenize");
+        let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
+        for k in [1, 4, 7, 12] {
+            let what = format!("{family:?} block k={k}");
+            let sp = run(&mut e, &req(prompt.clone(), SpecMode::Block, k, SamplingParams::greedy()));
+            assert_eq!(sp.stats.spec.decode_path, "block", "{what}");
+            assert!(sp.stats.spec.drafted > 0, "{what}: nothing drafted");
+            // One pass drafts at most block_size - 1 tokens.
+            assert!(sp.stats.spec.drafted_by_position.len() <= k.min(7), "{what}");
+            assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{what}: text");
+            assert_eq!(ar.token_ids, sp.token_ids, "{what}: token ids");
+            assert_eq!(ar.logprobs, sp.logprobs, "{what}: logprobs");
+        }
+        let sampling = SamplingParams {
+            temperature: 0.8,
+            seed: Some(9),
+            ..SamplingParams::greedy()
+        };
+        let a = run(&mut e, &req(prompt.clone(), SpecMode::Block, 4, sampling.clone()));
+        let b = run(&mut e, &req(prompt.clone(), SpecMode::Block, 4, sampling));
+        assert_eq!(a.token_ids, b.token_ids, "{family:?}: seeded sampling repeats");
+    }
+}
+
+#[test]
+fn block_drafter_config_errors_name_the_file_and_field() {
+    let (dir, mut e) = tiny(Family::Llama, GgmlDType::Q8_0);
+    let layers = e.config().num_layers;
+    let bd = dir.path().join("bad.drafter");
+    write_random_block_drafter(&bd, e.model(), 8, &[0, layers + 3], 1, 5).expect("write");
+    let err = format!("{:#}", e.attach_block_drafter(&bd).expect_err("layer out of range"));
+    assert!(err.contains("config.json") && err.contains("target_layer_ids"), "{err}");
+    // fc.weight sized for one layer while the config names two.
+    let bd2 = dir.path().join("bad2.drafter");
+    write_random_block_drafter(&bd2, e.model(), 8, &[0], 1, 5).expect("write");
+    let cfg = bd2.join("config.json");
+    let text = std::fs::read_to_string(&cfg).expect("read").replace("\"target_layer_ids\": [\n    0\n  ]", "\"target_layer_ids\": [0, 1]");
+    std::fs::write(&cfg, text).expect("write");
+    let err = format!("{:#}", e.attach_block_drafter(&bd2).expect_err("fc shape"));
+    assert!(err.contains("fc.weight") && err.contains("expected"), "{err}");
+    assert!(e.block_drafter().is_none());
 }

@@ -1,6 +1,7 @@
 //! `specula distill`: train a native draft head for a model (see
 //! `specula_engine::distill`).
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
@@ -122,7 +123,29 @@ pub fn run(a: DistillArgs) -> Result<()> {
         seed: a.seed,
     };
     let mut bar: Option<ProgressBar> = None;
+    // Without a terminal (a log file), a line per stage and every 15 s instead of a bar.
+    let tty = std::io::stderr().is_terminal();
+    let mut last_line = std::time::Instant::now();
+    let mut stage_total = 0u64;
     let mut on_progress = |p: Progress| match p {
+        Progress::Stage { name, total } if !tty => {
+            eprintln!("{name}: {total}");
+            stage_total = total;
+        }
+        Progress::Advance {
+            done,
+            loss,
+            tokens_per_s,
+        } if !tty => {
+            if last_line.elapsed().as_secs() >= 15 || done == stage_total {
+                last_line = std::time::Instant::now();
+                eprintln!(
+                    "  {done}/{stage_total}{}{}",
+                    loss.map_or(String::new(), |l| format!(" loss {l:.4}")),
+                    tokens_per_s.map_or(String::new(), |t| format!(" {t:.0} tok/s"))
+                );
+            }
+        }
         Progress::Stage { name, total } => {
             if let Some(b) = bar.take() {
                 b.finish();

@@ -180,9 +180,10 @@ struct SpecArgs {
     #[arg(long)]
     draft_model: Option<String>,
     /// A native drafter for this model: an MTP head (a directory with config.json and
-    /// safetensors, or one safetensors file, e.g. written by `specula distill`). Without it, an
-    /// MTP head beside the model (`<model>.mtp/` next to a GGUF file, `mtp/` in a bundle
-    /// directory) is used when present.
+    /// safetensors, or one safetensors file) or a block drafter (a folder whose config.json has
+    /// block_size), e.g. written by `specula distill`. Without it, native drafters beside the
+    /// model (`<model>.mtp/`, `<model>.drafter/` next to a GGUF file; `mtp/`, `drafter/` in a
+    /// bundle directory) are used when present.
     #[arg(long)]
     drafter: Option<PathBuf>,
     /// Maximum draft length k per target step.
@@ -201,6 +202,7 @@ enum SpecArg {
     Ngram,
     Draft,
     Mtp,
+    Block,
 }
 
 impl SpecArgs {
@@ -213,6 +215,7 @@ impl SpecArgs {
                 SpecArg::Ngram => SpecMode::Ngram,
                 SpecArg::Draft => SpecMode::Draft,
                 SpecArg::Mtp => SpecMode::Mtp,
+                SpecArg::Block => SpecMode::Block,
             },
             draft_max: self.draft_max as usize,
             adaptive: !self.fixed_k,
@@ -234,34 +237,66 @@ impl SpecArgs {
             None if matches!(self.spec, SpecArg::Draft) => bail!("--spec draft needs --draft-model"),
             None => {}
         }
-        let beside = model_path.and_then(mtp_sidecar);
-        match self.drafter.as_ref().or(beside.as_ref()) {
-            Some(p) => {
+        let drafters: Vec<PathBuf> = match &self.drafter {
+            Some(p) => vec![p.clone()],
+            None => model_path.map(native_sidecars).unwrap_or_default(),
+        };
+        for p in &drafters {
+            if is_block_drafter(p) {
+                engine
+                    .attach_block_drafter(p)
+                    .with_context(|| format!("loading the block drafter {}", p.display()))?;
+                tracing::info!(drafter = %p.display(), "block drafter attached");
+            } else {
                 engine
                     .attach_mtp_head(p)
                     .with_context(|| format!("loading the MTP head {}", p.display()))?;
                 tracing::info!(drafter = %p.display(), "MTP head attached");
             }
-            None if matches!(self.spec, SpecArg::Mtp) => {
-                bail!("--spec mtp needs an MTP head: --drafter PATH (train one with `specula distill`)")
-            }
-            None => {}
+        }
+        if matches!(self.spec, SpecArg::Mtp) && engine.mtp_head().is_none() {
+            bail!("--spec mtp needs an MTP head: --drafter PATH (train one with `specula distill`)");
+        }
+        if matches!(self.spec, SpecArg::Block) && engine.block_drafter().is_none() {
+            bail!("--spec block needs a block drafter: --drafter DIR (train one with `specula distill --kind block`)");
         }
         Ok(())
     }
 }
 
-/// An MTP head beside a model: `<stem>.mtp/` or `<stem>.mtp.safetensors` next to a GGUF file,
-/// `mtp/` or `mtp.safetensors` in a bundle directory.
-fn mtp_sidecar(model: &std::path::Path) -> Option<PathBuf> {
-    let candidates = if model.is_dir() {
-        vec![model.join("mtp"), model.join("mtp.safetensors")]
+/// Native drafters beside a model: an MTP head (`<stem>.mtp/` or `<stem>.mtp.safetensors`
+/// next to a GGUF file, `mtp/` or `mtp.safetensors` in a bundle directory) and a block drafter
+/// (`<stem>.drafter/`, or `drafter/` in a bundle directory).
+fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
+    let (mtp, block) = if model.is_dir() {
+        (
+            vec![model.join("mtp"), model.join("mtp.safetensors")],
+            model.join("drafter"),
+        )
     } else {
-        let stem = model.file_stem()?.to_string_lossy().into_owned();
-        let dir = model.parent()?;
-        vec![dir.join(format!("{stem}.mtp")), dir.join(format!("{stem}.mtp.safetensors"))]
+        let (Some(stem), Some(dir)) = (model.file_stem(), model.parent()) else {
+            return Vec::new();
+        };
+        let stem = stem.to_string_lossy();
+        (
+            vec![dir.join(format!("{stem}.mtp")), dir.join(format!("{stem}.mtp.safetensors"))],
+            dir.join(format!("{stem}.drafter")),
+        )
     };
-    candidates.into_iter().find(|p| p.exists())
+    let mut found: Vec<PathBuf> = mtp.into_iter().filter(|p| p.exists()).take(1).collect();
+    if block.is_dir() {
+        found.push(block);
+    }
+    found
+}
+
+/// Is `p` a block-drafter folder (its config.json has `block_size`, `target_layer_ids` or
+/// `dflash_config`)?
+fn is_block_drafter(p: &std::path::Path) -> bool {
+    std::fs::read_to_string(p.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|j| j.get("block_size").is_some() || j.get("target_layer_ids").is_some() || j.get("dflash_config").is_some())
 }
 
 #[derive(Args, Debug)]

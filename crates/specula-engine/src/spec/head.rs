@@ -14,7 +14,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Model, RopeStyle};
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+
+use crate::model::{Linear, Model, RopeStyle};
 
 /// Shape of a head block: the target's attention and MLP hyper-parameters by default.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,11 +63,42 @@ impl BlockShape {
 pub struct Dense {
     pub w: Tensor,
     pub b: Option<Tensor>,
+    /// For drafting: the weight quantized to Q8_0 on our own kernels (a quarter of the bytes
+    /// to read per token). `None` while training (gradients flow through `w`).
+    pub fast: Option<Arc<Linear>>,
+}
+
+/// `w` (`[out, in]` f32) quantized to Q8_0 for our kernels, when `in` is a multiple of 32.
+fn quantize(w: &Tensor, b: Option<&Tensor>) -> Result<Option<Arc<Linear>>> {
+    let (_, inp) = w.dims2()?;
+    if !inp.is_multiple_of(32) {
+        return Ok(None);
+    }
+    let q = QTensor::quantize(&w.contiguous()?, GgmlDType::Q8_0)?;
+    Ok(Some(Arc::new(Linear::from_qtensor(Arc::new(q), b.cloned())?)))
 }
 
 impl Dense {
+    pub fn new(w: Tensor, b: Option<Tensor>) -> Self {
+        Self { w, b, fast: None }
+    }
+
+    /// Use a Q8_0 copy of the weight from now on (drafting, not training).
+    pub fn quantize_for_drafting(&mut self) -> Result<()> {
+        self.fast = quantize(&self.w, self.b.as_ref())?;
+        Ok(())
+    }
+
     /// `x`: `[n, in]` or `[b, n, in]` → `[.., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(f) = &self.fast {
+            let mut dims = x.dims().to_vec();
+            let inp = dims.pop().unwrap_or(1);
+            let rows: usize = dims.iter().product();
+            let y = f.forward(&x.reshape((rows, inp))?)?;
+            dims.push(y.dim(1)?);
+            return Ok(y.reshape(dims)?);
+        }
         let y = match x.rank() {
             2 => x.matmul(&self.w.t()?)?,
             _ => x.broadcast_matmul(&self.w.t()?)?,
@@ -82,12 +117,15 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// How the new rows of a block attend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum AttnMask {
     /// Row `i` sees every past key and the new rows `0..=i` (MTP heads).
     Causal,
     /// Every new row sees every past key and every new row (a block drafter's block).
     Bidirectional,
+    /// An additive bias `[n, m + n]` (0 = visible, a large negative value = hidden): several
+    /// drafter blocks trained in one pass.
+    Bias(Tensor),
 }
 
 /// One transformer block of a head.
@@ -107,13 +145,19 @@ pub struct HeadBlock {
     pub down: Dense,
 }
 
-/// RoPE cos / sin tables `[n, head_dim / 2]` for positions `pos0 .. pos0 + n` (RoFormer, Su et
-/// al. 2021: theta_i = pos · base^(-2i/d)).
-pub fn rope_tables(shape: &BlockShape, pos0: usize, n: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+/// Positions `pos0 .. pos0 + n`.
+pub fn span(pos0: usize, n: usize) -> Vec<usize> {
+    (pos0..pos0 + n).collect()
+}
+
+/// RoPE cos / sin tables `[n, head_dim / 2]` for `positions` (RoFormer, Su et al. 2021:
+/// theta_i = pos · base^(-2i/d)).
+pub fn rope_tables(shape: &BlockShape, positions: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
     let half = shape.head_dim / 2;
+    let n = positions.len();
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
-    for p in pos0..pos0 + n {
+    for &p in positions {
         for i in 0..half {
             let inv = shape.rope_theta.powf(-2.0 * i as f64 / shape.head_dim as f64);
             let t = p as f64 * inv;
@@ -128,6 +172,22 @@ pub fn rope_tables(shape: &BlockShape, pos0: usize, n: usize, device: &Device) -
 }
 
 impl HeadBlock {
+    /// Quantize every projection for drafting ([`Dense::quantize_for_drafting`]).
+    pub fn quantize_for_drafting(&mut self) -> Result<()> {
+        for d in [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ] {
+            d.quantize_for_drafting()?;
+        }
+        Ok(())
+    }
+
     /// Rotate `x` (`[b, heads, n, head_dim]`) by the tables of [`rope_tables`].
     pub fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
@@ -139,9 +199,9 @@ impl HeadBlock {
     }
 
     /// Keys and values of `x` (`[b, n, hidden]`, already normed as the block's attention input
-    /// expects, or a context feature) at positions `pos0 ..`: each `[b, kv_heads, n, head_dim]`,
-    /// keys rotated.
-    pub fn keys_values(&self, x: &Tensor, pos0: usize) -> Result<(Tensor, Tensor)> {
+    /// expects, or a context feature) at `positions`: each `[b, kv_heads, n, head_dim]`, keys
+    /// rotated.
+    pub fn keys_values(&self, x: &Tensor, positions: &[usize]) -> Result<(Tensor, Tensor)> {
         let s = &self.shape;
         let (b, n, _) = x.dims3()?;
         let (hk, d) = (s.num_key_value_heads, s.head_dim);
@@ -151,20 +211,20 @@ impl HeadBlock {
         }
         let k = k.transpose(1, 2)?;
         let v = self.v.forward(x)?.reshape((b, n, hk, d))?.transpose(1, 2)?.contiguous()?;
-        let (cos, sin) = rope_tables(s, pos0, n, x.device())?;
+        let (cos, sin) = rope_tables(s, positions, x.device())?;
         Ok((self.rope(&k, &cos, &sin)?, v))
     }
 
-    /// Run the block on `x` (`[b, n, hidden]`, rows at positions `pos0 .. pos0 + n`), attending
-    /// to `past` keys and values (each `[b, kv_heads, m, head_dim]`, rotated) and to the new rows
-    /// as `mask` says. Returns the block's output `[b, n, hidden]` and the new rows' keys and
-    /// values (`[b, kv_heads, n, head_dim]`) for the caller's cache.
+    /// Run the block on `x` (`[b, n, hidden]`, rows at `positions`), attending to `past` keys
+    /// and values (each `[b, kv_heads, m, head_dim]`, rotated) and to the new rows as `mask`
+    /// says. Returns the block's output `[b, n, hidden]` and the new rows' keys and values
+    /// (`[b, kv_heads, n, head_dim]`) for the caller's cache.
     pub fn forward(
         &self,
         x: &Tensor,
-        pos0: usize,
+        positions: &[usize],
         past: Option<(&Tensor, &Tensor)>,
-        mask: AttnMask,
+        mask: &AttnMask,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let s = &self.shape;
         let (b, n, _) = x.dims3()?;
@@ -174,9 +234,9 @@ impl HeadBlock {
         if let Some(qn) = &self.q_norm {
             q = rms_norm(&q, qn, s.rms_norm_eps)?;
         }
-        let (cos, sin) = rope_tables(s, pos0, n, x.device())?;
+        let (cos, sin) = rope_tables(s, positions, x.device())?;
         let q = self.rope(&q.transpose(1, 2)?, &cos, &sin)?;
-        let (k_new, v_new) = self.keys_values(&h, pos0)?;
+        let (k_new, v_new) = self.keys_values(&h, positions)?;
         let (k, v) = match past {
             Some((pk, pv)) => (Tensor::cat(&[pk, &k_new], 2)?, Tensor::cat(&[pv, &v_new], 2)?),
             None => (k_new.clone(), v_new.clone()),
@@ -194,6 +254,7 @@ impl HeadBlock {
         let scores = (q.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
         let scores = match mask {
             AttnMask::Bidirectional => scores,
+            AttnMask::Bias(b) => scores.broadcast_add(b)?,
             AttnMask::Causal => {
                 let mut bias = vec![0f32; n * (m + n)];
                 for i in 0..n {
@@ -293,10 +354,10 @@ impl NamedTensors {
         let (h, f) = (s.hidden_size, s.intermediate_size);
         let (qd, kd) = (s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim);
         let lin = |name: &str, out: usize, inp: usize| -> Result<Dense> {
-            Ok(Dense {
-                w: self.get(&format!("{prefix}{name}.weight"), &[out, inp], "a projection")?,
-                b: self.opt(&format!("{prefix}{name}.bias"), &[out], "a projection bias")?,
-            })
+            Ok(Dense::new(
+                self.get(&format!("{prefix}{name}.weight"), &[out, inp], "a projection")?,
+                self.opt(&format!("{prefix}{name}.bias"), &[out], "a projection bias")?,
+            ))
         };
         Ok(HeadBlock {
             shape: s.clone(),
@@ -356,6 +417,8 @@ pub fn block_tensors(b: &HeadBlock, prefix: &str) -> Vec<(String, Tensor)> {
 #[derive(Debug, Clone)]
 pub struct DraftVocab {
     pub rows: Tensor,
+    /// For drafting: `rows` in Q8_0 on our kernels ([`DraftVocab::quantize_for_drafting`]).
+    pub fast: Option<Arc<Linear>>,
     /// `None`: row `i` is token `i` (the full vocabulary).
     pub ids: Option<Vec<u32>>,
     pub vocab_size: usize,
@@ -379,13 +442,28 @@ impl DraftVocab {
         let rows = model.lm_head_rows(pick)?;
         Ok(Self {
             rows,
+            fast: None,
             ids,
             vocab_size: v,
         })
     }
 
+    /// Use a Q8_0 copy of the rows from now on (drafting, not training).
+    pub fn quantize_for_drafting(&mut self) -> Result<()> {
+        self.fast = quantize(&self.rows, None)?;
+        Ok(())
+    }
+
     /// Logits `[.., rows]` of normed hidden states `[.., hidden]`.
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        if let Some(f) = &self.fast {
+            let mut dims = h.dims().to_vec();
+            let inp = dims.pop().unwrap_or(1);
+            let rows: usize = dims.iter().product();
+            let y = f.forward(&h.reshape((rows, inp))?)?;
+            dims.push(y.dim(1)?);
+            return Ok(y.reshape(dims)?);
+        }
         Ok(match h.rank() {
             2 => h.matmul(&self.rows.t()?)?,
             _ => h.broadcast_matmul(&self.rows.t()?)?,

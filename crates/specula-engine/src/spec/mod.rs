@@ -8,6 +8,7 @@
 //! invariant decodes plain AR and says so in its stats.
 
 pub mod controller;
+pub mod block;
 pub mod draft_model;
 pub mod head;
 pub mod mtp;
@@ -21,10 +22,10 @@ pub use controller::DraftLength;
 /// Which drafter a request uses.
 ///
 /// `default` and `on` pick the best drafter the engine has: the attached draft model, else the
-/// attached MTP head, else n-gram lookup. `default` will later follow a measured tuning file (it may choose AR); `on` always
+/// attached MTP head, else the attached block drafter, else n-gram lookup. `default` will later follow a measured tuning file (it may choose AR); `on` always
 /// speculates where it is exact, with the adaptive controller deciding k per step. `ngram` and
-/// `draft` and `mtp` name a drafter explicitly (`draft` or `mtp` without the drafter attached is a
-/// request error).
+/// `draft`, `mtp` and `block` name a drafter explicitly (one that is not attached is a request
+/// error).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SpecMode {
@@ -41,6 +42,8 @@ pub enum SpecMode {
     Draft,
     /// The attached MTP head ([`mtp`]).
     Mtp,
+    /// The attached block drafter ([`block`]).
+    Block,
 }
 
 impl SpecMode {
@@ -53,6 +56,7 @@ impl SpecMode {
             "ngram" => Self::Ngram,
             "draft" => Self::Draft,
             "mtp" => Self::Mtp,
+            "block" => Self::Block,
             _ => return None,
         })
     }
@@ -65,6 +69,7 @@ impl SpecMode {
             Self::Ngram => "ngram",
             Self::Draft => "draft",
             Self::Mtp => "mtp",
+            Self::Block => "block",
         }
     }
 }

@@ -24,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::head::{block_tensors, rms_norm, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
+use super::head::{block_tensors, rms_norm, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
 use crate::sampling::{argmax, Sampler, SamplingParams};
@@ -100,14 +100,14 @@ impl MtpWeights {
         Ok(Self {
             enorm: t.get(&format!("{p}enorm.weight"), &[h], "the embedding norm")?,
             hnorm: t.get(&format!("{p}hnorm.weight"), &[h], "the hidden-state norm")?,
-            eh_proj: Dense {
-                w: t.get(
+            eh_proj: Dense::new(
+                t.get(
                     &format!("{p}eh_proj.weight"),
                     &[h, 2 * h],
                     "hidden × [embedding ; hidden state]",
                 )?,
-                b: None,
-            },
+                None,
+            ),
             block: t.block(p, shape)?,
             norm: t.get(&format!("{p}shared_head.norm.weight"), &[h], "the final norm")?,
         })
@@ -125,7 +125,7 @@ impl MtpWeights {
         let eps = self.block.shape.rms_norm_eps;
         let x = Tensor::cat(&[&rms_norm(emb, &self.enorm, eps)?, &rms_norm(hidden, &self.hnorm, eps)?], 2)?;
         let x = self.eh_proj.forward(&x)?;
-        self.block.forward(&x, pos0, past, AttnMask::Causal)
+        self.block.forward(&x, &span(pos0, x.dim(1)?), past, &AttnMask::Causal)
     }
 
     /// The tensors in DeepSeek-V3 naming under `model.layers.{layer}.`, for writing.
@@ -217,10 +217,10 @@ impl MtpHead {
                 MtpWeights {
                     enorm: t.get("mtp.pre_fc_norm_embedding.weight", &[h], "the embedding norm")?,
                     hnorm: t.get("mtp.pre_fc_norm_hidden.weight", &[h], "the hidden-state norm")?,
-                    eh_proj: Dense {
-                        w: t.get("mtp.fc.weight", &[h, 2 * h], "hidden × [embedding ; hidden state]")?,
-                        b: None,
-                    },
+                    eh_proj: Dense::new(
+                        t.get("mtp.fc.weight", &[h, 2 * h], "hidden × [embedding ; hidden state]")?,
+                        None,
+                    ),
                     block: t.block("mtp.layers.0.", &shape)?,
                     norm: t.get("mtp.norm.weight", &[h], "the final norm")?,
                 },
@@ -242,7 +242,12 @@ impl MtpHead {
                     .collect::<Vec<u32>>(),
             ),
         };
-        let vocab = DraftVocab::from_target(target, ids).with_context(|| format!("{}: draft_vocab", t.file))?;
+        let mut vocab = DraftVocab::from_target(target, ids).with_context(|| format!("{}: draft_vocab", t.file))?;
+        // Drafting reads Q8_0 copies of the weights (a quarter of the f32 bytes per token).
+        let mut weights = weights;
+        weights.eh_proj.quantize_for_drafting()?;
+        weights.block.quantize_for_drafting()?;
+        vocab.quantize_for_drafting()?;
         let tap = config.hidden_source.tap(tc.num_layers);
         Ok(Self {
             config: MtpConfig {

@@ -1,0 +1,404 @@
+//! Block drafter (DFlash: Chen, Liang, Liu, "Block Diffusion for Flash Speculative Decoding",
+//! arXiv 2602.06036): a few transformer layers that propose a whole block of tokens in one
+//! forward pass, conditioned on the target's hidden states.
+//!
+//! - **Context feature.** For every committed position `p`, the target's hidden states at the
+//!   configured layers (`target_layer_ids`, shallow to deep; layer `i` = block `i`'s output) are
+//!   concatenated and projected: `c_p = RMSNorm_hidden(fc [h^{l_1}_p ; … ; h^{l_L}_p])`.
+//! - **Injection.** Every drafter layer turns `c_p` into keys and values with its own `k_proj` /
+//!   `v_proj` (keys rotated at position `p`); they sit in the drafter's KV cache, extended as
+//!   tokens are committed.
+//! - **Block.** The anchor (the last committed token, at position `n - 1`) and `block_size - 1`
+//!   mask tokens (`mask_token_id`) at positions `n - 1 ..`, embedded with the target's table, go
+//!   through the layers attending to every context key and to each other in both directions;
+//!   after the final norm, mask row `i` gives the logits of the token at position `n - 1 + i`
+//!   (the target's LM head rows, optionally a reduced draft vocabulary).
+//!
+//! Layout: the `drafter/` folder's `config.json` (`block_size`, `target_layer_ids` at the top or
+//! in `dflash_config`, `mask_token_id`, optional shape fields, default the target's) and
+//! safetensors with `fc.weight` `[h, L × target_h]`, `hidden_norm.weight`, `norm.weight`,
+//! `layers.{i}.*` (optionally under `model.`), and optionally `draft_vocab`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::head::{block_tensors, rms_norm, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
+use super::{Drafter, Proposal};
+use crate::model::{Embedding, Model};
+use crate::sampling::{argmax, Sampler, SamplingParams};
+
+/// A block drafter's `config.json`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct BlockConfig {
+    #[serde(default)]
+    pub model_type: Option<String>,
+    #[serde(default)]
+    pub block_size: Option<usize>,
+    #[serde(default)]
+    pub target_layer_ids: Option<Vec<usize>>,
+    #[serde(default)]
+    pub mask_token_id: Option<u32>,
+    #[serde(default)]
+    pub num_hidden_layers: Option<usize>,
+    #[serde(default)]
+    pub vocab_size: Option<usize>,
+    #[serde(default, flatten)]
+    pub shape: Option<BlockShape>,
+    #[serde(default)]
+    pub dflash_config: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<serde_json::Value>,
+}
+
+/// The weights of a block drafter (dense f32 for training, Q8_0 copies for drafting).
+#[derive(Debug, Clone)]
+pub struct BlockWeights {
+    /// `[h, L × target_h]`.
+    pub fc: Dense,
+    pub hidden_norm: Tensor,
+    pub layers: Vec<HeadBlock>,
+    pub norm: Tensor,
+}
+
+impl BlockWeights {
+    /// Read the weights (names under `prefix`, `""` or `"model."`).
+    pub fn from_named(t: &NamedTensors, prefix: &str, shape: &BlockShape, n_taps: usize, target_h: usize, layers: usize) -> Result<Self> {
+        let h = shape.hidden_size;
+        let mut ls = Vec::with_capacity(layers);
+        for i in 0..layers {
+            ls.push(t.block(&format!("{prefix}layers.{i}."), shape)?);
+        }
+        Ok(Self {
+            fc: Dense::new(
+                t.get(
+                    &format!("{prefix}fc.weight"),
+                    &[h, n_taps * target_h],
+                    "hidden × (target layers × target hidden)",
+                )?,
+                None,
+            ),
+            hidden_norm: t.get(&format!("{prefix}hidden_norm.weight"), &[h], "the context-feature norm")?,
+            layers: ls,
+            norm: t.get(&format!("{prefix}norm.weight"), &[h], "the final norm")?,
+        })
+    }
+
+    /// The tensors by name (no prefix), for writing.
+    pub fn tensors(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![
+            ("fc.weight".to_string(), self.fc.w.clone()),
+            ("hidden_norm.weight".to_string(), self.hidden_norm.clone()),
+            ("norm.weight".to_string(), self.norm.clone()),
+        ];
+        for (i, l) in self.layers.iter().enumerate() {
+            v.extend(block_tensors(l, &format!("layers.{i}.")));
+        }
+        v
+    }
+
+    /// Context features `[b, n, h]` of concatenated target hidden states `[b, n, L × target_h]`.
+    pub fn context(&self, taps: &Tensor) -> Result<Tensor> {
+        let eps = self.layers.first().map_or(1e-6, |l| l.shape.rms_norm_eps);
+        rms_norm(&self.fc.forward(taps)?, &self.hidden_norm, eps)
+    }
+
+    /// Per layer, the context keys and values of features `c` (`[b, n, h]`) at `positions`.
+    pub fn context_kv(&self, c: &Tensor, positions: &[usize]) -> Result<Vec<(Tensor, Tensor)>> {
+        self.layers.iter().map(|l| l.keys_values(c, positions)).collect()
+    }
+
+    /// The block rows `x` (`[b, r, h]` embeddings at `positions`) through every layer, attending
+    /// to `ctx` (per layer keys and values) as `mask` says; returns the final-normed rows.
+    pub fn forward(&self, x: &Tensor, positions: &[usize], ctx: &[(Tensor, Tensor)], mask: &AttnMask) -> Result<Tensor> {
+        let mut x = x.clone();
+        for (l, (k, v)) in self.layers.iter().zip(ctx) {
+            x = l.forward(&x, positions, Some((k, v)), mask)?.0;
+        }
+        let eps = self.layers.first().map_or(1e-6, |l| l.shape.rms_norm_eps);
+        rms_norm(&x, &self.norm, eps)
+    }
+
+    fn quantize_for_drafting(&mut self) -> Result<()> {
+        self.fc.quantize_for_drafting()?;
+        for l in self.layers.iter_mut() {
+            l.quantize_for_drafting()?;
+        }
+        Ok(())
+    }
+}
+
+/// A loaded block drafter.
+#[derive(Debug)]
+pub struct BlockDrafterModel {
+    pub config: BlockConfig,
+    pub block_size: usize,
+    /// Target taps (block outputs), shallow to deep.
+    pub taps: Vec<usize>,
+    pub mask_token: u32,
+    pub weights: BlockWeights,
+    pub vocab: DraftVocab,
+    pub embedding: Embedding,
+    pub source: String,
+}
+
+impl BlockDrafterModel {
+    /// Load a block drafter for `target` from its folder (config.json + safetensors). Errors name
+    /// the file and the field or tensor: a missing `block_size`, a target layer out of range, a
+    /// mask token outside the vocabulary, a tensor of the wrong shape.
+    pub fn load(dir: &Path, target: &Model) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
+        let config: BlockConfig =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a valid block drafter config", cfg_path.display()))?;
+        let t = NamedTensors::read(dir)?;
+        Self::from_parts(config, &t, target, &cfg_path.display().to_string())
+    }
+
+    pub fn from_parts(config: BlockConfig, t: &NamedTensors, target: &Model, cfg_file: &str) -> Result<Self> {
+        let tc = target.config();
+        let nested = |k: &str| config.dflash_config.as_ref().and_then(|d| d.get(k)).cloned();
+        let block_size = config
+            .block_size
+            .or_else(|| nested("block_size").and_then(|v| v.as_u64()).map(|v| v as usize))
+            .with_context(|| format!("{cfg_file}: missing 'block_size'"))?;
+        if !(2..=64).contains(&block_size) {
+            bail!("{cfg_file}: 'block_size' {block_size} must be between 2 and 64");
+        }
+        let taps: Vec<usize> = match config.target_layer_ids.clone() {
+            Some(v) => v,
+            None => nested("target_layer_ids")
+                .and_then(|v| serde_json::from_value(v).ok())
+                .with_context(|| format!("{cfg_file}: missing 'target_layer_ids'"))?,
+        };
+        if taps.is_empty() {
+            bail!("{cfg_file}: 'target_layer_ids' is empty");
+        }
+        if let Some(&bad) = taps.iter().find(|&&l| l >= tc.num_layers) {
+            bail!(
+                "{cfg_file}: 'target_layer_ids' names layer {bad}, but the target has layers 0..{}",
+                tc.num_layers
+            );
+        }
+        let mask_token = config
+            .mask_token_id
+            .or_else(|| nested("mask_token_id").and_then(|v| v.as_u64()).map(|v| v as u32))
+            .with_context(|| format!("{cfg_file}: missing 'mask_token_id'"))?;
+        if mask_token as usize >= tc.vocab_size {
+            bail!(
+                "{cfg_file}: 'mask_token_id' {mask_token} is outside the target's vocabulary ({} tokens)",
+                tc.vocab_size
+            );
+        }
+        if let Some(v) = config.vocab_size.filter(|&v| v != tc.vocab_size) {
+            bail!("{cfg_file}: 'vocab_size' {v} does not match the target's ({})", tc.vocab_size);
+        }
+        let shape = config.shape.clone().unwrap_or_else(|| BlockShape::of_target(target));
+        if shape.hidden_size != tc.hidden_size {
+            bail!(
+                "{cfg_file}: 'hidden_size' {} differs from the target's {} (the drafter borrows the target's embedding and LM head)",
+                shape.hidden_size,
+                tc.hidden_size
+            );
+        }
+        let prefix = if t.map.contains_key("model.fc.weight") {
+            "model."
+        } else {
+            ""
+        };
+        let layers = match config.num_hidden_layers {
+            Some(n) => n,
+            None => (0..)
+                .take_while(|i| t.map.contains_key(&format!("{prefix}layers.{i}.input_layernorm.weight")))
+                .count(),
+        };
+        if layers == 0 {
+            bail!("{}: no drafter layers ({prefix}layers.0.*)", t.file);
+        }
+        let mut weights = BlockWeights::from_named(t, prefix, &shape, taps.len(), tc.hidden_size, layers)?;
+        let ids = match t.map.get("draft_vocab") {
+            None => None,
+            Some(ids) => Some(
+                ids.to_dtype(DType::I64)
+                    .and_then(|x| x.flatten_all()?.to_vec1::<i64>())
+                    .with_context(|| format!("{}: tensor 'draft_vocab' is not a list of token ids", t.file))?
+                    .into_iter()
+                    .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
+                    .collect::<Vec<u32>>(),
+            ),
+        };
+        let mut vocab = DraftVocab::from_target(target, ids).with_context(|| format!("{}: draft_vocab", t.file))?;
+        weights.quantize_for_drafting()?;
+        vocab.quantize_for_drafting()?;
+        Ok(Self {
+            config: BlockConfig {
+                shape: Some(shape),
+                ..config
+            },
+            block_size,
+            taps,
+            mask_token,
+            weights,
+            vocab,
+            embedding: target.embedding.clone(),
+            source: t.file.clone(),
+        })
+    }
+}
+
+/// A block drafter's per-request state: the target hidden states of committed positions and the
+/// context keys and values of every drafter layer.
+pub struct BlockDrafter {
+    model: Arc<BlockDrafterModel>,
+    /// Per tap, target hidden rows for positions `base .. base + n`, row-major.
+    hidden: Vec<Vec<f32>>,
+    base: usize,
+    /// Context keys / values per layer for positions `base .. base + ctx_len`.
+    ctx: Vec<(Tensor, Tensor)>,
+    ctx_len: usize,
+    sampler: Option<Sampler>,
+}
+
+impl BlockDrafter {
+    pub fn new(model: Arc<BlockDrafterModel>, params: &SamplingParams, seed: u64) -> Self {
+        let sampler = (!params.is_greedy()).then(|| {
+            Sampler::new(SamplingParams {
+                repetition_penalty: 1.0,
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
+                seed: Some(seed),
+                ..params.clone()
+            })
+        });
+        let n = model.taps.len();
+        Self {
+            model,
+            hidden: vec![Vec::new(); n],
+            base: 0,
+            ctx: Vec::new(),
+            ctx_len: 0,
+            sampler,
+        }
+    }
+
+    fn target_h(&self) -> usize {
+        self.model.weights.fc.w.dim(1).unwrap_or(0) / self.model.taps.len()
+    }
+
+    fn n_hidden(&self) -> usize {
+        self.hidden[0].len() / self.target_h().max(1)
+    }
+
+    /// Extend the context keys / values to every observed position.
+    fn extend_context(&mut self) -> Result<()> {
+        let n = self.n_hidden();
+        if self.ctx_len >= n {
+            return Ok(());
+        }
+        let th = self.target_h();
+        let rows = n - self.ctx_len;
+        let parts: Vec<Tensor> = self
+            .hidden
+            .iter()
+            .map(|h| Tensor::from_slice(&h[self.ctx_len * th..n * th], (1, rows, th), &Device::Cpu))
+            .collect::<candle_core::Result<_>>()?;
+        let cat = Tensor::cat(&parts, 2)?;
+        let c = self.model.weights.context(&cat)?;
+        let kv = self.model.weights.context_kv(&c, &span(self.base + self.ctx_len, rows))?;
+        self.ctx = if self.ctx.is_empty() {
+            kv
+        } else {
+            self.ctx
+                .iter()
+                .zip(kv)
+                .map(|((pk, pv), (k, v))| Ok((Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)))
+                .collect::<Result<_>>()?
+        };
+        self.ctx_len = n;
+        Ok(())
+    }
+}
+
+impl Drafter for BlockDrafter {
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
+        let n = context.len();
+        let bs = self.model.block_size;
+        // The context must cover positions up to n - 2 (the anchor n - 1 is not in the target yet).
+        if k == 0 || n < 2 || self.n_hidden() == 0 || self.base + self.n_hidden() < n - 1 {
+            return Ok(Proposal::default());
+        }
+        self.extend_context()?;
+        let k = k.min(bs - 1);
+        let mut ids = vec![self.model.mask_token; bs];
+        ids[0] = context[n - 1];
+        let x = self.model.embedding.forward(&ids, &Device::Cpu)?.unsqueeze(0)?;
+        let out = self
+            .model
+            .weights
+            .forward(&x, &span(n - 1, bs), &self.ctx, &AttnMask::Bidirectional)?;
+        let logits = self.model.vocab.logits(&out.i((0, 1..=k, ..))?)?.to_vec2::<f32>()?;
+        let mut tokens = Vec::with_capacity(k);
+        let mut qs = Vec::with_capacity(k);
+        for row in &logits {
+            match self.sampler.as_mut() {
+                None => tokens.push(self.model.vocab.token(argmax(row) as usize)),
+                Some(s) => {
+                    let dist = s.distribution(&self.model.vocab.full_row(row));
+                    tokens.push(s.draw(&dist));
+                    qs.push(dist);
+                }
+            }
+        }
+        Ok(Proposal {
+            tokens,
+            q: self.sampler.is_some().then_some(qs),
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        "block"
+    }
+
+    fn taps(&self) -> &[usize] {
+        &self.model.taps
+    }
+
+    fn observe(&mut self, start: usize, n: usize, hidden: &[&[f32]]) -> Result<()> {
+        let th = self.target_h();
+        if hidden.len() != self.hidden.len() || hidden.iter().any(|h| h.len() != n * th) {
+            bail!("block drafter: expected {} taps of {n} rows of {th}", self.hidden.len());
+        }
+        let end = self.base + self.n_hidden();
+        if self.hidden[0].is_empty() || start > end || start < self.base {
+            for h in self.hidden.iter_mut() {
+                h.clear();
+            }
+            self.base = start;
+            self.ctx.clear();
+            self.ctx_len = 0;
+        } else if start < end {
+            let keep = start - self.base;
+            for h in self.hidden.iter_mut() {
+                h.truncate(keep * th);
+            }
+            if keep == 0 {
+                self.ctx.clear();
+                self.ctx_len = 0;
+            } else if self.ctx_len > keep {
+                self.ctx = self
+                    .ctx
+                    .iter()
+                    .map(|(k, v)| Ok((k.narrow(2, 0, keep)?, v.narrow(2, 0, keep)?)))
+                    .collect::<Result<_>>()?;
+                self.ctx_len = keep;
+            }
+        }
+        for (dst, src) in self.hidden.iter_mut().zip(hidden) {
+            dst.extend_from_slice(src);
+        }
+        Ok(())
+    }
+}
