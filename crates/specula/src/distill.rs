@@ -16,9 +16,20 @@ pub struct DistillArgs {
     /// The target: a GGUF file, a bundle directory or a catalog name (pulled if missing).
     #[arg(long, default_value = DEFAULT_MODEL)]
     target: String,
-    /// What to train: `mtp` (a multi-token-prediction head, DeepSeek-V3 §2.2).
+    /// What to train: `mtp` (a multi-token-prediction head, DeepSeek-V3 §2.2) or `block` (a
+    /// block drafter, DFlash).
     #[arg(long, value_enum, default_value = "mtp")]
     kind: Kind,
+    /// Block drafter: tokens per block (it drafts block_size - 1 per pass).
+    #[arg(long, default_value_t = 8)]
+    block_size: usize,
+    /// Block drafter: transformer layers.
+    #[arg(long, default_value_t = 1)]
+    block_layers: usize,
+    /// Block drafter: the target layers whose hidden states it reads, comma-separated
+    /// (default: a third, two thirds and the last).
+    #[arg(long, value_delimiter = ',')]
+    target_layers: Option<Vec<usize>>,
     /// Output directory: the head (config.json + model.safetensors), the training record, and
     /// the data cache and checkpoints that let an interrupted run resume.
     #[arg(long)]
@@ -82,6 +93,7 @@ pub struct DistillArgs {
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
 enum Kind {
     Mtp,
+    Block,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
@@ -91,7 +103,6 @@ enum Source {
 }
 
 pub fn run(a: DistillArgs) -> Result<()> {
-    let Kind::Mtp = a.kind;
     if a.batch == 0 || a.seq_len < 2 {
         bail!("--batch must be at least 1 and --seq-len at least 2");
     }
@@ -120,6 +131,9 @@ pub fn run(a: DistillArgs) -> Result<()> {
             Source::PreNorm => HiddenSource::PreNorm,
             Source::PostNorm => HiddenSource::PostNorm,
         },
+        block_size: a.block_size,
+        block_layers: a.block_layers,
+        block_taps: a.target_layers.clone(),
         seed: a.seed,
     };
     let mut bar: Option<ProgressBar> = None;
@@ -181,7 +195,11 @@ pub fn run(a: DistillArgs) -> Result<()> {
             None => eprintln!("{n}"),
         },
     };
-    let report = distill::run_mtp(&mut engine, &path, a.init.as_deref(), &opts, &mut on_progress)?;
+    let kind = match a.kind {
+        Kind::Mtp => distill::HeadKind::Mtp,
+        Kind::Block => distill::HeadKind::Block,
+    };
+    let report = distill::run(&mut engine, &path, a.init.as_deref(), kind, &opts, &mut on_progress)?;
     if let Some(b) = bar.take() {
         b.finish();
     }
@@ -197,9 +215,13 @@ pub fn run(a: DistillArgs) -> Result<()> {
             a.out.display()
         );
         eprintln!(
-            "use it: specula serve {} --drafter {} --spec mtp",
+            "use it: specula serve {} --drafter {} --spec {}",
             a.target,
-            a.out.display()
+            a.out.display(),
+            match a.kind {
+                Kind::Mtp => "mtp",
+                Kind::Block => "block",
+            }
         );
     } else {
         eprintln!(

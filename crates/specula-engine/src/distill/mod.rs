@@ -61,6 +61,11 @@ pub struct DistillOptions {
     /// Ignore an existing checkpoint and start over.
     pub restart: bool,
     pub hidden_source: HiddenSource,
+    /// Block drafters: tokens per block (drafts `block_size - 1` per pass), drafter layers, and
+    /// the target layers read (`None`: [`default_block_taps`]).
+    pub block_size: usize,
+    pub block_layers: usize,
+    pub block_taps: Option<Vec<usize>>,
     pub seed: u64,
 }
 
@@ -86,6 +91,9 @@ impl Default for DistillOptions {
             stop_after: None,
             restart: false,
             hidden_source: HiddenSource::PreNorm,
+            block_size: 8,
+            block_layers: 1,
+            block_taps: None,
             seed: 0,
         }
     }
@@ -106,10 +114,15 @@ pub enum Progress {
     Note(String),
 }
 
+/// Which head `specula distill` trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadKind {
+    Mtp,
+    Block,
+}
+
 /// Everything `specula distill` does for an MTP head: data, teacher pass, training, output.
-/// `model_path`: the target's GGUF file or bundle directory (for the initial block); `init`: an
-/// existing head to continue from. Errors before any training step when a head or checkpoint
-/// does not fit the target (the message names the file and the tensor).
+/// See [`run`].
 pub fn run_mtp(
     engine: &mut crate::Engine,
     model_path: &std::path::Path,
@@ -117,23 +130,70 @@ pub fn run_mtp(
     opts: &DistillOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> anyhow::Result<train::TrainReport> {
-    // A head to start from must fit before anything expensive runs.
-    if let Some(p) = init {
-        crate::spec::mtp::MtpHead::load(p, engine.model())?;
-    }
+    run(engine, model_path, init, HeadKind::Mtp, opts, progress)
+}
+
+/// The target layers a block drafter reads by default: three, spread from a third of the depth
+/// to the last block.
+pub fn default_block_taps(num_layers: usize) -> Vec<usize> {
+    let mut v = vec![num_layers / 3, 2 * num_layers / 3, num_layers - 1];
+    v.dedup();
+    v
+}
+
+/// Everything `specula distill` does: data, teacher pass, training, output, for a head of
+/// `kind`. `model_path`: the target's GGUF file or bundle directory (for the initial block);
+/// `init`: an existing head to continue from. Errors before any training step when a head or
+/// checkpoint does not fit the target (the message names the file and the tensor).
+pub fn run(
+    engine: &mut crate::Engine,
+    model_path: &std::path::Path,
+    init: Option<&std::path::Path>,
+    kind: HeadKind,
+    opts: &DistillOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> anyhow::Result<train::TrainReport> {
+    let layers = engine.config().num_layers;
+    let (spec, taps) = match kind {
+        HeadKind::Mtp => {
+            // A head to start from must fit before anything expensive runs.
+            if let Some(p) = init {
+                crate::spec::mtp::MtpHead::load(p, engine.model())?;
+            }
+            (train::HeadSpec::Mtp, vec![opts.hidden_source.tap(layers)])
+        }
+        HeadKind::Block => {
+            let taps = opts.block_taps.clone().unwrap_or_else(|| default_block_taps(layers));
+            if let Some(&bad) = taps.iter().find(|&&t| t >= layers) {
+                anyhow::bail!("--target-layers names layer {bad}, but the target has layers 0..{layers}");
+            }
+            if opts.block_size < 2 {
+                anyhow::bail!("--block-size must be at least 2");
+            }
+            let spec = train::HeadSpec::Block {
+                block_size: opts.block_size,
+                taps: taps.clone(),
+                layers: opts.block_layers.max(1),
+                mask_token: mask_token(engine),
+            };
+            if let Some(p) = init {
+                crate::spec::block::BlockDrafterModel::load(p, engine.model())?;
+            }
+            (spec, taps)
+        }
+    };
     std::fs::create_dir_all(&opts.out)?;
     let seqs = data::sequences(engine, opts, progress)?;
-    let tap = opts.hidden_source.tap(engine.config().num_layers);
     let teacher = teacher::teacher(
         engine.model(),
         &seqs,
-        tap,
+        &taps,
         opts.top_k.max(1),
         &opts.out.join("data"),
         progress,
     )?;
     let eos = engine.eos_ids().to_vec();
-    let report = train::train(engine.model(), &eos, model_path, init, &teacher, opts, progress)?;
+    let report = train::train(engine.model(), &eos, model_path, init, &spec, &teacher, opts, progress)?;
     if report.finished {
         let rec = opts.out.join("training.json");
         std::fs::write(
@@ -146,4 +206,24 @@ pub fn run_mtp(
         )?;
     }
     Ok(report)
+}
+
+/// The block drafter's mask token: a special token the chat format does not use (the first
+/// control token that is neither an end-of-generation id nor in the chat template's markers),
+/// else the last id of the vocabulary.
+fn mask_token(engine: &crate::Engine) -> u32 {
+    let tok = engine.tokenizer();
+    let eos = engine.eos_ids();
+    let v = engine.config().vocab_size as u32;
+    let chat_markers = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>"];
+    (0..v.min(512))
+        .find(|&id| {
+            let text = tok.token_text(id);
+            !eos.contains(&id)
+                && text.starts_with('<')
+                && text.ends_with('>')
+                && text.len() > 2
+                && !chat_markers.contains(&text.as_str())
+        })
+        .unwrap_or(v - 1)
 }

@@ -18,13 +18,13 @@ use crate::model::{LogitsRows, Model};
 pub struct Teacher {
     pub hidden_size: usize,
     pub top_k: usize,
-    /// The tap the hidden states come from.
-    pub tap: usize,
+    /// The taps the hidden states come from (each row holds them concatenated, in order).
+    pub taps: Vec<usize>,
     /// All sequences' tokens, concatenated.
     pub tokens: Vec<u32>,
     /// Sequence `s` is `tokens[offsets[s] .. offsets[s + 1]]`.
     pub offsets: Vec<usize>,
-    /// `[N, hidden]`: the tapped hidden state after each token.
+    /// `[N, taps × hidden]`: the tapped hidden states after each token.
     pub hidden: Vec<f16>,
     /// `[N, top_k]`: the target's most likely next tokens after each position, and their
     /// probabilities (softmax at temperature 1 over the full vocabulary).
@@ -39,6 +39,11 @@ impl Teacher {
 
     pub fn sequences(&self) -> usize {
         self.offsets.len() - 1
+    }
+
+    /// Values per position in `hidden` (taps × hidden size).
+    pub fn width(&self) -> usize {
+        self.taps.len() * self.hidden_size
     }
 }
 
@@ -60,13 +65,19 @@ pub fn top_probs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
-fn fingerprint(seqs: &Sequences, tap: usize, top_k: usize) -> u64 {
+fn fingerprint(seqs: &Sequences, taps: &[usize], top_k: usize) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |x: u64| {
         h ^= x;
         h = h.wrapping_mul(0x100_0000_01b3);
     };
-    eat(tap as u64);
+    if let [one] = taps {
+        eat(*one as u64);
+    } else {
+        for &t in taps {
+            eat(t as u64 + 1);
+        }
+    }
     eat(top_k as u64);
     for s in &seqs.sequences {
         eat(s.len() as u64);
@@ -77,17 +88,17 @@ fn fingerprint(seqs: &Sequences, tap: usize, top_k: usize) -> u64 {
     h
 }
 
-/// Run the target over `seqs` (or read the cache in `dir`), keeping the hidden state at `tap`
+/// Run the target over `seqs` (or read the cache in `dir`), keeping the hidden states at `taps`
 /// and the top `top_k` next-token probabilities of every position.
 pub fn teacher(
     model: &Model,
     seqs: &Sequences,
-    tap: usize,
+    taps: &[usize],
     top_k: usize,
     dir: &Path,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Teacher> {
-    let key = fingerprint(seqs, tap, top_k);
+    let key = fingerprint(seqs, taps, top_k);
     let path = dir.join("teacher.safetensors");
     if let Some(t) = read_cache(&path, key)? {
         progress(Progress::Note(format!(
@@ -102,7 +113,7 @@ pub fn teacher(
     let mut t = Teacher {
         hidden_size: h,
         top_k,
-        tap,
+        taps: taps.to_vec(),
         tokens: Vec::new(),
         offsets: vec![0],
         hidden: Vec::new(),
@@ -118,9 +129,9 @@ pub fn teacher(
         let seq = &seq[..seq.len().min(ctx)];
         let mut kv = model.new_kv_cache();
         for chunk in seq.chunks(256) {
-            let out = model.forward(chunk, &mut kv, LogitsRows::All, &[tap])?;
+            let out = model.forward(chunk, &mut kv, LogitsRows::All, taps)?;
             let logits = out.logits.to_vec2::<f32>()?;
-            let hid = out.hidden[0].flatten_all()?.to_vec1::<f32>()?;
+            let hid = Tensor::cat(&out.hidden, 1)?.flatten_all()?.to_vec1::<f32>()?;
             t.hidden.extend(hid.iter().map(|&x| f16::from_f32(x)));
             let labels: Vec<Vec<(u32, f32)>> = logits.par_iter().map(|row| top_probs(row, top_k)).collect();
             for l in labels {
@@ -151,12 +162,14 @@ fn write_cache(path: &Path, key: u64, t: &Teacher) -> Result<()> {
     let dev = Device::Cpu;
     let n = t.positions();
     let offsets: Vec<i64> = t.offsets.iter().map(|&o| o as i64).collect();
-    let meta: Vec<i64> = vec![key as i64, t.tap as i64, t.top_k as i64, t.hidden_size as i64];
+    let mut meta: Vec<i64> = vec![key as i64, t.top_k as i64, t.hidden_size as i64, t.taps.len() as i64];
+    meta.extend(t.taps.iter().map(|&x| x as i64));
+    let n_meta = meta.len();
     let map: HashMap<String, Tensor> = [
-        ("meta", Tensor::from_vec(meta, 4, &dev)?),
+        ("meta", Tensor::from_vec(meta, n_meta, &dev)?),
         ("tokens", Tensor::from_vec(t.tokens.clone(), n, &dev)?),
         ("offsets", Tensor::from_vec(offsets, t.offsets.len(), &dev)?),
-        ("hidden", Tensor::from_vec(t.hidden.clone(), (n, t.hidden_size), &dev)?),
+        ("hidden", Tensor::from_vec(t.hidden.clone(), (n, t.width()), &dev)?),
         ("label_ids", Tensor::from_vec(t.label_ids.clone(), (n, t.top_k), &dev)?),
         ("label_p", Tensor::from_vec(t.label_p.clone(), (n, t.top_k), &dev)?),
     ]
@@ -180,21 +193,30 @@ fn read_cache(path: &Path, key: u64) -> Result<Option<Teacher>> {
             .with_context(|| format!("{}: missing '{k}'", path.display()))
     };
     let meta = get("meta")?.to_vec1::<i64>()?;
-    if meta.len() != 4 || meta[0] != key as i64 {
+    if meta.len() < 4 || meta[0] != key as i64 {
         return Ok(None);
     }
-    let (tap, top_k, h) = (meta[1] as usize, meta[2] as usize, meta[3] as usize);
+    // [key, top_k, hidden, n_taps, taps...], or the one-tap form [key, tap, top_k, hidden].
+    let (top_k, h, taps) = if meta.len() == 4 {
+        (meta[2] as usize, meta[3] as usize, vec![meta[1] as usize])
+    } else {
+        (
+            meta[1] as usize,
+            meta[2] as usize,
+            meta[4..].iter().map(|&x| x as usize).collect(),
+        )
+    };
     let t = Teacher {
         hidden_size: h,
         top_k,
-        tap,
+        taps,
         tokens: get("tokens")?.to_vec1::<u32>()?,
         offsets: get("offsets")?.to_vec1::<i64>()?.into_iter().map(|o| o as usize).collect(),
         hidden: get("hidden")?.flatten_all()?.to_vec1::<f16>()?,
         label_ids: get("label_ids")?.flatten_all()?.to_vec1::<u32>()?,
         label_p: get("label_p")?.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?,
     };
-    if t.hidden.len() != t.positions() * h || t.label_ids.len() != t.positions() * top_k {
+    if t.hidden.len() != t.positions() * t.width() || t.label_ids.len() != t.positions() * top_k {
         bail!("{}: inconsistent teacher cache (delete it)", path.display());
     }
     Ok(Some(t))

@@ -23,6 +23,8 @@ use super::teacher::Teacher;
 use super::{DistillOptions, Progress};
 use crate::model::Model;
 use crate::spec::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
+use crate::spec::block::{BlockConfig, BlockWeights};
+use crate::spec::head::AttnMask;
 use crate::spec::mtp::{MtpConfig, MtpWeights};
 
 /// What a finished (or stopped) training run reports.
@@ -188,14 +190,63 @@ pub fn layer_prefix(target: &Model) -> String {
     format!("model.layers.{}.", target.config().num_layers)
 }
 
-/// Train an MTP head on `teacher` and write it to `opts.out`. `model_path`: the target's file or
-/// directory (the head's block starts from its last block). `init`: start from an existing head
-/// instead (its shapes must fit the target).
+/// What kind of head to train.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HeadSpec {
+    /// An MTP head ([`crate::spec::mtp`]).
+    Mtp,
+    /// A block drafter ([`crate::spec::block`]) of `layers` layers drafting `block_size - 1`
+    /// tokens per pass from the target taps `taps`, with `mask_token` filling the block.
+    Block {
+        block_size: usize,
+        taps: Vec<usize>,
+        layers: usize,
+        mask_token: u32,
+    },
+}
+
+/// The head being trained (its tensors are the optimizer's variables).
+enum Built {
+    Mtp(MtpWeights),
+    Block(BlockWeights),
+}
+
+impl HeadSpec {
+    /// The prefix of the head's tensor names.
+    fn prefix(&self, target: &Model) -> String {
+        match self {
+            HeadSpec::Mtp => layer_prefix(target),
+            HeadSpec::Block { .. } => String::new(),
+        }
+    }
+
+    /// Build the head from named tensors; errors name the tensor and the shapes.
+    fn build(&self, t: &NamedTensors, target: &Model) -> Result<Built> {
+        let shape = BlockShape::of_target(target);
+        Ok(match self {
+            HeadSpec::Mtp => Built::Mtp(MtpWeights::from_named(t, &self.prefix(target), &shape)?),
+            HeadSpec::Block { taps, layers, .. } => Built::Block(BlockWeights::from_named(
+                t,
+                "",
+                &shape,
+                taps.len(),
+                target.config().hidden_size,
+                *layers,
+            )?),
+        })
+    }
+}
+
+/// Train a head of kind `spec` on `teacher` and write it to `opts.out`. `model_path`: the
+/// target's file or directory (the head's block starts from its last block). `init`: start from
+/// an existing head instead (its shapes must fit the target).
+#[allow(clippy::too_many_arguments)]
 pub fn train(
     target: &Model,
     eos: &[u32],
     model_path: &Path,
     init: Option<&Path>,
+    spec: &HeadSpec,
     teacher: &Teacher,
     opts: &DistillOptions,
     progress: &mut dyn FnMut(Progress),
@@ -211,7 +262,7 @@ pub fn train(
         );
     }
     let shape = BlockShape::of_target(target);
-    let prefix = layer_prefix(target);
+    let prefix = spec.prefix(target);
     // Train / held-out split by sequence (every n-th sequence held out).
     let n_seq = teacher.sequences();
     let every = if opts.held_out > 0.0 {
@@ -233,7 +284,7 @@ pub fn train(
     let vocab_ids = draft_vocab(teacher, opts.draft_vocab, c.vocab_size, eos);
     let key = serde_json::json!({
         "positions": teacher.positions(),
-        "tap": teacher.tap,
+        "taps": teacher.taps,
         "total_steps": total_steps,
         "batch": batch,
         "seq_len": opts.seq_len,
@@ -245,6 +296,7 @@ pub fn train(
         "seed": opts.seed,
         "hidden_size": h,
         "vocab_size": c.vocab_size,
+        "head": format!("{spec:?}"),
     });
     // Weights: a checkpoint (resume), an initial head, or the target's last block.
     let ck = checkpoint_dir(&opts.out);
@@ -264,7 +316,7 @@ pub fn train(
         }
         let t = NamedTensors::read(&ck.join("state.safetensors"))?;
         // Shapes are checked against the target before any step.
-        MtpWeights::from_named(&t, &prefix, &shape)?;
+        spec.build(&t, target)?;
         step = meta.step;
         loss_history = meta.loss_history;
         progress(Progress::Note(format!(
@@ -273,10 +325,21 @@ pub fn train(
         let w = t
             .map
             .iter()
-            .filter(|(k, _)| k.starts_with(&prefix))
+            .filter(|(k, _)| !k.starts_with("adam_") && k.as_str() != "draft_vocab")
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         moments = Some(t);
+        w
+    } else if let (Some(p), HeadSpec::Block { .. }) = (init, spec) {
+        let t = NamedTensors::read(p)?;
+        let strip = if t.map.contains_key("model.fc.weight") { "model." } else { "" };
+        let w: HashMap<String, Tensor> = t
+            .map
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(strip).map(|r| (r.to_string(), v.clone())))
+            .filter(|(k, _)| k != "draft_vocab")
+            .collect();
+        spec.build(&NamedTensors { file: t.file.clone(), map: w.clone() }, target)?;
         w
     } else if let Some(p) = init {
         let t = NamedTensors::read(p)?;
@@ -296,16 +359,18 @@ pub fn train(
             .filter_map(|(k, v)| k.strip_prefix(&from).map(|r| (format!("{prefix}{r}"), v.clone())))
             .collect()
     } else {
-        initial_weights(target, model_path, &prefix, opts.seed)?
+        match spec {
+            HeadSpec::Mtp => initial_weights(target, model_path, &prefix, opts.seed)?,
+            HeadSpec::Block { taps, layers, .. } => initial_block_weights(target, model_path, taps.len(), *layers, opts.seed)?,
+        }
     };
     // Check every shape against the target before training.
-    MtpWeights::from_named(
+    spec.build(
         &NamedTensors {
             file: "initial weights".into(),
             map: weights.clone(),
         },
-        &prefix,
-        &shape,
+        target,
     )?;
     let mut names: Vec<String> = weights.keys().cloned().collect();
     names.sort();
@@ -330,13 +395,12 @@ pub fn train(
             v,
         });
     }
-    let head = MtpWeights::from_named(
+    let head = spec.build(
         &NamedTensors {
             file: "training".into(),
             map: var_map,
         },
-        &prefix,
-        &shape,
+        target,
     )?;
     let vocab = DraftVocab::from_target(target, vocab_ids.clone())?;
     let vrows = vocab.rows.dim(0)?;
@@ -388,13 +452,23 @@ pub fn train(
             .iter()
             .map(|&i| train_w[i])
             .collect();
-        let (loss, rows) = {
-            let (emb, hid, labels, n_rows) = batch_tensors(teacher, &ws, opts.seq_len, embedding, &to_row, vrows)?;
-            let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
-            let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
-            let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-            let loss = ((labels * logp)?.sum_all()? * (-1.0 / n_rows.max(1) as f64))?;
-            (loss, n_rows)
+        let (loss, rows) = match (&head, spec) {
+            (Built::Mtp(head), _) => {
+                let (emb, hid, labels, n_rows) = batch_tensors(teacher, &ws, opts.seq_len, embedding, &to_row, vrows)?;
+                let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
+                let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
+                let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+                let loss = ((labels * logp)?.sum_all()? * (-1.0 / n_rows.max(1) as f64))?;
+                (loss, n_rows)
+            }
+            (Built::Block(bw), HeadSpec::Block { block_size, mask_token, .. }) => {
+                let anchor0 = 1 + (step * 7919 + opts.seed as usize) % (*block_size / 2).max(1);
+                let bb = block_batch(teacher, &ws, opts.seq_len, *block_size, anchor0, *mask_token, embedding, &to_row, vrows)?;
+                let logp = block_logp(bw, &vocab, &bb)?;
+                let loss = ((bb.labels * logp)?.sum_all()? * (-1.0 / bb.rows.max(1) as f64))?;
+                (loss, bb.rows)
+            }
+            _ => bail!("internal: head and spec disagree"),
         };
         let grads = loss.backward()?;
         // Global-norm clipping.
@@ -450,10 +524,12 @@ pub fn train(
         }
     }
     let finished = step >= total_steps;
-    let (held_out_top1, held_rows) = if finished {
-        evaluate(teacher, &held_w, opts.seq_len, &head, &vocab, &to_row, embedding, &shape)?
-    } else {
-        (None, 0)
+    let (held_out_top1, held_rows) = match (&head, spec) {
+        (Built::Mtp(head), _) if finished => evaluate(teacher, &held_w, opts.seq_len, head, &vocab, &to_row, embedding, &shape)?,
+        (Built::Block(bw), HeadSpec::Block { block_size, mask_token, .. }) if finished => {
+            evaluate_block(teacher, &held_w, opts.seq_len, *block_size, *mask_token, bw, &vocab, &to_row, embedding)?
+        }
+        _ => (None, 0),
     };
     let report = TrainReport {
         steps_done: step,
@@ -466,7 +542,12 @@ pub fn train(
         finished,
     };
     if finished {
-        write_head(&opts.out, target, &head, vocab_ids.as_deref(), opts, &report, &loss_history)?;
+        match (&head, spec) {
+            (Built::Mtp(head), _) => write_head(&opts.out, target, head, vocab_ids.as_deref(), opts, &report, &loss_history)?,
+            (Built::Block(bw), _) => {
+                write_block(&opts.out, target, bw, spec, vocab_ids.as_deref(), opts, &report, &loss_history)?
+            }
+        }
     }
     let _ = dev;
     Ok(report)
@@ -496,7 +577,7 @@ fn batch_tensors(
 ) -> Result<(Tensor, Tensor, Tensor, usize)> {
     let dev = Device::Cpu;
     let longest = ws.iter().map(|w| w.len).max().unwrap_or(1);
-    let (b, tl, h, k) = (ws.len(), longest.min(seq_len.max(1)), t.hidden_size, t.top_k);
+    let (b, tl, h, k) = (ws.len(), longest.min(seq_len.max(1)), t.width(), t.top_k);
     let mut ids = vec![0u32; b * tl];
     let mut hid = vec![0f32; b * tl * h];
     let mut lab = vec![0f32; b * tl * vrows];
@@ -522,7 +603,7 @@ fn batch_tensors(
             n += 1;
         }
     }
-    let emb = embedding.forward(&ids, &dev)?.reshape((b, tl, h))?;
+    let emb = embedding.forward(&ids, &dev)?.reshape((b, tl, t.hidden_size))?;
     Ok((
         emb,
         Tensor::from_vec(hid, (b, tl, h), &dev)?,
@@ -596,25 +677,275 @@ fn write_head(
         shape: Some(BlockShape::of_target(target)),
         num_hidden_layers: Some(c.num_layers),
         vocab_size: Some(c.vocab_size),
-        training: Some(serde_json::json!({
-            "steps": report.steps_done,
-            "final_loss": report.final_loss,
-            "held_out_top1_agreement": report.held_out_top1,
-            "held_out_rows": report.held_out_rows,
-            "train_rows": report.train_rows,
-            "seconds": report.seconds,
-            "batch": opts.batch,
-            "seq_len": opts.seq_len,
-            "lr": opts.lr,
-            "warmup": opts.warmup,
-            "weight_decay": opts.weight_decay,
-            "clip": opts.clip,
-            "draft_vocab": vocab.map(<[u32]>::len),
-            "soft_label_top_k": opts.top_k,
-            "seed": opts.seed,
-            "loss_history": loss_history,
-        })),
+        training: Some(training_record(report, opts, vocab, loss_history)),
     };
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     Ok(())
+}
+
+/// Initial weights of a block drafter: its layers copied from the target's last `layers` blocks,
+/// `fc` passing the deepest tap through (identity) plus small random weights on the others, the
+/// context norm at one, the final norm the target's.
+pub fn initial_block_weights(
+    target: &Model,
+    model_path: &Path,
+    n_taps: usize,
+    layers: usize,
+    seed: u64,
+) -> Result<HashMap<String, Tensor>> {
+    let c = target.config();
+    let h = c.hidden_size;
+    if layers == 0 || layers > c.num_layers {
+        bail!("a block drafter needs 1..={} layers, got {layers}", c.num_layers);
+    }
+    let dev = Device::Cpu;
+    let mut m = HashMap::new();
+    for i in 0..layers {
+        let src = c.num_layers - layers + i;
+        let block: Vec<(String, Tensor)> = if model_path.is_dir() {
+            let t = NamedTensors::read(model_path)?;
+            let p = format!("model.layers.{src}.");
+            t.map
+                .iter()
+                .filter_map(|(k, v)| k.strip_prefix(&p).map(|r| (r.to_string(), v.clone())))
+                .collect()
+        } else {
+            crate::bundle::gguf::dense_block(model_path, src)?
+        };
+        for (k, v) in block {
+            m.insert(format!("layers.{i}.{k}"), v.to_dtype(DType::F32)?);
+        }
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut parts = Vec::with_capacity(n_taps);
+    for i in 0..n_taps {
+        parts.push(if i + 1 == n_taps {
+            Tensor::eye(h, DType::F32, &dev)?
+        } else {
+            Tensor::from_vec(normal(&mut rng, h * h, 0.02), (h, h), &dev)?
+        });
+    }
+    m.insert("fc.weight".into(), Tensor::cat(&parts, 1)?);
+    m.insert("hidden_norm.weight".into(), Tensor::ones(h, DType::F32, &dev)?);
+    m.insert("norm.weight".into(), target.output_norm.to_dtype(DType::F32)?);
+    Ok(m)
+}
+
+/// The inputs of one block-drafter training batch.
+struct BlockBatch {
+    /// Concatenated target taps of the context rows `[b, T, taps × h]`.
+    ctx: Tensor,
+    /// Embeddings of the blocks' rows `[b, A × B, h]` (anchor, then mask tokens).
+    x: Tensor,
+    /// Positions of the block rows (the same in every window).
+    positions: Vec<usize>,
+    /// Attention bias `[A × B, T + A × B]`.
+    bias: Tensor,
+    /// Label probabilities `[b, A × B, draft rows]` (zero on the anchor row and padding).
+    labels: Tensor,
+    rows: usize,
+    /// Per block row: (window, row index, depth r, label position) of the rows with a label.
+    labelled: Vec<(usize, usize, usize, usize)>,
+}
+
+/// Anchors every `block_size / 2` positions from `anchor0`, each followed by `block_size - 1`
+/// mask rows; block rows see the context rows before their anchor and their own block.
+#[allow(clippy::too_many_arguments)]
+fn block_batch(
+    t: &Teacher,
+    ws: &[Window],
+    seq_len: usize,
+    bs: usize,
+    anchor0: usize,
+    mask_token: u32,
+    embedding: &crate::model::Embedding,
+    to_row: &[u32],
+    vrows: usize,
+) -> Result<BlockBatch> {
+    let dev = Device::Cpu;
+    let longest = ws.iter().map(|w| w.len).max().unwrap_or(1).min(seq_len.max(1));
+    let (b, tl, wd, k) = (ws.len(), longest, t.width(), t.top_k);
+    let stride = (bs / 2).max(1);
+    let anchors: Vec<usize> = (anchor0.max(1)..tl).step_by(stride).collect();
+    let anchors = if anchors.is_empty() { vec![tl.saturating_sub(1).max(1)] } else { anchors };
+    let r_all = anchors.len() * bs;
+    let mut ctx = vec![0f32; b * tl * wd];
+    let mut ids = vec![mask_token; b * r_all];
+    let mut lab = vec![0f32; b * r_all * vrows];
+    let mut labelled = Vec::new();
+    for (wi, w) in ws.iter().enumerate() {
+        for r in 0..w.len.min(tl) {
+            let g = w.start + r;
+            for (dst, src) in ctx[(wi * tl + r) * wd..(wi * tl + r + 1) * wd]
+                .iter_mut()
+                .zip(&t.hidden[g * wd..(g + 1) * wd])
+            {
+                *dst = src.to_f32();
+            }
+        }
+        for (ai, &a) in anchors.iter().enumerate() {
+            if a >= w.len {
+                continue;
+            }
+            ids[wi * r_all + ai * bs] = t.tokens[w.start + a];
+            for r in 1..bs {
+                if a + r > w.len {
+                    break;
+                }
+                let l = w.start + a + r - 1; // the distribution of the token at a + r
+                let row = wi * r_all + ai * bs + r;
+                for i in 0..k {
+                    let id = t.label_ids[l * k + i] as usize;
+                    let p = t.label_p[l * k + i].to_f32();
+                    let dr = to_row.get(id).copied().unwrap_or(u32::MAX);
+                    if dr != u32::MAX && p > 0.0 {
+                        lab[row * vrows + dr as usize] += p;
+                    }
+                }
+                labelled.push((wi, ai * bs + r, r, l));
+            }
+        }
+    }
+    let mut bias = vec![-1e9f32; r_all * (tl + r_all)];
+    let mut positions = Vec::with_capacity(r_all);
+    for (ai, &a) in anchors.iter().enumerate() {
+        for r in 0..bs {
+            let q = ai * bs + r;
+            positions.push(a + r);
+            for p in 0..a.min(tl) {
+                bias[q * (tl + r_all) + p] = 0.0;
+            }
+            for r2 in 0..bs {
+                bias[q * (tl + r_all) + tl + ai * bs + r2] = 0.0;
+            }
+        }
+    }
+    let x = embedding.forward(&ids, &dev)?.reshape((b, r_all, t.hidden_size))?;
+    Ok(BlockBatch {
+        ctx: Tensor::from_vec(ctx, (b, tl, wd), &dev)?,
+        x,
+        positions,
+        bias: Tensor::from_vec(bias, (r_all, tl + r_all), &dev)?,
+        labels: Tensor::from_vec(lab, (b, r_all, vrows), &dev)?,
+        rows: labelled.len(),
+        labelled,
+    })
+}
+
+/// Log-probabilities `[b, A × B, draft rows]` of a block batch.
+fn block_logp(bw: &BlockWeights, vocab: &DraftVocab, bb: &BlockBatch) -> Result<Tensor> {
+    let tl = bb.ctx.dim(1)?;
+    let c = bw.context(&bb.ctx)?;
+    let kv = bw.context_kv(&c, &crate::spec::head::span(0, tl))?;
+    let out = bw.forward(&bb.x, &bb.positions, &kv, &AttnMask::Bias(bb.bias.clone()))?;
+    Ok(candle_nn::ops::log_softmax(&vocab.logits(&out)?, D::Minus1)?)
+}
+
+/// Depth-1 top-1 agreement of a block drafter with the teacher on `ws`.
+#[allow(clippy::too_many_arguments)]
+fn evaluate_block(
+    t: &Teacher,
+    ws: &[Window],
+    seq_len: usize,
+    bs: usize,
+    mask_token: u32,
+    bw: &BlockWeights,
+    vocab: &DraftVocab,
+    to_row: &[u32],
+    embedding: &crate::model::Embedding,
+) -> Result<(Option<f64>, usize)> {
+    if ws.is_empty() {
+        return Ok((None, 0));
+    }
+    let (mut hit, mut total) = (0usize, 0usize);
+    for chunk in ws.chunks(4) {
+        let bb = block_batch(t, chunk, seq_len, bs, 1, mask_token, embedding, to_row, vocab.rows.dim(0)?)?;
+        let best = block_logp(bw, vocab, &bb)?.argmax(D::Minus1)?.to_vec2::<u32>()?;
+        for &(wi, row, depth, l) in &bb.labelled {
+            if depth != 1 {
+                continue;
+            }
+            if vocab.token(best[wi][row] as usize) == t.label_ids[l * t.top_k] {
+                hit += 1;
+            }
+            total += 1;
+        }
+    }
+    Ok((Some(hit as f64 / total.max(1) as f64), total))
+}
+
+/// Write a trained block drafter: `model.safetensors` (f16, with `draft_vocab`) and
+/// `config.json` (block size, target layers, mask token, shape, training record).
+#[allow(clippy::too_many_arguments)]
+fn write_block(
+    out: &Path,
+    target: &Model,
+    bw: &BlockWeights,
+    spec: &HeadSpec,
+    vocab: Option<&[u32]>,
+    opts: &DistillOptions,
+    report: &TrainReport,
+    loss_history: &[(usize, f64)],
+) -> Result<()> {
+    let HeadSpec::Block {
+        block_size,
+        taps,
+        layers,
+        mask_token,
+    } = spec
+    else {
+        bail!("internal: not a block drafter");
+    };
+    let c = target.config();
+    let mut map: HashMap<String, Tensor> = HashMap::new();
+    for (k, v) in bw.tensors() {
+        map.insert(k, v.detach().to_dtype(DType::F16)?);
+    }
+    if let Some(ids) = vocab {
+        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let n = ids.len();
+        map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+    }
+    std::fs::create_dir_all(out)?;
+    candle_core::safetensors::save(&map, out.join("model.safetensors"))?;
+    let config = BlockConfig {
+        model_type: Some("specula_block_drafter".into()),
+        block_size: Some(*block_size),
+        target_layer_ids: Some(taps.clone()),
+        mask_token_id: Some(*mask_token),
+        num_hidden_layers: Some(*layers),
+        vocab_size: Some(c.vocab_size),
+        shape: Some(BlockShape::of_target(target)),
+        dflash_config: None,
+        training: Some(training_record(report, opts, vocab, loss_history)),
+    };
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    Ok(())
+}
+
+/// The training record written into a head's config.
+fn training_record(
+    report: &TrainReport,
+    opts: &DistillOptions,
+    vocab: Option<&[u32]>,
+    loss_history: &[(usize, f64)],
+) -> serde_json::Value {
+    serde_json::json!({
+        "steps": report.steps_done,
+        "final_loss": report.final_loss,
+        "held_out_top1_agreement": report.held_out_top1,
+        "held_out_rows": report.held_out_rows,
+        "train_rows": report.train_rows,
+        "seconds": report.seconds,
+        "batch": opts.batch,
+        "seq_len": opts.seq_len,
+        "lr": opts.lr,
+        "warmup": opts.warmup,
+        "weight_decay": opts.weight_decay,
+        "clip": opts.clip,
+        "draft_vocab": vocab.map(<[u32]>::len),
+        "soft_label_top_k": opts.top_k,
+        "seed": opts.seed,
+        "loss_history": loss_history,
+    })
 }
