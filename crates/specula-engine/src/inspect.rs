@@ -1505,10 +1505,6 @@ fn quant_groups(part: &Part) -> Vec<QuantGroup> {
 // ---------------------------------------------------------------------------------------------
 // The report.
 
-/// Drafters this build can run. MTP heads and block drafters are recognised and validated, but
-/// their drafters are not built yet (issue "Native drafters").
-const MTP_DRAFTER_BUILT: bool = false;
-const BLOCK_DRAFTER_BUILT: bool = false;
 
 /// Inspect a bundle (GGUF file, directory holding one GGUF file, or Hugging Face directory) from
 /// its headers. Fails only when `path` is not a bundle (missing, or neither GGUF nor a
@@ -1774,32 +1770,28 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
         };
     }
     // The chain, best first.
-    let mut skipped: Vec<String> = Vec::new();
     let mut best: Option<ModeResolution> = None;
+    let mut note = None;
     if x.mtp.status == MtpStatus::Present {
-        if MTP_DRAFTER_BUILT {
+        if x.mtp.location.as_deref() == Some("trunk") {
+            note = Some("an MTP head is in the trunk, but serve loads MTP heads from sidecars only (--drafter)");
+        } else {
             best = Some(ModeResolution {
                 drafter: "mtp".into(),
-                k: Some(x.mtp.depth.max(1)),
+                k: Some(4),
                 adaptive: true,
                 reason: "the bundle's native MTP head".into(),
             });
-        } else {
-            skipped.push("an MTP head is present, but this build has no MTP drafter yet".into());
         }
     }
     if best.is_none() {
         if let Some(b) = x.block.filter(|b| b.valid) {
-            if BLOCK_DRAFTER_BUILT {
-                best = Some(ModeResolution {
-                    drafter: "block".into(),
-                    k: b.block_size.map(|s| s.saturating_sub(1)),
-                    adaptive: true,
-                    reason: format!("the bundled block drafter ({})", b.path),
-                });
-            } else {
-                skipped.push("a block drafter is present, but this build cannot run it yet".into());
-            }
+            best = Some(ModeResolution {
+                drafter: "block".into(),
+                k: b.block_size.map(|s| s.saturating_sub(1)),
+                adaptive: true,
+                reason: format!("the bundled block drafter ({})", b.path),
+            });
         }
     }
     if best.is_none() {
@@ -1812,18 +1804,15 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
             });
         }
     }
-    let chain = best.unwrap_or_else(|| ModeResolution {
+    let mut chain = best.unwrap_or_else(|| ModeResolution {
         drafter: "ngram".into(),
         k: Some(4),
         adaptive: true,
         reason: "n-gram prompt lookup (no model drafter available)".into(),
     });
-    let with_skipped = |mut m: ModeResolution| {
-        if !skipped.is_empty() {
-            m.reason = format!("{}; {}", m.reason, skipped.join("; "));
-        }
-        m
-    };
+    if let Some(n) = note {
+        chain.reason = format!("{}; {n}", chain.reason);
+    }
     let default = match x.tuned {
         Some(t) => ModeResolution {
             drafter: match t.mode {
@@ -1835,15 +1824,15 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
             adaptive: t.mode != SpecMode::Off && t.adaptive,
             reason: format!("tuning file choice: {}", t.describe()),
         },
-        None => with_skipped(ModeResolution {
+        None => ModeResolution {
             reason: format!("{} (unmeasured: run `specula tune`)", chain.reason),
             ..chain.clone()
-        }),
+        },
     };
     EffectiveModes {
         off,
         default,
-        on: with_skipped(chain),
+        on: chain,
     }
 }
 

@@ -521,16 +521,18 @@ impl Sequence {
     }
 }
 
-/// The drafter a speculative mode resolves to: `None` for AR.
+/// The drafter a speculative mode resolves to: `None` for AR. `Default` / `On` take the best
+/// drafter attached: an MTP head, else a block drafter, else a draft model, else n-gram lookup
+/// (the order `specula inspect` reports).
 pub fn resolve(mode: SpecMode, has_draft_model: bool, has_mtp: bool, has_block: bool) -> Option<SpecMode> {
     match mode {
         SpecMode::Off => None,
-        SpecMode::Default | SpecMode::On => Some(if has_draft_model {
-            SpecMode::Draft
-        } else if has_mtp {
+        SpecMode::Default | SpecMode::On => Some(if has_mtp {
             SpecMode::Mtp
         } else if has_block {
             SpecMode::Block
+        } else if has_draft_model {
+            SpecMode::Draft
         } else {
             SpecMode::Ngram
         }),

@@ -601,11 +601,11 @@ fn mtp_head_in_a_sidecar_and_gguf_nextn() {
         .marker
         .as_deref()
         .is_some_and(|s| s.contains("qwen2.nextn_predict_layers = 1")));
-    // Reported, but this build has no MTP drafter: the modes fall through to the next drafter
-    // and say so.
+    // Reported, but serve loads MTP heads from sidecars only: the modes fall through to the
+    // next drafter and say so.
     assert!(r.kernels.as_ref().is_some_and(|k| k.batch_invariant), "{:?}", r.kernels);
     assert_eq!(r.modes.on.drafter, "ngram");
-    assert!(r.modes.on.reason.contains("MTP head is present"), "{:?}", r.modes.on);
+    assert!(r.modes.on.reason.contains("MTP head is in the trunk"), "{:?}", r.modes.on);
 }
 
 #[test]
@@ -709,8 +709,9 @@ fn block_drafter_folder_is_found_and_validated() {
     );
     let b = r.capabilities.block_drafter.as_ref().expect("sidecar drafter");
     assert!(b.valid && b.path.ends_with("dflash"), "{b:?}");
-    // This build cannot run it yet: said so, and default falls through to n-gram.
-    assert_eq!(r.modes.default.drafter, "ngram");
+    // Default and on draft with it (no MTP head to prefer), k = block_size - 1.
+    assert_eq!(r.modes.default.drafter, "block");
+    assert_eq!(r.modes.on.drafter, "block");
     assert!(
         r.modes.default.reason.contains("block drafter"),
         "{:?}",

@@ -21,8 +21,8 @@ pub use controller::DraftLength;
 
 /// Which drafter a request uses.
 ///
-/// `default` and `on` pick the best drafter the engine has: the attached draft model, else the
-/// attached MTP head, else the attached block drafter, else n-gram lookup. `default` will later follow a measured tuning file (it may choose AR); `on` always
+/// `default` and `on` pick the best drafter the engine has: the attached MTP head, else the
+/// attached block drafter, else the attached draft model, else n-gram lookup. `default` will later follow a measured tuning file (it may choose AR); `on` always
 /// speculates where it is exact, with the adaptive controller deciding k per step. `ngram` and
 /// `draft`, `mtp` and `block` name a drafter explicitly (one that is not attached is a request
 /// error).
