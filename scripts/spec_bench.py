@@ -8,12 +8,15 @@ draft position, and the measured costs that explain the ratio: the mean (k+1)-ro
 and the drafter's time per draft token, both in units of one 1-row target decode step, and the
 gain they predict, tau / (verify_cost + k_mean * draft_cost).
 
-Configurations are MODE:K[:fixed], MODE one of ngram, draft, on (adaptive unless :fixed).
+Configurations are MODE:K[:fixed], MODE one of ngram, draft, mtp, block, on (adaptive unless
+:fixed); mtp and block take the drafter from --mtp / --block.
 
     python3 scripts/spec_bench.py --model smollm2-135m-instruct --kinds easy_code,long_context \\
         --configs ngram:4,ngram:8,ngram:8:fixed
     python3 scripts/spec_bench.py --model qwen2.5-coder-1.5b-instruct \\
         --draft-model qwen2.5-coder-0.5b-instruct --kinds code,prose --configs draft:4,draft:4:fixed
+    python3 scripts/spec_bench.py --kinds prose,code --mtp heads/smollm2-135m-instruct.mtp \\
+        --configs mtp:1:fixed,mtp:2:fixed,mtp:3:fixed,mtp:3,ngram:4
 """
 
 import argparse
@@ -32,6 +35,10 @@ def run(a, prompt, max_tokens, mode, k, fixed):
         cmd.append("--fixed-k")
     if a.draft_model and mode != "off":
         cmd += ["--draft-model", a.draft_model]
+    if mode == "mtp" and a.mtp:
+        cmd += ["--drafter", a.mtp]
+    if mode == "block" and a.block:
+        cmd += ["--drafter", a.block]
     if a.threads:
         cmd += ["--threads", str(a.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -102,12 +109,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft-model")
+    ap.add_argument("--mtp", help="an MTP head (for configs mtp:K)")
+    ap.add_argument("--block", help="a block drafter folder (for configs block:K)")
     ap.add_argument("--kinds", default="easy_code,long_context,prose")
     ap.add_argument("--configs", default="ngram:4,ngram:8")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--binary", default=str(ROOT / "target/release/specula"))
     a = ap.parse_args()
     kinds = a.kinds.split(",")
+    if a.kinds == "all":
+        kinds = ["prose", "qa", "code", "easy_code", "json", "long_context"]
     configs = []
     for c in a.configs.split(","):
         parts = c.split(":")

@@ -152,6 +152,18 @@ impl Engine {
         self.block.as_deref()
     }
 
+    /// The attached native drafters as `kind: source` lines (`mtp: /path`, `block: /path`).
+    pub fn native_drafters(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(m) = &self.mtp {
+            v.push(format!("mtp: {}", m.source));
+        }
+        if let Some(b) = &self.block {
+            v.push(format!("block: {}", b.source));
+        }
+        v
+    }
+
     /// The attached MTP head, if any.
     pub fn mtp_head(&self) -> Option<&crate::spec::mtp::MtpHead> {
         self.mtp.as_deref()

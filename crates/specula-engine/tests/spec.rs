@@ -443,6 +443,14 @@ fn gate(
     if let Some(d) = draft {
         e.attach_draft_model(&common::model_path(d), d).expect("attach draft");
     }
+    // The trained native drafters committed under heads/ (made by `specula distill`).
+    match mode {
+        SpecMode::Mtp => e.attach_mtp_head(&common::head_path(model, "mtp")).expect("attach MTP head"),
+        SpecMode::Block => e
+            .attach_block_drafter(&common::head_path(model, "drafter"))
+            .expect("attach block drafter"),
+        _ => {}
+    }
     assert!(e.model().batch_invariant(), "{model} runs on batch-invariant kernels");
     let prompts = common::fixture_lines("prompts.jsonl");
     let (mut drafted, mut accepted, mut steps, mut committed, mut n) = (0, 0, 0, 0, 0);
@@ -540,6 +548,29 @@ fn smollm2_ngram_greedy_is_byte_identical_to_ar() {
         &["p00", "p08", "p16", "p18", "p40", "p46"],
         &[(1, false), (2, false), (4, false), (8, false), (8, true)],
     );
+}
+
+/// G-gate of the trained MTP head committed for SmolLM2 (`heads/`): greedy output on every
+/// shared prompt is byte-identical to AR, drafting 3 tokens per step (chained depth 3).
+#[test]
+fn smollm2_trained_mtp_head_greedy_is_byte_identical_to_ar() {
+    gate("smollm2-135m-instruct", None, SpecMode::Mtp, &[], &[(3, false)], None);
+}
+
+/// G-gate of the trained block drafter committed for SmolLM2: every shared prompt, a full block
+/// per step.
+#[test]
+fn smollm2_trained_block_drafter_greedy_is_byte_identical_to_ar() {
+    gate("smollm2-135m-instruct", None, SpecMode::Block, &[], &[(7, false)], None);
+}
+
+/// Both trained drafters at every k and adaptive (slow tier:
+/// `cargo test --release -p specula-engine --test spec trained_full -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn smollm2_trained_full_matrix() {
+    gate("smollm2-135m-instruct", None, SpecMode::Mtp, &[], ALL_K, None);
+    gate("smollm2-135m-instruct", None, SpecMode::Block, &[], ALL_K, None);
 }
 
 /// The full G-gate matrix for n-gram on SmolLM2: every prompt, every k (slow tier:

@@ -129,7 +129,7 @@ fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
         None => None,
         Some(m) => Some(SpecMode::parse(m).ok_or_else(|| {
             ApiError::invalid(
-                format!("Invalid 'mode' '{m}': expected one of 'off', 'default', 'on', 'ngram' and 'draft'."),
+                format!("Invalid 'mode' '{m}': expected one of 'off', 'default', 'on', 'ngram', 'draft', 'mtp' and 'block'."),
                 Some("mode"),
             )
             .with_code("invalid_value")

@@ -551,6 +551,7 @@ fn model_json(h: &EngineHandle) -> Value {
         "vocab_size": m.vocab_size,
         "specula": {
             "draft_model": m.draft_model,
+            "native_drafters": m.native_drafters,
             "spec_default": m.spec.mode.as_str(),
             "draft_max": m.spec.draft_max,
             "adaptive": m.spec.adaptive,

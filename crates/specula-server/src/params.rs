@@ -228,7 +228,7 @@ pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Comm
     })
 }
 
-const SPEC_MODES: &str = "'off', 'default', 'on', 'ngram' or 'draft'";
+const SPEC_MODES: &str = "'off', 'default', 'on', 'ngram', 'draft', 'mtp' or 'block'";
 
 fn spec_mode(v: &str) -> Result<SpecMode, ApiError> {
     SpecMode::parse(v).ok_or_else(|| {

@@ -41,6 +41,8 @@ pub struct ModelInfo {
     pub created: u64,
     /// The attached draft model's id, if any.
     pub draft_model: Option<String>,
+    /// The attached native drafters (`mtp: PATH`, `block: PATH`).
+    pub native_drafters: Vec<String>,
     /// Whether every projection of the model runs on a batch-invariant kernel (speculation is
     /// used only then; otherwise requests decode plain AR).
     pub batch_invariant: bool,
@@ -332,6 +334,7 @@ impl EngineHandle {
             vocab_size: engine.config().vocab_size,
             created: unix_now(),
             draft_model: engine.draft_model_id().map(str::to_string),
+            native_drafters: engine.native_drafters(),
             batch_invariant: engine.model().batch_invariant(),
             spec,
             chat: ChatInfo::of(&engine),

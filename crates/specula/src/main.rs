@@ -170,8 +170,9 @@ struct GenerateArgs {
 
 #[derive(Args, Debug, Clone)]
 struct SpecArgs {
-    /// Speculative decoding. off: plain decoding. default / on: the draft model if one is given,
-    /// else n-gram prompt lookup, with k adapted per step. ngram / draft: that drafter. Output is
+    /// Speculative decoding. off: plain decoding. default / on: the best drafter attached (MTP
+    /// head, block drafter, draft model), else n-gram prompt lookup, with k adapted per step.
+    /// ngram / draft / mtp / block: that drafter. Output is
     /// byte-identical to plain decoding (greedy) or identically distributed (sampling); where that
     /// cannot be guaranteed, plain decoding is used and the stats say why.
     #[arg(long, value_enum, default_value = "off")]

@@ -192,6 +192,29 @@ impl Linear {
         matches!(self.weight, Weight::Own(_) | Weight::OwnK(_))
     }
 
+    /// `x`: `m` rows of `in` f32 values, row-major → `m` rows of `out` (our kernels without
+    /// tensor round trips; candle's for the other weight types).
+    pub fn forward_rows(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let mut y = match &self.weight {
+            Weight::Own(q) => q.matmul(x, m),
+            Weight::OwnK(q) => q.matmul(x, m),
+            Weight::Candle(_) => {
+                let k = x.len() / m.max(1);
+                let t = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
+                return Ok(self.forward(&t)?.flatten_all()?.to_vec1::<f32>()?);
+            }
+        };
+        if let Some(b) = &self.bias {
+            let b = b.to_vec1::<f32>()?;
+            for row in y.chunks_exact_mut(b.len()) {
+                for (o, &bv) in row.iter_mut().zip(&b) {
+                    *o += bv;
+                }
+            }
+        }
+        Ok(y)
+    }
+
     /// `x`: `[n, in]` f32 → `[n, out]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {

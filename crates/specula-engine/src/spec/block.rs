@@ -23,10 +23,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::head::{block_tensors, rms_norm, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
+use super::head::{
+    block_tensors, rms_norm, rms_rows, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors, RowCache,
+};
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
 use crate::sampling::{argmax, Sampler, SamplingParams};
@@ -257,7 +259,7 @@ pub struct BlockDrafter {
     hidden: Vec<Vec<f32>>,
     base: usize,
     /// Context keys / values per layer for positions `base .. base + ctx_len`.
-    ctx: Vec<(Tensor, Tensor)>,
+    ctx: Vec<RowCache>,
     ctx_len: usize,
     sampler: Option<Sampler>,
 }
@@ -274,11 +276,12 @@ impl BlockDrafter {
             })
         });
         let n = model.taps.len();
+        let layers = model.weights.layers.len();
         Self {
             model,
             hidden: vec![Vec::new(); n],
             base: 0,
-            ctx: Vec::new(),
+            ctx: vec![RowCache::default(); layers],
             ctx_len: 0,
             sampler,
         }
@@ -292,6 +295,22 @@ impl BlockDrafter {
         self.hidden[0].len() / self.target_h().max(1)
     }
 
+    fn kv_width(&self) -> usize {
+        self.model
+            .weights
+            .layers
+            .first()
+            .map_or(0, |l| l.shape.num_key_value_heads * l.shape.head_dim)
+    }
+
+    fn reset_context(&mut self, keep: usize) {
+        let w = self.kv_width();
+        for c in self.ctx.iter_mut() {
+            c.truncate(keep, w);
+        }
+        self.ctx_len = self.ctx_len.min(keep);
+    }
+
     /// Extend the context keys / values to every observed position.
     fn extend_context(&mut self) -> Result<()> {
         let n = self.n_hidden();
@@ -300,23 +319,20 @@ impl BlockDrafter {
         }
         let th = self.target_h();
         let rows = n - self.ctx_len;
-        let parts: Vec<Tensor> = self
-            .hidden
-            .iter()
-            .map(|h| Tensor::from_slice(&h[self.ctx_len * th..n * th], (1, rows, th), &Device::Cpu))
-            .collect::<candle_core::Result<_>>()?;
-        let cat = Tensor::cat(&parts, 2)?;
-        let c = self.model.weights.context(&cat)?;
-        let kv = self.model.weights.context_kv(&c, &span(self.base + self.ctx_len, rows))?;
-        self.ctx = if self.ctx.is_empty() {
-            kv
-        } else {
-            self.ctx
-                .iter()
-                .zip(kv)
-                .map(|((pk, pv), (k, v))| Ok((Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)))
-                .collect::<Result<_>>()?
-        };
+        let mut cat = Vec::with_capacity(rows * th * self.hidden.len());
+        for r in self.ctx_len..n {
+            for h in &self.hidden {
+                cat.extend_from_slice(&h[r * th..(r + 1) * th]);
+            }
+        }
+        let w = &self.model.weights;
+        let eps = w.layers.first().map_or(1e-6, |l| l.shape.rms_norm_eps);
+        let c = rms_rows(&w.fc.rows(&cat, rows)?, &w.hidden_norm.to_vec1::<f32>()?, eps);
+        let positions = span(self.base + self.ctx_len, rows);
+        for (layer, cache) in w.layers.iter().zip(self.ctx.iter_mut()) {
+            let (k, v) = layer.kv_rows(&c, &positions)?;
+            cache.append(&k, &v, rows);
+        }
         self.ctx_len = n;
         Ok(())
     }
@@ -334,15 +350,27 @@ impl Drafter for BlockDrafter {
         let k = k.min(bs - 1);
         let mut ids = vec![self.model.mask_token; bs];
         ids[0] = context[n - 1];
-        let x = self.model.embedding.forward(&ids, &Device::Cpu)?.unsqueeze(0)?;
-        let out = self
+        let mut x = self
             .model
-            .weights
-            .forward(&x, &span(n - 1, bs), &self.ctx, &AttnMask::Bidirectional)?;
-        let logits = self.model.vocab.logits(&out.i((0, 1..=k, ..))?)?.to_vec2::<f32>()?;
+            .embedding
+            .forward(&ids, &Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let positions = span(n - 1, bs);
+        let (w, ctx_len, width) = (&self.model.weights, self.ctx_len, self.kv_width());
+        for (layer, cache) in w.layers.iter().zip(self.ctx.iter_mut()) {
+            x = layer.forward_rows(&x, &positions, cache, false)?;
+            // The block's own keys and values do not stay in the context.
+            cache.truncate(ctx_len, width);
+        }
+        let h = x.len() / bs;
+        let eps = w.layers.first().map_or(1e-6, |l| l.shape.rms_norm_eps);
+        let normed = rms_rows(&x[h..(k + 1) * h], &w.norm.to_vec1::<f32>()?, eps);
+        let logits = self.model.vocab.logits_rows(&normed, k)?;
+        let vr = logits.len() / k;
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
-        for row in &logits {
+        for row in logits.chunks_exact(vr) {
             match self.sampler.as_mut() {
                 None => tokens.push(self.model.vocab.token(argmax(row) as usize)),
                 Some(s) => {
@@ -377,24 +405,13 @@ impl Drafter for BlockDrafter {
                 h.clear();
             }
             self.base = start;
-            self.ctx.clear();
-            self.ctx_len = 0;
+            self.reset_context(0);
         } else if start < end {
             let keep = start - self.base;
             for h in self.hidden.iter_mut() {
                 h.truncate(keep * th);
             }
-            if keep == 0 {
-                self.ctx.clear();
-                self.ctx_len = 0;
-            } else if self.ctx_len > keep {
-                self.ctx = self
-                    .ctx
-                    .iter()
-                    .map(|(k, v)| Ok((k.narrow(2, 0, keep)?, v.narrow(2, 0, keep)?)))
-                    .collect::<Result<_>>()?;
-                self.ctx_len = keep;
-            }
+            self.reset_context(keep);
         }
         for (dst, src) in self.hidden.iter_mut().zip(hidden) {
             dst.extend_from_slice(src);

@@ -492,3 +492,250 @@ impl DraftVocab {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Drafting path: the same layers on plain row-major f32 buffers and the Q8_0 kernels, without a
+// tensor per operation (a drafter runs one to a few rows per call, where per-operation overhead
+// would dominate). Training uses the tensor path above.
+
+/// Keys and values of one head layer for positions `0..len` of its cache, rows of
+/// `kv_heads × head_dim` (keys rotated).
+#[derive(Debug, Clone, Default)]
+pub struct RowCache {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub len: usize,
+}
+
+impl RowCache {
+    pub fn truncate(&mut self, len: usize, width: usize) {
+        if len < self.len {
+            self.k.truncate(len * width);
+            self.v.truncate(len * width);
+            self.len = len;
+        }
+    }
+
+    pub fn append(&mut self, k: &[f32], v: &[f32], n: usize) {
+        self.k.extend_from_slice(k);
+        self.v.extend_from_slice(v);
+        self.len += n;
+    }
+}
+
+/// RMSNorm of every `w.len()`-wide row of `x`.
+pub fn rms_rows(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let h = w.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(h) {
+        let ms = row.iter().map(|&v| (v * v) as f64).sum::<f64>() / h as f64;
+        let scale = (1.0 / (ms + eps).sqrt()) as f32;
+        out.extend(row.iter().zip(w).map(|(&v, &wv)| v * scale * wv));
+    }
+    out
+}
+
+fn vec1(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl Dense {
+    /// `m` rows → `m` rows, on the Q8_0 copy when there is one.
+    pub fn rows(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        match &self.fast {
+            Some(f) => f.forward_rows(x, m),
+            None => {
+                let k = x.len() / m.max(1);
+                let t = Tensor::from_slice(x, (m, k), &Device::Cpu)?;
+                vec1(&self.forward(&t)?)
+            }
+        }
+    }
+}
+
+impl DraftVocab {
+    /// Draft-vocabulary logits of `m` normed rows.
+    pub fn logits_rows(&self, h: &[f32], m: usize) -> Result<Vec<f32>> {
+        match &self.fast {
+            Some(f) => f.forward_rows(h, m),
+            None => {
+                let k = h.len() / m.max(1);
+                vec1(&self.logits(&Tensor::from_slice(h, (m, k), &Device::Cpu)?)?)
+            }
+        }
+    }
+}
+
+impl HeadBlock {
+    /// Rotate rows of `heads × head_dim` at `positions` in place.
+    fn rope_rows(&self, x: &mut [f32], heads: usize, positions: &[usize]) {
+        let d = self.shape.head_dim;
+        let half = d / 2;
+        let inter = self.shape.interleaved();
+        for (row, &p) in x.chunks_exact_mut(heads * d).zip(positions) {
+            for i in 0..half {
+                let inv = self.shape.rope_theta.powf(-2.0 * i as f64 / d as f64);
+                let (sin, cos) = ((p as f64) * inv).sin_cos();
+                let (sin, cos) = (sin as f32, cos as f32);
+                for head in row.chunks_exact_mut(d) {
+                    let (a, b) = if inter { (2 * i, 2 * i + 1) } else { (i, i + half) };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos - x1 * sin;
+                    head[b] = x0 * sin + x1 * cos;
+                }
+            }
+        }
+    }
+
+    /// Keys and values (rows of `kv_heads × head_dim`, keys rotated) of normed rows `x` at
+    /// `positions`.
+    pub fn kv_rows(&self, x: &[f32], positions: &[usize]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let s = &self.shape;
+        let n = positions.len();
+        let mut k = self.k.rows(x, n)?;
+        if let Some(kn) = &self.k_norm {
+            k = rms_rows(&k, &vec1(kn)?, s.rms_norm_eps);
+        }
+        self.rope_rows(&mut k, s.num_key_value_heads, positions);
+        Ok((k, self.v.rows(x, n)?))
+    }
+
+    /// [`HeadBlock::forward`] on rows: `x` (`n` rows at `positions`) attends to the `cache` and
+    /// to the new rows (causally or both ways); the new rows' keys and values are appended to
+    /// the cache. Returns the block's output rows.
+    pub fn forward_rows(&self, x: &[f32], positions: &[usize], cache: &mut RowCache, causal: bool) -> Result<Vec<f32>> {
+        let s = &self.shape;
+        let (n, h, d) = (positions.len(), s.hidden_size, s.head_dim);
+        let (hq, hk) = (s.num_attention_heads, s.num_key_value_heads);
+        let eps = s.rms_norm_eps;
+        let hn = rms_rows(x, &vec1(&self.attn_norm)?, eps);
+        let mut q = self.q.rows(&hn, n)?;
+        if let Some(qn) = &self.q_norm {
+            q = rms_rows(&q, &vec1(qn)?, eps);
+        }
+        self.rope_rows(&mut q, hq, positions);
+        let (k, v) = self.kv_rows(&hn, positions)?;
+        let m = cache.len;
+        cache.append(&k, &v, n);
+        let (kw, rep) = (hk * d, hq / hk);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut att = vec![0f32; n * hq * d];
+        let mut scores = Vec::with_capacity(m + n);
+        for i in 0..n {
+            let visible = if causal { m + i + 1 } else { m + n };
+            for head in 0..hq {
+                let g = head / rep;
+                let qv = &q[(i * hq + head) * d..(i * hq + head + 1) * d];
+                scores.clear();
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..visible {
+                    let kv = &cache.k[j * kw + g * d..j * kw + (g + 1) * d];
+                    let sc = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    max = max.max(sc);
+                    scores.push(sc);
+                }
+                let mut sum = 0f32;
+                for sc in scores.iter_mut() {
+                    *sc = (*sc - max).exp();
+                    sum += *sc;
+                }
+                let out = &mut att[(i * hq + head) * d..(i * hq + head + 1) * d];
+                for (j, &p) in scores.iter().enumerate() {
+                    let vv = &cache.v[j * kw + g * d..j * kw + (g + 1) * d];
+                    let p = p / sum;
+                    for (o, &vx) in out.iter_mut().zip(vv) {
+                        *o += p * vx;
+                    }
+                }
+            }
+        }
+        let o = self.o.rows(&att, n)?;
+        let mut x: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
+        let hn = rms_rows(&x, &vec1(&self.ffn_norm)?, eps);
+        let g = self.gate.rows(&hn, n)?;
+        let u = self.up.rows(&hn, n)?;
+        let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        let down = self.down.rows(&act, n)?;
+        for (xv, dv) in x.iter_mut().zip(&down) {
+            *xv += dv;
+        }
+        debug_assert_eq!(x.len(), n * h);
+        Ok(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand(shape: &[usize], seed: &mut u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                *seed ^= *seed << 13;
+                *seed ^= *seed >> 7;
+                *seed ^= *seed << 17;
+                ((*seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * 0.3
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
+    }
+
+    fn block(rope_style: &str, qk_norm: bool) -> HeadBlock {
+        let mut s = 42u64;
+        let (h, f, hq, hk, d) = (64, 96, 4, 2, 16);
+        let shape = BlockShape {
+            hidden_size: h,
+            intermediate_size: f,
+            num_attention_heads: hq,
+            num_key_value_heads: hk,
+            head_dim: d,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+            rope_style: rope_style.into(),
+        };
+        let mut lin = |o: usize, i: usize, bias: bool| Dense::new(rand(&[o, i], &mut s), bias.then(|| rand(&[o], &mut s)));
+        let (q, k, v, o) = (lin(hq * d, h, true), lin(hk * d, h, true), lin(hk * d, h, true), lin(h, hq * d, false));
+        let (gate, up, down) = (lin(f, h, false), lin(f, h, false), lin(h, f, false));
+        let norm = |n: usize, s: &mut u64| (rand(&[n], s) + 1.0).expect("norm");
+        HeadBlock {
+            shape,
+            attn_norm: norm(h, &mut s),
+            q,
+            k,
+            v,
+            o,
+            q_norm: qk_norm.then(|| norm(d, &mut s)),
+            k_norm: qk_norm.then(|| norm(d, &mut s)),
+            ffn_norm: norm(h, &mut s),
+            gate,
+            up,
+            down,
+        }
+    }
+
+    /// The drafting path (rows) computes what the training path (tensors) computes: same block,
+    /// a past of 5 rows then 3 new rows, causal and bidirectional, both RoPE styles.
+    #[test]
+    fn row_path_matches_tensor_path() {
+        for (style, qk) in [("neox", false), ("interleaved", true)] {
+            let b = block(style, qk);
+            let mut seed = 7u64;
+            let past_x = rand(&[1, 5, 64], &mut seed);
+            let x = rand(&[1, 3, 64], &mut seed);
+            for (mask, causal) in [(AttnMask::Causal, true), (AttnMask::Bidirectional, false)] {
+                let (_, pk, pv) = b.forward(&past_x, &span(10, 5), None, &AttnMask::Causal).expect("past");
+                let (want, _, _) = b.forward(&x, &span(15, 3), Some((&pk, &pv)), &mask).expect("tensor path");
+                let mut cache = RowCache::default();
+                let px = past_x.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("vec");
+                b.forward_rows(&px, &span(10, 5), &mut cache, true).expect("rows past");
+                let xv = x.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("vec");
+                let got = b.forward_rows(&xv, &span(15, 3), &mut cache, causal).expect("row path");
+                let want = want.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("vec");
+                let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-3, "{style} {mask:?}: max abs difference {err}");
+                assert_eq!(cache.len, 8);
+            }
+        }
+    }
+}

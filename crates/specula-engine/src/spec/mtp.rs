@@ -21,10 +21,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::head::{block_tensors, rms_norm, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
+use super::head::{block_tensors, rms_norm, rms_rows, span, AttnMask, RowCache, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
 use crate::sampling::{argmax, Sampler, SamplingParams};
@@ -126,6 +126,23 @@ impl MtpWeights {
         let x = Tensor::cat(&[&rms_norm(emb, &self.enorm, eps)?, &rms_norm(hidden, &self.hnorm, eps)?], 2)?;
         let x = self.eh_proj.forward(&x)?;
         self.block.forward(&x, &span(pos0, x.dim(1)?), past, &AttnMask::Causal)
+    }
+
+    /// [`MtpWeights::forward`] on rows (the drafting path): `emb`, `hidden` (`n` rows each at
+    /// `pos0 ..`) → `h'` rows, appending keys and values to `cache`.
+    pub fn forward_rows(&self, emb: &[f32], hidden: &[f32], pos0: usize, cache: &mut RowCache) -> Result<Vec<f32>> {
+        let h = self.block.shape.hidden_size;
+        let eps = self.block.shape.rms_norm_eps;
+        let n = emb.len() / h;
+        let e = rms_rows(emb, &self.enorm.to_vec1::<f32>()?, eps);
+        let hd = rms_rows(hidden, &self.hnorm.to_vec1::<f32>()?, eps);
+        let mut x = Vec::with_capacity(n * 2 * h);
+        for r in 0..n {
+            x.extend_from_slice(&e[r * h..(r + 1) * h]);
+            x.extend_from_slice(&hd[r * h..(r + 1) * h]);
+        }
+        let x = self.eh_proj.rows(&x, n)?;
+        self.block.forward_rows(&x, &span(pos0, n), cache, true)
     }
 
     /// The tensors in DeepSeek-V3 naming under `model.layers.{layer}.`, for writing.
@@ -263,11 +280,6 @@ impl MtpHead {
         })
     }
 
-    /// Embeddings of `ids`: `[1, n, hidden]` f32.
-    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
-        Ok(self.embedding.forward(ids, &Device::Cpu)?.unsqueeze(0)?)
-    }
-
     /// Draft-vocabulary logits of `h'` rows (`[.., hidden]`).
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
         let n = rms_norm(h, &self.weights.norm, self.weights.block.shape.rms_norm_eps)?;
@@ -286,7 +298,7 @@ pub struct MtpDrafter {
     /// Head cache rows computed from committed inputs (positions `base .. base + kv_true`);
     /// rows past them came from a draft chain and are dropped at the next proposal.
     kv_true: usize,
-    cache: Option<(Tensor, Tensor)>,
+    cache: RowCache,
     sampler: Option<Sampler>,
 }
 
@@ -310,7 +322,7 @@ impl MtpDrafter {
             hidden: Vec::new(),
             base: 0,
             kv_true: 0,
-            cache: None,
+            cache: RowCache::default(),
             sampler,
         }
     }
@@ -319,36 +331,24 @@ impl MtpDrafter {
         self.head.weights.block.shape.hidden_size
     }
 
+    fn kv_width(&self) -> usize {
+        let s = &self.head.weights.block.shape;
+        s.num_key_value_heads * s.head_dim
+    }
+
     fn n_hidden(&self) -> usize {
         self.hidden.len() / self.hidden_size()
     }
 
-    fn cache_truncate(&mut self, len: usize) -> Result<()> {
-        if let Some((k, v)) = &self.cache {
-            if k.dim(2)? > len {
-                self.cache = if len == 0 {
-                    None
-                } else {
-                    Some((k.narrow(2, 0, len)?, v.narrow(2, 0, len)?))
-                };
-            }
-        }
-        Ok(())
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.head.embedding.forward(ids, &Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
-    /// Run the head on rows at positions `pos0 ..` and append their keys and values.
-    fn run(&mut self, emb: &Tensor, hidden: &Tensor, pos0: usize) -> Result<Tensor> {
-        let past = self.cache.as_ref().map(|(k, v)| (k, v));
-        let (out, k, v) = self.head.weights.forward(emb, hidden, pos0, past)?;
-        self.cache = Some(match self.cache.take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-            None => (k, v),
-        });
-        Ok(out)
-    }
-
-    fn pick(&mut self, h_last: &Tensor) -> Result<(u32, Option<Vec<(u32, f32)>>)> {
-        let row = self.head.logits(h_last)?.flatten_all()?.to_vec1::<f32>()?;
+    /// The next draft token from `h'` (one row), and its distribution when sampling.
+    fn pick(&mut self, h_last: &[f32]) -> Result<(u32, Option<Vec<(u32, f32)>>)> {
+        let eps = self.head.weights.block.shape.rms_norm_eps;
+        let normed = rms_rows(h_last, &self.head.weights.norm.to_vec1::<f32>()?, eps);
+        let row = self.head.vocab.logits_rows(&normed, 1)?;
         Ok(match self.sampler.as_mut() {
             None => (self.head.vocab.token(argmax(&row) as usize), None),
             Some(s) => {
@@ -368,7 +368,8 @@ impl Drafter for MtpDrafter {
         if k == 0 || n < 2 || self.n_hidden() == 0 || self.base + self.n_hidden() < n - 1 {
             return Ok(Proposal::default());
         }
-        self.cache_truncate(self.kv_true)?;
+        let width = self.kv_width();
+        self.cache.truncate(self.kv_true, width);
         let from = self.base + self.kv_true;
         let last = n - 2;
         if from > last {
@@ -377,12 +378,12 @@ impl Drafter for MtpDrafter {
             return Ok(Proposal::default());
         }
         let rows = last + 1 - from;
-        let emb = self.head.embed(&context[from + 1..=last + 1])?;
+        let emb = self.embed(&context[from + 1..=last + 1])?;
         let off = (from - self.base) * hs;
-        let hid = Tensor::from_slice(&self.hidden[off..off + rows * hs], (1, rows, hs), &Device::Cpu)?;
-        let out = self.run(&emb, &hid, from)?;
+        let hid = self.hidden[off..off + rows * hs].to_vec();
+        let out = self.head.weights.forward_rows(&emb, &hid, from, &mut self.cache)?;
         self.kv_true = last + 1 - self.base;
-        let mut h_last = out.i((.., rows - 1..rows, ..))?;
+        let mut h_last = out[(rows - 1) * hs..].to_vec();
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
         for i in 0..k {
@@ -392,8 +393,8 @@ impl Drafter for MtpDrafter {
                 qs.push(q);
             }
             if i + 1 < k {
-                let emb = self.head.embed(&[t])?;
-                h_last = self.run(&emb, &h_last, n - 1 + i)?;
+                let emb = self.embed(&[t])?;
+                h_last = self.head.weights.forward_rows(&emb, &h_last, n - 1 + i, &mut self.cache)?;
             }
         }
         Ok(Proposal {
@@ -424,7 +425,7 @@ impl Drafter for MtpDrafter {
             self.hidden.clear();
             self.base = start;
             self.kv_true = 0;
-            self.cache = None;
+            self.cache = RowCache::default();
         } else if start < end {
             self.hidden.truncate((start - self.base) * hs);
             self.kv_true = self.kv_true.min((start - self.base).saturating_sub(1));

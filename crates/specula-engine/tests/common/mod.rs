@@ -34,3 +34,11 @@ pub fn fixture_lines(rel: &str) -> Vec<Value> {
         .map(|l| serde_json::from_str(l).expect("fixture line is JSON"))
         .collect()
 }
+
+/// A trained native drafter committed under `heads/`: `heads/{model}.{kind}` (`mtp`: an MTP
+/// head, `drafter`: a block drafter).
+pub fn head_path(model: &str, kind: &str) -> PathBuf {
+    let p = repo_root().join("heads").join(format!("{model}.{kind}"));
+    assert!(p.exists(), "{} is missing (made by `specula distill`, see heads/README.md)", p.display());
+    p
+}
