@@ -86,7 +86,9 @@ pub fn from_files(engine: &Engine, paths: &[PathBuf], max_len: usize) -> Result<
     Ok(out)
 }
 
-/// Task templates of the built-in prompt set (`{}` = a topic).
+/// Task templates of the built-in prompt set (`{}` = a topic). None is a prompt of the
+/// benchmark set (`tests/fixtures/prompts.jsonl`); they cover the same kinds of request (prose,
+/// questions, code, structured output) with other wording.
 const TASKS: &[&str] = &[
     "Explain {} to a beginner in a short paragraph.",
     "Write three bullet points about {}.",
@@ -108,6 +110,26 @@ const TASKS: &[&str] = &[
     "Write a short dialogue between two friends about {}.",
     "List five facts about {}.",
     "Write unit tests in Python for a function that deals with {}.",
+    "In one sentence, what is {}?",
+    "Who is a famous person associated with {}? Answer briefly.",
+    "Describe a quiet evening that involves {} in a few sentences.",
+    "Write the first paragraph of a novel about {}.",
+    "Write a short advertisement for a product related to {}.",
+    "Write a limerick about {}.",
+    "Give me a fun fact about {}.",
+    "Why does {} matter? Answer in two sentences.",
+    "Write a Python class that models {}.",
+    "Write a C function related to {} and explain how it works.",
+    "Fix the bugs in a short Python snippet about {} and show the corrected code.",
+    "Write a Go program that prints something about {}.",
+    "Return a JSON list of three objects about {}, each with a name and a description.",
+    "Write a YAML configuration for a small service about {}.",
+    "Describe {} as if you were a tour guide.",
+    "Write a product review of something related to {}.",
+    "Explain {} using an analogy.",
+    "What questions would a child ask about {}? List four.",
+    "Write a short news report about a discovery in {}.",
+    "Write a regular expression related to {} and explain each part.",
 ];
 
 const TOPICS: &[&str] = &[
@@ -119,19 +141,42 @@ const TOPICS: &[&str] = &[
     "matrix multiplication", "healthy breakfast", "version control with git", "ocean currents", "dates and times",
     "learning a language", "graph traversal", "renewable energy", "error handling", "birds migration",
     "web accessibility", "coffee brewing", "caching", "the moon landing", "stacks and queues", "team meetings",
-    "JSON parsing", "earthquakes", "command line tools", "music theory", "dynamic programming",
+    "JSON parsing", "earthquakes", "command line tools", "music theory", "dynamic programming", "a lighthouse",
+    "an old bookshop", "winter in the city", "a lost umbrella", "a robot that learns to paint", "rivers",
+    "the printing press", "penguins", "football", "a summer festival", "deserts", "the internet", "bees",
+    "a mountain village", "trains", "a birthday party", "rainforests", "the Olympic games", "a museum at night",
+    "space telescopes", "a small bakery", "friendship", "the human heart", "castles", "a night market",
+    "vaccines", "lighthouses and ships", "the stock market", "a school trip", "origami", "wolves",
+    "a jazz concert", "the Great Wall of China", "bicycles", "a thunderstorm", "the alphabet", "glaciers",
+    "a job interview", "recycling", "a garden party", "the number zero", "submarines", "a rainy afternoon",
+    "chocolate", "airports", "the Amazon river", "a video game", "a street musician", "the periodic table",
 ];
 
-/// The `i`-th prompt of the built-in set (tasks × topics, interleaved so any prefix mixes both).
+/// The `i`-th prompt of the built-in set: every (task, topic) pair once, in an order where any
+/// prefix mixes tasks and topics.
 pub fn builtin_prompt(i: usize) -> String {
-    let task = TASKS[i % TASKS.len()];
-    let topic = TOPICS[(i / TASKS.len() + i * 7) % TOPICS.len()];
+    let n = builtin_prompts();
+    let j = (i % n) * 7919 % n; // 7919 is prime and shares no factor with the set size
+    let task = TASKS[j % TASKS.len()];
+    let topic = TOPICS[j / TASKS.len()];
     task.replace("{}", topic)
 }
 
 /// Size of the built-in prompt set.
 pub fn builtin_prompts() -> usize {
     TASKS.len() * TOPICS.len()
+}
+
+/// A fingerprint of the built-in prompt set (part of the data cache key).
+fn builtin_fingerprint() -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in TASKS.iter().chain(TOPICS) {
+        for b in t.bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// The target's greedy answers to the first `n` built-in prompts (prompt + answer per sequence),
@@ -214,6 +259,7 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
         "prompts": opts.prompts,
         "answer_tokens": opts.answer_tokens,
         "model": engine.model_id(),
+        "builtin_prompts": builtin_fingerprint(),
     });
     if path.exists() && !opts.restart {
         let text = std::fs::read_to_string(&path)?;
@@ -244,4 +290,24 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
         serde_json::to_string(&serde_json::json!({"key": key, "sequences": all}))?,
     )?;
     Ok(all)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_prompts_are_distinct_and_not_benchmark_prompts() {
+        let n = builtin_prompts();
+        let all: std::collections::HashSet<String> = (0..n).map(builtin_prompt).collect();
+        assert_eq!(all.len(), n, "every (task, topic) pair once");
+        let bench = include_str!("../../../../tests/fixtures/prompts.jsonl");
+        for p in &all {
+            assert!(!bench.contains(p.as_str()), "{p:?} is a benchmark prompt");
+        }
+        // A prefix mixes tasks.
+        let first: std::collections::HashSet<&str> =
+            (0..40).map(|i| TASKS.iter().position(|t| builtin_prompt(i).starts_with(&t[..10])).map_or("", |k| TASKS[k])).collect();
+        assert!(first.len() > 10, "{first:?}");
+    }
 }

@@ -270,7 +270,9 @@ pub fn train(
     } else {
         usize::MAX
     };
-    let (held, train_seqs): (Vec<usize>, Vec<usize>) = (0..n_seq).partition(|s| n_seq > 1 && s % every == every - 1);
+    // Held out by a hash of the index, not a stride (the built-in prompts cycle through tasks).
+    let (held, train_seqs): (Vec<usize>, Vec<usize>) =
+        (0..n_seq).partition(|&s| n_seq > 1 && ((s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % every == 0);
     let train_w = windows(teacher, &train_seqs, opts.seq_len.max(2));
     let held_w = windows(teacher, &held, opts.seq_len.max(2));
     if train_w.is_empty() {
