@@ -341,3 +341,92 @@ fn distilled_block_drafter_is_accepted_and_exact() {
     }
     assert!(accepted > 0, "a trained block drafter drafts tokens the target accepts");
 }
+
+/// Sequences with an MTP head, a block drafter, n-gram and none, stepped together in one batched
+/// forward (the union of their taps), give each exactly its solo output; prompts are prefilled
+/// in chunks, so the drafters observe their hidden states piece by piece.
+#[test]
+fn native_drafters_in_a_batch_match_their_solo_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::with_dtype(Family::Qwen3, GgmlDType::Q8_0)).expect("write");
+    let mut e = Engine::load(
+        &path,
+        "tiny",
+        LoadOptions {
+            prefill_chunk: 8,
+            ..LoadOptions::default()
+        },
+    )
+    .expect("load");
+    let layers = e.config().num_layers;
+    write_random_mtp_head(&dir.path().join("mtp"), e.model(), MtpLayout::DeepseekV3, None, 3).expect("mtp");
+    write_random_block_drafter(&dir.path().join("blk"), e.model(), 5, &[0, layers - 1], 1, 4).expect("block");
+    e.attach_mtp_head(&dir.path().join("mtp")).expect("attach mtp");
+    e.attach_block_drafter(&dir.path().join("blk")).expect("attach block");
+    let mk = |n: usize, salt: u32, mode: SpecMode| {
+        let mut r = req(
+            (0..n as u32).map(|i| 97 + (i * 7 + salt) % 26).collect(),
+            mode,
+            3,
+            SamplingParams::greedy(),
+        );
+        r.max_tokens = Some(40);
+        r
+    };
+    let reqs = [
+        mk(5, 0, SpecMode::Mtp),
+        mk(30, 1, SpecMode::Block),
+        mk(21, 2, SpecMode::Off),
+        mk(17, 3, SpecMode::Ngram),
+        mk(12, 4, SpecMode::Mtp),
+    ];
+    let solo: Vec<GenerateOutput> = reqs.iter().map(|r| run(&mut e, r)).collect();
+    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+        steps += 1;
+        assert!(steps < 500, "no progress");
+    }
+    for (i, s) in seqs.into_iter().enumerate() {
+        let out = e.retire(s, true);
+        assert_eq!(out.token_ids, solo[i].token_ids, "request {i}");
+        assert_eq!(out.stats.spec.decode_path, solo[i].stats.spec.decode_path, "request {i}");
+        assert_eq!(out.stats.spec.drafted, solo[i].stats.spec.drafted, "request {i}: same drafts");
+    }
+    assert!(solo[0].stats.spec.drafted > 0 && solo[1].stats.spec.drafted > 0);
+}
+
+/// A prefix-cache hit skips the cached prompt rows, so a native drafter never sees their hidden
+/// states: it drafts from the rows it observed, and the output is still AR's.
+#[test]
+fn native_drafters_after_a_prefix_cache_hit_stay_exact() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::with_dtype(Family::Llama, GgmlDType::Q8_0)).expect("write");
+    let mut e = Engine::load(
+        &path,
+        "tiny",
+        LoadOptions {
+            prefix_cache_bytes: 1 << 24,
+            ..LoadOptions::default()
+        },
+    )
+    .expect("load");
+    write_random_mtp_head(&dir.path().join("mtp"), e.model(), MtpLayout::Qwen3Next, None, 3).expect("mtp");
+    write_random_block_drafter(&dir.path().join("blk"), e.model(), 4, &[1], 1, 4).expect("block");
+    e.attach_mtp_head(&dir.path().join("mtp")).expect("attach mtp");
+    e.attach_block_drafter(&dir.path().join("blk")).expect("attach block");
+    let prompt: Vec<u32> = (0..70u32).map(|i| 97 + (i * 5) % 26).collect();
+    let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
+    for mode in [SpecMode::Mtp, SpecMode::Block] {
+        let out = run(&mut e, &req(prompt.clone(), mode, 3, SamplingParams::greedy()));
+        assert!(out.stats.cached_prompt_tokens >= 64, "{mode:?}: {}", out.stats.cached_prompt_tokens);
+        assert!(out.stats.spec.drafted > 0, "{mode:?}");
+        assert_eq!(out.token_ids, ar.token_ids, "{mode:?}");
+    }
+}
