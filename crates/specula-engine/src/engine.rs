@@ -190,7 +190,12 @@ impl Engine {
             mode,
             ..Default::default()
         });
-        crate::sequence::resolve(spec.mode, self.draft.is_some(), self.mtp.is_some(), self.block.is_some())
+        crate::sequence::resolve(
+            spec.mode,
+            self.draft.is_some(),
+            self.mtp.is_some(),
+            self.block.is_some(),
+        )
     }
 
     /// Make `SpecMode::Default` follow a measured tuning choice (`None`: the built-in chain).
@@ -212,7 +217,8 @@ impl Engine {
                 if spec.mode == SpecMode::Default
                     && (t.mode != SpecMode::Draft || self.draft.is_some())
                     && (t.mode != SpecMode::Mtp || self.mtp.is_some())
-                    && (t.mode != SpecMode::Block || self.block.is_some()) => {
+                    && (t.mode != SpecMode::Block || self.block.is_some()) =>
+            {
                 crate::spec::SpecOptions {
                     mode: t.mode,
                     draft_max: t.draft_max.clamp(1, MAX_DRAFT),

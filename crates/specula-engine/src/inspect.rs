@@ -1505,7 +1505,6 @@ fn quant_groups(part: &Part) -> Vec<QuantGroup> {
 // ---------------------------------------------------------------------------------------------
 // The report.
 
-
 /// Inspect a bundle (GGUF file, directory holding one GGUF file, or Hugging Face directory) from
 /// its headers. Fails only when `path` is not a bundle (missing, or neither GGUF nor a
 /// directory with config.json / safetensors / one .gguf); every problem inside the bundle is a

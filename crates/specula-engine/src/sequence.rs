@@ -128,7 +128,12 @@ impl Sequence {
         // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
         // stats say why.
         let mut drafter: Option<Box<dyn Drafter>> = None;
-        let resolved = resolve(req.spec.mode, env.draft.is_some(), env.mtp.is_some(), env.block.is_some());
+        let resolved = resolve(
+            req.spec.mode,
+            env.draft.is_some(),
+            env.mtp.is_some(),
+            env.block.is_some(),
+        );
         stats.spec.decode_path = match (resolved, &env.draft) {
             (None, _) => "ar".into(),
             (Some(_), _) if !env.batch_invariant => {
@@ -306,7 +311,11 @@ impl Sequence {
     /// As [`Sequence::absorb`], with the forward's hidden states at [`Sequence::taps`]: one
     /// row-major `[fed tokens, hidden]` f32 buffer per tap, in that order (empty when the
     /// sequence has no taps). The committed rows go to the drafter ([`Drafter::observe`]).
-    pub fn absorb_with_hidden(&mut self, mut rows: Vec<Vec<f32>>, hidden: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
+    pub fn absorb_with_hidden(
+        &mut self,
+        mut rows: Vec<Vec<f32>>,
+        hidden: Vec<Vec<f32>>,
+    ) -> anyhow::Result<StepOutcome> {
         let secs = self.forward_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
         let has_taps = !hidden.is_empty() && !self.taps().is_empty();
         if self.decode_started.is_none() {
@@ -437,10 +446,7 @@ impl Sequence {
         if let (Some((start, hidden)), Some(d)) = (self.tapped.take(), self.drafter.as_mut()) {
             // The fed token and the accepted drafts are committed; their rows go to the drafter.
             let n = accepted + 1;
-            let views: Vec<&[f32]> = hidden
-                .iter()
-                .map(|h| &h[..(h.len() / (draft.len() + 1)) * n])
-                .collect();
+            let views: Vec<&[f32]> = hidden.iter().map(|h| &h[..(h.len() / (draft.len() + 1)) * n]).collect();
             d.observe(start, n, &views)?;
         }
 

@@ -392,7 +392,12 @@ pub fn write_random_mtp_head(
     let (p, names) = match layout {
         MtpLayout::DeepseekV3 => (
             format!("model.layers.{}.", c.num_layers),
-            ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"],
+            [
+                "enorm.weight",
+                "hnorm.weight",
+                "eh_proj.weight",
+                "shared_head.norm.weight",
+            ],
         ),
         MtpLayout::Qwen3Next => (
             "mtp.".to_string(),

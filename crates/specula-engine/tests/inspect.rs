@@ -605,7 +605,11 @@ fn mtp_head_in_a_sidecar_and_gguf_nextn() {
     // next drafter and say so.
     assert!(r.kernels.as_ref().is_some_and(|k| k.batch_invariant), "{:?}", r.kernels);
     assert_eq!(r.modes.on.drafter, "ngram");
-    assert!(r.modes.on.reason.contains("MTP head is in the trunk"), "{:?}", r.modes.on);
+    assert!(
+        r.modes.on.reason.contains("MTP head is in the trunk"),
+        "{:?}",
+        r.modes.on
+    );
 }
 
 #[test]

@@ -94,7 +94,10 @@ fn random_mtp_heads_in_both_layouts_draft_and_match_ar() {
             };
             let a = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, 4, sampling.clone()));
             let b = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, 4, sampling));
-            assert_eq!(a.token_ids, b.token_ids, "{family:?} {layout:?}: seeded sampling repeats");
+            assert_eq!(
+                a.token_ids, b.token_ids,
+                "{family:?} {layout:?}: seeded sampling repeats"
+            );
             assert!(a.stats.spec.drafted > 0);
         }
     }
@@ -130,7 +133,10 @@ fn mtp_head_that_does_not_fit_is_refused_naming_file_and_tensor() {
     let v = e.config().vocab_size as u32;
     write_random_mtp_head(&bad_dir, e.model(), MtpLayout::DeepseekV3, Some(&[0, 1, v + 5]), 1).expect("write");
     let err = format!("{:#}", e.attach_mtp_head(&bad_dir).expect_err("must be refused"));
-    assert!(err.contains("draft_vocab") && err.contains(&(v + 5).to_string()), "{err}");
+    assert!(
+        err.contains("draft_vocab") && err.contains(&(v + 5).to_string()),
+        "{err}"
+    );
     // `--spec mtp` without a head is a request error, not a silent fallback.
     let prompt = e.tokenize("the then").expect("tokenize");
     let r = req(prompt, SpecMode::Mtp, 4, SamplingParams::greedy());
@@ -176,8 +182,8 @@ fn tiny_with_path(family: Family) -> (tempfile::TempDir, std::path::PathBuf, Eng
 fn distilled_mtp_head_is_accepted_exact_and_resumable() {
     let (dir, path, mut e) = tiny_with_path(Family::Qwen2);
     let full = dir.path().join("full");
-    let r = specula_engine::distill::run_mtp(&mut e, &path, None, &distill_opts(&full, 40), &mut |_| {})
-        .expect("distill");
+    let r =
+        specula_engine::distill::run_mtp(&mut e, &path, None, &distill_opts(&full, 40), &mut |_| {}).expect("distill");
     assert!(r.finished && r.steps_done == 40, "{r:?}");
     assert!(r.final_loss.is_finite());
     let first_loss = {
@@ -185,7 +191,11 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
             serde_json::from_str(&std::fs::read_to_string(full.join("config.json")).expect("config")).expect("json");
         cfg["training"]["loss_history"][0][1].as_f64().expect("loss history")
     };
-    assert!(r.final_loss < first_loss, "training lowered the loss: {first_loss} -> {}", r.final_loss);
+    assert!(
+        r.final_loss < first_loss,
+        "training lowered the loss: {first_loss} -> {}",
+        r.final_loss
+    );
     assert!(r.held_out_top1.is_some());
 
     // Interrupted after 12 steps, then resumed: the same head, bit for bit.
@@ -271,7 +281,10 @@ fn random_block_drafters_draft_a_block_and_match_ar() {
         let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
         for k in [1, 4, 7, 12] {
             let what = format!("{family:?} block k={k}");
-            let sp = run(&mut e, &req(prompt.clone(), SpecMode::Block, k, SamplingParams::greedy()));
+            let sp = run(
+                &mut e,
+                &req(prompt.clone(), SpecMode::Block, k, SamplingParams::greedy()),
+            );
             assert_eq!(sp.stats.spec.decode_path, "block", "{what}");
             assert!(sp.stats.spec.drafted > 0, "{what}: nothing drafted");
             // One pass drafts at most block_size - 1 tokens.
@@ -303,7 +316,9 @@ fn block_drafter_config_errors_name_the_file_and_field() {
     let bd2 = dir.path().join("bad2.drafter");
     write_random_block_drafter(&bd2, e.model(), 8, &[0], 1, 5).expect("write");
     let cfg = bd2.join("config.json");
-    let text = std::fs::read_to_string(&cfg).expect("read").replace("\"target_layer_ids\": [\n    0\n  ]", "\"target_layer_ids\": [0, 1]");
+    let text = std::fs::read_to_string(&cfg)
+        .expect("read")
+        .replace("\"target_layer_ids\": [\n    0\n  ]", "\"target_layer_ids\": [0, 1]");
     std::fs::write(&cfg, text).expect("write");
     let err = format!("{:#}", e.attach_block_drafter(&bd2).expect_err("fc shape"));
     assert!(err.contains("fc.weight") && err.contains("expected"), "{err}");
@@ -334,7 +349,10 @@ fn distilled_block_drafter_is_accepted_and_exact() {
     for text in ["the then the thin the then", "in the thin then", "then the"] {
         let prompt = e.tokenize(text).expect("tokenize");
         let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
-        let sp = run(&mut e, &req(prompt.clone(), SpecMode::Block, 3, SamplingParams::greedy()));
+        let sp = run(
+            &mut e,
+            &req(prompt.clone(), SpecMode::Block, 3, SamplingParams::greedy()),
+        );
         assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{text:?}");
         assert_eq!(ar.token_ids, sp.token_ids, "{text:?}");
         accepted += sp.stats.spec.accepted;
@@ -395,8 +413,14 @@ fn native_drafters_in_a_batch_match_their_solo_runs() {
     for (i, s) in seqs.into_iter().enumerate() {
         let out = e.retire(s, true);
         assert_eq!(out.token_ids, solo[i].token_ids, "request {i}");
-        assert_eq!(out.stats.spec.decode_path, solo[i].stats.spec.decode_path, "request {i}");
-        assert_eq!(out.stats.spec.drafted, solo[i].stats.spec.drafted, "request {i}: same drafts");
+        assert_eq!(
+            out.stats.spec.decode_path, solo[i].stats.spec.decode_path,
+            "request {i}"
+        );
+        assert_eq!(
+            out.stats.spec.drafted, solo[i].stats.spec.drafted,
+            "request {i}: same drafts"
+        );
     }
     assert!(solo[0].stats.spec.drafted > 0 && solo[1].stats.spec.drafted > 0);
 }
@@ -425,7 +449,11 @@ fn native_drafters_after_a_prefix_cache_hit_stay_exact() {
     let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
     for mode in [SpecMode::Mtp, SpecMode::Block] {
         let out = run(&mut e, &req(prompt.clone(), mode, 3, SamplingParams::greedy()));
-        assert!(out.stats.cached_prompt_tokens >= 64, "{mode:?}: {}", out.stats.cached_prompt_tokens);
+        assert!(
+            out.stats.cached_prompt_tokens >= 64,
+            "{mode:?}: {}",
+            out.stats.cached_prompt_tokens
+        );
         assert!(out.stats.spec.drafted > 0, "{mode:?}");
         assert_eq!(out.token_ids, ar.token_ids, "{mode:?}");
     }

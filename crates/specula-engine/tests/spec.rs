@@ -445,7 +445,9 @@ fn gate(
     }
     // The trained native drafters committed under heads/ (made by `specula distill`).
     match mode {
-        SpecMode::Mtp => e.attach_mtp_head(&common::head_path(model, "mtp")).expect("attach MTP head"),
+        SpecMode::Mtp => e
+            .attach_mtp_head(&common::head_path(model, "mtp"))
+            .expect("attach MTP head"),
         SpecMode::Block => e
             .attach_block_drafter(&common::head_path(model, "drafter"))
             .expect("attach block drafter"),

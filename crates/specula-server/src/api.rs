@@ -133,6 +133,22 @@ fn parse_spec(h: &EngineHandle, b: &Body) -> Result<SpecOptions, ApiError> {
         )
         .with_code("invalid_value"));
     }
+    for (mode, kind, flag) in [
+        (SpecMode::Mtp, "mtp", "an MTP head"),
+        (SpecMode::Block, "block", "a block drafter"),
+    ] {
+        if spec.mode == mode && !m.native_drafters.iter().any(|d| d.starts_with(&format!("{kind}:"))) {
+            return Err(ApiError::invalid(
+                format!(
+                    "Invalid 'spec': speculative mode '{kind}' needs {flag}, and {} has none attached \
+                     (start the server with --drafter DIR).",
+                    m.id
+                ),
+                Some("spec"),
+            )
+            .with_code("invalid_value"));
+        }
+    }
     Ok(spec)
 }
 

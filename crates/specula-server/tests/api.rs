@@ -1026,6 +1026,8 @@ async fn spec_bad_values_get_400() {
         (json!("NGRAM"), "invalid_value"),
         (json!("draft"), "invalid_value"),
         (json!({"mode": "draft"}), "invalid_value"),
+        (json!("mtp"), "invalid_value"),
+        (json!({"mode": "block"}), "invalid_value"),
         (json!({"mode": "sometimes"}), "invalid_value"),
         (json!({"mode": 1}), "invalid_type"),
         (json!({"draft_max": 0}), "invalid_value"),
@@ -1246,4 +1248,52 @@ fn serve_checks_the_spec_default() {
     assert!(check_spec_default(&eng, &opts(SpecMode::Draft, 4)).is_err());
     assert!(check_spec_default(&eng, &opts(SpecMode::Ngram, 0)).is_err());
     assert!(check_spec_default(&eng, &opts(SpecMode::Ngram, 33)).is_err());
+}
+
+/// With native drafters attached, `spec: "mtp"` / `"block"` decode through them (streamed and
+/// not) and answer what plain decoding answers; `/v1/models` lists them.
+#[tokio::test]
+async fn spec_native_drafters_equal_off() {
+    let mut engine = spec_engine();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let layers = engine.config().num_layers;
+    specula_engine::testing::write_random_mtp_head(
+        &dir.path().join("mtp"),
+        engine.model(),
+        specula_engine::spec::mtp::MtpLayout::DeepseekV3,
+        None,
+        2,
+    )
+    .expect("mtp");
+    specula_engine::testing::write_random_block_drafter(
+        &dir.path().join("blk"),
+        engine.model(),
+        6,
+        &[0, layers - 1],
+        1,
+        2,
+    )
+    .expect("block");
+    engine.attach_mtp_head(&dir.path().join("mtp")).expect("attach mtp");
+    engine
+        .attach_block_drafter(&dir.path().join("blk"))
+        .expect("attach block");
+    let (app, _h) = app_with_spec(engine, SpecOptions::default());
+    let off = post(&app, CHAT, spec_chat_body(Some(json!("off")))).await.json();
+    let want = off["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    for (spec, path) in [
+        (json!("mtp"), "mtp"),
+        (json!({"mode": "block", "draft_max": 5}), "block"),
+        (json!("on"), "mtp"),
+    ] {
+        let r = post(&app, CHAT, spec_chat_body(Some(spec.clone()))).await;
+        assert_eq!(r.status, StatusCode::OK, "{spec}: {}", r.text);
+        let v = r.json();
+        assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{spec}");
+        assert_eq!(spec_stats(&v)["decode_path"], path, "{spec}");
+        assert!(spec_stats(&v)["drafted"].as_u64().unwrap_or(0) > 0, "{spec}");
+    }
+    let models = get(&app, "/v1/models").await.json();
+    let nd = &models["data"][0]["specula"]["native_drafters"];
+    assert_eq!(nd.as_array().map(Vec::len), Some(2), "{nd}");
 }

@@ -280,7 +280,10 @@ fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
         };
         let stem = stem.to_string_lossy();
         (
-            vec![dir.join(format!("{stem}.mtp")), dir.join(format!("{stem}.mtp.safetensors"))],
+            vec![
+                dir.join(format!("{stem}.mtp")),
+                dir.join(format!("{stem}.mtp.safetensors")),
+            ],
             dir.join(format!("{stem}.drafter")),
         )
     };
@@ -297,7 +300,9 @@ fn is_block_drafter(p: &std::path::Path) -> bool {
     std::fs::read_to_string(p.join("config.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .is_some_and(|j| j.get("block_size").is_some() || j.get("target_layer_ids").is_some() || j.get("dflash_config").is_some())
+        .is_some_and(|j| {
+            j.get("block_size").is_some() || j.get("target_layer_ids").is_some() || j.get("dflash_config").is_some()
+        })
 }
 
 #[derive(Args, Debug)]

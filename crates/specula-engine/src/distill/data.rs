@@ -79,7 +79,11 @@ pub fn from_files(engine: &Engine, paths: &[PathBuf], max_len: usize) -> Result<
         out.sources.push(format!(
             "{} file(s) from {}: {} tokens",
             files.len(),
-            paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+            paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
             out.tokens()
         ));
     }
@@ -133,23 +137,105 @@ const TASKS: &[&str] = &[
 ];
 
 const TOPICS: &[&str] = &[
-    "sorting algorithms", "the water cycle", "linked lists", "baking bread", "machine learning", "recursion",
-    "the solar system", "hash maps", "gardening in spring", "climate change", "binary search", "public transport",
-    "regular expressions", "the French revolution", "photosynthesis", "HTTP requests", "time management",
-    "prime numbers", "volcanoes", "unit testing", "saving money", "the immune system", "string formatting",
-    "mountain hiking", "databases", "electric cars", "file input and output", "the Roman empire", "chess openings",
-    "matrix multiplication", "healthy breakfast", "version control with git", "ocean currents", "dates and times",
-    "learning a language", "graph traversal", "renewable energy", "error handling", "birds migration",
-    "web accessibility", "coffee brewing", "caching", "the moon landing", "stacks and queues", "team meetings",
-    "JSON parsing", "earthquakes", "command line tools", "music theory", "dynamic programming", "a lighthouse",
-    "an old bookshop", "winter in the city", "a lost umbrella", "a robot that learns to paint", "rivers",
-    "the printing press", "penguins", "football", "a summer festival", "deserts", "the internet", "bees",
-    "a mountain village", "trains", "a birthday party", "rainforests", "the Olympic games", "a museum at night",
-    "space telescopes", "a small bakery", "friendship", "the human heart", "castles", "a night market",
-    "vaccines", "lighthouses and ships", "the stock market", "a school trip", "origami", "wolves",
-    "a jazz concert", "the Great Wall of China", "bicycles", "a thunderstorm", "the alphabet", "glaciers",
-    "a job interview", "recycling", "a garden party", "the number zero", "submarines", "a rainy afternoon",
-    "chocolate", "airports", "the Amazon river", "a video game", "a street musician", "the periodic table",
+    "sorting algorithms",
+    "the water cycle",
+    "linked lists",
+    "baking bread",
+    "machine learning",
+    "recursion",
+    "the solar system",
+    "hash maps",
+    "gardening in spring",
+    "climate change",
+    "binary search",
+    "public transport",
+    "regular expressions",
+    "the French revolution",
+    "photosynthesis",
+    "HTTP requests",
+    "time management",
+    "prime numbers",
+    "volcanoes",
+    "unit testing",
+    "saving money",
+    "the immune system",
+    "string formatting",
+    "mountain hiking",
+    "databases",
+    "electric cars",
+    "file input and output",
+    "the Roman empire",
+    "chess openings",
+    "matrix multiplication",
+    "healthy breakfast",
+    "version control with git",
+    "ocean currents",
+    "dates and times",
+    "learning a language",
+    "graph traversal",
+    "renewable energy",
+    "error handling",
+    "birds migration",
+    "web accessibility",
+    "coffee brewing",
+    "caching",
+    "the moon landing",
+    "stacks and queues",
+    "team meetings",
+    "JSON parsing",
+    "earthquakes",
+    "command line tools",
+    "music theory",
+    "dynamic programming",
+    "a lighthouse",
+    "an old bookshop",
+    "winter in the city",
+    "a lost umbrella",
+    "a robot that learns to paint",
+    "rivers",
+    "the printing press",
+    "penguins",
+    "football",
+    "a summer festival",
+    "deserts",
+    "the internet",
+    "bees",
+    "a mountain village",
+    "trains",
+    "a birthday party",
+    "rainforests",
+    "the Olympic games",
+    "a museum at night",
+    "space telescopes",
+    "a small bakery",
+    "friendship",
+    "the human heart",
+    "castles",
+    "a night market",
+    "vaccines",
+    "lighthouses and ships",
+    "the stock market",
+    "a school trip",
+    "origami",
+    "wolves",
+    "a jazz concert",
+    "the Great Wall of China",
+    "bicycles",
+    "a thunderstorm",
+    "the alphabet",
+    "glaciers",
+    "a job interview",
+    "recycling",
+    "a garden party",
+    "the number zero",
+    "submarines",
+    "a rainy afternoon",
+    "chocolate",
+    "airports",
+    "the Amazon river",
+    "a video game",
+    "a street musician",
+    "the periodic table",
 ];
 
 /// The `i`-th prompt of the built-in set: every (task, topic) pair once, in an order where any
@@ -306,8 +392,14 @@ mod tests {
             assert!(!bench.contains(p.as_str()), "{p:?} is a benchmark prompt");
         }
         // A prefix mixes tasks.
-        let first: std::collections::HashSet<&str> =
-            (0..40).map(|i| TASKS.iter().position(|t| builtin_prompt(i).starts_with(&t[..10])).map_or("", |k| TASKS[k])).collect();
+        let first: std::collections::HashSet<&str> = (0..40)
+            .map(|i| {
+                TASKS
+                    .iter()
+                    .position(|t| builtin_prompt(i).starts_with(&t[..10]))
+                    .map_or("", |k| TASKS[k])
+            })
+            .collect();
         assert!(first.len() > 10, "{first:?}");
     }
 }

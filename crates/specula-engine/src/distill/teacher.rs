@@ -211,7 +211,11 @@ fn read_cache(path: &Path, key: u64) -> Result<Option<Teacher>> {
         top_k,
         taps,
         tokens: get("tokens")?.to_vec1::<u32>()?,
-        offsets: get("offsets")?.to_vec1::<i64>()?.into_iter().map(|o| o as usize).collect(),
+        offsets: get("offsets")?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .map(|o| o as usize)
+            .collect(),
         hidden: get("hidden")?.flatten_all()?.to_vec1::<f16>()?,
         label_ids: get("label_ids")?.flatten_all()?.to_vec1::<u32>()?,
         label_p: get("label_p")?.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?,

@@ -22,9 +22,9 @@ use serde::{Deserialize, Serialize};
 use super::teacher::Teacher;
 use super::{DistillOptions, Progress};
 use crate::model::Model;
-use crate::spec::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
 use crate::spec::block::{BlockConfig, BlockWeights};
 use crate::spec::head::AttnMask;
+use crate::spec::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
 use crate::spec::mtp::{MtpConfig, MtpWeights};
 
 /// What a finished (or stopped) training run reports.
@@ -271,8 +271,8 @@ pub fn train(
         usize::MAX
     };
     // Held out by a hash of the index, not a stride (the built-in prompts cycle through tasks).
-    let (held, train_seqs): (Vec<usize>, Vec<usize>) =
-        (0..n_seq).partition(|&s| n_seq > 1 && ((s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % every == 0);
+    let (held, train_seqs): (Vec<usize>, Vec<usize>) = (0..n_seq)
+        .partition(|&s| n_seq > 1 && ((s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % every == 0);
     let train_w = windows(teacher, &train_seqs, opts.seq_len.max(2));
     let held_w = windows(teacher, &held, opts.seq_len.max(2));
     if train_w.is_empty() {
@@ -334,14 +334,24 @@ pub fn train(
         w
     } else if let (Some(p), HeadSpec::Block { .. }) = (init, spec) {
         let t = NamedTensors::read(p)?;
-        let strip = if t.map.contains_key("model.fc.weight") { "model." } else { "" };
+        let strip = if t.map.contains_key("model.fc.weight") {
+            "model."
+        } else {
+            ""
+        };
         let w: HashMap<String, Tensor> = t
             .map
             .iter()
             .filter_map(|(k, v)| k.strip_prefix(strip).map(|r| (r.to_string(), v.clone())))
             .filter(|(k, _)| k != "draft_vocab")
             .collect();
-        spec.build(&NamedTensors { file: t.file.clone(), map: w.clone() }, target)?;
+        spec.build(
+            &NamedTensors {
+                file: t.file.clone(),
+                map: w.clone(),
+            },
+            target,
+        )?;
         w
     } else if let Some(p) = init {
         let t = NamedTensors::read(p)?;
@@ -363,7 +373,9 @@ pub fn train(
     } else {
         match spec {
             HeadSpec::Mtp => initial_weights(target, model_path, &prefix, opts.seed)?,
-            HeadSpec::Block { taps, layers, .. } => initial_block_weights(target, model_path, taps.len(), *layers, opts.seed)?,
+            HeadSpec::Block { taps, layers, .. } => {
+                initial_block_weights(target, model_path, taps.len(), *layers, opts.seed)?
+            }
         }
     };
     // Check every shape against the target before training.
@@ -447,7 +459,10 @@ pub fn train(
     let mut rows_done = 0usize;
     let mut last_loss = loss_history.last().map(|&(_, l)| l).unwrap_or(f64::NAN);
     let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f64);
-    let stop_at = opts.stop_after.map(|n| (step + n).min(total_steps)).unwrap_or(total_steps);
+    let stop_at = opts
+        .stop_after
+        .map(|n| (step + n).min(total_steps))
+        .unwrap_or(total_steps);
     let embedding = &target.embedding;
     while step < stop_at {
         let ws: Vec<Window> = order[step * batch..(step + 1) * batch]
@@ -463,9 +478,24 @@ pub fn train(
                 let loss = ((labels * logp)?.sum_all()? * (-1.0 / n_rows.max(1) as f64))?;
                 (loss, n_rows)
             }
-            (Built::Block(bw), HeadSpec::Block { block_size, mask_token, .. }) => {
+            (
+                Built::Block(bw),
+                HeadSpec::Block {
+                    block_size, mask_token, ..
+                },
+            ) => {
                 let anchor0 = 1 + (step * 7919 + opts.seed as usize) % (*block_size / 2).max(1);
-                let bb = block_batch(teacher, &ws, opts.seq_len, *block_size, anchor0, *mask_token, embedding, &to_row, vrows)?;
+                let bb = block_batch(
+                    teacher,
+                    &ws,
+                    opts.seq_len,
+                    *block_size,
+                    anchor0,
+                    *mask_token,
+                    embedding,
+                    &to_row,
+                    vrows,
+                )?;
                 let logp = block_logp(bw, &vocab, &bb)?;
                 let loss = ((bb.labels * logp)?.sum_all()? * (-1.0 / bb.rows.max(1) as f64))?;
                 (loss, bb.rows)
@@ -527,10 +557,25 @@ pub fn train(
     }
     let finished = step >= total_steps;
     let (held_out_top1, held_rows) = match (&head, spec) {
-        (Built::Mtp(head), _) if finished => evaluate(teacher, &held_w, opts.seq_len, head, &vocab, &to_row, embedding, &shape)?,
-        (Built::Block(bw), HeadSpec::Block { block_size, mask_token, .. }) if finished => {
-            evaluate_block(teacher, &held_w, opts.seq_len, *block_size, *mask_token, bw, &vocab, &to_row, embedding)?
+        (Built::Mtp(head), _) if finished => {
+            evaluate(teacher, &held_w, opts.seq_len, head, &vocab, &to_row, embedding, &shape)?
         }
+        (
+            Built::Block(bw),
+            HeadSpec::Block {
+                block_size, mask_token, ..
+            },
+        ) if finished => evaluate_block(
+            teacher,
+            &held_w,
+            opts.seq_len,
+            *block_size,
+            *mask_token,
+            bw,
+            &vocab,
+            &to_row,
+            embedding,
+        )?,
         _ => (None, 0),
     };
     let report = TrainReport {
@@ -545,10 +590,25 @@ pub fn train(
     };
     if finished {
         match (&head, spec) {
-            (Built::Mtp(head), _) => write_head(&opts.out, target, head, vocab_ids.as_deref(), opts, &report, &loss_history)?,
-            (Built::Block(bw), _) => {
-                write_block(&opts.out, target, bw, spec, vocab_ids.as_deref(), opts, &report, &loss_history)?
-            }
+            (Built::Mtp(head), _) => write_head(
+                &opts.out,
+                target,
+                head,
+                vocab_ids.as_deref(),
+                opts,
+                &report,
+                &loss_history,
+            )?,
+            (Built::Block(bw), _) => write_block(
+                &opts.out,
+                target,
+                bw,
+                spec,
+                vocab_ids.as_deref(),
+                opts,
+                &report,
+                &loss_history,
+            )?,
         }
     }
     let _ = dev;
@@ -589,7 +649,10 @@ fn batch_tensors(
             let g = w.start + r; // position j (global)
             let row = wi * tl + r;
             ids[row] = t.tokens[g + 1];
-            for (dst, src) in hid[row * h..(row + 1) * h].iter_mut().zip(&t.hidden[g * h..(g + 1) * h]) {
+            for (dst, src) in hid[row * h..(row + 1) * h]
+                .iter_mut()
+                .zip(&t.hidden[g * h..(g + 1) * h])
+            {
                 *dst = src.to_f32();
             }
             // The distribution of t_{j+2}: the teacher's row after t_{j+1}.
@@ -769,7 +832,11 @@ fn block_batch(
     let (b, tl, wd, k) = (ws.len(), longest, t.width(), t.top_k);
     let stride = (bs / 2).max(1);
     let anchors: Vec<usize> = (anchor0.max(1)..tl).step_by(stride).collect();
-    let anchors = if anchors.is_empty() { vec![tl.saturating_sub(1).max(1)] } else { anchors };
+    let anchors = if anchors.is_empty() {
+        vec![tl.saturating_sub(1).max(1)]
+    } else {
+        anchors
+    };
     let r_all = anchors.len() * bs;
     let mut ctx = vec![0f32; b * tl * wd];
     let mut ids = vec![mask_token; b * r_all];
@@ -861,7 +928,17 @@ fn evaluate_block(
     }
     let (mut hit, mut total) = (0usize, 0usize);
     for chunk in ws.chunks(4) {
-        let bb = block_batch(t, chunk, seq_len, bs, 1, mask_token, embedding, to_row, vocab.rows.dim(0)?)?;
+        let bb = block_batch(
+            t,
+            chunk,
+            seq_len,
+            bs,
+            1,
+            mask_token,
+            embedding,
+            to_row,
+            vocab.rows.dim(0)?,
+        )?;
         let best = block_logp(bw, vocab, &bb)?.argmax(D::Minus1)?.to_vec2::<u32>()?;
         for &(wi, row, depth, l) in &bb.labelled {
             if depth != 1 {

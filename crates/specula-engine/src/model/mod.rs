@@ -389,7 +389,10 @@ impl Model {
     /// heads borrow). Errors: an id outside the vocabulary, or a model loaded without the table.
     pub fn lm_head_rows(&self, ids: &[u32]) -> Result<Tensor> {
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-            bail!("token id {bad} is outside the vocabulary ({} tokens)", self.config.vocab_size);
+            bail!(
+                "token id {bad} is outside the vocabulary ({} tokens)",
+                self.config.vocab_size
+            );
         }
         if let Some(t) = &self.lm_head_table {
             return t.forward(ids, &self.device);

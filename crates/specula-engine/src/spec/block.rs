@@ -68,7 +68,14 @@ pub struct BlockWeights {
 
 impl BlockWeights {
     /// Read the weights (names under `prefix`, `""` or `"model."`).
-    pub fn from_named(t: &NamedTensors, prefix: &str, shape: &BlockShape, n_taps: usize, target_h: usize, layers: usize) -> Result<Self> {
+    pub fn from_named(
+        t: &NamedTensors,
+        prefix: &str,
+        shape: &BlockShape,
+        n_taps: usize,
+        target_h: usize,
+        layers: usize,
+    ) -> Result<Self> {
         let h = shape.hidden_size;
         let mut ls = Vec::with_capacity(layers);
         for i in 0..layers {
@@ -115,7 +122,13 @@ impl BlockWeights {
 
     /// The block rows `x` (`[b, r, h]` embeddings at `positions`) through every layer, attending
     /// to `ctx` (per layer keys and values) as `mask` says; returns the final-normed rows.
-    pub fn forward(&self, x: &Tensor, positions: &[usize], ctx: &[(Tensor, Tensor)], mask: &AttnMask) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        positions: &[usize],
+        ctx: &[(Tensor, Tensor)],
+        mask: &AttnMask,
+    ) -> Result<Tensor> {
         let mut x = x.clone();
         for (l, (k, v)) in self.layers.iter().zip(ctx) {
             x = l.forward(&x, positions, Some((k, v)), mask)?.0;
@@ -154,8 +167,8 @@ impl BlockDrafterModel {
     pub fn load(dir: &Path, target: &Model) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
-        let config: BlockConfig =
-            serde_json::from_str(&text).with_context(|| format!("{}: not a valid block drafter config", cfg_path.display()))?;
+        let config: BlockConfig = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a valid block drafter config", cfg_path.display()))?;
         let t = NamedTensors::read(dir)?;
         Self::from_parts(config, &t, target, &cfg_path.display().to_string())
     }
@@ -196,7 +209,10 @@ impl BlockDrafterModel {
             );
         }
         if let Some(v) = config.vocab_size.filter(|&v| v != tc.vocab_size) {
-            bail!("{cfg_file}: 'vocab_size' {v} does not match the target's ({})", tc.vocab_size);
+            bail!(
+                "{cfg_file}: 'vocab_size' {v} does not match the target's ({})",
+                tc.vocab_size
+            );
         }
         let shape = config.shape.clone().unwrap_or_else(|| BlockShape::of_target(target));
         if shape.hidden_size != tc.hidden_size {
@@ -214,7 +230,10 @@ impl BlockDrafterModel {
         let layers = match config.num_hidden_layers {
             Some(n) => n,
             None => (0..)
-                .take_while(|i| t.map.contains_key(&format!("{prefix}layers.{i}.input_layernorm.weight")))
+                .take_while(|i| {
+                    t.map
+                        .contains_key(&format!("{prefix}layers.{i}.input_layernorm.weight"))
+                })
                 .count(),
         };
         if layers == 0 {

@@ -210,7 +210,12 @@ impl HeadBlock {
             k = rms_norm(&k, kn, s.rms_norm_eps)?;
         }
         let k = k.transpose(1, 2)?;
-        let v = self.v.forward(x)?.reshape((b, n, hk, d))?.transpose(1, 2)?.contiguous()?;
+        let v = self
+            .v
+            .forward(x)?
+            .reshape((b, n, hk, d))?
+            .transpose(1, 2)?
+            .contiguous()?;
         let (cos, sin) = rope_tables(s, positions, x.device())?;
         Ok((self.rope(&k, &cos, &sin)?, v))
     }
@@ -361,13 +366,25 @@ impl NamedTensors {
         };
         Ok(HeadBlock {
             shape: s.clone(),
-            attn_norm: self.get(&format!("{prefix}input_layernorm.weight"), &[h], "a norm over the hidden size")?,
+            attn_norm: self.get(
+                &format!("{prefix}input_layernorm.weight"),
+                &[h],
+                "a norm over the hidden size",
+            )?,
             q: lin("self_attn.q_proj", qd, h)?,
             k: lin("self_attn.k_proj", kd, h)?,
             v: lin("self_attn.v_proj", kd, h)?,
             o: lin("self_attn.o_proj", h, qd)?,
-            q_norm: self.opt(&format!("{prefix}self_attn.q_norm.weight"), &[s.head_dim], "a per-head norm")?,
-            k_norm: self.opt(&format!("{prefix}self_attn.k_norm.weight"), &[s.head_dim], "a per-head norm")?,
+            q_norm: self.opt(
+                &format!("{prefix}self_attn.q_norm.weight"),
+                &[s.head_dim],
+                "a per-head norm",
+            )?,
+            k_norm: self.opt(
+                &format!("{prefix}self_attn.k_norm.weight"),
+                &[s.head_dim],
+                "a per-head norm",
+            )?,
             ffn_norm: self.get(
                 &format!("{prefix}post_attention_layernorm.weight"),
                 &[h],
@@ -694,8 +711,14 @@ mod tests {
             rope_theta: 10_000.0,
             rope_style: rope_style.into(),
         };
-        let mut lin = |o: usize, i: usize, bias: bool| Dense::new(rand(&[o, i], &mut s), bias.then(|| rand(&[o], &mut s)));
-        let (q, k, v, o) = (lin(hq * d, h, true), lin(hk * d, h, true), lin(hk * d, h, true), lin(h, hq * d, false));
+        let mut lin =
+            |o: usize, i: usize, bias: bool| Dense::new(rand(&[o, i], &mut s), bias.then(|| rand(&[o], &mut s)));
+        let (q, k, v, o) = (
+            lin(hq * d, h, true),
+            lin(hk * d, h, true),
+            lin(hk * d, h, true),
+            lin(h, hq * d, false),
+        );
         let (gate, up, down) = (lin(f, h, false), lin(f, h, false), lin(h, f, false));
         let norm = |n: usize, s: &mut u64| (rand(&[n], s) + 1.0).expect("norm");
         HeadBlock {
@@ -725,7 +748,9 @@ mod tests {
             let x = rand(&[1, 3, 64], &mut seed);
             for (mask, causal) in [(AttnMask::Causal, true), (AttnMask::Bidirectional, false)] {
                 let (_, pk, pv) = b.forward(&past_x, &span(10, 5), None, &AttnMask::Causal).expect("past");
-                let (want, _, _) = b.forward(&x, &span(15, 3), Some((&pk, &pv)), &mask).expect("tensor path");
+                let (want, _, _) = b
+                    .forward(&x, &span(15, 3), Some((&pk, &pv)), &mask)
+                    .expect("tensor path");
                 let mut cache = RowCache::default();
                 let px = past_x.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("vec");
                 b.forward_rows(&px, &span(10, 5), &mut cache, true).expect("rows past");

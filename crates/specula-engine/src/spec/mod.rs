@@ -7,8 +7,8 @@
 //! one-row decode rows ([`crate::model::Model::batch_invariant`]); a model whose kernels are not
 //! invariant decodes plain AR and says so in its stats.
 
-pub mod controller;
 pub mod block;
+pub mod controller;
 pub mod draft_model;
 pub mod head;
 pub mod mtp;

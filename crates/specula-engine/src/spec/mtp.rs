@@ -24,7 +24,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::head::{block_tensors, rms_norm, rms_rows, span, AttnMask, RowCache, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors};
+use super::head::{
+    block_tensors, rms_norm, rms_rows, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors, RowCache,
+};
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
 use crate::sampling::{argmax, Sampler, SamplingParams};
@@ -123,7 +125,10 @@ impl MtpWeights {
         past: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let eps = self.block.shape.rms_norm_eps;
-        let x = Tensor::cat(&[&rms_norm(emb, &self.enorm, eps)?, &rms_norm(hidden, &self.hnorm, eps)?], 2)?;
+        let x = Tensor::cat(
+            &[&rms_norm(emb, &self.enorm, eps)?, &rms_norm(hidden, &self.hnorm, eps)?],
+            2,
+        )?;
         let x = self.eh_proj.forward(&x)?;
         self.block.forward(&x, &span(pos0, x.dim(1)?), past, &AttnMask::Causal)
     }
@@ -341,7 +346,12 @@ impl MtpDrafter {
     }
 
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        Ok(self.head.embedding.forward(ids, &Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
+        Ok(self
+            .head
+            .embedding
+            .forward(ids, &Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     }
 
     /// The next draft token from `h'` (one row), and its distribution when sampling.
@@ -394,7 +404,10 @@ impl Drafter for MtpDrafter {
             }
             if i + 1 < k {
                 let emb = self.embed(&[t])?;
-                h_last = self.head.weights.forward_rows(&emb, &h_last, n - 1 + i, &mut self.cache)?;
+                h_last = self
+                    .head
+                    .weights
+                    .forward_rows(&emb, &h_last, n - 1 + i, &mut self.cache)?;
             }
         }
         Ok(Proposal {

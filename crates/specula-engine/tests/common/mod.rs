@@ -39,6 +39,10 @@ pub fn fixture_lines(rel: &str) -> Vec<Value> {
 /// head, `drafter`: a block drafter).
 pub fn head_path(model: &str, kind: &str) -> PathBuf {
     let p = repo_root().join("heads").join(format!("{model}.{kind}"));
-    assert!(p.exists(), "{} is missing (made by `specula distill`, see heads/README.md)", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing (made by `specula distill`, see heads/README.md)",
+        p.display()
+    );
     p
 }
