@@ -406,3 +406,18 @@ mod tests {
         assert_eq!(top_n(&lp, 2).iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 1]);
     }
 }
+
+/// The sampler a drafter draws with for a request with sampling parameters `params`: `None`
+/// when the request is greedy (drafts are argmaxes); else the request's temperature and filters
+/// with penalties off, seeded with `seed` (drafts are draws, their distribution the proposal's q).
+pub fn draft_sampler(params: &SamplingParams, seed: u64) -> Option<Sampler> {
+    (!params.is_greedy()).then(|| {
+        Sampler::new(SamplingParams {
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: Some(seed),
+            ..params.clone()
+        })
+    })
+}

@@ -128,6 +128,9 @@ impl Sequence {
         // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
         // stats say why.
         let mut drafter: Option<Box<dyn Drafter>> = None;
+        // A sampling drafter's RNG seed, forked from the request's stream (greedy: unused).
+        let greedy = req.sampling.is_greedy();
+        let draft_seed = |s: &mut Sampler| if greedy { 0 } else { s.fork_seed() };
         let resolved = resolve(
             req.spec.mode,
             env.draft.is_some(),
@@ -140,11 +143,7 @@ impl Sequence {
                 "ar (this model's kernels are not batch-invariant: K-quant or f32 weights)".into()
             }
             (Some(SpecMode::Draft), Some((model, id))) => {
-                let seed = if req.sampling.is_greedy() {
-                    0
-                } else {
-                    sampler.fork_seed()
-                };
+                let seed = draft_seed(&mut sampler);
                 drafter = Some(Box::new(DraftModelDrafter::new(
                     model.clone(),
                     &req.sampling,
@@ -156,11 +155,7 @@ impl Sequence {
             (Some(SpecMode::Draft), None) => "ar (no draft model attached)".into(),
             (Some(SpecMode::Mtp), _) => match &env.mtp {
                 Some(head) => {
-                    let seed = if req.sampling.is_greedy() {
-                        0
-                    } else {
-                        sampler.fork_seed()
-                    };
+                    let seed = draft_seed(&mut sampler);
                     drafter = Some(Box::new(crate::spec::mtp::MtpDrafter::new(
                         head.clone(),
                         &req.sampling,
@@ -172,11 +167,7 @@ impl Sequence {
             },
             (Some(SpecMode::Block), _) => match &env.block {
                 Some(m) => {
-                    let seed = if req.sampling.is_greedy() {
-                        0
-                    } else {
-                        sampler.fork_seed()
-                    };
+                    let seed = draft_seed(&mut sampler);
                     drafter = Some(Box::new(crate::spec::block::BlockDrafter::new(
                         m.clone(),
                         &req.sampling,

@@ -172,9 +172,7 @@ fn save_checkpoint(out: &Path, params: &[Param], vocab: Option<&[u32]>, meta: &C
         map.insert(format!("adam_v.{}", p.name), p.v.clone());
     }
     if let Some(ids) = vocab {
-        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-        let n = ids.len();
-        map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+        map.insert("draft_vocab".into(), DraftVocab::ids_tensor(ids)?);
     }
     let tmp = dir.join("state.safetensors.tmp");
     candle_core::safetensors::save(&map, &tmp)?;
@@ -729,9 +727,7 @@ fn write_head(
         map.insert(k, v.detach().to_dtype(DType::F16)?);
     }
     if let Some(ids) = vocab {
-        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-        let n = ids.len();
-        map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+        map.insert("draft_vocab".into(), DraftVocab::ids_tensor(ids)?);
     }
     std::fs::create_dir_all(out)?;
     candle_core::safetensors::save(&map, out.join("model.safetensors"))?;
@@ -981,9 +977,7 @@ fn write_block(
         map.insert(k, v.detach().to_dtype(DType::F16)?);
     }
     if let Some(ids) = vocab {
-        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-        let n = ids.len();
-        map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
+        map.insert("draft_vocab".into(), DraftVocab::ids_tensor(ids)?);
     }
     std::fs::create_dir_all(out)?;
     candle_core::safetensors::save(&map, out.join("model.safetensors"))?;

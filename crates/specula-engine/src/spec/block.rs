@@ -23,7 +23,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::head::{
@@ -31,7 +31,7 @@ use super::head::{
 };
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
-use crate::sampling::{argmax, Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams};
 
 /// A block drafter's `config.json`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -240,20 +240,8 @@ impl BlockDrafterModel {
             bail!("{}: no drafter layers ({prefix}layers.0.*)", t.file);
         }
         let mut weights = BlockWeights::from_named(t, prefix, &shape, taps.len(), tc.hidden_size, layers)?;
-        let ids = match t.map.get("draft_vocab") {
-            None => None,
-            Some(ids) => Some(
-                ids.to_dtype(DType::I64)
-                    .and_then(|x| x.flatten_all()?.to_vec1::<i64>())
-                    .with_context(|| format!("{}: tensor 'draft_vocab' is not a list of token ids", t.file))?
-                    .into_iter()
-                    .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
-                    .collect::<Vec<u32>>(),
-            ),
-        };
-        let mut vocab = DraftVocab::from_target(target, ids).with_context(|| format!("{}: draft_vocab", t.file))?;
+        let vocab = DraftVocab::for_drafting(t, target)?;
         weights.quantize_for_drafting()?;
-        vocab.quantize_for_drafting()?;
         Ok(Self {
             config: BlockConfig {
                 shape: Some(shape),
@@ -285,15 +273,7 @@ pub struct BlockDrafter {
 
 impl BlockDrafter {
     pub fn new(model: Arc<BlockDrafterModel>, params: &SamplingParams, seed: u64) -> Self {
-        let sampler = (!params.is_greedy()).then(|| {
-            Sampler::new(SamplingParams {
-                repetition_penalty: 1.0,
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-                seed: Some(seed),
-                ..params.clone()
-            })
-        });
+        let sampler = crate::sampling::draft_sampler(params, seed);
         let n = model.taps.len();
         let layers = model.weights.layers.len();
         Self {
@@ -390,14 +370,9 @@ impl Drafter for BlockDrafter {
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
         for row in logits.chunks_exact(vr) {
-            match self.sampler.as_mut() {
-                None => tokens.push(self.model.vocab.token(argmax(row) as usize)),
-                Some(s) => {
-                    let dist = s.distribution(&self.model.vocab.full_row(row));
-                    tokens.push(s.draw(&dist));
-                    qs.push(dist);
-                }
-            }
+            let (t, q) = self.model.vocab.pick(row, self.sampler.as_mut());
+            tokens.push(t);
+            qs.extend(q);
         }
         Ok(Proposal {
             tokens,

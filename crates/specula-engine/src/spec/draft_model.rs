@@ -33,15 +33,7 @@ impl DraftModelDrafter {
     /// drafts greedily when they are greedy, else samples with the same temperature and filters
     /// (penalties off) and an RNG seeded from `seed`.
     pub fn new(model: Arc<Model>, params: &SamplingParams, seed: u64, prefill_chunk: usize) -> Self {
-        let sampler = (!params.is_greedy()).then(|| {
-            Sampler::new(SamplingParams {
-                repetition_penalty: 1.0,
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-                seed: Some(seed),
-                ..params.clone()
-            })
-        });
+        let sampler = crate::sampling::draft_sampler(params, seed);
         let kv = model.new_kv_cache();
         Self {
             model,

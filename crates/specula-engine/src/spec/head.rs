@@ -465,6 +465,45 @@ impl DraftVocab {
         })
     }
 
+    /// The draft vocabulary a head file declares (its optional integer tensor `draft_vocab`), as
+    /// rows of `target`'s LM head, quantized for drafting. Errors name the file.
+    pub fn for_drafting(t: &NamedTensors, target: &Model) -> Result<Self> {
+        let ids = match t.map.get("draft_vocab") {
+            None => None,
+            Some(ids) => Some(
+                ids.to_dtype(DType::I64)
+                    .and_then(|x| x.flatten_all()?.to_vec1::<i64>())
+                    .with_context(|| format!("{}: tensor 'draft_vocab' is not a list of token ids", t.file))?
+                    .into_iter()
+                    .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
+                    .collect::<Vec<u32>>(),
+            ),
+        };
+        let mut v = Self::from_target(target, ids).with_context(|| format!("{}: draft_vocab", t.file))?;
+        v.quantize_for_drafting()?;
+        Ok(v)
+    }
+
+    /// `ids` as the `draft_vocab` tensor a head file stores.
+    pub fn ids_tensor(ids: &[u32]) -> Result<Tensor> {
+        let v: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let n = v.len();
+        Ok(Tensor::from_vec(v, n, &Device::Cpu)?)
+    }
+
+    /// The draft token of one logits row: its argmax (greedy), or a draw from `sampler`'s
+    /// processed distribution over the full vocabulary, returned as the proposal's q.
+    pub fn pick(&self, row: &[f32], sampler: Option<&mut crate::sampling::Sampler>) -> (u32, Option<Vec<(u32, f32)>>) {
+        match sampler {
+            None => (self.token(crate::sampling::argmax(row) as usize), None),
+            Some(s) => {
+                let dist = s.distribution(&self.full_row(row));
+                let t = s.draw(&dist);
+                (t, Some(dist))
+            }
+        }
+    }
+
     /// Use a Q8_0 copy of the rows from now on (drafting, not training).
     pub fn quantize_for_drafting(&mut self) -> Result<()> {
         self.fast = quantize(&self.rows, None)?;

@@ -21,7 +21,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::head::{
@@ -29,7 +29,7 @@ use super::head::{
 };
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
-use crate::sampling::{argmax, Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams};
 
 /// Which target hidden state an MTP head reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -253,23 +253,11 @@ impl MtpHead {
                 t.file
             );
         };
-        let ids = match t.map.get("draft_vocab") {
-            None => None,
-            Some(ids) => Some(
-                ids.to_dtype(DType::I64)
-                    .and_then(|x| x.flatten_all()?.to_vec1::<i64>())
-                    .with_context(|| format!("{}: tensor 'draft_vocab' is not a list of token ids", t.file))?
-                    .into_iter()
-                    .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
-                    .collect::<Vec<u32>>(),
-            ),
-        };
-        let mut vocab = DraftVocab::from_target(target, ids).with_context(|| format!("{}: draft_vocab", t.file))?;
+        let vocab = DraftVocab::for_drafting(t, target)?;
         // Drafting reads Q8_0 copies of the weights (a quarter of the f32 bytes per token).
         let mut weights = weights;
         weights.eh_proj.quantize_for_drafting()?;
         weights.block.quantize_for_drafting()?;
-        vocab.quantize_for_drafting()?;
         let tap = config.hidden_source.tap(tc.num_layers);
         Ok(Self {
             config: MtpConfig {
@@ -311,15 +299,7 @@ impl MtpDrafter {
     /// A drafter for one request: greedy drafts for greedy requests, else drafts sampled with
     /// the request's temperature and filters (penalties off) from an RNG seeded by `seed`.
     pub fn new(head: Arc<MtpHead>, params: &SamplingParams, seed: u64) -> Self {
-        let sampler = (!params.is_greedy()).then(|| {
-            Sampler::new(SamplingParams {
-                repetition_penalty: 1.0,
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-                seed: Some(seed),
-                ..params.clone()
-            })
-        });
+        let sampler = crate::sampling::draft_sampler(params, seed);
         let taps = [head.tap];
         Self {
             head,
@@ -359,14 +339,7 @@ impl MtpDrafter {
         let eps = self.head.weights.block.shape.rms_norm_eps;
         let normed = rms_rows(h_last, &self.head.weights.norm.to_vec1::<f32>()?, eps);
         let row = self.head.vocab.logits_rows(&normed, 1)?;
-        Ok(match self.sampler.as_mut() {
-            None => (self.head.vocab.token(argmax(&row) as usize), None),
-            Some(s) => {
-                let dist = s.distribution(&self.head.vocab.full_row(&row));
-                let t = s.draw(&dist);
-                (t, Some(dist))
-            }
-        })
+        Ok(self.head.vocab.pick(&row, self.sampler.as_mut()))
     }
 }
 
