@@ -458,3 +458,34 @@ fn native_drafters_after_a_prefix_cache_hit_stay_exact() {
         assert_eq!(out.token_ids, ar.token_ids, "{mode:?}");
     }
 }
+
+/// With a trained attention window shorter than the prompt, both drafters skip the rows no
+/// later row can see (bounded catch-up after a long prompt or a pause) and stay exact.
+#[test]
+fn native_drafters_with_an_attention_window_stay_exact() {
+    let (dir, mut e) = tiny(Family::Qwen2, GgmlDType::Q8_0);
+    let layers = e.config().num_layers;
+    let set_window = |p: &std::path::Path| {
+        let cfg = p.join("config.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cfg).expect("read")).expect("json");
+        v["attention_window"] = serde_json::json!(6);
+        std::fs::write(&cfg, v.to_string()).expect("write");
+    };
+    write_random_mtp_head(&dir.path().join("mtp"), e.model(), MtpLayout::DeepseekV3, None, 3).expect("mtp");
+    write_random_block_drafter(&dir.path().join("blk"), e.model(), 4, &[0, layers - 1], 1, 4).expect("block");
+    set_window(&dir.path().join("mtp"));
+    set_window(&dir.path().join("blk"));
+    e.attach_mtp_head(&dir.path().join("mtp")).expect("attach mtp");
+    e.attach_block_drafter(&dir.path().join("blk")).expect("attach block");
+    assert_eq!(e.mtp_head().expect("mtp").config.attention_window, Some(6));
+    let prompt: Vec<u32> = (0..60u32).map(|i| 97 + (i * 11) % 26).collect();
+    let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
+    for mode in [SpecMode::Mtp, SpecMode::Block] {
+        for k in [1, 3] {
+            let out = run(&mut e, &req(prompt.clone(), mode, k, SamplingParams::greedy()));
+            assert!(out.stats.spec.drafted > 0, "{mode:?}");
+            assert_eq!(out.token_ids, ar.token_ids, "{mode:?} k={k}");
+        }
+    }
+}

@@ -738,6 +738,7 @@ fn write_head(
         shape: Some(BlockShape::of_target(target)),
         num_hidden_layers: Some(c.num_layers),
         vocab_size: Some(c.vocab_size),
+        attention_window: Some(opts.seq_len),
         training: Some(training_record(report, opts, vocab, loss_history)),
     };
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
@@ -990,6 +991,7 @@ fn write_block(
         vocab_size: Some(c.vocab_size),
         shape: Some(BlockShape::of_target(target)),
         dflash_config: None,
+        attention_window: Some(opts.seq_len),
         training: Some(training_record(report, opts, vocab, loss_history)),
     };
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;

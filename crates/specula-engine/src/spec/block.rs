@@ -52,6 +52,10 @@ pub struct BlockConfig {
     pub shape: Option<BlockShape>,
     #[serde(default)]
     pub dflash_config: Option<serde_json::Value>,
+    /// Context positions a block row attends to (`specula distill` trains on windows of this
+    /// many rows); `None`: every earlier position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_window: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub training: Option<serde_json::Value>,
 }
@@ -265,9 +269,8 @@ pub struct BlockDrafter {
     /// Per tap, target hidden rows for positions `base .. base + n`, row-major.
     hidden: Vec<Vec<f32>>,
     base: usize,
-    /// Context keys / values per layer for positions `base .. base + ctx_len`.
+    /// Context keys / values per layer (all layers cover the same positions).
     ctx: Vec<RowCache>,
-    ctx_len: usize,
     sampler: Option<Sampler>,
 }
 
@@ -281,7 +284,6 @@ impl BlockDrafter {
             hidden: vec![Vec::new(); n],
             base: 0,
             ctx: vec![RowCache::default(); layers],
-            ctx_len: 0,
             sampler,
         }
     }
@@ -302,24 +304,40 @@ impl BlockDrafter {
             .map_or(0, |l| l.shape.num_key_value_heads * l.shape.head_dim)
     }
 
+    /// Drop context rows at positions `>= keep`.
     fn reset_context(&mut self, keep: usize) {
         let w = self.kv_width();
         for c in self.ctx.iter_mut() {
-            c.truncate(keep, w);
+            if keep <= c.pos0 {
+                *c = RowCache::default();
+            } else {
+                c.truncate(keep - c.pos0, w);
+            }
         }
-        self.ctx_len = self.ctx_len.min(keep);
     }
 
-    /// Extend the context keys / values to every observed position.
+    /// Extend the context keys / values to every observed position (within the trained window
+    /// of the next block).
     fn extend_context(&mut self) -> Result<()> {
-        let n = self.n_hidden();
-        if self.ctx_len >= n {
+        let end = self.base + self.n_hidden();
+        let window = self.model.config.attention_window;
+        let lo = window.map_or(self.base, |w| (end + 1).saturating_sub(w).max(self.base));
+        let (have, cur_end) = (self.ctx[0].len > 0, self.ctx[0].end());
+        let from = if !have || cur_end < lo {
+            for c in self.ctx.iter_mut() {
+                *c = RowCache::at(lo, window);
+            }
+            lo
+        } else {
+            cur_end
+        };
+        if from >= end {
             return Ok(());
         }
         let th = self.target_h();
-        let rows = n - self.ctx_len;
+        let rows = end - from;
         let mut cat = Vec::with_capacity(rows * th * self.hidden.len());
-        for r in self.ctx_len..n {
+        for r in from - self.base..end - self.base {
             for h in &self.hidden {
                 cat.extend_from_slice(&h[r * th..(r + 1) * th]);
             }
@@ -327,12 +345,11 @@ impl BlockDrafter {
         let w = &self.model.weights;
         let eps = w.layers.first().map_or(1e-6, |l| l.shape.rms_norm_eps);
         let c = rms_rows(&w.fc.rows(&cat, rows)?, &w.hidden_norm.to_vec1::<f32>()?, eps);
-        let positions = span(self.base + self.ctx_len, rows);
+        let positions = span(from, rows);
         for (layer, cache) in w.layers.iter().zip(self.ctx.iter_mut()) {
             let (k, v) = layer.kv_rows(&c, &positions)?;
             cache.append(&k, &v, rows);
         }
-        self.ctx_len = n;
         Ok(())
     }
 }
@@ -356,7 +373,7 @@ impl Drafter for BlockDrafter {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let positions = span(n - 1, bs);
-        let (w, ctx_len, width) = (&self.model.weights, self.ctx_len, self.kv_width());
+        let (w, ctx_len, width) = (&self.model.weights, self.ctx[0].len, self.kv_width());
         for (layer, cache) in w.layers.iter().zip(self.ctx.iter_mut()) {
             x = layer.forward_rows(&x, &positions, cache, false)?;
             // The block's own keys and values do not stay in the context.
@@ -405,7 +422,7 @@ impl Drafter for BlockDrafter {
             for h in self.hidden.iter_mut() {
                 h.truncate(keep * th);
             }
-            self.reset_context(keep);
+            self.reset_context(start);
         }
         for (dst, src) in self.hidden.iter_mut().zip(hidden) {
             dst.extend_from_slice(src);

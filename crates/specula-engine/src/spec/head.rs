@@ -554,16 +554,34 @@ impl DraftVocab {
 // tensor per operation (a drafter runs one to a few rows per call, where per-operation overhead
 // would dominate). Training uses the tensor path above.
 
-/// Keys and values of one head layer for positions `0..len` of its cache, rows of
-/// `kv_heads × head_dim` (keys rotated).
+/// Keys and values of one head layer for positions `pos0 .. pos0 + len`, rows of
+/// `kv_heads × head_dim` (keys rotated), and the attention window the head was trained with.
 #[derive(Debug, Clone, Default)]
 pub struct RowCache {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
     pub len: usize,
+    /// The position of row 0.
+    pub pos0: usize,
+    /// A row at position p attends only to positions `> p - window` (`None`: every position).
+    pub window: Option<usize>,
 }
 
 impl RowCache {
+    /// An empty cache whose first row will be at position `pos0`.
+    pub fn at(pos0: usize, window: Option<usize>) -> Self {
+        Self {
+            pos0,
+            window,
+            ..Self::default()
+        }
+    }
+
+    /// The position after the last row.
+    pub fn end(&self) -> usize {
+        self.pos0 + self.len
+    }
+
     pub fn truncate(&mut self, len: usize, width: usize) {
         if len < self.len {
             self.k.truncate(len * width);
@@ -679,12 +697,17 @@ impl HeadBlock {
         let mut scores = Vec::with_capacity(m + n);
         for i in 0..n {
             let visible = if causal { m + i + 1 } else { m + n };
+            // The trained window: keys at positions > p - window.
+            let first = cache
+                .window
+                .map_or(0, |w| (positions[i] + 1).saturating_sub(w).saturating_sub(cache.pos0))
+                .min(visible);
             for head in 0..hq {
                 let g = head / rep;
                 let qv = &q[(i * hq + head) * d..(i * hq + head + 1) * d];
                 scores.clear();
                 let mut max = f32::NEG_INFINITY;
-                for j in 0..visible {
+                for j in first..visible {
                     let kv = &cache.k[j * kw + g * d..j * kw + (g + 1) * d];
                     let sc = qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
                     max = max.max(sc);
@@ -696,7 +719,7 @@ impl HeadBlock {
                     sum += *sc;
                 }
                 let out = &mut att[(i * hq + head) * d..(i * hq + head + 1) * d];
-                for (j, &p) in scores.iter().enumerate() {
+                for (j, &p) in (first..).zip(scores.iter()) {
                     let vv = &cache.v[j * kw + g * d..j * kw + (g + 1) * d];
                     let p = p / sum;
                     for (o, &vx) in out.iter_mut().zip(vv) {

@@ -77,6 +77,10 @@ pub struct MtpConfig {
     pub num_hidden_layers: Option<usize>,
     #[serde(default)]
     pub vocab_size: Option<usize>,
+    /// Positions a row attends to, itself included (`specula distill` trains on windows of this
+    /// many rows); `None`: every earlier position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_window: Option<usize>,
     /// What `specula distill` recorded: data, steps, final loss, held-out acceptance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub training: Option<serde_json::Value>,
@@ -288,9 +292,9 @@ pub struct MtpDrafter {
     /// Target hidden rows for positions `base .. base + n_hidden`, row-major.
     hidden: Vec<f32>,
     base: usize,
-    /// Head cache rows computed from committed inputs (positions `base .. base + kv_true`);
-    /// rows past them came from a draft chain and are dropped at the next proposal.
-    kv_true: usize,
+    /// The head's cache holds rows computed from committed inputs up to this position
+    /// (exclusive); rows past it came from a draft chain and are dropped at the next proposal.
+    kv_true_end: usize,
     cache: RowCache,
     sampler: Option<Sampler>,
 }
@@ -306,7 +310,7 @@ impl MtpDrafter {
             taps,
             hidden: Vec::new(),
             base: 0,
-            kv_true: 0,
+            kv_true_end: 0,
             cache: RowCache::default(),
             sampler,
         }
@@ -352,9 +356,17 @@ impl Drafter for MtpDrafter {
             return Ok(Proposal::default());
         }
         let width = self.kv_width();
-        self.cache.truncate(self.kv_true, width);
-        let from = self.base + self.kv_true;
         let last = n - 2;
+        // Rows before `lo` are outside the trained attention window of every row to come.
+        let window = self.head.config.attention_window;
+        let lo = window.map_or(self.base, |w| (last + 1).saturating_sub(w).max(self.base));
+        let from = if self.cache.len == 0 || self.kv_true_end < lo || self.cache.pos0 > self.kv_true_end {
+            self.cache = RowCache::at(lo, window);
+            lo
+        } else {
+            self.cache.truncate(self.kv_true_end - self.cache.pos0, width);
+            self.kv_true_end
+        };
         if from > last {
             // Nothing new was committed since the last proposal (cannot happen in the
             // sequence protocol); no draft rather than a stale one.
@@ -365,7 +377,7 @@ impl Drafter for MtpDrafter {
         let off = (from - self.base) * hs;
         let hid = self.hidden[off..off + rows * hs].to_vec();
         let out = self.head.weights.forward_rows(&emb, &hid, from, &mut self.cache)?;
-        self.kv_true = last + 1 - self.base;
+        self.kv_true_end = last + 1;
         let mut h_last = out[(rows - 1) * hs..].to_vec();
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
@@ -410,11 +422,11 @@ impl Drafter for MtpDrafter {
             // First rows, or a gap (a prefix-cache hit): start over from `start`.
             self.hidden.clear();
             self.base = start;
-            self.kv_true = 0;
+            self.kv_true_end = 0;
             self.cache = RowCache::default();
         } else if start < end {
             self.hidden.truncate((start - self.base) * hs);
-            self.kv_true = self.kv_true.min((start - self.base).saturating_sub(1));
+            self.kv_true_end = self.kv_true_end.min(start.saturating_sub(1));
         }
         self.hidden.extend_from_slice(rows);
         Ok(())
