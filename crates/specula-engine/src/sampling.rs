@@ -286,6 +286,21 @@ pub fn top_n(logprobs: &[f32], n: usize) -> Vec<(u32, f32)> {
     idx
 }
 
+/// The sampler a drafter draws with for a request with sampling parameters `params`: `None`
+/// when the request is greedy (drafts are argmaxes); else the request's temperature and filters
+/// with penalties off, seeded with `seed` (drafts are draws, their distribution the proposal's q).
+pub fn draft_sampler(params: &SamplingParams, seed: u64) -> Option<Sampler> {
+    (!params.is_greedy()).then(|| {
+        Sampler::new(SamplingParams {
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: Some(seed),
+            ..params.clone()
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,19 +420,4 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-6);
         assert_eq!(top_n(&lp, 2).iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 1]);
     }
-}
-
-/// The sampler a drafter draws with for a request with sampling parameters `params`: `None`
-/// when the request is greedy (drafts are argmaxes); else the request's temperature and filters
-/// with penalties off, seeded with `seed` (drafts are draws, their distribution the proposal's q).
-pub fn draft_sampler(params: &SamplingParams, seed: u64) -> Option<Sampler> {
-    (!params.is_greedy()).then(|| {
-        Sampler::new(SamplingParams {
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: Some(seed),
-            ..params.clone()
-        })
-    })
 }

@@ -205,7 +205,7 @@ pub enum HeadSpec {
 
 /// The head being trained (its tensors are the optimizer's variables).
 enum Built {
-    Mtp(MtpWeights),
+    Mtp(Box<MtpWeights>),
     Block(BlockWeights),
 }
 
@@ -222,7 +222,7 @@ impl HeadSpec {
     fn build(&self, t: &NamedTensors, target: &Model) -> Result<Built> {
         let shape = BlockShape::of_target(target);
         Ok(match self {
-            HeadSpec::Mtp => Built::Mtp(MtpWeights::from_named(t, &self.prefix(target), &shape)?),
+            HeadSpec::Mtp => Built::Mtp(Box::new(MtpWeights::from_named(t, &self.prefix(target), &shape)?)),
             HeadSpec::Block { taps, layers, .. } => Built::Block(BlockWeights::from_named(
                 t,
                 "",
@@ -269,8 +269,9 @@ pub fn train(
         usize::MAX
     };
     // Held out by a hash of the index, not a stride (the built-in prompts cycle through tasks).
-    let (held, train_seqs): (Vec<usize>, Vec<usize>) = (0..n_seq)
-        .partition(|&s| n_seq > 1 && ((s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % every == 0);
+    let (held, train_seqs): (Vec<usize>, Vec<usize>) = (0..n_seq).partition(|&s| {
+        n_seq > 1 && (((s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize).is_multiple_of(every)
+    });
     let train_w = windows(teacher, &train_seqs, opts.seq_len.max(2));
     let held_w = windows(teacher, &held, opts.seq_len.max(2));
     if train_w.is_empty() {
@@ -696,11 +697,11 @@ fn evaluate(
         let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
         let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
         let best = logits.argmax(D::Minus1)?.to_vec2::<u32>()?;
-        for (wi, w) in chunk.iter().enumerate() {
-            for r in 0..w.len {
+        for (w, row) in chunk.iter().zip(&best) {
+            for (r, &b) in row.iter().enumerate().take(w.len) {
                 let l = w.start + r + 1;
                 let target_top = t.label_ids[l * t.top_k];
-                if vocab.token(best[wi][r] as usize) == target_top {
+                if vocab.token(b as usize) == target_top {
                     hit += 1;
                 }
                 total += 1;

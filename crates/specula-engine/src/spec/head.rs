@@ -427,6 +427,9 @@ pub fn block_tensors(b: &HeadBlock, prefix: &str) -> Vec<(String, Tensor)> {
     v
 }
 
+/// A draft token and, when it was sampled, the sparse distribution it was drawn from.
+pub type DraftPick = (u32, Option<Vec<(u32, f32)>>);
+
 /// The draft LM head: rows of the target's LM head (all of them, or a frequency-ranked subset,
 /// FR-Spec: Zhao et al. 2025), as a dense `[rows, hidden]` f32 matrix, and the token id of each
 /// row. Drafting over a subset keeps exactness: the target still verifies over the full
@@ -493,7 +496,7 @@ impl DraftVocab {
 
     /// The draft token of one logits row: its argmax (greedy), or a draw from `sampler`'s
     /// processed distribution over the full vocabulary, returned as the proposal's q.
-    pub fn pick(&self, row: &[f32], sampler: Option<&mut crate::sampling::Sampler>) -> (u32, Option<Vec<(u32, f32)>>) {
+    pub fn pick(&self, row: &[f32], sampler: Option<&mut crate::sampling::Sampler>) -> DraftPick {
         match sampler {
             None => (self.token(crate::sampling::argmax(row) as usize), None),
             Some(s) => {

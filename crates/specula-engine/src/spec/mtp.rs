@@ -339,7 +339,7 @@ impl MtpDrafter {
     }
 
     /// The next draft token from `h'` (one row), and its distribution when sampling.
-    fn pick(&mut self, h_last: &[f32]) -> Result<(u32, Option<Vec<(u32, f32)>>)> {
+    fn pick(&mut self, h_last: &[f32]) -> Result<super::head::DraftPick> {
         let eps = self.head.weights.block.shape.rms_norm_eps;
         let normed = rms_rows(h_last, &self.head.weights.norm.to_vec1::<f32>()?, eps);
         let row = self.head.vocab.logits_rows(&normed, 1)?;
