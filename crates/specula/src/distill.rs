@@ -83,6 +83,10 @@ pub struct DistillArgs {
     /// Start from an existing MTP head (its shapes must fit the target).
     #[arg(long)]
     init: Option<PathBuf>,
+    /// MTP heads: chained steps trained per row (1: the first draft only; 2: also the second
+    /// draft, fed the head's own output as when drafting).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=2))]
+    chain_depth: u64,
     /// Which target hidden state the head reads.
     #[arg(long, value_enum, default_value = "pre-norm")]
     hidden_source: Source,
@@ -131,6 +135,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
             Source::PreNorm => HiddenSource::PreNorm,
             Source::PostNorm => HiddenSource::PostNorm,
         },
+        chain_depth: a.chain_depth as usize,
         block_size: a.block_size,
         block_layers: a.block_layers,
         block_taps: a.target_layers.clone(),

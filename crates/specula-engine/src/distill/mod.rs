@@ -61,6 +61,9 @@ pub struct DistillOptions {
     /// Ignore an existing checkpoint and start over.
     pub restart: bool,
     pub hidden_source: HiddenSource,
+    /// MTP heads: chained steps trained per row (1 = the first draft only; 2 = also the second
+    /// draft, fed the head's own output as at drafting time), the second weighted 0.5.
+    pub chain_depth: usize,
     /// Block drafters: tokens per block (drafts `block_size - 1` per pass), drafter layers, and
     /// the target layers read (`None`: [`default_block_taps`]).
     pub block_size: usize,
@@ -91,6 +94,7 @@ impl Default for DistillOptions {
             stop_after: None,
             restart: false,
             hidden_source: HiddenSource::PreNorm,
+            chain_depth: 2,
             block_size: 8,
             block_layers: 1,
             block_taps: None,

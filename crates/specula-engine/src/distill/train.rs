@@ -298,6 +298,7 @@ pub fn train(
         "hidden_size": h,
         "vocab_size": c.vocab_size,
         "head": format!("{spec:?}"),
+        "chain_depth": opts.chain_depth,
     });
     // Weights: a checkpoint (resume), an initial head, or the target's last block.
     let ck = checkpoint_dir(&opts.out);
@@ -471,11 +472,35 @@ pub fn train(
         let (loss, rows) = match (&head, spec) {
             (Built::Mtp(head), _) => {
                 let (emb, hid, labels, n_rows) = batch_tensors(teacher, &ws, opts.seq_len, embedding, &to_row, vrows)?;
-                let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
+                let (out, k1, v1) = head.forward(&emb, &hid, 0, None)?;
                 let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
                 let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
-                let loss = ((labels * logp)?.sum_all()? * (-1.0 / n_rows.max(1) as f64))?;
-                (loss, n_rows)
+                let mut loss = ((labels * logp)?.sum_all()? * (-1.0 / n_rows.max(1) as f64))?;
+                let mut rows = n_rows;
+                if opts.chain_depth >= 2 {
+                    // The second draft: row j is fed the head's own output h'_j and t_{j+2} at
+                    // position j + 1, and sees the first step's rows up to j and itself, as a
+                    // chained step sees the committed rows and itself when drafting.
+                    let tl = emb.dim(1)?;
+                    let (emb2, labels2, n2) = chain_tensors(teacher, &ws, tl, embedding, &to_row, vrows)?;
+                    let mut bias = vec![-1e9f32; tl * 2 * tl];
+                    for i in 0..tl {
+                        for j in 0..=i {
+                            bias[i * 2 * tl + j] = 0.0;
+                        }
+                        bias[i * 2 * tl + tl + i] = 0.0;
+                    }
+                    let bias = Tensor::from_vec(bias, (tl, 2 * tl), &dev)?;
+                    let positions: Vec<usize> = (1..=tl).collect();
+                    let (out2, _, _) =
+                        head.forward_masked(&emb2, &out, &positions, Some((&k1, &v1)), &AttnMask::Bias(bias))?;
+                    let logits2 = vocab.logits(&rms_norm(&out2, &head.norm, shape.rms_norm_eps)?)?;
+                    let logp2 = candle_nn::ops::log_softmax(&logits2, D::Minus1)?;
+                    let loss2 = ((labels2 * logp2)?.sum_all()? * (-0.5 / n2.max(1) as f64))?;
+                    loss = (loss + loss2)?;
+                    rows += n2;
+                }
+                (loss, rows)
             }
             (
                 Built::Block(bw),
@@ -638,7 +663,7 @@ fn batch_tensors(
 ) -> Result<(Tensor, Tensor, Tensor, usize)> {
     let dev = Device::Cpu;
     let longest = ws.iter().map(|w| w.len).max().unwrap_or(1);
-    let (b, tl, h, k) = (ws.len(), longest.min(seq_len.max(1)), t.width(), t.top_k);
+    let (b, tl, h) = (ws.len(), longest.min(seq_len.max(1)), t.width());
     let mut ids = vec![0u32; b * tl];
     let mut hid = vec![0f32; b * tl * h];
     let mut lab = vec![0f32; b * tl * vrows];
@@ -655,15 +680,7 @@ fn batch_tensors(
                 *dst = src.to_f32();
             }
             // The distribution of t_{j+2}: the teacher's row after t_{j+1}.
-            let l = g + 1;
-            for i in 0..k {
-                let id = t.label_ids[l * k + i] as usize;
-                let p = t.label_p[l * k + i].to_f32();
-                let dr = to_row.get(id).copied().unwrap_or(u32::MAX);
-                if dr != u32::MAX && p > 0.0 {
-                    lab[row * vrows + dr as usize] += p;
-                }
-            }
+            add_label(t, g + 1, to_row, &mut lab[row * vrows..(row + 1) * vrows]);
             n += 1;
         }
     }
@@ -671,6 +688,52 @@ fn batch_tensors(
     Ok((
         emb,
         Tensor::from_vec(hid, (b, tl, h), &dev)?,
+        Tensor::from_vec(lab, (b, tl, vrows), &dev)?,
+        n,
+    ))
+}
+
+/// Add the teacher's soft labels after position `l` (its top entries inside the draft
+/// vocabulary) to `out` (one row over the draft vocabulary).
+fn add_label(t: &Teacher, l: usize, to_row: &[u32], out: &mut [f32]) {
+    let k = t.top_k;
+    for i in 0..k {
+        let id = t.label_ids[l * k + i] as usize;
+        let p = t.label_p[l * k + i].to_f32();
+        let dr = to_row.get(id).copied().unwrap_or(u32::MAX);
+        if dr != u32::MAX && p > 0.0 {
+            out[dr as usize] += p;
+        }
+    }
+}
+
+/// The second chained step of a batch of windows (`tl` rows each): embeddings of `t_{j+2}`
+/// `[b, tl, h]`, the labels after `t_{j+2}` `[b, tl, draft rows]` (zero where the window has no
+/// `t_{j+3}`), and the number of labelled rows.
+fn chain_tensors(
+    t: &Teacher,
+    ws: &[Window],
+    tl: usize,
+    embedding: &crate::model::Embedding,
+    to_row: &[u32],
+    vrows: usize,
+) -> Result<(Tensor, Tensor, usize)> {
+    let dev = Device::Cpu;
+    let b = ws.len();
+    let mut ids = vec![0u32; b * tl];
+    let mut lab = vec![0f32; b * tl * vrows];
+    let mut n = 0;
+    for (wi, w) in ws.iter().enumerate() {
+        for r in 0..w.len.min(tl).saturating_sub(1) {
+            let g = w.start + r;
+            let row = wi * tl + r;
+            ids[row] = t.tokens[g + 2];
+            add_label(t, g + 2, to_row, &mut lab[row * vrows..(row + 1) * vrows]);
+            n += 1;
+        }
+    }
+    Ok((
+        embedding.forward(&ids, &dev)?.reshape((b, tl, t.hidden_size))?,
         Tensor::from_vec(lab, (b, tl, vrows), &dev)?,
         n,
     ))

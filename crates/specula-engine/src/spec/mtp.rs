@@ -128,13 +128,26 @@ impl MtpWeights {
         pos0: usize,
         past: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        self.forward_masked(emb, hidden, &span(pos0, emb.dim(1)?), past, &AttnMask::Causal)
+    }
+
+    /// [`MtpWeights::forward`] with rows at any `positions` and any attention `mask` (training
+    /// a chained step against the first step's keys and values).
+    pub fn forward_masked(
+        &self,
+        emb: &Tensor,
+        hidden: &Tensor,
+        positions: &[usize],
+        past: Option<(&Tensor, &Tensor)>,
+        mask: &AttnMask,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let eps = self.block.shape.rms_norm_eps;
         let x = Tensor::cat(
             &[&rms_norm(emb, &self.enorm, eps)?, &rms_norm(hidden, &self.hnorm, eps)?],
             2,
         )?;
         let x = self.eh_proj.forward(&x)?;
-        self.block.forward(&x, &span(pos0, x.dim(1)?), past, &AttnMask::Causal)
+        self.block.forward(&x, positions, past, mask)
     }
 
     /// [`MtpWeights::forward`] on rows (the drafting path): `emb`, `hidden` (`n` rows each at
