@@ -182,8 +182,12 @@ fn tiny_with_path(family: Family) -> (tempfile::TempDir, std::path::PathBuf, Eng
 fn distilled_mtp_head_is_accepted_exact_and_resumable() {
     let (dir, path, mut e) = tiny_with_path(Family::Qwen2);
     let full = dir.path().join("full");
-    let r =
-        specula_engine::distill::run_mtp(&mut e, &path, None, &distill_opts(&full, 40), &mut |_| {}).expect("distill");
+    // Both chained steps trained (the second fed the head's own output).
+    let chained = |out: &std::path::Path| specula_engine::distill::DistillOptions {
+        chain_depth: 2,
+        ..distill_opts(out, 40)
+    };
+    let r = specula_engine::distill::run_mtp(&mut e, &path, None, &chained(&full), &mut |_| {}).expect("distill");
     assert!(r.finished && r.steps_done == 40, "{r:?}");
     assert!(r.final_loss.is_finite());
     let first_loss = {
@@ -200,7 +204,7 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
 
     // Interrupted after 12 steps, then resumed: the same head, bit for bit.
     let parts = dir.path().join("parts");
-    let mut o = distill_opts(&parts, 40);
+    let mut o = chained(&parts);
     o.stop_after = Some(12);
     let r1 = specula_engine::distill::run_mtp(&mut e, &path, None, &o, &mut |_| {}).expect("first part");
     assert!(!r1.finished && r1.steps_done == 12);

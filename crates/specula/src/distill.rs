@@ -85,7 +85,7 @@ pub struct DistillArgs {
     init: Option<PathBuf>,
     /// MTP heads: chained steps trained per row (1: the first draft only; 2: also the second
     /// draft, fed the head's own output as when drafting).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=2))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=2))]
     chain_depth: u64,
     /// Which target hidden state the head reads.
     #[arg(long, value_enum, default_value = "pre-norm")]

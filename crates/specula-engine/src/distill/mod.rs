@@ -62,7 +62,8 @@ pub struct DistillOptions {
     pub restart: bool,
     pub hidden_source: HiddenSource,
     /// MTP heads: chained steps trained per row (1 = the first draft only; 2 = also the second
-    /// draft, fed the head's own output as at drafting time), the second weighted 0.5.
+    /// draft, fed the head's own output as at drafting time), the second weighted 0.5. Default 1:
+    /// on SmolLM2, 2 raised second-draft acceptance but lowered the first's (docs/perf.md).
     pub chain_depth: usize,
     /// Block drafters: tokens per block (drafts `block_size - 1` per pass), drafter layers, and
     /// the target layers read (`None`: [`default_block_taps`]).
@@ -94,7 +95,7 @@ impl Default for DistillOptions {
             stop_after: None,
             restart: false,
             hidden_source: HiddenSource::PreNorm,
-            chain_depth: 2,
+            chain_depth: 1,
             block_size: 8,
             block_layers: 1,
             block_taps: None,
