@@ -45,7 +45,7 @@ enum Command {
     /// Measure AR and each drafter at k = 1..8 on built-in prompts, check every speculative
     /// output is identical to AR, and write specula_tuning.json (used by `--spec default`).
     Tune(tune::TuneArgs),
-    /// Train a native draft head (an MTP head) for a model by distillation from the model
+    /// Train a native drafter (an MTP head or a block drafter) for a model by distillation from the model
     /// itself, and write it as a sidecar for `--drafter`.
     Distill(distill::DistillArgs),
 }
