@@ -105,6 +105,27 @@ fn normal(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
         .collect()
 }
 
+/// The weights of the target's blocks `layers`, dense f32, named relative to the layer as in HF
+/// checkpoints (`self_attn.q_proj.weight`, ...): from the GGUF file, or from a bundle directory's
+/// safetensors (read once for all the layers).
+fn target_blocks(model_path: &Path, layers: std::ops::Range<usize>) -> Result<Vec<Vec<(String, Tensor)>>> {
+    if !model_path.is_dir() {
+        return layers
+            .map(|l| crate::bundle::gguf::dense_block(model_path, l))
+            .collect();
+    }
+    let t = NamedTensors::read(model_path)?;
+    Ok(layers
+        .map(|l| {
+            let p = format!("model.layers.{l}.");
+            t.map
+                .iter()
+                .filter_map(|(k, v)| k.strip_prefix(&p).map(|r| (r.to_string(), v.clone())))
+                .collect()
+        })
+        .collect())
+}
+
 /// Initial weights of a head for `target` (DeepSeek-V3 names under `prefix`): the block copied
 /// from the target's last block (read from `model_path`), both input norms at one, `eh_proj`
 /// passing the hidden state through (identity) plus a small random embedding part, the final
@@ -113,16 +134,7 @@ pub fn initial_weights(target: &Model, model_path: &Path, prefix: &str, seed: u6
     let c = target.config();
     let h = c.hidden_size;
     let last = c.num_layers - 1;
-    let block: Vec<(String, Tensor)> = if model_path.is_dir() {
-        let t = NamedTensors::read(model_path)?;
-        let p = format!("model.layers.{last}.");
-        t.map
-            .iter()
-            .filter_map(|(k, v)| k.strip_prefix(&p).map(|r| (r.to_string(), v.clone())))
-            .collect()
-    } else {
-        crate::bundle::gguf::dense_block(model_path, last)?
-    };
+    let block = target_blocks(model_path, last..last + 1)?.pop().unwrap_or_default();
     let dev = Device::Cpu;
     let mut m: HashMap<String, Tensor> = block
         .into_iter()
@@ -635,7 +647,6 @@ pub fn train(
             )?,
         }
     }
-    let _ = dev;
     Ok(report)
 }
 
@@ -826,18 +837,8 @@ pub fn initial_block_weights(
     }
     let dev = Device::Cpu;
     let mut m = HashMap::new();
-    for i in 0..layers {
-        let src = c.num_layers - layers + i;
-        let block: Vec<(String, Tensor)> = if model_path.is_dir() {
-            let t = NamedTensors::read(model_path)?;
-            let p = format!("model.layers.{src}.");
-            t.map
-                .iter()
-                .filter_map(|(k, v)| k.strip_prefix(&p).map(|r| (r.to_string(), v.clone())))
-                .collect()
-        } else {
-            crate::bundle::gguf::dense_block(model_path, src)?
-        };
+    let blocks = target_blocks(model_path, c.num_layers - layers..c.num_layers)?;
+    for (i, block) in blocks.into_iter().enumerate() {
         for (k, v) in block {
             m.insert(format!("layers.{i}.{k}"), v.to_dtype(DType::F32)?);
         }
