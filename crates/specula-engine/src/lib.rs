@@ -8,6 +8,8 @@ pub mod cache;
 pub mod catalog;
 pub mod chat;
 pub mod constraint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod distill;
 pub mod emit;
 pub mod engine;

@@ -326,6 +326,23 @@ struct BenchArgs {
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
+    /// `cpu`, or `cuda:N` (a build with `--features cuda`): on the GPU, bench runs the exactness
+    /// checks and the timings of docs/gpu.md and writes a JSON receipt.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// With `--device cuda:N`: benchmark synthetic weights of this architecture shape,
+    /// generated on the device (qwen3-0.6b, qwen3-1.7b, qwen3-8b, llama-3.1-8b).
+    #[arg(long, default_value = "qwen3-8b")]
+    shape: String,
+    /// With `--device cuda:N`: concurrency levels of the aggregate decode measurement.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    streams: Vec<usize>,
+    /// With `--device cuda:N`: prompt lengths of the prefill measurement.
+    #[arg(long, value_delimiter = ',', default_value = "512,8192")]
+    prefill_lens: Vec<usize>,
+    /// With `--device cuda:N`: write the JSON receipt here (it is printed too).
+    #[arg(long)]
+    receipt: Option<PathBuf>,
 }
 
 fn main() {
@@ -572,6 +589,9 @@ fn verify_costs(engine: &Engine, prompt: &[u32], n: usize, runs: usize) -> Resul
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
+    if a.device != "cpu" {
+        return bench_gpu(&a);
+    }
     if a.runs == 0 || a.prompt_tokens == 0 || a.gen_tokens == 0 {
         bail!("--runs, --prompt-tokens and --gen-tokens must be >= 1");
     }
@@ -654,4 +674,57 @@ fn bench(a: BenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The ordinal N of `cuda:N`. Errors: any other device name.
+fn cuda_ordinal(device: &str) -> Result<usize> {
+    device
+        .strip_prefix("cuda:")
+        .and_then(|n| n.parse().ok())
+        .or_else(|| (device == "cuda").then_some(0))
+        .ok_or_else(|| anyhow::anyhow!("unknown device '{device}': use cpu or cuda:N"))
+}
+
+#[cfg(feature = "cuda")]
+fn bench_gpu(a: &BenchArgs) -> Result<()> {
+    use specula_engine::cuda::{bench, load};
+    let ordinal = cuda_ordinal(&a.device)?;
+    if a.streams.is_empty() || a.streams.contains(&0) || a.streams.iter().any(|&s| s > 256) {
+        bail!("--streams takes levels between 1 and 256");
+    }
+    let verify_rows = a.verify_rows.unwrap_or(16);
+    if !(2..=64).contains(&verify_rows) {
+        bail!("--verify-rows must be between 2 and 64 on the GPU");
+    }
+    let opts = bench::BenchOptions {
+        ordinal,
+        shape: load::shape(&a.shape)?,
+        seed: 0x5eed,
+        streams: a.streams.clone(),
+        max_verify_rows: verify_rows,
+        decode_steps: a.gen_tokens.max(16),
+        prefill_lens: a.prefill_lens.clone(),
+        // The context of the decode, verify and aggregate timings: 128 tokens, as the PyTorch
+        // baseline (scripts/gpu_torch_baseline.py) uses.
+        context: 128,
+    };
+    let receipt = bench::run(&opts, &|s| eprintln!("[bench] {s}"))?;
+    let text = serde_json::to_string_pretty(&receipt)?;
+    if let Some(p) = &a.receipt {
+        std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
+    }
+    println!("{text}");
+    if receipt["exactness"]["all_pass"] != true {
+        bail!("an exactness check failed on the GPU (see exactness in the receipt)");
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_gpu(a: &BenchArgs) -> Result<()> {
+    cuda_ordinal(&a.device)?;
+    bail!(
+        "this specula was built without CUDA: build with `cargo build --release --features cuda` (docs/gpu.md) for --device {}",
+        a.device
+    )
 }

@@ -1,0 +1,53 @@
+//! With the `cuda` feature: compile `src/cuda/kernels.cu` with nvcc into a fat binary (sm_90
+//! machine code plus compute_90 PTX) that `cuda::Kernels` loads at run time, and record the build
+//! commit for benchmark receipts. Without the feature this does nothing.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    println!("cargo:rerun-if-changed=src/cuda/kernels.cu");
+    println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let nvcc = std::env::var("NVCC")
+        .ok()
+        .unwrap_or_else(|| match std::env::var("CUDA_HOME") {
+            Ok(home) => format!("{home}/bin/nvcc"),
+            Err(_) => "nvcc".to_string(),
+        });
+    let target = out.join("kernels.fatbin");
+    let status = Command::new(&nvcc)
+        .args(["-fatbin", "-O3", "-std=c++17"])
+        .args(["-gencode", "arch=compute_90,code=[sm_90,compute_90]"])
+        .arg("-o")
+        .arg(&target)
+        .arg("src/cuda/kernels.cu")
+        .status()
+        .unwrap_or_else(|e| panic!("running {nvcc} (set NVCC or CUDA_HOME; docs/gpu.md): {e}"));
+    assert!(status.success(), "{nvcc} failed on src/cuda/kernels.cu");
+    let commit = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".to_string());
+    let dirty = Command::new("git")
+        .args(["status", "--porcelain", "--untracked-files=no"])
+        .output()
+        .ok()
+        .map(|o| !o.stdout.is_empty())
+        .unwrap_or(false);
+    println!(
+        "cargo:rustc-env=SPECULA_BUILD_COMMIT={commit}{}",
+        if dirty { "-dirty" } else { "" }
+    );
+    for p in ["../../.git/HEAD", "../../.git/index"] {
+        println!("cargo:rerun-if-changed={p}");
+    }
+}

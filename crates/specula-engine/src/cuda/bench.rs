@@ -1,0 +1,531 @@
+//! `specula bench --device cuda:N`: exactness checks and timings on the GPU, written as one JSON
+//! receipt (device, driver, build commit, shape, dtype, numbers).
+//!
+//! Exactness (each a bitwise comparison of f32 logits, or of token ids):
+//! * verify rows vs one-row decode, k = 1..max_verify_rows-1;
+//! * a captured-graph forward vs the same forward launched kernel by kernel;
+//! * several sequences decoded together, and a mixed batch (decode rows of some sequences next
+//!   to a verify block of another), vs each sequence alone;
+//! * greedy decoding with n-gram speculation vs AR, token ids;
+//! * tiny random Llama (GGUF), Qwen2 and Qwen3 (HF) bundles: GPU logits against the CPU engine's
+//!   (relative L2 error, bf16 weights vs f32), which checks the loader and the model math.
+//!
+//! Timings use the host clock around whole steps (upload, graph replay, argmax download), as a
+//! server would see them.
+
+use super::load::{self, Shape};
+use super::{Gpu, GpuModel, Row, StepOut};
+use crate::spec::ngram::NgramDrafter;
+use anyhow::Result;
+use serde_json::{json, Value};
+use std::time::Instant;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub ordinal: usize,
+    pub shape: Shape,
+    pub seed: u64,
+    /// Concurrency levels for the aggregate decode measurement.
+    pub streams: Vec<usize>,
+    /// Verify widths measured: 1..=this many rows.
+    pub max_verify_rows: usize,
+    /// Decode steps timed at batch 1.
+    pub decode_steps: usize,
+    /// Prompt lengths for the prefill measurement.
+    pub prefill_lens: Vec<usize>,
+    /// Context before the decode and verify measurements.
+    pub context: usize,
+}
+
+/// Deterministic pseudo-random token ids in `[0, vocab)`.
+pub fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Compare the rows of `out` against `expect` (one logits vector per row).
+fn compare_rows(out: &StepOut, expect: &[&[f32]], vocab: usize) -> (usize, f32) {
+    let mut differ = 0;
+    let mut worst = 0f32;
+    for (i, e) in expect.iter().enumerate() {
+        let got = &out.logits[i * vocab..(i + 1) * vocab];
+        if !same_bits(got, e) {
+            differ += 1;
+            worst = worst.max(max_abs_diff(got, e));
+        }
+    }
+    (differ, worst)
+}
+
+/// Verify rows vs one-row decode, and graph vs direct launches, in `slot`.
+fn check_verify(m: &mut GpuModel, slot: u32, max_rows: usize) -> Result<Value> {
+    let v = m.config.vocab;
+    let p = tokens(100, 7, v);
+    let p0 = p.len() as u32;
+    let mut toks = vec![m.prefill(slot, 0, &p, false)?.argmax[0]];
+    let mut single = Vec::new();
+    for i in 0..max_rows {
+        let out = m.forward(
+            &[Row {
+                token: toks[i],
+                slot,
+                pos: p0 + i as u32,
+            }],
+            true,
+        )?;
+        toks.push(out.argmax[0]);
+        single.push(out.logits);
+    }
+    let rows_of = |r: usize| -> Vec<Row> {
+        (0..r)
+            .map(|i| Row {
+                token: toks[i],
+                slot,
+                pos: p0 + i as u32,
+            })
+            .collect()
+    };
+    let mut per_k = Vec::new();
+    let mut ok = true;
+    for r in 2..=max_rows {
+        let out = m.forward(&rows_of(r), true)?;
+        let expect: Vec<&[f32]> = single[..r].iter().map(|x| x.as_slice()).collect();
+        let (differ, worst) = compare_rows(&out, &expect, v);
+        ok &= differ == 0;
+        per_k.push(json!({"k": r - 1, "rows": r, "bitwise_equal": differ == 0, "rows_differing": differ, "max_abs_diff": worst}));
+    }
+    // The same 5-row forward without the graph.
+    let r = 5.min(max_rows);
+    let graphs = m.use_graphs;
+    m.use_graphs = false;
+    let direct = m.forward(&rows_of(r), true);
+    m.use_graphs = graphs;
+    let direct = direct?;
+    let expect: Vec<&[f32]> = single[..r].iter().map(|x| x.as_slice()).collect();
+    let (gd, _) = compare_rows(&direct, &expect, v);
+    ok &= gd == 0;
+    Ok(json!({"pass": ok, "per_k": per_k, "graph_vs_direct_equal": gd == 0}))
+}
+
+/// Four sequences decoded alone, then together, then a mixed batch (decode rows of three next
+/// to a 3-row verify block of the fourth).
+fn check_batch(m: &mut GpuModel, slots: [u32; 4], steps: usize) -> Result<Value> {
+    let v = m.config.vocab;
+    let prompts: Vec<Vec<u32>> = [20usize, 33, 47, 60]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| tokens(n, 100 + i as u64, v))
+        .collect();
+    // Solo: tokens fed and logits per step.
+    let mut fed: Vec<Vec<u32>> = Vec::new();
+    let mut solo: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (s, p) in slots.iter().zip(&prompts) {
+        let mut t = m.prefill(*s, 0, p, false)?.argmax[0];
+        let (mut f, mut l) = (Vec::new(), Vec::new());
+        for j in 0..steps {
+            let out = m.forward(
+                &[Row {
+                    token: t,
+                    slot: *s,
+                    pos: (p.len() + j) as u32,
+                }],
+                true,
+            )?;
+            f.push(t);
+            l.push(out.logits);
+            t = out.argmax[0];
+        }
+        fed.push(f);
+        solo.push(l);
+    }
+    let mut together_ok = true;
+    for (s, p) in slots.iter().zip(&prompts) {
+        m.prefill(*s, 0, p, false)?;
+    }
+    for j in 0..steps {
+        let rows: Vec<Row> = (0..4)
+            .map(|i| Row {
+                token: fed[i][j],
+                slot: slots[i],
+                pos: (prompts[i].len() + j) as u32,
+            })
+            .collect();
+        let out = m.forward(&rows, true)?;
+        let expect: Vec<&[f32]> = (0..4).map(|i| solo[i][j].as_slice()).collect();
+        together_ok &= compare_rows(&out, &expect, v).0 == 0;
+    }
+    // Mixed: sequence 0 decodes step 0, sequence 1 verifies steps 0..3, sequences 2 and 3 decode.
+    for (s, p) in slots.iter().zip(&prompts) {
+        m.prefill(*s, 0, p, false)?;
+    }
+    let mut rows = vec![Row {
+        token: fed[0][0],
+        slot: slots[0],
+        pos: prompts[0].len() as u32,
+    }];
+    let mut expect: Vec<&[f32]> = vec![&solo[0][0]];
+    for j in 0..3 {
+        rows.push(Row {
+            token: fed[1][j],
+            slot: slots[1],
+            pos: (prompts[1].len() + j) as u32,
+        });
+        expect.push(&solo[1][j]);
+    }
+    for i in 2..4 {
+        rows.push(Row {
+            token: fed[i][0],
+            slot: slots[i],
+            pos: prompts[i].len() as u32,
+        });
+        expect.push(&solo[i][0]);
+    }
+    let out = m.forward(&rows, true)?;
+    let (mixed_differ, _) = compare_rows(&out, &expect, v);
+    Ok(json!({
+        "pass": together_ok && mixed_differ == 0,
+        "together_equal_solo": together_ok,
+        "mixed_batch_equal_solo": mixed_differ == 0,
+        "steps": steps,
+    }))
+}
+
+/// Greedy AR vs greedy n-gram speculation (k drafts), token ids.
+fn check_ngram(m: &mut GpuModel, slot_ar: u32, slot_spec: u32, gen: usize, k: usize) -> Result<Value> {
+    let v = m.config.vocab;
+    let base = tokens(24, 5, v);
+    let prompt: Vec<u32> = base.iter().chain(&base).chain(&base).copied().collect();
+    let mut t = m.prefill(slot_ar, 0, &prompt, false)?.argmax[0];
+    let mut ar = vec![t];
+    while ar.len() < gen {
+        let pos = (prompt.len() + ar.len() - 1) as u32;
+        t = m
+            .forward(
+                &[Row {
+                    token: t,
+                    slot: slot_ar,
+                    pos,
+                }],
+                false,
+            )?
+            .argmax[0];
+        ar.push(t);
+    }
+    let first = m.prefill(slot_spec, 0, &prompt, false)?.argmax[0];
+    let mut ctx = prompt.clone();
+    ctx.push(first);
+    let drafter = NgramDrafter::default();
+    let (mut steps, mut drafted, mut accepted) = (0usize, 0usize, 0usize);
+    while ctx.len() - prompt.len() < gen {
+        let d = drafter.lookup(&ctx, k);
+        let base_pos = (ctx.len() - 1) as u32;
+        let mut rows = vec![Row {
+            token: ctx[ctx.len() - 1],
+            slot: slot_spec,
+            pos: base_pos,
+        }];
+        for (i, &tok) in d.iter().enumerate() {
+            rows.push(Row {
+                token: tok,
+                slot: slot_spec,
+                pos: base_pos + 1 + i as u32,
+            });
+        }
+        let out = m.forward(&rows, false)?;
+        let mut i = 0;
+        while i < d.len() && d[i] == out.argmax[i] {
+            i += 1;
+        }
+        ctx.extend_from_slice(&d[..i]);
+        ctx.push(out.argmax[i]);
+        steps += 1;
+        drafted += d.len();
+        accepted += i;
+    }
+    let spec: Vec<u32> = ctx[prompt.len()..prompt.len() + gen].to_vec();
+    Ok(json!({
+        "pass": spec == ar,
+        "tokens": gen,
+        "k": k,
+        "target_steps": steps,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
+        "tau": gen as f64 / steps.max(1) as f64,
+    }))
+}
+
+/// Tiny random bundles of each family: GPU logits against the CPU engine's.
+pub fn check_tiny_bundles(ordinal: usize) -> Result<Value> {
+    use crate::model::Family;
+    use crate::testing::{write_tiny_gguf, write_tiny_hf, TinySpec};
+    let dir = std::env::temp_dir().join(format!("specula-gpu-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let mut results = Vec::new();
+    let mut ok = true;
+    for (family, gguf) in [(Family::Llama, true), (Family::Qwen2, false), (Family::Qwen3, false)] {
+        let spec = TinySpec::new(family);
+        let path = if gguf {
+            let p = dir.join(format!("{}.gguf", family.as_str()));
+            write_tiny_gguf(&p, &spec)?;
+            p
+        } else {
+            let p = dir.join(family.as_str());
+            write_tiny_hf(&p, &spec)?;
+            p
+        };
+        super::trace(&format!("tiny {}: CPU load", family.as_str()));
+        let cpu = crate::bundle::load(&path, &candle_core::Device::Cpu)?.model;
+        super::trace("GPU load");
+        let mut gpu = load::from_bundle(Gpu::open(ordinal)?, &path, cpu.config(), 1, 128)?;
+        let vocab = cpu.config().vocab_size;
+        let prompt = tokens(17, 3, vocab);
+        let mut kv = cpu.new_kv_cache();
+        let mut worst_rel = 0f64;
+        let mut top1 = 0usize;
+        let steps = 12;
+        let mut feed = prompt.clone();
+        let mut pos = 0u32;
+        for step in 0..=steps {
+            super::trace(&format!("tiny step {step}"));
+            let c = cpu.forward(&feed, &mut kv, crate::model::LogitsRows::Last, &[])?;
+            let c: Vec<f32> = c.logits.flatten_all()?.to_vec1()?;
+            let g = if step == 0 {
+                gpu.prefill(0, 0, &feed, true)?
+            } else {
+                gpu.forward(
+                    &[Row {
+                        token: feed[0],
+                        slot: 0,
+                        pos,
+                    }],
+                    true,
+                )?
+            };
+            let num: f64 = c.iter().zip(&g.logits).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let den: f64 = c.iter().map(|a| (*a as f64).powi(2)).sum();
+            worst_rel = worst_rel.max((num / den.max(1e-30)).sqrt());
+            let cpu_top = c
+                .iter()
+                .enumerate()
+                .fold(
+                    (0usize, f32::NEG_INFINITY),
+                    |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+                )
+                .0;
+            top1 += (cpu_top as u32 == g.argmax[0]) as usize;
+            pos += feed.len() as u32;
+            feed = vec![cpu_top as u32];
+        }
+        // bf16 weights against the CPU's f32: about 2-3% relative error on these tiny random
+        // models; a wrong formula (RoPE, norm, bias, GQA mapping) gives O(1).
+        let pass = worst_rel < 0.1 && top1 + 2 > steps;
+        ok &= pass;
+        results.push(json!({
+            "family": family.as_str(),
+            "format": if gguf { "gguf f32" } else { "hf f32" },
+            "max_relative_l2_error": worst_rel,
+            "top1_agreement": format!("{top1}/{}", steps + 1),
+            "pass": pass,
+        }));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(json!({"pass": ok, "bundles": results}))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Time `reps` forwards of `rows` after `warm` untimed ones; seconds per forward.
+fn time_rows(m: &mut GpuModel, rows: &[Row], warm: usize, reps: usize) -> Result<f64> {
+    for _ in 0..warm {
+        m.forward(rows, false)?;
+    }
+    let t = Instant::now();
+    for _ in 0..reps {
+        m.forward(rows, false)?;
+    }
+    Ok(t.elapsed().as_secs_f64() / reps as f64)
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second) over two 2 GiB buffers.
+fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
+    let bytes = 2usize << 30;
+    let a = super::DevBuf::new(bytes)?;
+    let b = super::DevBuf::new(bytes)?;
+    gpu.fill_uniform_bf16(a.at(0), bytes / 2, 1, 1.0, 0.0)?;
+    gpu.copy(b.at(0), a.at(0), bytes)?;
+    gpu.synchronize()?;
+    let reps = 10;
+    let t = Instant::now();
+    for _ in 0..reps {
+        gpu.copy(b.at(0), a.at(0), bytes)?;
+    }
+    gpu.synchronize()?;
+    Ok(2.0 * bytes as f64 * reps as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Run the checks and the timings; `log` gets one line per stage.
+pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
+    let t0 = Instant::now();
+    log("checking tiny bundles against the CPU engine");
+    let tiny = check_tiny_bundles(o.ordinal)?;
+    let gpu = Gpu::open(o.ordinal)?;
+    let device = json!({
+        "name": gpu.name(),
+        "driver_cuda_version": gpu.driver_version(),
+        "memory_bytes": gpu.total_memory(),
+        "ordinal": o.ordinal,
+    });
+    log("measuring copy bandwidth");
+    let bw = copy_bandwidth(&gpu)?;
+    let max_streams = o.streams.iter().copied().max().unwrap_or(1).max(8);
+    let ctx = (o.context + o.decode_steps + 64).max(512);
+    log(&format!("generating {} weights on the device", o.shape.name));
+    let mut m = load::synthetic(gpu, o.shape.config(), o.seed, max_streams, ctx)?;
+    let wb = m.weight_bytes();
+    let floor_s = wb as f64 / bw;
+    let v = m.config.vocab;
+
+    log("exactness: verify rows vs one-row decode");
+    let verify = check_verify(&mut m, 0, o.max_verify_rows.clamp(2, 16))?;
+    log("exactness: batched and mixed rows vs solo");
+    let batch = check_batch(&mut m, [1, 2, 3, 4], 6)?;
+    log("exactness: greedy n-gram speculation vs AR");
+    let ngram = check_ngram(&mut m, 5, 6, 96, 4)?;
+    let all_exact = [&verify, &batch, &ngram, &tiny].iter().all(|x| x["pass"] == true);
+
+    log("timing batch-1 decode");
+    let prompt = tokens(o.context, 11, v);
+    let mut t = m.prefill(0, 0, &prompt, false)?.argmax[0];
+    let mut pos = prompt.len() as u32;
+    for _ in 0..8 {
+        t = m.forward(&[Row { token: t, slot: 0, pos }], false)?.argmax[0];
+        pos += 1;
+    }
+    let start = Instant::now();
+    for _ in 0..o.decode_steps {
+        t = m.forward(&[Row { token: t, slot: 0, pos }], false)?.argmax[0];
+        pos += 1;
+    }
+    let step_s = start.elapsed().as_secs_f64() / o.decode_steps as f64;
+
+    log("timing verify widths");
+    let base = prompt.len() as u32;
+    let mut verify_cost = Vec::new();
+    let mut one_row = 0.0;
+    for r in 1..=o.max_verify_rows {
+        let rows: Vec<Row> = (0..r)
+            .map(|i| Row {
+                token: prompt[i],
+                slot: 0,
+                pos: base + i as u32,
+            })
+            .collect();
+        let s = median(
+            (0..3)
+                .map(|_| time_rows(&mut m, &rows, 3, 20))
+                .collect::<Result<Vec<_>>>()?,
+        );
+        if r == 1 {
+            one_row = s;
+        }
+        verify_cost.push(json!({"rows": r, "k": r - 1, "ms": s * 1e3, "relative_to_one_row": s / one_row}));
+    }
+
+    log("timing aggregate decode");
+    let mut firsts = Vec::new();
+    for b in 0..max_streams {
+        let p = tokens(o.context, 1000 + b as u64, v);
+        firsts.push(m.prefill(b as u32, 0, &p, false)?.argmax[0]);
+    }
+    let mut aggregate = Vec::new();
+    for &b in &o.streams {
+        let mut toks: Vec<u32> = firsts[..b].to_vec();
+        let steps = 30;
+        let mut elapsed = 0.0;
+        for (step, pos) in (0..steps + 3).zip(o.context as u32..) {
+            let rows: Vec<Row> = (0..b)
+                .map(|i| Row {
+                    token: toks[i],
+                    slot: i as u32,
+                    pos,
+                })
+                .collect();
+            let t = Instant::now();
+            let out = m.forward(&rows, false)?;
+            if step >= 3 {
+                elapsed += t.elapsed().as_secs_f64();
+            }
+            toks = out.argmax;
+        }
+        let s = elapsed / steps as f64;
+        aggregate.push(
+            json!({"streams": b, "ms_per_step": s * 1e3, "tok_s_aggregate": b as f64 / s, "tok_s_per_stream": 1.0 / s}),
+        );
+    }
+
+    log("timing prefill");
+    let longest = o.prefill_lens.iter().copied().max().unwrap_or(512);
+    m.resize_kv(1, longest + 8)?;
+    let mut prefill = Vec::new();
+    for &n in &o.prefill_lens {
+        let p = tokens(n, 77, v);
+        m.prefill(0, 0, &p, false)?;
+        let s = median(
+            (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    m.prefill(0, 0, &p, false).map(|_| t.elapsed().as_secs_f64())
+                })
+                .collect::<Result<Vec<_>>>()?,
+        );
+        prefill.push(json!({"tokens": n, "seconds": s, "tok_s": n as f64 / s}));
+    }
+
+    Ok(json!({
+        "specula_build_commit": super::BUILD_COMMIT,
+        "device": device,
+        "dtype": "bf16",
+        "weights": "synthetic (generated on the device)",
+        "shape": m.config,
+        "weight_bytes": wb,
+        "copy_bandwidth_tb_s": bw / 1e12,
+        "floor_ms_per_token": floor_s * 1e3,
+        "floor_tok_s": 1.0 / floor_s,
+        "decode_batch1": {
+            "context": o.context,
+            "steps": o.decode_steps,
+            "ms_per_step": step_s * 1e3,
+            "tok_s": 1.0 / step_s,
+            "fraction_of_floor": floor_s / step_s,
+        },
+        "verify_cost": verify_cost,
+        "aggregate_decode": aggregate,
+        "prefill": prefill,
+        "exactness": {
+            "all_pass": all_exact,
+            "verify_rows_vs_one_row": verify,
+            "batched_vs_solo": batch,
+            "ngram_spec_vs_ar": ngram,
+            "tiny_bundles_vs_cpu": tiny,
+        },
+        "wall_seconds": t0.elapsed().as_secs_f64(),
+    }))
+}

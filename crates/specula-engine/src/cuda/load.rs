@@ -1,0 +1,420 @@
+//! Weights for the CUDA path: synthetic ones of a named architecture's shape, generated on the
+//! device (vLLM's `--load-format dummy`), or a bundle's tensors converted to bf16 at load.
+
+use super::{DevBuf, Gpu, GpuModel, Layer, Weights};
+use crate::model::{Family, ModelConfig, RopeStyle};
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The hyper-parameters the CUDA forward needs.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GpuConfig {
+    pub name: String,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f64,
+    /// Per-head RMSNorm of q and k (Qwen3).
+    pub qk_norm: bool,
+    /// Biases on q, k, v (Qwen2).
+    pub qkv_bias: bool,
+    /// LM head tied to the embedding.
+    pub tied: bool,
+    /// llama.cpp's adjacent-pair RoPE (GGUF Llama files); otherwise rotate-half.
+    pub interleaved_rope: bool,
+    /// RoPE inverse frequencies, `head_dim / 2` values.
+    #[serde(skip)]
+    pub inv_freq: Vec<f32>,
+}
+
+/// Llama 3.1's RoPE frequency scaling (`rope_type: llama3`): factor, low and high frequency
+/// factors, original context.
+#[derive(Debug, Clone, Copy)]
+pub struct Llama3Scaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_context: f64,
+}
+
+/// `theta^(-2i/d)` for i < d/2, with Llama 3.1's scaling when given (transformers
+/// `_compute_llama3_parameters`).
+pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<Llama3Scaling>) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let f = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+            let Some(s) = scaling else { return f as f32 };
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            let low_wavelen = s.original_context / s.low_freq_factor;
+            let high_wavelen = s.original_context / s.high_freq_factor;
+            let v = if wavelen > low_wavelen {
+                f / s.factor
+            } else if wavelen < high_wavelen {
+                f
+            } else {
+                let smooth =
+                    (s.original_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 - smooth) * f / s.factor + smooth * f
+            };
+            v as f32
+        })
+        .collect()
+}
+
+/// A named architecture shape for synthetic weights.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub name: &'static str,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub qk_norm: bool,
+    pub tied: bool,
+    pub llama3_scaling: Option<Llama3Scaling>,
+}
+
+const LLAMA31: Llama3Scaling = Llama3Scaling {
+    factor: 8.0,
+    low_freq_factor: 1.0,
+    high_freq_factor: 4.0,
+    original_context: 8192.0,
+};
+
+/// The shapes `specula bench --shape` knows (from each model's config.json).
+pub const SHAPES: &[Shape] = &[
+    Shape {
+        name: "qwen3-0.6b",
+        vocab: 151936,
+        hidden: 1024,
+        intermediate: 3072,
+        layers: 28,
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        rope_theta: 1_000_000.0,
+        qk_norm: true,
+        tied: true,
+        llama3_scaling: None,
+    },
+    Shape {
+        name: "qwen3-1.7b",
+        vocab: 151936,
+        hidden: 2048,
+        intermediate: 6144,
+        layers: 28,
+        heads: 16,
+        kv_heads: 8,
+        head_dim: 128,
+        rope_theta: 1_000_000.0,
+        qk_norm: true,
+        tied: true,
+        llama3_scaling: None,
+    },
+    Shape {
+        name: "qwen3-8b",
+        vocab: 151936,
+        hidden: 4096,
+        intermediate: 12288,
+        layers: 36,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        rope_theta: 1_000_000.0,
+        qk_norm: true,
+        tied: false,
+        llama3_scaling: None,
+    },
+    Shape {
+        name: "llama-3.1-8b",
+        vocab: 128256,
+        hidden: 4096,
+        intermediate: 14336,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        rope_theta: 500_000.0,
+        qk_norm: false,
+        tied: false,
+        llama3_scaling: Some(LLAMA31),
+    },
+];
+
+/// Look a shape up by name. Errors: an unknown name (the message lists the known ones).
+pub fn shape(name: &str) -> Result<Shape> {
+    SHAPES.iter().copied().find(|s| s.name == name).ok_or_else(|| {
+        anyhow!(
+            "unknown shape '{name}'; known: {}",
+            SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+        )
+    })
+}
+
+impl Shape {
+    pub fn config(&self) -> GpuConfig {
+        GpuConfig {
+            name: self.name.to_string(),
+            vocab: self.vocab,
+            hidden: self.hidden,
+            intermediate: self.intermediate,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            rms_eps: 1e-6,
+            rope_theta: self.rope_theta,
+            qk_norm: self.qk_norm,
+            qkv_bias: false,
+            tied: self.tied,
+            interleaved_rope: false,
+            inv_freq: rope_inv_freq(self.head_dim, self.rope_theta, self.llama3_scaling),
+        }
+    }
+}
+
+/// A bf16 tensor of `n` values filled on the device with `offset + scale·U(-1, 1)`.
+fn synth(gpu: &Gpu, n: usize, seed: &mut u64, scale: f32, offset: f32) -> Result<DevBuf> {
+    let b = DevBuf::new(n * 2)?;
+    *seed = seed.wrapping_add(0x1234_5678_9ABC_DEF1);
+    gpu.fill_uniform_bf16(b.at(0), n, *seed, scale, offset)?;
+    Ok(b)
+}
+
+/// A model of `config`'s shape with random weights generated on the device from `seed`:
+/// projections `U(-1, 1)/sqrt(fan_in)`, norms `1 + U(-0.1, 0.1)`, embedding `U(-1, 1)`.
+pub fn synthetic(gpu: Gpu, config: GpuConfig, seed: u64, slots: usize, max_ctx: usize) -> Result<GpuModel> {
+    let c = &config;
+    let mut sd = seed;
+    let (h, hd) = (c.hidden, c.head_dim);
+    let qkv_w = (c.heads + 2 * c.kv_heads) * hd;
+    let lin = |k: usize| 1.0 / (k as f32).sqrt();
+    let mut layers = Vec::with_capacity(c.layers);
+    for _ in 0..c.layers {
+        layers.push(Layer {
+            attn_norm: synth(&gpu, h, &mut sd, 0.1, 1.0)?,
+            qkv: synth(&gpu, qkv_w * h, &mut sd, lin(h), 0.0)?,
+            qkv_bias: None,
+            q_norm: if c.qk_norm {
+                Some(synth(&gpu, hd, &mut sd, 0.1, 1.0)?)
+            } else {
+                None
+            },
+            k_norm: if c.qk_norm {
+                Some(synth(&gpu, hd, &mut sd, 0.1, 1.0)?)
+            } else {
+                None
+            },
+            o: synth(&gpu, h * c.heads * hd, &mut sd, lin(c.heads * hd), 0.0)?,
+            mlp_norm: synth(&gpu, h, &mut sd, 0.1, 1.0)?,
+            gate_up: synth(&gpu, 2 * c.intermediate * h, &mut sd, lin(h), 0.0)?,
+            down: synth(&gpu, h * c.intermediate, &mut sd, lin(c.intermediate), 0.0)?,
+        });
+    }
+    let w = Weights {
+        embed: synth(&gpu, c.vocab * h, &mut sd, 1.0, 0.0)?,
+        lm_head: if c.tied {
+            None
+        } else {
+            Some(synth(&gpu, c.vocab * h, &mut sd, lin(h), 0.0)?)
+        },
+        final_norm: synth(&gpu, h, &mut sd, 0.1, 1.0)?,
+        layers,
+    };
+    gpu.synchronize()?;
+    GpuModel::new(gpu, config, w, slots, max_ctx)
+}
+
+fn to_bf16_bits(t: &Tensor) -> Result<Vec<u16>> {
+    let v: Vec<half::bf16> = t.to_dtype(DType::BF16)?.flatten_all()?.to_vec1()?;
+    Ok(v.into_iter().map(|x| x.to_bits()).collect())
+}
+
+fn upload_bf16(gpu: &Gpu, parts: &[&Tensor]) -> Result<DevBuf> {
+    let mut bits = Vec::new();
+    for p in parts {
+        bits.extend(to_bf16_bits(p)?);
+    }
+    let b = DevBuf::new(bits.len() * 2)?;
+    gpu.upload(b.at(0), &bits)?;
+    Ok(b)
+}
+
+fn upload_f32(gpu: &Gpu, parts: &[&Tensor]) -> Result<DevBuf> {
+    let mut v = Vec::new();
+    for p in parts {
+        v.extend(p.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+    }
+    let b = DevBuf::new(v.len() * 4)?;
+    gpu.upload(b.at(0), &v)?;
+    Ok(b)
+}
+
+/// Every tensor of a bundle, dequantized to f32 and named as in HF checkpoints.
+fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+    if path.is_dir() {
+        return Ok(crate::spec::head::NamedTensors::read(path)?.map);
+    }
+    let mut file =
+        std::io::BufReader::new(std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let content =
+        candle_core::quantized::gguf_file::Content::read(&mut file).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let mut out = HashMap::new();
+    let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
+    for name in names {
+        let t = content
+            .tensor(&mut file, &name, &Device::Cpu)
+            .map_err(|e| anyhow!("{}: reading tensor '{name}': {e}", path.display()))?;
+        let hf = gguf_to_hf(&name);
+        out.insert(hf, t.dequantize(&Device::Cpu)?);
+    }
+    Ok(out)
+}
+
+/// A GGUF tensor name in HF terms (`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`).
+fn gguf_to_hf(name: &str) -> String {
+    match name {
+        "token_embd.weight" => return "model.embed_tokens.weight".into(),
+        "output_norm.weight" => return "model.norm.weight".into(),
+        "output.weight" => return "lm_head.weight".into(),
+        _ => {}
+    }
+    let Some(rest) = name.strip_prefix("blk.") else {
+        return name.to_string();
+    };
+    let Some((layer, t)) = rest.split_once('.') else {
+        return name.to_string();
+    };
+    let hf = match t {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_q.bias" => "self_attn.q_proj.bias",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_k.bias" => "self_attn.k_proj.bias",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_v.bias" => "self_attn.v_proj.bias",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        other => return format!("blk.{layer}.{other}"),
+    };
+    format!("model.layers.{layer}.{hf}")
+}
+
+/// The [`GpuConfig`] of a bundle's [`ModelConfig`].
+pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
+    GpuConfig {
+        name: name.to_string(),
+        vocab: c.vocab_size,
+        hidden: c.hidden_size,
+        intermediate: c.intermediate_size,
+        layers: c.num_layers,
+        heads: c.num_heads,
+        kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        rms_eps: c.rms_norm_eps as f32,
+        rope_theta: c.rope_theta,
+        qk_norm: c.family == Family::Qwen3,
+        qkv_bias: c.family == Family::Qwen2,
+        tied,
+        interleaved_rope: c.rope_style == RopeStyle::Interleaved,
+        inv_freq: rope_inv_freq(c.head_dim, c.rope_theta, None),
+    }
+}
+
+/// Load a bundle (GGUF file or HF directory) onto the GPU as bf16, with `config` its parsed
+/// [`ModelConfig`] (the CPU loader's). Errors name the bundle and the missing tensor.
+pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, max_ctx: usize) -> Result<GpuModel> {
+    let t = read_tensors(path)?;
+    let get = |n: &str| -> Result<&Tensor> {
+        t.get(n)
+            .ok_or_else(|| anyhow!("{}: tensor '{n}' is missing", path.display()))
+    };
+    let tied = !t.contains_key("lm_head.weight");
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let gc = config_of(config, &name, tied);
+    let mut layers = Vec::with_capacity(gc.layers);
+    for l in 0..gc.layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let bias = if gc.qkv_bias {
+            Some(upload_f32(
+                &gpu,
+                &[
+                    get(&p("self_attn.q_proj.bias"))?,
+                    get(&p("self_attn.k_proj.bias"))?,
+                    get(&p("self_attn.v_proj.bias"))?,
+                ],
+            )?)
+        } else {
+            None
+        };
+        let norm = |s: &str| -> Result<Option<DevBuf>> {
+            if gc.qk_norm {
+                Ok(Some(upload_bf16(&gpu, &[get(&p(s))?])?))
+            } else {
+                Ok(None)
+            }
+        };
+        layers.push(Layer {
+            attn_norm: upload_bf16(&gpu, &[get(&p("input_layernorm.weight"))?])?,
+            qkv: upload_bf16(
+                &gpu,
+                &[
+                    get(&p("self_attn.q_proj.weight"))?,
+                    get(&p("self_attn.k_proj.weight"))?,
+                    get(&p("self_attn.v_proj.weight"))?,
+                ],
+            )?,
+            qkv_bias: bias,
+            q_norm: norm("self_attn.q_norm.weight")?,
+            k_norm: norm("self_attn.k_norm.weight")?,
+            o: upload_bf16(&gpu, &[get(&p("self_attn.o_proj.weight"))?])?,
+            mlp_norm: upload_bf16(&gpu, &[get(&p("post_attention_layernorm.weight"))?])?,
+            gate_up: upload_bf16(
+                &gpu,
+                &[get(&p("mlp.gate_proj.weight"))?, get(&p("mlp.up_proj.weight"))?],
+            )?,
+            down: upload_bf16(&gpu, &[get(&p("mlp.down_proj.weight"))?])?,
+        });
+    }
+    let embed = get("model.embed_tokens.weight")?;
+    if embed.dims() != [gc.vocab, gc.hidden] {
+        bail!(
+            "{}: the embedding is {:?}, the config says [{}, {}]",
+            path.display(),
+            embed.dims(),
+            gc.vocab,
+            gc.hidden
+        );
+    }
+    let w = Weights {
+        embed: upload_bf16(&gpu, &[embed])?,
+        lm_head: if tied {
+            None
+        } else {
+            Some(upload_bf16(&gpu, &[get("lm_head.weight")?])?)
+        },
+        final_norm: upload_bf16(&gpu, &[get("model.norm.weight")?])?,
+        layers,
+    };
+    gpu.synchronize()?;
+    GpuModel::new(gpu, gc, w, slots, max_ctx)
+}

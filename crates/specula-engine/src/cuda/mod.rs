@@ -1,0 +1,809 @@
+//! The CUDA backend (feature `cuda`): a dense Llama / Qwen2 / Qwen3 forward on one NVIDIA GPU,
+//! built for decode and verify, and batch-invariant like the CPU kernels.
+//!
+//! * Weights are bf16 in device memory (synthetic ones generated on the device, or a bundle's
+//!   tensors converted at load: GGUF quantized types are dequantized, so this is a bf16 path).
+//! * The KV cache is preallocated, `[layers][slots][max_ctx][kv_heads][head_dim]` bf16, and
+//!   written in place; a row names its slot and position, so one forward serves a verify block of
+//!   one sequence, decode rows of many sequences, or a mix (continuous batching). Rolling back a
+//!   rejected draft is free: the next forward overwrites those positions.
+//! * Token, position and slot of each row live in device memory, so one captured CUDA graph per
+//!   row count (up to [`GRAPH_MAX_ROWS`]) replays every decode / verify step of that width.
+//! * Batch invariance: every kernel computes a row with the same instructions in the same order
+//!   whatever the other rows are (`kernels.cu` says how), so the logits of row i of a k+1-row
+//!   verify are bitwise those of a one-row decode at that position. [`bench`] checks this on the
+//!   device, and checks greedy n-gram speculation against AR.
+//!
+//! Source: the model math is HF transformers' `modeling_llama` / `modeling_qwen2` /
+//! `modeling_qwen3` (RMSNorm, rotate-half RoPE, GQA attention, SwiGLU).
+
+pub mod bench;
+pub mod load;
+
+use anyhow::{bail, Result};
+use cudarc::driver::{sys, CudaContext};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+pub use load::{GpuConfig, SHAPES};
+
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
+
+/// The commit this binary was built from (`-dirty` with uncommitted changes).
+pub const BUILD_COMMIT: &str = env!("SPECULA_BUILD_COMMIT");
+
+/// Row counts up to this run from a captured CUDA graph; wider forwards (prefill) launch
+/// kernel by kernel.
+pub const GRAPH_MAX_ROWS: usize = 64;
+
+/// Rows one forward takes at most (prefill runs in chunks of this many).
+pub const MAX_ROWS: usize = 256;
+
+/// `SPECULA_CUDA_SYNC=1`: synchronize after every kernel and log each launch (debugging).
+fn sync_each() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_CUDA_SYNC").is_ok_and(|v| v == "1"))
+}
+
+/// A line on stderr when `SPECULA_CUDA_TRACE=1`.
+fn trace_always(what: &str) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var("SPECULA_CUDA_TRACE").is_ok_and(|v| v == "1")) {
+        eprintln!("[cuda] {what}");
+    }
+}
+
+/// A line on stderr when `SPECULA_CUDA_SYNC=1`.
+pub(crate) fn trace(what: &str) {
+    if sync_each() {
+        eprintln!("[cuda] {what}");
+    }
+}
+
+pub(crate) fn ck(r: sys::CUresult, what: &str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        bail!("CUDA error in {what}: {r:?}")
+    }
+}
+
+/// An owned device allocation (`cuMemAlloc`), freed on drop.
+pub struct DevBuf {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DevBuf {
+    pub fn new(bytes: usize) -> Result<Self> {
+        let mut ptr = 0;
+        ck(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(256)) }, "cuMemAlloc")
+            .map_err(|e| anyhow::anyhow!("allocating {} MiB on the GPU: {e}", bytes >> 20))?;
+        Ok(Self { ptr, bytes })
+    }
+
+    /// The device address `byte_offset` bytes in.
+    pub fn at(&self, byte_offset: usize) -> u64 {
+        self.ptr + byte_offset as u64
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        unsafe {
+            sys::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy)]
+pub(crate) enum A {
+    /// A device pointer (0 for null).
+    P(u64),
+    I(i32),
+    F(f32),
+    U64(u64),
+}
+
+/// The GPU: context, one stream, the loaded kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: sys::CUstream,
+    module: sys::CUmodule,
+    f: HashMap<&'static str, sys::CUfunction>,
+}
+
+const KERNELS: [&str; 23] = [
+    "gemv_m1",
+    "gemv_m2",
+    "gemv_m3",
+    "gemv_m4",
+    "gemv_m5",
+    "gemv_m6",
+    "gemv_m7",
+    "gemv_m8",
+    "gemv_m9",
+    "gemv_m10",
+    "gemv_m11",
+    "gemv_m12",
+    "gemv_m13",
+    "gemv_m14",
+    "gemv_m15",
+    "gemv_m16",
+    "embed_rows",
+    "rmsnorm_bf16",
+    "qkv_rope_store",
+    "attention_rows",
+    "silu_mul",
+    "argmax_rows",
+    "fill_uniform_bf16",
+];
+
+impl Gpu {
+    /// Open device `ordinal` (the N of `cuda:N`) and load the kernels. Errors: no driver, no
+    /// such device, or kernels the driver cannot load (they are built for sm_90 with compute_90
+    /// PTX).
+    pub fn open(ordinal: usize) -> Result<Self> {
+        if !unsafe { sys::is_culib_present() } {
+            bail!("no CUDA driver library (libcuda.so) found: is there an NVIDIA GPU and driver on this machine, and is its library folder on LD_LIBRARY_PATH? (docs/gpu.md)");
+        }
+        trace("CudaContext::new");
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("opening cuda:{ordinal}: {e:?}"))?;
+        ctx.bind_to_thread()
+            .map_err(|e| anyhow::anyhow!("binding cuda:{ordinal}: {e:?}"))?;
+        let mut stream = std::ptr::null_mut();
+        ck(
+            unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+            "cuStreamCreate",
+        )?;
+        // The driver reads the fat binary's header in place: give it 8-byte aligned memory.
+        let mut image = vec![0u64; FATBIN.len().div_ceil(8)];
+        for (dst, src) in image.iter_mut().zip(FATBIN.chunks(8)) {
+            let mut b = [0u8; 8];
+            b[..src.len()].copy_from_slice(src);
+            *dst = u64::from_ne_bytes(b);
+        }
+        trace("cuModuleLoadData");
+        let mut module = std::ptr::null_mut();
+        ck(
+            unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr() as *const c_void) },
+            "loading Specula's kernels (cuModuleLoadData)",
+        )?;
+        let mut f = HashMap::new();
+        for name in KERNELS {
+            let c = CString::new(name)?;
+            let mut func = std::ptr::null_mut();
+            ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
+            f.insert(name, func);
+        }
+        Ok(Self { ctx, stream, module, f })
+    }
+
+    /// Device name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown".into())
+    }
+
+    /// The driver's CUDA version, e.g. 13000.
+    pub fn driver_version(&self) -> i32 {
+        let mut v = 0;
+        unsafe {
+            sys::cuDriverGetVersion(&mut v);
+        }
+        v
+    }
+
+    pub fn total_memory(&self) -> usize {
+        self.ctx.total_mem().unwrap_or(0)
+    }
+
+    fn func(&self, name: &str) -> Result<sys::CUfunction> {
+        self.f
+            .get(name)
+            .copied()
+            .ok_or_else(|| anyhow::anyhow!("kernel {name} not loaded"))
+    }
+
+    pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[A]) -> Result<()> {
+        let f = self.func(name)?;
+        if sync_each() {
+            trace(&format!("launch {name} grid {grid:?} block {block}"));
+        }
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                A::P(p) | A::U64(p) => p,
+                A::I(i) => i as u32 as u64,
+                A::F(x) => x.to_bits() as u64,
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        ck(
+            unsafe {
+                sys::cuLaunchKernel(
+                    f,
+                    grid.0,
+                    grid.1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    0,
+                    self.stream,
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            name,
+        )?;
+        if sync_each() {
+            self.synchronize()?;
+        }
+        Ok(())
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        ck(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+    }
+
+    /// Copy `src` to device address `dst` (ordered on the stream; returns once `src` is staged).
+    pub fn upload<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {
+        ck(
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst,
+                    src.as_ptr() as *const c_void,
+                    std::mem::size_of_val(src),
+                    self.stream,
+                )
+            },
+            "cuMemcpyHtoDAsync",
+        )
+    }
+
+    /// Copy from device address `src` into `dst`, waiting for the stream.
+    pub fn download<T: Copy>(&self, dst: &mut [T], src: u64) -> Result<()> {
+        trace_always("download");
+        ck(
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr() as *mut c_void,
+                    src,
+                    std::mem::size_of_val(dst),
+                    self.stream,
+                )
+            },
+            "cuMemcpyDtoHAsync",
+        )?;
+        self.synchronize()
+    }
+
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        ck(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) },
+            "cuMemcpyDtoDAsync",
+        )
+    }
+
+    /// Fill `n` bf16 values at `dst` with `offset + scale * U(-1, 1)` from `seed` (on the device).
+    pub fn fill_uniform_bf16(&self, dst: u64, n: usize, seed: u64, scale: f32, offset: f32) -> Result<()> {
+        let blocks = (n.div_ceil(256)).min(65536) as u32;
+        self.launch(
+            "fill_uniform_bf16",
+            (blocks, 1),
+            256,
+            &[A::P(dst), A::U64(n as u64), A::U64(seed), A::F(scale), A::F(offset)],
+        )
+    }
+
+    /// Y[rows, n] = X[rows, k] · W[n, k]ᵀ (+ R): bf16 W and X, f32 Y and R, in chunks of up to
+    /// 16 rows on the batch-invariant `gemv_m{M}` kernels.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv(&self, w: u64, x: u64, r: Option<u64>, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
+        let mut c = 0;
+        while c < rows {
+            let m = (rows - c).min(16);
+            let yo = y + (c * n * 4) as u64;
+            let ro = r.map(|p| p + (c * n * 4) as u64).unwrap_or(0);
+            self.launch(
+                KERNELS[m - 1],
+                ((n as u32).div_ceil(16), 1),
+                256,
+                &[
+                    A::P(w),
+                    A::P(x + (c * k * 2) as u64),
+                    A::P(ro),
+                    A::P(yo),
+                    A::I(n as i32),
+                    A::I(k as i32),
+                ],
+            )?;
+            c += m;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        unsafe {
+            sys::cuModuleUnload(self.module);
+            sys::cuStreamDestroy_v2(self.stream);
+        }
+    }
+}
+
+/// One layer's weights on the device.
+pub(crate) struct Layer {
+    pub attn_norm: DevBuf,
+    /// `[q; k; v]` rows: `[(heads + 2 kv_heads) head_dim, hidden]` bf16.
+    pub qkv: DevBuf,
+    /// f32 `[(heads + 2 kv_heads) head_dim]` (Qwen2).
+    pub qkv_bias: Option<DevBuf>,
+    pub q_norm: Option<DevBuf>,
+    pub k_norm: Option<DevBuf>,
+    pub o: DevBuf,
+    pub mlp_norm: DevBuf,
+    /// `[gate; up]` rows: `[2 intermediate, hidden]` bf16.
+    pub gate_up: DevBuf,
+    pub down: DevBuf,
+}
+
+/// All weights on the device.
+pub(crate) struct Weights {
+    pub embed: DevBuf,
+    /// None: tied to the embedding.
+    pub lm_head: Option<DevBuf>,
+    pub final_norm: DevBuf,
+    pub layers: Vec<Layer>,
+}
+
+impl Weights {
+    /// Bytes of weights one decode step reads (every matrix and norm, the LM head once; the
+    /// embedding only when untied, since a step reads one row of it).
+    pub fn bytes(&self) -> usize {
+        let mut b = self.final_norm.bytes() + self.lm_head.as_ref().unwrap_or(&self.embed).bytes();
+        if self.lm_head.is_some() {
+            b += self.embed.bytes();
+        }
+        for l in &self.layers {
+            b += l.attn_norm.bytes()
+                + l.qkv.bytes()
+                + l.o.bytes()
+                + l.mlp_norm.bytes()
+                + l.gate_up.bytes()
+                + l.down.bytes();
+            for x in [&l.qkv_bias, &l.q_norm, &l.k_norm].into_iter().flatten() {
+                b += x.bytes();
+            }
+        }
+        b
+    }
+}
+
+/// Which rows of a forward get logits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum LogitsRows {
+    None,
+    Last,
+    All,
+}
+
+/// One input row: the token, the KV slot of its sequence, and its position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    pub token: u32,
+    pub slot: u32,
+    pub pos: u32,
+}
+
+/// What a forward returns: per logits row, the greedy token and (when asked) the f32 logits,
+/// `[rows, vocab]` row-major.
+#[derive(Debug, Clone, Default)]
+pub struct StepOut {
+    pub argmax: Vec<u32>,
+    pub logits: Vec<f32>,
+}
+
+struct Scratch {
+    x: DevBuf,
+    xn: DevBuf,
+    qkv: DevBuf,
+    q: DevBuf,
+    ao: DevBuf,
+    gu: DevBuf,
+    act: DevBuf,
+    logits: DevBuf,
+    scores: DevBuf,
+    argmax: DevBuf,
+    /// i32 `[3, MAX_ROWS]`: tokens, positions, slots.
+    io: DevBuf,
+}
+
+struct Kv {
+    k: DevBuf,
+    v: DevBuf,
+    slots: usize,
+    max_ctx: usize,
+}
+
+struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        unsafe {
+            sys::cuGraphExecDestroy(self.exec);
+            sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// A model on the GPU with its KV slots.
+pub struct GpuModel {
+    pub config: GpuConfig,
+    w: Weights,
+    inv_freq: DevBuf,
+    s: Scratch,
+    kv: Kv,
+    graphs: HashMap<usize, Graph>,
+    /// Use captured graphs for narrow forwards (on by default; `SPECULA_CUDA_GRAPHS=0` turns
+    /// them off).
+    pub use_graphs: bool,
+    /// Last: fields drop in order, and graphs and buffers must go while the context lives.
+    pub gpu: Gpu,
+}
+
+impl GpuModel {
+    pub(crate) fn new(gpu: Gpu, config: GpuConfig, w: Weights, slots: usize, max_ctx: usize) -> Result<Self> {
+        let c = &config;
+        if c.head_dim > 256
+            || !c.head_dim.is_multiple_of(8)
+            || !c.hidden.is_multiple_of(8)
+            || !c.intermediate.is_multiple_of(8)
+        {
+            bail!(
+                "the CUDA path needs head_dim ≤ 256 and head_dim, hidden and intermediate sizes that are multiples of 8 (got {}, {}, {})",
+                c.head_dim,
+                c.hidden,
+                c.intermediate
+            );
+        }
+        if c.kv_heads == 0 || !c.heads.is_multiple_of(c.kv_heads) {
+            bail!("heads ({}) must be a multiple of kv_heads ({})", c.heads, c.kv_heads);
+        }
+        let inv_freq = DevBuf::new(c.inv_freq.len() * 4)?;
+        gpu.upload(inv_freq.at(0), &c.inv_freq)?;
+        let r = MAX_ROWS;
+        let qkv_w = (c.heads + 2 * c.kv_heads) * c.head_dim;
+        let s = Scratch {
+            x: DevBuf::new(r * c.hidden * 4)?,
+            xn: DevBuf::new(r * c.hidden * 2)?,
+            qkv: DevBuf::new(r * qkv_w * 4)?,
+            q: DevBuf::new(r * c.heads * c.head_dim * 4)?,
+            ao: DevBuf::new(r * c.heads * c.head_dim * 2)?,
+            gu: DevBuf::new(r * 2 * c.intermediate * 4)?,
+            act: DevBuf::new(r * c.intermediate * 2)?,
+            logits: DevBuf::new(r * c.vocab * 4)?,
+            scores: DevBuf::new(1)?,
+            argmax: DevBuf::new(r * 4)?,
+            io: DevBuf::new(3 * r * 4)?,
+        };
+        let kv = Kv {
+            k: DevBuf::new(1)?,
+            v: DevBuf::new(1)?,
+            slots: 0,
+            max_ctx: 0,
+        };
+        let mut m = Self {
+            gpu,
+            config,
+            w,
+            inv_freq,
+            s,
+            kv,
+            graphs: HashMap::new(),
+            use_graphs: std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        };
+        m.resize_kv(slots, max_ctx)?;
+        Ok(m)
+    }
+
+    /// Reallocate the KV cache as `slots` sequences of up to `max_ctx` positions (contents are
+    /// lost; captured graphs are dropped).
+    pub fn resize_kv(&mut self, slots: usize, max_ctx: usize) -> Result<()> {
+        let c = &self.config;
+        self.graphs.clear();
+        self.kv.k = DevBuf::new(1)?;
+        self.kv.v = DevBuf::new(1)?;
+        self.s.scores = DevBuf::new(1)?;
+        let bytes = c.layers * slots * max_ctx * c.kv_heads * c.head_dim * 2;
+        self.kv.k = DevBuf::new(bytes)?;
+        self.kv.v = DevBuf::new(bytes)?;
+        self.s.scores = DevBuf::new(MAX_ROWS * c.heads * max_ctx * 4)?;
+        self.kv.slots = slots;
+        self.kv.max_ctx = max_ctx;
+        Ok(())
+    }
+
+    pub fn slots(&self) -> usize {
+        self.kv.slots
+    }
+
+    pub fn max_ctx(&self) -> usize {
+        self.kv.max_ctx
+    }
+
+    /// Bytes of weights a decode step reads.
+    pub fn weight_bytes(&self) -> usize {
+        self.w.bytes()
+    }
+
+    /// Bytes of the KV cache.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.k.bytes() * 2
+    }
+
+    fn check_rows(&self, rows: &[Row]) -> Result<()> {
+        if rows.is_empty() || rows.len() > MAX_ROWS {
+            bail!("a forward takes 1..={MAX_ROWS} rows, got {}", rows.len());
+        }
+        for r in rows {
+            if r.token as usize >= self.config.vocab {
+                bail!("token id {} is outside the vocabulary ({})", r.token, self.config.vocab);
+            }
+            if r.slot as usize >= self.kv.slots {
+                bail!("KV slot {} out of range ({} slots)", r.slot, self.kv.slots);
+            }
+            if r.pos as usize >= self.kv.max_ctx {
+                bail!(
+                    "position {} is past the KV cache ({} positions)",
+                    r.pos,
+                    self.kv.max_ctx
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn write_io(&self, rows: &[Row]) -> Result<()> {
+        let mut io = vec![0i32; 3 * MAX_ROWS];
+        for (i, r) in rows.iter().enumerate() {
+            io[i] = r.token as i32;
+            io[MAX_ROWS + i] = r.pos as i32;
+            io[2 * MAX_ROWS + i] = r.slot as i32;
+        }
+        self.gpu.upload(self.s.io.at(0), &io)
+    }
+
+    /// Enqueue the forward of `n` rows whose inputs are in the io buffer.
+    fn enqueue(&self, n: usize, logits: LogitsRows) -> Result<()> {
+        let g = &self.gpu;
+        let c = &self.config;
+        let s = &self.s;
+        let (h, hd, nh, nkv, inter) = (c.hidden, c.head_dim, c.heads, c.kv_heads, c.intermediate);
+        let qkv_w = (nh + 2 * nkv) * hd;
+        let tok = s.io.at(0);
+        let pos = s.io.at(MAX_ROWS * 4);
+        let slot = s.io.at(2 * MAX_ROWS * 4);
+        let nu = n as u32;
+        g.launch(
+            "embed_rows",
+            (nu, 1),
+            256,
+            &[A::P(self.w.embed.at(0)), A::P(tok), A::P(s.x.at(0)), A::I(h as i32)],
+        )?;
+        let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
+        for (li, l) in self.w.layers.iter().enumerate() {
+            g.launch(
+                "rmsnorm_bf16",
+                (nu, 1),
+                256,
+                &[
+                    A::P(s.x.at(0)),
+                    A::P(l.attn_norm.at(0)),
+                    A::P(s.xn.at(0)),
+                    A::I(h as i32),
+                    A::F(c.rms_eps),
+                ],
+            )?;
+            g.gemv(l.qkv.at(0), s.xn.at(0), None, s.qkv.at(0), n, qkv_w, h)?;
+            let opt = |b: &Option<DevBuf>| b.as_ref().map(|b| b.at(0)).unwrap_or(0);
+            g.launch(
+                "qkv_rope_store",
+                (nu, (nh + 2 * nkv) as u32),
+                hd.next_multiple_of(32) as u32,
+                &[
+                    A::P(s.qkv.at(0)),
+                    A::P(opt(&l.qkv_bias)),
+                    A::P(opt(&l.q_norm)),
+                    A::P(opt(&l.k_norm)),
+                    A::P(self.inv_freq.at(0)),
+                    A::P(pos),
+                    A::P(slot),
+                    A::P(s.q.at(0)),
+                    A::P(self.kv.k.at(li * layer_kv)),
+                    A::P(self.kv.v.at(li * layer_kv)),
+                    A::I(nh as i32),
+                    A::I(nkv as i32),
+                    A::I(hd as i32),
+                    A::I(self.kv.max_ctx as i32),
+                    A::F(c.rms_eps),
+                    A::I(c.interleaved_rope as i32),
+                ],
+            )?;
+            g.launch(
+                "attention_rows",
+                (nu, nh as u32),
+                256,
+                &[
+                    A::P(s.q.at(0)),
+                    A::P(self.kv.k.at(li * layer_kv)),
+                    A::P(self.kv.v.at(li * layer_kv)),
+                    A::P(pos),
+                    A::P(slot),
+                    A::P(s.scores.at(0)),
+                    A::P(s.ao.at(0)),
+                    A::I(nh as i32),
+                    A::I(nkv as i32),
+                    A::I(hd as i32),
+                    A::I(self.kv.max_ctx as i32),
+                    A::F(1.0 / (hd as f32).sqrt()),
+                ],
+            )?;
+            g.gemv(l.o.at(0), s.ao.at(0), Some(s.x.at(0)), s.x.at(0), n, h, nh * hd)?;
+            g.launch(
+                "rmsnorm_bf16",
+                (nu, 1),
+                256,
+                &[
+                    A::P(s.x.at(0)),
+                    A::P(l.mlp_norm.at(0)),
+                    A::P(s.xn.at(0)),
+                    A::I(h as i32),
+                    A::F(c.rms_eps),
+                ],
+            )?;
+            g.gemv(l.gate_up.at(0), s.xn.at(0), None, s.gu.at(0), n, 2 * inter, h)?;
+            let total = n * inter;
+            g.launch(
+                "silu_mul",
+                ((total.div_ceil(256)).min(65536) as u32, 1),
+                256,
+                &[A::P(s.gu.at(0)), A::P(s.act.at(0)), A::I(inter as i32), A::I(n as i32)],
+            )?;
+            g.gemv(l.down.at(0), s.act.at(0), Some(s.x.at(0)), s.x.at(0), n, h, inter)?;
+        }
+        let (first, m) = match logits {
+            LogitsRows::None => return Ok(()),
+            LogitsRows::Last => (n - 1, 1),
+            LogitsRows::All => (0, n),
+        };
+        g.launch(
+            "rmsnorm_bf16",
+            (m as u32, 1),
+            256,
+            &[
+                A::P(s.x.at(first * h * 4)),
+                A::P(self.w.final_norm.at(0)),
+                A::P(s.xn.at(0)),
+                A::I(h as i32),
+                A::F(c.rms_eps),
+            ],
+        )?;
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        g.gemv(head.at(0), s.xn.at(0), None, s.logits.at(0), m, c.vocab, h)?;
+        g.launch(
+            "argmax_rows",
+            (m as u32, 1),
+            1024,
+            &[A::P(s.logits.at(0)), A::I(c.vocab as i32), A::P(s.argmax.at(0))],
+        )
+    }
+
+    fn capture(&self, n: usize) -> Result<Graph> {
+        let st = self.gpu.stream;
+        self.gpu.synchronize()?;
+        trace_always(&format!("capturing a graph for {n} rows"));
+        ck(
+            unsafe { sys::cuStreamBeginCapture_v2(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) },
+            "cuStreamBeginCapture",
+        )?;
+        let enq = self.enqueue(n, LogitsRows::All);
+        let mut graph = std::ptr::null_mut();
+        let end = ck(unsafe { sys::cuStreamEndCapture(st, &mut graph) }, "cuStreamEndCapture");
+        enq?;
+        end?;
+        trace_always("instantiating");
+        let mut exec = std::ptr::null_mut();
+        if let Err(e) = ck(
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+            "cuGraphInstantiate",
+        ) {
+            unsafe {
+                sys::cuGraphDestroy(graph);
+            }
+            return Err(e);
+        }
+        trace_always("captured");
+        Ok(Graph { graph, exec })
+    }
+
+    /// One forward over `rows` (any mix of sequences and positions); every row gets logits.
+    /// Each row's keys and values are written at (slot, pos) first, so a row attends to its own
+    /// slot's positions `0..=pos`, the rows before it in this call included.
+    ///
+    /// Returns per row the greedy token, and the logits `[rows, vocab]` f32 when `want_logits`.
+    /// Errors: no rows or more than [`MAX_ROWS`], a token outside the vocabulary, a slot or
+    /// position outside the KV cache, or a CUDA failure.
+    pub fn forward(&mut self, rows: &[Row], want_logits: bool) -> Result<StepOut> {
+        self.check_rows(rows)?;
+        let n = rows.len();
+        self.write_io(rows)?;
+        if self.use_graphs && n <= GRAPH_MAX_ROWS {
+            if !self.graphs.contains_key(&n) {
+                let g = self.capture(n)?;
+                self.graphs.insert(n, g);
+            }
+            let exec = self.graphs[&n].exec;
+            trace_always("cuGraphLaunch");
+            ck(unsafe { sys::cuGraphLaunch(exec, self.gpu.stream) }, "cuGraphLaunch")?;
+            trace_always("launched");
+        } else {
+            self.enqueue(n, LogitsRows::All)?;
+        }
+        self.read_out(n, want_logits)
+    }
+
+    fn read_out(&self, m: usize, want_logits: bool) -> Result<StepOut> {
+        let mut am = vec![0i32; m];
+        self.gpu.download(&mut am, self.s.argmax.at(0))?;
+        let mut out = StepOut {
+            argmax: am.into_iter().map(|t| t as u32).collect(),
+            logits: Vec::new(),
+        };
+        if want_logits {
+            out.logits = vec![0f32; m * self.config.vocab];
+            self.gpu.download(&mut out.logits, self.s.logits.at(0))?;
+        }
+        Ok(out)
+    }
+
+    /// Prefill `tokens` into `slot` at positions `start..`, in chunks of [`MAX_ROWS`] rows;
+    /// returns the greedy token (and logits when asked) of the last row only.
+    pub fn prefill(&mut self, slot: u32, start: u32, tokens: &[u32], want_logits: bool) -> Result<StepOut> {
+        if tokens.is_empty() {
+            bail!("prefill needs at least one token");
+        }
+        let mut out = StepOut::default();
+        let chunks = tokens.len().div_ceil(MAX_ROWS);
+        for (ci, chunk) in tokens.chunks(MAX_ROWS).enumerate() {
+            let base = start + (ci * MAX_ROWS) as u32;
+            let rows: Vec<Row> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| Row {
+                    token,
+                    slot,
+                    pos: base + i as u32,
+                })
+                .collect();
+            self.check_rows(&rows)?;
+            self.write_io(&rows)?;
+            let last = ci + 1 == chunks;
+            self.enqueue(rows.len(), if last { LogitsRows::Last } else { LogitsRows::None })?;
+            if last {
+                out = self.read_out(1, want_logits)?;
+            }
+        }
+        Ok(out)
+    }
+}
