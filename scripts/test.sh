@@ -20,3 +20,6 @@ done
 
 echo "== testing"
 cargo test --release --workspace -- --test-threads 1 "$@"
+
+echo "== checking the CUDA backend's host code (SPECULA_CUDA_STUB=1: no nvcc, no GPU; docs/gpu.md)"
+SPECULA_CUDA_STUB=1 cargo check --release -p specula --features cuda

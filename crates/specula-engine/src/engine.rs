@@ -68,6 +68,8 @@ pub struct Engine {
     /// What finished requests learned about drafting, by decode path (see
     /// [`crate::spec::DraftLength::warm_start`]).
     controller_priors: std::collections::HashMap<String, crate::spec::DraftLength>,
+    /// Seconds of batched forwards by row count, for the draft-length controllers under load.
+    batch_cost: std::sync::Mutex<crate::spec::controller::BatchCost>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -90,6 +92,7 @@ impl Engine {
         Self {
             prefix,
             controller_priors: Default::default(),
+            batch_cost: Default::default(),
             bundle,
             id: id.to_string(),
             kv,
@@ -644,8 +647,21 @@ impl Engine {
                     })
                 })
                 .collect();
+            let rows: usize = segs.iter().map(|s| s.tokens.len()).sum();
+            let started = std::time::Instant::now();
             let outs = model.forward_batch(&mut segs, &taps);
+            let seconds = started.elapsed().as_secs_f64();
             drop(segs);
+            let load = {
+                let mut bc = self.batch_cost.lock().unwrap_or_else(|e| e.into_inner());
+                if outs.is_ok() {
+                    bc.observe(rows, seconds);
+                }
+                bc.load(group.len()).filter(|_| load_aware())
+            };
+            for &i in &group {
+                seqs[i].set_load(load);
+            }
             match outs {
                 Err(e) => {
                     let msg = format!("{e:#}");
@@ -674,4 +690,12 @@ impl Engine {
         }
         results
     }
+}
+
+/// `SPECULA_LOAD_AWARE=0` makes the draft-length controllers ignore the batch (each decides from
+/// its own solo timings, as before [`crate::spec::controller::BatchCost`]): a switch for
+/// side-by-side measurements only.
+fn load_aware() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_LOAD_AWARE").map_or(true, |v| v != "0"))
 }

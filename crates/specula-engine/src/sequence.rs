@@ -295,6 +295,12 @@ impl Sequence {
     /// advance: accept, emit, and prepare the next input (drafting happens here).
     ///
     /// Errors: a drafter failure (the sequence cannot continue).
+    /// Tell the draft-length controller what drafting costs in the batch this sequence shares
+    /// (None when it runs alone); see [`crate::spec::controller::BatchCost`].
+    pub fn set_load(&mut self, load: Option<crate::spec::controller::Load>) {
+        self.k_ctl.set_load(load);
+    }
+
     pub fn absorb(&mut self, rows: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
         self.absorb_with_hidden(rows, Vec::new())
     }

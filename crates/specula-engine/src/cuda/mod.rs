@@ -150,6 +150,9 @@ impl Gpu {
     /// such device, or kernels the driver cannot load (they are built for sm_90 with compute_90
     /// PTX).
     pub fn open(ordinal: usize) -> Result<Self> {
+        if FATBIN.is_empty() {
+            bail!("this specula was built with SPECULA_CUDA_STUB=1: it has no GPU kernels (docs/gpu.md)");
+        }
         if !unsafe { sys::is_culib_present() } {
             bail!("no CUDA driver library (libcuda.so) found: is there an NVIDIA GPU and driver on this machine, and is its library folder on LD_LIBRARY_PATH? (docs/gpu.md)");
         }

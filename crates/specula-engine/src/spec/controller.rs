@@ -28,6 +28,78 @@ const PRIOR_ROW_SLOPE: f64 = 0.1;
 /// Drafting steps between two one-row (no draft) steps that re-measure the unit of every cost.
 const RECALIBRATE_EVERY: usize = 32;
 
+/// Weight of the older steps in the [`BatchCost`] fit, per step.
+const BATCH_DECAY: f64 = 0.97;
+
+/// What drafting costs a sequence that shares the target forward with others (continuous
+/// batching): the marginal seconds of one more row in the batched forward, and the seconds per
+/// committed token of plain decoding at the current concurrency.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Load {
+    pub row_s: f64,
+    pub token_s: f64,
+}
+
+/// Engine-wide model of a batched target forward's time, `T(R) ≈ a + b·R` for `R` rows, fitted
+/// by exponentially weighted least squares over recent steps. Under load the controller weighs a
+/// draft by this marginal row cost instead of its own solo verify timings: when a batch of B
+/// sequences already keeps the cores busy, k more rows cost about `k·b`, while plain decoding
+/// commits a token per `(a + b·B)/B`. So drafting shrinks as the batch grows, and stops where it
+/// would lower aggregate throughput below AR (issue "Continuous batching": "under load the draft
+/// length shrinks").
+#[derive(Debug, Clone, Default)]
+pub struct BatchCost {
+    w: f64,
+    r: f64,
+    rr: f64,
+    t: f64,
+    rt: f64,
+    /// The last determined fit: kept while the row counts stop varying (when every sequence
+    /// has stopped drafting), so the decision does not flip back to the solo timings.
+    last: Option<(f64, f64)>,
+}
+
+impl BatchCost {
+    /// Feed the seconds of a batched forward of `rows` rows.
+    pub fn observe(&mut self, rows: usize, seconds: f64) {
+        let r = rows as f64;
+        self.w = BATCH_DECAY * self.w + 1.0;
+        self.r = BATCH_DECAY * self.r + r;
+        self.rr = BATCH_DECAY * self.rr + r * r;
+        self.t = BATCH_DECAY * self.t + seconds;
+        self.rt = BATCH_DECAY * self.rt + r * seconds;
+        if let Some(f) = self.fit() {
+            self.last = Some(f);
+        }
+    }
+
+    /// `(a, b)`: fixed seconds per forward and seconds per row, once the recent row counts have
+    /// varied by at least a row (standard deviation) and both come out positive.
+    pub fn fit(&self) -> Option<(f64, f64)> {
+        let var = self.w * self.rr - self.r * self.r;
+        if self.w < 4.0 || var < self.w * self.w {
+            return None;
+        }
+        let b = (self.w * self.rt - self.r * self.t) / var;
+        let a = (self.t - b * self.r) / self.w;
+        (a > 0.0 && b > 0.0).then_some((a, b))
+    }
+
+    /// The [`Load`] each of `sequences` sequences sharing a forward sees (None alone, or before
+    /// the fit is determined: the controller then uses its own timings).
+    pub fn load(&self, sequences: usize) -> Option<Load> {
+        if sequences < 2 {
+            return None;
+        }
+        let (a, b) = self.fit().or(self.last)?;
+        let n = sequences as f64;
+        Some(Load {
+            row_s: b,
+            token_s: (a + b * n) / n,
+        })
+    }
+}
+
 /// The per-request draft-length controller.
 #[derive(Debug, Clone)]
 pub struct DraftLength {
@@ -45,6 +117,8 @@ pub struct DraftLength {
     probing: bool,
     /// Drafting steps since the last one-row forward was measured.
     since_one_row: usize,
+    /// Set while the sequence shares the target forward with others ([`BatchCost::load`]).
+    load: Option<Load>,
 }
 
 impl DraftLength {
@@ -63,6 +137,7 @@ impl DraftLength {
             backoff: 1,
             probing: false,
             since_one_row: 0,
+            load: None,
         }
     }
 
@@ -135,8 +210,19 @@ impl DraftLength {
         }
     }
 
-    /// Predicted speed-up over plain decoding of drafting `k` tokens per step.
+    /// Decide the next steps under `load` (or alone, with None).
+    pub fn set_load(&mut self, load: Option<Load>) {
+        self.load = load;
+    }
+
+    /// Predicted speed-up over plain decoding of drafting `k` tokens per step. Alone:
+    /// `E(k)·V(1) / (V(k+1) + k·D)`. Under a [`Load`]: `E(k)·c / (c + k·(b + D))`, with `c` plain
+    /// decoding's seconds per token at this concurrency and `b` the marginal seconds of a row.
     pub fn predicted_speedup(&self, k: usize) -> f64 {
+        if let Some(l) = self.load {
+            let d = self.draft_token_s.unwrap_or(0.0);
+            return self.expected_tokens(k) * l.token_s / (l.token_s + k as f64 * (l.row_s + d));
+        }
         let cost = self.relative_forward_cost(k + 1) + k as f64 * self.relative_draft_cost();
         self.expected_tokens(k) / cost
     }
@@ -235,6 +321,52 @@ mod tests {
         }
         c.observe_draft(1, 0.01 * d);
         c
+    }
+
+    #[test]
+    fn batch_cost_fits_a_line() {
+        let mut bc = BatchCost::default();
+        assert_eq!(bc.load(4), None);
+        for i in 0..40 {
+            let r = 4 + (i % 5) * 4;
+            bc.observe(r, 0.010 + 0.002 * r as f64);
+        }
+        let (a, b) = bc.fit().unwrap();
+        assert!((a - 0.010).abs() < 1e-9 && (b - 0.002).abs() < 1e-9, "{a} {b}");
+        let l = bc.load(16).unwrap();
+        assert!((l.row_s - 0.002).abs() < 1e-9);
+        assert!((l.token_s - (0.010 + 0.032) / 16.0).abs() < 1e-9);
+        assert_eq!(bc.load(1), None, "alone: the solo timings decide");
+        // Constant row counts leave the slope undetermined; the last fit stands.
+        let mut flat = BatchCost::default();
+        for _ in 0..40 {
+            flat.observe(16, 0.04);
+        }
+        assert_eq!(flat.fit(), None);
+        assert_eq!(flat.load(16), None);
+        for _ in 0..200 {
+            bc.observe(16, 0.042);
+        }
+        assert_eq!(bc.fit(), None);
+        assert!((bc.load(16).unwrap().row_s - 0.002).abs() < 1e-9);
+    }
+
+    #[test]
+    fn under_load_drafting_stops_where_rows_are_dear() {
+        // Solo, acceptance 0.5 and a cheap verify: drafting pays.
+        let mut c = measured(4, 0.1, 0.0);
+        for _ in 0..20 {
+            c.update(2, 1);
+        }
+        assert!(c.best().1 > 1.0);
+        // 16 sequences on a CPU: a row costs 0.3 of a one-row forward, plain decoding 0.38 per
+        // token (the measured SmolLM2 shape): k = 1 would commit 1.5 tokens for 1.8x the time.
+        c.set_load(Some(Load { row_s: 0.003, token_s: 0.0038 }));
+        assert!(c.best().1 < 1.0, "{:?}", c.best());
+        assert_eq!(c.next_k(), 0);
+        // A GPU-like load (rows nearly free): drafting pays again.
+        c.set_load(Some(Load { row_s: 0.0001, token_s: 0.0038 }));
+        assert!(c.best().1 > 1.0);
     }
 
     #[test]
