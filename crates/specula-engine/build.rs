@@ -1,6 +1,6 @@
 //! With the `cuda` feature: compile `src/cuda/kernels.cu` with nvcc into a fat binary (sm_90
-//! machine code plus compute_90 PTX) that `cuda::Kernels` loads at run time, and record the build
-//! commit for benchmark receipts. Without the feature this does nothing. `SPECULA_CUDA_STUB=1`
+//! machine code plus compute_90 PTX) that `cuda::Gpu::open` loads at run time. Without the
+//! feature this does nothing. `SPECULA_CUDA_STUB=1`
 //! embeds no kernels (for checking the host code where there is no nvcc, as CI does).
 
 use std::path::PathBuf;
@@ -27,7 +27,6 @@ fn main() {
         // CI checks the CUDA build's host code on machines without nvcc: no kernels are
         // embedded, and `cuda::Gpu::open` says so at run time.
         std::fs::write(&target, b"").expect("writing an empty kernels.fatbin");
-        println!("cargo:rustc-env=SPECULA_BUILD_COMMIT=stub");
         return;
     }
     let status = Command::new(&nvcc)
@@ -39,24 +38,4 @@ fn main() {
         .status()
         .unwrap_or_else(|e| panic!("running {nvcc} (set NVCC or CUDA_HOME; docs/gpu.md): {e}"));
     assert!(status.success(), "{nvcc} failed on src/cuda/kernels.cu");
-    let commit = Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".to_string());
-    let dirty = Command::new("git")
-        .args(["status", "--porcelain", "--untracked-files=no"])
-        .output()
-        .ok()
-        .map(|o| !o.stdout.is_empty())
-        .unwrap_or(false);
-    println!(
-        "cargo:rustc-env=SPECULA_BUILD_COMMIT={commit}{}",
-        if dirty { "-dirty" } else { "" }
-    );
-    for p in ["../../.git/HEAD", "../../.git/index"] {
-        println!("cargo:rerun-if-changed={p}");
-    }
 }

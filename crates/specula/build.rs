@@ -1,5 +1,6 @@
 //! Records the git commit the binary is built from (`SPECULA_BUILD_COMMIT`, used in tuning
-//! files). Outside a git checkout the variable is empty and "unknown" is recorded.
+//! files and GPU benchmark receipts; `-dirty` when tracked files were changed). Outside a git
+//! checkout the variable is empty and "unknown" is recorded.
 
 use std::process::Command;
 
@@ -11,9 +12,19 @@ fn main() {
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    println!("cargo:rustc-env=SPECULA_BUILD_COMMIT={commit}");
-    // Rebuild when HEAD moves (a commit or a branch switch), not on every file change.
-    for p in ["../../.git/HEAD", "../../.git/refs/heads"] {
+    // `-dirty` when tracked files differ from the commit (benchmark receipts say so).
+    let dirty = !commit.is_empty()
+        && Command::new("git")
+            .args(["status", "--porcelain", "--untracked-files=no"])
+            .output()
+            .is_ok_and(|o| o.status.success() && !o.stdout.is_empty());
+    println!(
+        "cargo:rustc-env=SPECULA_BUILD_COMMIT={commit}{}",
+        if dirty { "-dirty" } else { "" }
+    );
+    // Rebuild when HEAD moves (a commit or a branch switch) or the index changes, not on every
+    // file change.
+    for p in ["../../.git/HEAD", "../../.git/refs/heads", "../../.git/index"] {
         if std::path::Path::new(p).exists() {
             println!("cargo:rerun-if-changed={p}");
         }

@@ -707,6 +707,7 @@ fn bench_gpu(a: &BenchArgs) -> Result<()> {
         // The context of the decode, verify and aggregate timings: 128 tokens, as the PyTorch
         // baseline (scripts/gpu_torch_baseline.py) uses.
         context: 128,
+        build_commit: tune::build_commit(),
     };
     let receipt = bench::run(&opts, &|s| eprintln!("[bench] {s}"))?;
     let text = serde_json::to_string_pretty(&receipt)?;

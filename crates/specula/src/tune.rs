@@ -57,7 +57,7 @@ pub struct TuneArgs {
 }
 
 /// The commit the binary was built from (`build.rs`), or "unknown".
-fn build_commit() -> String {
+pub fn build_commit() -> String {
     option_env!("SPECULA_BUILD_COMMIT")
         .filter(|s| !s.is_empty())
         .unwrap_or("unknown")

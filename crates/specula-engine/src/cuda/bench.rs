@@ -36,6 +36,8 @@ pub struct BenchOptions {
     pub prefill_lens: Vec<usize>,
     /// Context before the decode and verify measurements.
     pub context: usize,
+    /// The commit the binary was built from, for the receipt.
+    pub build_commit: String,
 }
 
 /// Deterministic pseudo-random token ids in `[0, vocab)`.
@@ -500,7 +502,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     }
 
     Ok(json!({
-        "specula_build_commit": super::BUILD_COMMIT,
+        "specula_build_commit": o.build_commit,
         "device": device,
         "dtype": "bf16",
         "weights": "synthetic (generated on the device)",

@@ -30,9 +30,6 @@ pub use load::{GpuConfig, SHAPES};
 
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
 
-/// The commit this binary was built from (`-dirty` with uncommitted changes).
-pub const BUILD_COMMIT: &str = env!("SPECULA_BUILD_COMMIT");
-
 /// Row counts up to this run from a captured CUDA graph; wider forwards (prefill) launch
 /// kernel by kernel.
 pub const GRAPH_MAX_ROWS: usize = 64;

@@ -361,11 +361,17 @@ mod tests {
         assert!(c.best().1 > 1.0);
         // 16 sequences on a CPU: a row costs 0.3 of a one-row forward, plain decoding 0.38 per
         // token (the measured SmolLM2 shape): k = 1 would commit 1.5 tokens for 1.8x the time.
-        c.set_load(Some(Load { row_s: 0.003, token_s: 0.0038 }));
+        c.set_load(Some(Load {
+            row_s: 0.003,
+            token_s: 0.0038,
+        }));
         assert!(c.best().1 < 1.0, "{:?}", c.best());
         assert_eq!(c.next_k(), 0);
         // A GPU-like load (rows nearly free): drafting pays again.
-        c.set_load(Some(Load { row_s: 0.0001, token_s: 0.0038 }));
+        c.set_load(Some(Load {
+            row_s: 0.0001,
+            token_s: 0.0038,
+        }));
         assert!(c.best().1 > 1.0);
     }
 
