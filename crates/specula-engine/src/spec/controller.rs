@@ -7,7 +7,8 @@
 //! r-row target forward and `D` the drafter's time per token. Plain decoding commits one token
 //! per `V(1)`. The controller picks the k in `1..=draft_max` with the best predicted speed-up
 //! `E(k)·V(1) / (V(k+1) + k·D)`; when no k beats 1.0, it pauses drafting for a number of steps
-//! that doubles while probes keep failing (up to [`MAX_PAUSE`]) and resets after a probe that
+//! that doubles while probes keep failing (up to [`MAX_PAUSE`], or the drafter's own maximum) and
+//! resets after a probe that
 //! accepts something.
 //!
 //! Estimates: α is `(accepted + 1) / (tested + 2)` over exponentially decayed counts, where a
@@ -119,6 +120,8 @@ pub struct DraftLength {
     since_one_row: usize,
     /// Set while the sequence shares the target forward with others ([`BatchCost::load`]).
     load: Option<Load>,
+    /// Longest pause between probes ([`MAX_PAUSE`] unless the drafter sets another).
+    max_pause: usize,
 }
 
 impl DraftLength {
@@ -138,6 +141,7 @@ impl DraftLength {
             probing: false,
             since_one_row: 0,
             load: None,
+            max_pause: MAX_PAUSE,
         }
     }
 
@@ -156,8 +160,8 @@ impl DraftLength {
         }
         self.draft_token_s = prior.draft_token_s;
         if self.forward_s[0].is_some() && self.best().1 < 1.0 {
-            self.pause = MAX_PAUSE;
-            self.backoff = MAX_PAUSE;
+            self.pause = self.max_pause;
+            self.backoff = self.max_pause;
         }
     }
 
@@ -208,6 +212,12 @@ impl DraftLength {
             (Some(d), Some(t1)) if t1 > 0.0 => d / t1,
             _ => 0.0,
         }
+    }
+
+    /// The longest pause between probes. A drafter whose probe costs more than a draft (a
+    /// draft model re-seeds its cache first) probes less often.
+    pub fn set_max_pause(&mut self, steps: usize) {
+        self.max_pause = steps.max(1);
     }
 
     /// Decide the next steps under `load` (or alone, with None).
@@ -262,7 +272,7 @@ impl DraftLength {
         }
         if gain < 1.0 {
             self.pause = self.backoff;
-            self.backoff = (self.backoff * 2).min(MAX_PAUSE);
+            self.backoff = (self.backoff * 2).min(self.max_pause);
             return 0;
         }
         self.since_one_row += 1;
@@ -285,7 +295,7 @@ impl DraftLength {
                 self.backoff = 1;
             } else {
                 self.pause = self.backoff;
-                self.backoff = (self.backoff * 2).min(MAX_PAUSE);
+                self.backoff = (self.backoff * 2).min(self.max_pause);
             }
         }
     }
