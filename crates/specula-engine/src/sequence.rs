@@ -295,17 +295,17 @@ impl Sequence {
         self.emitter.finish_with(FinishReason::Cancelled)
     }
 
-    /// Take the rows of the forward run on [`Sequence::next_input`]'s tokens (one per fed token
-    /// for a verify, one for a decode step or a prompt's last chunk, none for other chunks), and
-    /// advance: accept, emit, and prepare the next input (drafting happens here).
-    ///
-    /// Errors: a drafter failure (the sequence cannot continue).
     /// Tell the draft-length controller what drafting costs in the batch this sequence shares
     /// (None when it runs alone); see [`crate::spec::controller::BatchCost`].
     pub fn set_load(&mut self, load: Option<crate::spec::controller::Load>) {
         self.k_ctl.set_load(load);
     }
 
+    /// Take the rows of the forward run on [`Sequence::next_input`]'s tokens (one per fed token
+    /// for a verify, one for a decode step or a prompt's last chunk, none for other chunks), and
+    /// advance: accept, emit, and prepare the next input (drafting happens here).
+    ///
+    /// Errors: a drafter failure (the sequence cannot continue).
     pub fn absorb(&mut self, rows: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
         self.absorb_with_hidden(rows, Vec::new())
     }

@@ -692,6 +692,9 @@ fn bench_gpu(a: &BenchArgs) -> Result<()> {
     if a.streams.is_empty() || a.streams.contains(&0) || a.streams.iter().any(|&s| s > 256) {
         bail!("--streams takes levels between 1 and 256");
     }
+    if a.prefill_lens.is_empty() || a.prefill_lens.iter().any(|&n| n == 0 || n > 131_072) {
+        bail!("--prefill-lens takes prompt lengths between 1 and 131072");
+    }
     let verify_rows = a.verify_rows.unwrap_or(16);
     if !(2..=64).contains(&verify_rows) {
         bail!("--verify-rows must be between 2 and 64 on the GPU");
