@@ -41,6 +41,8 @@ pub struct DraftModelDrafter {
     cached: Vec<u32>,
     /// Where `cached` starts in the context (0 until a re-seed).
     offset: usize,
+    /// Seconds the last proposal spent feeding context before drafting.
+    catch_up_s: f64,
     /// `None` at temperature 0 (argmax drafts); else the sampler drafts are drawn with.
     sampler: Option<Sampler>,
     prefill_chunk: usize,
@@ -58,6 +60,7 @@ impl DraftModelDrafter {
             kv,
             cached: Vec::new(),
             offset: 0,
+            catch_up_s: 0.0,
             sampler,
             prefill_chunk: prefill_chunk.max(1),
         }
@@ -85,6 +88,7 @@ impl DraftModelDrafter {
 
 impl Drafter for DraftModelDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
+        self.catch_up_s = 0.0;
         if k == 0 || context.is_empty() {
             return Ok(Proposal::default());
         }
@@ -112,7 +116,16 @@ impl Drafter for DraftModelDrafter {
         if k == 0 {
             return Ok(Proposal::default());
         }
+        let started = std::time::Instant::now();
         let mut logits = self.feed(&view[shared..])?;
+        // Feeding the one token whose row gives the first draft's logits is part of drafting;
+        // the rest was catch-up.
+        let fed = view.len() - shared;
+        self.catch_up_s = if fed > 1 {
+            started.elapsed().as_secs_f64() * (fed - 1) as f64 / fed as f64
+        } else {
+            0.0
+        };
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
         for i in 0..k {
@@ -138,6 +151,10 @@ impl Drafter for DraftModelDrafter {
 
     fn name(&self) -> &'static str {
         "draft-model"
+    }
+
+    fn last_catch_up_s(&self) -> f64 {
+        self.catch_up_s
     }
 }
 

@@ -154,6 +154,13 @@ pub trait Drafter: Send {
         let _ = (start, n, hidden);
         Ok(())
     }
+    /// Seconds of the last [`Drafter::propose`] spent catching up on context (a draft model
+    /// feeding committed tokens it had not seen, or re-seeding), not drafting. The draft-length
+    /// controller prices drafts by the rest, so a catch-up after a pause is not mistaken for the
+    /// cost of every draft token.
+    fn last_catch_up_s(&self) -> f64 {
+        0.0
+    }
 }
 
 /// Per-request speculation counters.
