@@ -275,7 +275,15 @@ fn check_ngram(m: &mut GpuModel, slot_ar: u32, slot_spec: u32, gen: usize, k: us
 pub fn check_tiny_bundles(ordinal: usize) -> Result<Value> {
     use crate::model::Family;
     use crate::testing::{write_tiny_gguf, write_tiny_hf, TinySpec};
-    let dir = std::env::temp_dir().join(format!("specula-gpu-check-{}", std::process::id()));
+    /// Removes the tiny bundles however the check ends.
+    struct Scratch(std::path::PathBuf);
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let scratch = Scratch(std::env::temp_dir().join(format!("specula-gpu-check-{}", std::process::id())));
+    let dir = scratch.0.clone();
     std::fs::create_dir_all(&dir)?;
     let mut results = Vec::new();
     let mut ok = true;
@@ -345,7 +353,7 @@ pub fn check_tiny_bundles(ordinal: usize) -> Result<Value> {
             "pass": pass,
         }));
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(scratch);
     Ok(json!({"pass": ok, "bundles": results}))
 }
 
@@ -386,9 +394,10 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
 /// Run the checks and the timings; `log` gets one line per stage.
 pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     let t0 = Instant::now();
+    // Open the device first: no driver is the likeliest error, and it should come before work.
+    let gpu = Gpu::open(o.ordinal)?;
     log("checking tiny bundles against the CPU engine");
     let tiny = check_tiny_bundles(o.ordinal)?;
-    let gpu = Gpu::open(o.ordinal)?;
     let device = json!({
         "name": gpu.name(),
         "driver_cuda_version": gpu.driver_version(),

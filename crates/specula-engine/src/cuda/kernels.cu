@@ -11,7 +11,7 @@
 //     the order of one accumulator's operations.
 //   * rmsnorm / attention / argmax: one block per row (and head) with a fixed-shape block
 //     reduction; what a row reads depends only on its own position and slot.
-// Build: nvcc -cubin -arch=sm_90 (build.rs), without fast-math (expf, rsqrtf and sincosf are
+// Build: nvcc -fatbin for sm_90 machine code plus compute_90 PTX (build.rs), without fast-math (expf, rsqrtf and sincosf are
 // the IEEE-faithful library versions; nothing is reassociated).
 
 #include <cuda_bf16.h>

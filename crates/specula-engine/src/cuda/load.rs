@@ -350,7 +350,23 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
-    let gc = config_of(config, &name, tied);
+    let mut gc = config_of(config, &name, tied);
+    if let Some(f) = t.get("rope_freqs.weight") {
+        // llama.cpp's Llama 3.1 scaling: each frequency divided by its factor (as the CPU
+        // model does).
+        let f: Vec<f32> = f.flatten_all()?.to_vec1()?;
+        if f.len() != gc.inv_freq.len() {
+            bail!(
+                "{}: rope_freqs.weight has {} values, the model needs head_dim / 2 = {}",
+                path.display(),
+                f.len(),
+                gc.inv_freq.len()
+            );
+        }
+        for (x, d) in gc.inv_freq.iter_mut().zip(f) {
+            *x /= d;
+        }
+    }
     let mut layers = Vec::with_capacity(gc.layers);
     for l in 0..gc.layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");

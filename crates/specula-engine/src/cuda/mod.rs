@@ -110,6 +110,8 @@ pub(crate) enum A {
 
 /// The GPU: context, one stream, the loaded kernels.
 pub struct Gpu {
+    /// Set while a graph is being captured (no stream synchronization is allowed then).
+    capturing: std::cell::Cell<bool>,
     ctx: Arc<CudaContext>,
     stream: sys::CUstream,
     module: sys::CUmodule,
@@ -182,7 +184,13 @@ impl Gpu {
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
             f.insert(name, func);
         }
-        Ok(Self { ctx, stream, module, f })
+        Ok(Self {
+            capturing: std::cell::Cell::new(false),
+            ctx,
+            stream,
+            module,
+            f,
+        })
     }
 
     /// Device name, e.g. "NVIDIA H200".
@@ -242,7 +250,7 @@ impl Gpu {
             },
             name,
         )?;
-        if sync_each() {
+        if sync_each() && !self.capturing.get() {
             self.synchronize()?;
         }
         Ok(())
@@ -365,8 +373,10 @@ pub(crate) struct Weights {
 }
 
 impl Weights {
-    /// Bytes of weights one decode step reads (every matrix and norm, the LM head once; the
-    /// embedding only when untied, since a step reads one row of it).
+    /// Bytes of every weight (each matrix and norm, the embedding, and the LM head when it is
+    /// not tied): the floor's numerator, as the issue and `scripts/gpu_torch_baseline.py` count
+    /// it. A decode step reads one row of the embedding, so the strict floor is a little lower
+    /// (docs/gpu.md gives both).
     pub fn bytes(&self) -> usize {
         let mut b = self.final_norm.bytes() + self.lm_head.as_ref().unwrap_or(&self.embed).bytes();
         if self.lm_head.is_some() {
@@ -717,9 +727,16 @@ impl GpuModel {
             unsafe { sys::cuStreamBeginCapture_v2(st, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) },
             "cuStreamBeginCapture",
         )?;
+        self.gpu.capturing.set(true);
         let enq = self.enqueue(n, LogitsRows::All);
         let mut graph = std::ptr::null_mut();
         let end = ck(unsafe { sys::cuStreamEndCapture(st, &mut graph) }, "cuStreamEndCapture");
+        self.gpu.capturing.set(false);
+        if enq.is_err() && !graph.is_null() {
+            unsafe {
+                sys::cuGraphDestroy(graph);
+            }
+        }
         enq?;
         end?;
         trace_always("instantiating");
