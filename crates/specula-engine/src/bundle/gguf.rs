@@ -265,24 +265,8 @@ fn quantization_summary(header: &GgufHeader) -> String {
 pub fn dense_block(path: &Path, layer: usize) -> Result<Vec<(String, Tensor)>> {
     let mut file = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
     let content = gguf_file::Content::read(&mut file).map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    let names = [
-        ("attn_norm.weight", "input_layernorm.weight"),
-        ("ffn_norm.weight", "post_attention_layernorm.weight"),
-        ("attn_q.weight", "self_attn.q_proj.weight"),
-        ("attn_q.bias", "self_attn.q_proj.bias"),
-        ("attn_k.weight", "self_attn.k_proj.weight"),
-        ("attn_k.bias", "self_attn.k_proj.bias"),
-        ("attn_v.weight", "self_attn.v_proj.weight"),
-        ("attn_v.bias", "self_attn.v_proj.bias"),
-        ("attn_output.weight", "self_attn.o_proj.weight"),
-        ("attn_q_norm.weight", "self_attn.q_norm.weight"),
-        ("attn_k_norm.weight", "self_attn.k_norm.weight"),
-        ("ffn_gate.weight", "mlp.gate_proj.weight"),
-        ("ffn_up.weight", "mlp.up_proj.weight"),
-        ("ffn_down.weight", "mlp.down_proj.weight"),
-    ];
     let mut out = Vec::new();
-    for (g, hf) in names {
+    for (g, hf) in BLOCK_TENSOR_NAMES {
         let name = format!("blk.{layer}.{g}");
         if !content.tensor_infos.contains_key(&name) {
             continue;
@@ -297,3 +281,22 @@ pub fn dense_block(path: &Path, layer: usize) -> Result<Vec<(String, Tensor)>> {
     }
     Ok(out)
 }
+
+/// A block's GGUF tensor names (after `blk.N.`) and their HF names (after
+/// `model.layers.N.`), for the dense Llama / Qwen2 / Qwen3 layout.
+pub const BLOCK_TENSOR_NAMES: [(&str, &str); 14] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    ("attn_q.weight", "self_attn.q_proj.weight"),
+    ("attn_q.bias", "self_attn.q_proj.bias"),
+    ("attn_k.weight", "self_attn.k_proj.weight"),
+    ("attn_k.bias", "self_attn.k_proj.bias"),
+    ("attn_v.weight", "self_attn.v_proj.weight"),
+    ("attn_v.bias", "self_attn.v_proj.bias"),
+    ("attn_output.weight", "self_attn.o_proj.weight"),
+    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    ("ffn_up.weight", "mlp.up_proj.weight"),
+    ("ffn_down.weight", "mlp.down_proj.weight"),
+];

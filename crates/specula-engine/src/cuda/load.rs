@@ -296,24 +296,10 @@ fn gguf_to_hf(name: &str) -> String {
     let Some((layer, t)) = rest.split_once('.') else {
         return name.to_string();
     };
-    let hf = match t {
-        "attn_norm.weight" => "input_layernorm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        "attn_q.weight" => "self_attn.q_proj.weight",
-        "attn_q.bias" => "self_attn.q_proj.bias",
-        "attn_k.weight" => "self_attn.k_proj.weight",
-        "attn_k.bias" => "self_attn.k_proj.bias",
-        "attn_v.weight" => "self_attn.v_proj.weight",
-        "attn_v.bias" => "self_attn.v_proj.bias",
-        "attn_output.weight" => "self_attn.o_proj.weight",
-        "attn_q_norm.weight" => "self_attn.q_norm.weight",
-        "attn_k_norm.weight" => "self_attn.k_norm.weight",
-        "ffn_gate.weight" => "mlp.gate_proj.weight",
-        "ffn_up.weight" => "mlp.up_proj.weight",
-        "ffn_down.weight" => "mlp.down_proj.weight",
-        other => return format!("blk.{layer}.{other}"),
-    };
-    format!("model.layers.{layer}.{hf}")
+    match crate::bundle::gguf::BLOCK_TENSOR_NAMES.iter().find(|(g, _)| *g == t) {
+        Some((_, hf)) => format!("model.layers.{layer}.{hf}"),
+        None => name.to_string(),
+    }
 }
 
 /// The [`GpuConfig`] of a bundle's [`ModelConfig`].

@@ -338,6 +338,18 @@ impl Gpu {
     }
 }
 
+impl Gpu {
+    /// Y[r, :] = bf16(RMSNorm(X[r, :]) · w) for `rows` rows of width `h` (f32 in, bf16 out).
+    pub(crate) fn rmsnorm(&self, x: u64, w: u64, y: u64, rows: usize, h: usize, eps: f32) -> Result<()> {
+        self.launch(
+            "rmsnorm_bf16",
+            (rows as u32, 1),
+            256,
+            &[A::P(x), A::P(w), A::P(y), A::I(h as i32), A::F(eps)],
+        )
+    }
+}
+
 impl Drop for Gpu {
     fn drop(&mut self) {
         unsafe {
@@ -613,18 +625,7 @@ impl GpuModel {
         )?;
         let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
         for (li, l) in self.w.layers.iter().enumerate() {
-            g.launch(
-                "rmsnorm_bf16",
-                (nu, 1),
-                256,
-                &[
-                    A::P(s.x.at(0)),
-                    A::P(l.attn_norm.at(0)),
-                    A::P(s.xn.at(0)),
-                    A::I(h as i32),
-                    A::F(c.rms_eps),
-                ],
-            )?;
+            g.rmsnorm(s.x.at(0), l.attn_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
             g.gemv(l.qkv.at(0), s.xn.at(0), None, s.qkv.at(0), n, qkv_w, h)?;
             let opt = |b: &Option<DevBuf>| b.as_ref().map(|b| b.at(0)).unwrap_or(0);
             g.launch(
@@ -670,18 +671,7 @@ impl GpuModel {
                 ],
             )?;
             g.gemv(l.o.at(0), s.ao.at(0), Some(s.x.at(0)), s.x.at(0), n, h, nh * hd)?;
-            g.launch(
-                "rmsnorm_bf16",
-                (nu, 1),
-                256,
-                &[
-                    A::P(s.x.at(0)),
-                    A::P(l.mlp_norm.at(0)),
-                    A::P(s.xn.at(0)),
-                    A::I(h as i32),
-                    A::F(c.rms_eps),
-                ],
-            )?;
+            g.rmsnorm(s.x.at(0), l.mlp_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
             g.gemv(l.gate_up.at(0), s.xn.at(0), None, s.gu.at(0), n, 2 * inter, h)?;
             let total = n * inter;
             g.launch(
@@ -697,17 +687,13 @@ impl GpuModel {
             LogitsRows::Last => (n - 1, 1),
             LogitsRows::All => (0, n),
         };
-        g.launch(
-            "rmsnorm_bf16",
-            (m as u32, 1),
-            256,
-            &[
-                A::P(s.x.at(first * h * 4)),
-                A::P(self.w.final_norm.at(0)),
-                A::P(s.xn.at(0)),
-                A::I(h as i32),
-                A::F(c.rms_eps),
-            ],
+        g.rmsnorm(
+            s.x.at(first * h * 4),
+            self.w.final_norm.at(0),
+            s.xn.at(0),
+            m,
+            h,
+            c.rms_eps,
         )?;
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
         g.gemv(head.at(0), s.xn.at(0), None, s.logits.at(0), m, c.vocab, h)?;
