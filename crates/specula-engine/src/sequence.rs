@@ -186,10 +186,8 @@ impl Sequence {
         let accept_rng = (drafter.is_some() && !req.sampling.is_greedy())
             .then(|| UniformRandomness(ChaCha20Rng::seed_from_u64(sampler.fork_seed())));
         let mut k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
-        if stats.spec.decode_path.starts_with("draft-model:") {
-            // A probe after a pause re-seeds the draft model first (`draft_model::RESEED_WINDOW`
-            // tokens of prefill): probe less often.
-            k_ctl.set_max_pause(crate::spec::draft_model::MAX_PAUSE);
+        if let Some(p) = drafter.as_ref().and_then(|d| d.max_pause()) {
+            k_ctl.set_max_pause(p);
         }
         if let Some(prior) = env.controller_priors.get(&stats.spec.decode_path) {
             k_ctl.warm_start(prior);

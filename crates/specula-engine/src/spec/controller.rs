@@ -92,7 +92,7 @@ impl BatchCost {
         if sequences < 2 {
             return None;
         }
-        let (a, b) = self.fit().or(self.last)?;
+        let (a, b) = self.last?;
         let n = sequences as f64;
         Some(Load {
             row_s: b,

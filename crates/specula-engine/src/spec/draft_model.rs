@@ -156,6 +156,10 @@ impl Drafter for DraftModelDrafter {
     fn last_catch_up_s(&self) -> f64 {
         self.catch_up_s
     }
+
+    fn max_pause(&self) -> Option<usize> {
+        Some(MAX_PAUSE)
+    }
 }
 
 #[cfg(test)]

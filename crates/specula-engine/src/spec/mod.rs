@@ -161,6 +161,12 @@ pub trait Drafter: Send {
     fn last_catch_up_s(&self) -> f64 {
         0.0
     }
+
+    /// The longest pause the draft-length controller should take between probes, when a probe
+    /// costs this drafter more than its drafts (None: the controller's default).
+    fn max_pause(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Per-request speculation counters.
