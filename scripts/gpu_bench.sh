@@ -26,6 +26,16 @@ print("aggregate:", " ".join(f"{a['streams']}:{a['tok_s_aggregate']:.0f}" for a 
 print("prefill:", " ".join(f"{p['tokens']}:{p['tok_s']:.0f}" for p in r["prefill"]))
 e = r["exactness"]
 print("exact:", e["all_pass"], {k: v["pass"] for k, v in e.items() if isinstance(v, dict)})
+if not e["all_pass"]:
+    print(json.dumps({k: v for k, v in e.items() if isinstance(v, dict) and not v["pass"]})[:3000])
+for p in r.get("kernel_profile") or []:
+    top = ", ".join(f"{k['kernel']} {k['ms']:.3f}ms/{k['launches']}" for k in p["kernels"][:6])
+    print(f"profile {p['rows']} rows: {p['total_ms']:.2f} ms: {top}")
+g = r.get("gemv_reference")
+if g:
+    one = g["verify_cost"][0]["ms"]
+    print(f"gemv reference: decode {1/g['step_s']:.1f} tok/s, verify:", " ".join(f"{v['rows']}:{v['relative_to_one_row']:.2f}" for v in g["verify_cost"]),
+          "aggregate:", " ".join(f"{a['streams']}:{a['tok_s_aggregate']:.0f}" for a in g["aggregate"]))
 PY
   if [ -n "$TORCH" ]; then
     echo "=== torch $s"

@@ -343,6 +343,13 @@ struct BenchArgs {
     /// With `--device cuda:N`: write the JSON receipt here (it is printed too).
     #[arg(long)]
     receipt: Option<PathBuf>,
+    /// With `--device cuda:N`: storage of the synthetic projection weights, bf16 or q8_0.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// With `--device cuda:N` and bf16: also time the reference FMA GEMV kernels in the same
+    /// call (a side-by-side ratio for the tensor-core GEMM).
+    #[arg(long)]
+    compare_gemv: bool,
 }
 
 fn main() {
@@ -711,6 +718,8 @@ fn bench_gpu(a: &BenchArgs) -> Result<()> {
         // baseline (scripts/gpu_torch_baseline.py) uses.
         context: 128,
         build_commit: tune::build_commit(),
+        dtype: a.dtype.parse()?,
+        compare_gemv: a.compare_gemv,
     };
     let receipt = bench::run(&opts, &|s| eprintln!("[bench] {s}"))?;
     let text = serde_json::to_string_pretty(&receipt)?;

@@ -38,6 +38,10 @@ pub struct BenchOptions {
     pub context: usize,
     /// The commit the binary was built from, for the receipt.
     pub build_commit: String,
+    /// Storage of the synthetic projection weights.
+    pub dtype: load::WeightDtype,
+    /// Also time the reference FMA GEMV kernels (bf16 only) in the same call.
+    pub compare_gemv: bool,
 }
 
 /// Deterministic pseudo-random token ids in `[0, vocab)`.
@@ -71,6 +75,139 @@ fn compare_rows(out: &StepOut, expect: &[&[f32]], vocab: usize) -> (usize, f32) 
         }
     }
     (differ, worst)
+}
+
+/// splitmix64 → uniform in [-1, 1).
+fn unit(seed: u64, i: u64) -> f64 {
+    let mut z = seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+}
+
+/// The projection kernels alone: Y = X·Wᵀ for up to 70 rows against an f64 host reference of
+/// the same bf16 / Q8_0 values (which catches a wrong fragment layout), and the bits of every
+/// row against the same row computed with fewer rows, alone, and with the other wide tile
+/// (batch invariance across every tile shape and the row tiling above 64).
+fn check_gemm(gpu: &Gpu) -> Result<Value> {
+    let to_bf16 = |x: f64| half::bf16::from_f64(x);
+    let mmax = 70usize;
+    let mut ok = true;
+    let mut cases = Vec::new();
+    for (q8, n, k) in [
+        (false, 200, 1000),
+        (false, 96, 4096),
+        (true, 200, 1000),
+        (true, 96, 4096),
+    ] {
+        let seed = 17 + n as u64 * 31 + k as u64 + q8 as u64;
+        let xs: Vec<half::bf16> = (0..mmax * k).map(|i| to_bf16(unit(seed, i as u64))).collect();
+        let chunks = k.div_ceil(32);
+        let scale = 1.0 / (k as f64).sqrt();
+        let (wdata, wscale, wref): (Vec<u8>, Vec<f32>, Vec<f64>) = if q8 {
+            let q: Vec<i8> = (0..n * k)
+                .map(|i| (unit(seed ^ 1, i as u64) * 127.0).round() as i8)
+                .collect();
+            let d: Vec<f32> = (0..n * chunks)
+                .map(|i| (scale / 127.0 * (1.0 + 0.5 * unit(seed ^ 2, i as u64))) as f32)
+                .collect();
+            let r = (0..n * k)
+                .map(|i| q[i] as f64 * d[(i / k) * chunks + (i % k) / 32] as f64)
+                .collect();
+            (q.iter().map(|&v| v as u8).collect(), d, r)
+        } else {
+            let w: Vec<half::bf16> = (0..n * k).map(|i| to_bf16(scale * unit(seed ^ 3, i as u64))).collect();
+            let r = w.iter().map(|v| v.to_f64()).collect();
+            (
+                w.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
+                Vec::new(),
+                r,
+            )
+        };
+        let wd = super::DevBuf::new(wdata.len())?;
+        gpu.upload(wd.at(0), &wdata)?;
+        let sd = super::DevBuf::new((wscale.len() * 4).max(4))?;
+        if q8 {
+            gpu.upload(sd.at(0), &wscale)?;
+        }
+        let w = (wd.at(0), if q8 { sd.at(0) } else { 0 });
+        let xd = super::DevBuf::new(mmax * k * 2)?;
+        let xbits: Vec<u16> = xs.iter().map(|v| v.to_bits()).collect();
+        gpu.upload(xd.at(0), &xbits)?;
+        let yd = super::DevBuf::new(mmax * n * 4)?;
+        let run = |x_row: usize, rows: usize| -> Result<Vec<f32>> {
+            gpu.gemm(w, xd.at(x_row * k * 2), None, yd.at(0), rows, n, k)?;
+            let mut y = vec![0f32; rows * n];
+            gpu.download(&mut y, yd.at(0))?;
+            Ok(y)
+        };
+        let full = run(0, mmax)?;
+        // Accuracy: |y - ref| against the sum of |w x| (f32 accumulation error is ~1e-6 of it).
+        let mut worst = 0f64;
+        for m in 0..mmax {
+            for f in 0..n {
+                let (mut r, mut mag) = (0f64, 0f64);
+                for i in 0..k {
+                    let p = wref[f * k + i] * xs[m * k + i].to_f64();
+                    r += p;
+                    mag += p.abs();
+                }
+                worst = worst.max((full[m * n + f] as f64 - r).abs() / mag.max(1e-30));
+            }
+        }
+        let accurate = worst < 1e-4;
+        let mut differing = Vec::new();
+        for rows in [1, 2, 3, 5, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 63, 64, 65, 69] {
+            if !same_bits(&run(0, rows)?, &full[..rows * n]) {
+                differing.push(format!("first {rows} rows"));
+            }
+        }
+        for j in [1, 37, 69] {
+            if !same_bits(&run(j, 1)?, &full[j * n..(j + 1) * n]) {
+                differing.push(format!("row {j} alone"));
+            }
+        }
+        let wide = gpu.wide_mt.get();
+        gpu.set_wide_mt(if wide == 4 { 2 } else { 4 });
+        let other = run(0, mmax);
+        gpu.set_wide_mt(wide);
+        if !same_bits(&other?, &full) {
+            differing.push("other wide tile".into());
+        }
+        let pass = accurate && differing.is_empty();
+        ok &= pass;
+        cases.push(json!({
+            "dtype": if q8 { "q8_0" } else { "bf16" },
+            "n": n, "k": k, "rows": mmax,
+            "max_error_relative_to_sum_abs": worst,
+            "invariance_failures": differing,
+            "pass": pass,
+        }));
+    }
+    Ok(json!({"pass": ok, "cases": cases}))
+}
+
+/// A wide decode batch (one row in each of up to 40 slots, tiles above 32 rows) against each
+/// row alone.
+fn check_wide(m: &mut GpuModel) -> Result<Value> {
+    let v = m.config.vocab;
+    let n = m.slots().min(40);
+    let toks = tokens(n, 91, v);
+    let rows: Vec<Row> = (0..n)
+        .map(|i| Row {
+            token: toks[i],
+            slot: i as u32,
+            pos: 5 + (i % 7) as u32,
+        })
+        .collect();
+    let together = m.forward(&rows, true)?;
+    let mut differ = 0;
+    for (i, r) in rows.iter().enumerate() {
+        let alone = m.forward(std::slice::from_ref(r), true)?;
+        differ += !same_bits(&alone.logits, &together.logits[i * v..(i + 1) * v]) as usize;
+    }
+    Ok(json!({"pass": differ == 0, "rows": n, "rows_differing": differ}))
 }
 
 /// Verify rows vs one-row decode, and graph vs direct launches, in `slot`.
@@ -391,39 +528,11 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
     Ok(2.0 * bytes as f64 * reps as f64 / t.elapsed().as_secs_f64())
 }
 
-/// Run the checks and the timings; `log` gets one line per stage.
-pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
-    let t0 = Instant::now();
-    // Open the device first: no driver is the likeliest error, and it should come before work.
-    let gpu = Gpu::open(o.ordinal)?;
-    log("checking tiny bundles against the CPU engine");
-    let tiny = check_tiny_bundles(o.ordinal)?;
-    let device = json!({
-        "name": gpu.name(),
-        "driver_cuda_version": gpu.driver_version(),
-        "memory_bytes": gpu.total_memory(),
-        "ordinal": o.ordinal,
-    });
-    log("measuring copy bandwidth");
-    let bw = copy_bandwidth(&gpu)?;
-    let max_streams = o.streams.iter().copied().max().unwrap_or(1).max(8);
-    let ctx = (o.context + o.decode_steps + 64).max(512);
-    log(&format!("generating {} weights on the device", o.shape.name));
-    let mut m = load::synthetic(gpu, o.shape.config(), o.seed, max_streams, ctx)?;
-    let wb = m.weight_bytes();
-    let floor_s = wb as f64 / bw;
+/// Batch-1 decode, verify widths 1..=max_verify_rows, and aggregate decode at each stream
+/// count, with the model's current kernels: `{step_s, verify_cost, aggregate}`.
+fn time_decode(m: &mut GpuModel, o: &BenchOptions, prompt: &[u32]) -> Result<Value> {
     let v = m.config.vocab;
-
-    log("exactness: verify rows vs one-row decode");
-    let verify = check_verify(&mut m, 0, o.max_verify_rows.clamp(2, 16))?;
-    log("exactness: batched and mixed rows vs solo");
-    let batch = check_batch(&mut m, [1, 2, 3, 4], 6)?;
-    log("exactness: greedy n-gram speculation vs AR");
-    let ngram = check_ngram(&mut m, 5, 6, 96, 4)?;
-    let all_exact = [&verify, &batch, &ngram, &tiny].iter().all(|x| x["pass"] == true);
-
-    log("timing batch-1 decode");
-    let prompt = tokens(o.context, 11, v);
+    let max_streams = o.streams.iter().copied().max().unwrap_or(1).max(8);
     let mut t = m.prefill(0, 0, &prompt, false)?.argmax[0];
     let mut pos = prompt.len() as u32;
     for _ in 0..8 {
@@ -437,7 +546,6 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     }
     let step_s = start.elapsed().as_secs_f64() / o.decode_steps as f64;
 
-    log("timing verify widths");
     let base = prompt.len() as u32;
     let mut verify_cost = Vec::new();
     let mut one_row = 0.0;
@@ -449,18 +557,13 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
                 pos: base + i as u32,
             })
             .collect();
-        let s = median(
-            (0..3)
-                .map(|_| time_rows(&mut m, &rows, 3, 20))
-                .collect::<Result<Vec<_>>>()?,
-        );
+        let s = median((0..3).map(|_| time_rows(m, &rows, 3, 20)).collect::<Result<Vec<_>>>()?);
         if r == 1 {
             one_row = s;
         }
         verify_cost.push(json!({"rows": r, "k": r - 1, "ms": s * 1e3, "relative_to_one_row": s / one_row}));
     }
 
-    log("timing aggregate decode");
     let mut firsts = Vec::new();
     for b in 0..max_streams {
         let p = tokens(o.context, 1000 + b as u64, v);
@@ -492,6 +595,80 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         );
     }
 
+    Ok(json!({"step_s": step_s, "verify_cost": verify_cost, "aggregate": aggregate}))
+}
+
+/// Run the checks and the timings; `log` gets one line per stage.
+pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
+    let t0 = Instant::now();
+    // Open the device first: no driver is the likeliest error, and it should come before work.
+    let gpu = Gpu::open(o.ordinal)?;
+    log("checking tiny bundles against the CPU engine");
+    let tiny = check_tiny_bundles(o.ordinal)?;
+    let device = json!({
+        "name": gpu.name(),
+        "driver_cuda_version": gpu.driver_version(),
+        "memory_bytes": gpu.total_memory(),
+        "ordinal": o.ordinal,
+    });
+    log("measuring copy bandwidth");
+    let bw = copy_bandwidth(&gpu)?;
+    let max_streams = o.streams.iter().copied().max().unwrap_or(1).max(8);
+    let ctx = (o.context + o.decode_steps + 64).max(512);
+    log(&format!("generating {} weights on the device", o.shape.name));
+    log("exactness: the GEMM kernels against a host reference and across row counts");
+    let gemm = check_gemm(&gpu)?;
+    let mut m = load::synthetic(gpu, o.shape.config(), o.seed, max_streams, ctx, o.dtype)?;
+    let wb = m.weight_bytes();
+    let floor_s = wb as f64 / bw;
+    let v = m.config.vocab;
+
+    log("exactness: verify rows vs one-row decode");
+    let verify = check_verify(&mut m, 0, o.max_verify_rows.clamp(2, 16))?;
+    log("exactness: batched and mixed rows vs solo");
+    let batch = check_batch(&mut m, [1, 2, 3, 4], 6)?;
+    log("exactness: greedy n-gram speculation vs AR");
+    let ngram = check_ngram(&mut m, 5, 6, 96, 4)?;
+    log("exactness: a 40-row decode batch vs each row alone");
+    let wide = check_wide(&mut m)?;
+    let all_exact = [&verify, &batch, &ngram, &tiny, &gemm, &wide]
+        .iter()
+        .all(|x| x["pass"] == true);
+
+    let prompt = tokens(o.context, 11, v);
+    log("timing batch-1 decode, verify widths, aggregate decode");
+    let timed = time_decode(&mut m, o, &prompt)?;
+    let gemm_path = m.gpu.gemm_path();
+
+    log("kernel profile at 1, 8 and 64 rows");
+    let mut profile = Vec::new();
+    for r in [1usize, 8, 64] {
+        let rows: Vec<Row> = (0..r.min(m.slots()))
+            .map(|i| Row {
+                token: prompt[i],
+                slot: i as u32,
+                pos: o.context as u32,
+            })
+            .collect();
+        let p = m.profile(&rows)?;
+        let total: f64 = p.iter().map(|e| e.2).sum();
+        profile.push(json!({
+            "rows": rows.len(),
+            "total_ms": total,
+            "kernels": p.iter().map(|(k, n, ms)| json!({"kernel": k, "launches": n, "ms": ms})).collect::<Vec<_>>(),
+        }));
+    }
+
+    let gemv_ref = if o.compare_gemv && o.dtype == load::WeightDtype::Bf16 {
+        log("timing the reference GEMV kernels");
+        m.set_gemm_path(super::GemmPath::Gemv);
+        let t = time_decode(&mut m, o, &prompt)?;
+        m.set_gemm_path(gemm_path);
+        t
+    } else {
+        Value::Null
+    };
+
     log("timing prefill");
     let longest = o.prefill_lens.iter().copied().max().unwrap_or(512);
     m.resize_kv(1, longest + 8)?;
@@ -513,7 +690,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     Ok(json!({
         "specula_build_commit": o.build_commit,
         "device": device,
-        "dtype": "bf16",
+        "dtype": o.dtype,
         "weights": "synthetic (generated on the device)",
         "shape": m.config,
         "weight_bytes": wb,
@@ -523,12 +700,12 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         "decode_batch1": {
             "context": o.context,
             "steps": o.decode_steps,
-            "ms_per_step": step_s * 1e3,
-            "tok_s": 1.0 / step_s,
-            "fraction_of_floor": floor_s / step_s,
+            "ms_per_step": timed["step_s"].as_f64().unwrap_or(0.0) * 1e3,
+            "tok_s": 1.0 / timed["step_s"].as_f64().unwrap_or(f64::NAN),
+            "fraction_of_floor": floor_s / timed["step_s"].as_f64().unwrap_or(f64::NAN),
         },
-        "verify_cost": verify_cost,
-        "aggregate_decode": aggregate,
+        "verify_cost": timed["verify_cost"],
+        "aggregate_decode": timed["aggregate"],
         "prefill": prefill,
         "exactness": {
             "all_pass": all_exact,
@@ -536,7 +713,12 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
             "batched_vs_solo": batch,
             "ngram_spec_vs_ar": ngram,
             "tiny_bundles_vs_cpu": tiny,
+            "gemm_vs_host_and_row_counts": gemm,
+            "wide_batch_vs_solo": wide,
         },
+        "gemm_path": gemm_path,
+        "kernel_profile": profile,
+        "gemv_reference": gemv_ref,
         "wall_seconds": t0.elapsed().as_secs_f64(),
     }))
 }

@@ -153,6 +153,194 @@ GEMV(1, 4) GEMV(2, 4) GEMV(3, 4) GEMV(4, 4) GEMV(5, 2) GEMV(6, 2) GEMV(7, 2) GEM
 GEMV(9, 1) GEMV(10, 1) GEMV(11, 1) GEMV(12, 1) GEMV(13, 1) GEMV(14, 1) GEMV(15, 1) GEMV(16, 1)
 
 // ---------------------------------------------------------------------------------------------
+// Tensor-core GEMM for every row count: Y[m, n] = sum_k W[n, k] X[m, k] (+ R[m, n]).
+// W: bf16 [N, K] (or Q8_0: int8 [N, K] with f32 scales [N, ceil(K/32)], one per 32-wide
+// chunk); X: bf16 [M, K]; R, Y: f32 [M, N]. K a multiple of 8.
+//
+// Batch invariance: a block owns 16·MT features and 8·NT rows; its 8 warps split K into 8
+// slices of whole 32-wide chunks (the split depends on K only). In its slice a warp folds each
+// chunk into its accumulators with two mma.sync.m16n8k16 (features as the A operand, input rows
+// as B), in chunk order; then the 8 slice partials of an output are added in slice order and
+// the residual last. Every step of that is the same for an output whatever M, MT or NT are: an
+// mma's output element depends only on its own row of A, column of B and accumulator, and a
+// row's place in the tile changes nothing. So one row decoded alone and the same row inside a
+// 64-row batch get the same bits. Zero-padded chunk lanes and rows are the same for every M.
+// Within a chunk the k order is permuted (lane tig holds k = 8 tig .. 8 tig + 7 and feeds half
+// to each mma) identically for W and X, which keeps the dot product and allows 16-byte loads.
+// Q8_0: each chunk's two mmas fold into a zeroed partial that is scaled and added:
+// acc = fma(d, partial, acc), the llama.cpp Q8_0 block (32 weights, one scale).
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two int8 weights to a bf16 pair (exact: |q| <= 128 fits bf16's 8-bit significand).
+__device__ __forceinline__ uint32_t i8x2_bf16x2(uint32_t w, int shift) {
+  float lo = (float)(int)(signed char)((w >> shift) & 0xff);
+  float hi = (float)(int)(signed char)((w >> (shift + 8)) & 0xff);
+  return (uint32_t)f2bf(lo) | ((uint32_t)f2bf(hi) << 16);
+}
+
+#define GEMM_SLICES 8
+
+template <int MT, int NT, int U, bool Q8>
+__device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
+                                          const bf16_t* __restrict__ X, const float* R, float* Y, int M,
+                                          int N, int K) {
+  __shared__ float red[GEMM_SLICES][MT * 16][9];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int r0 = blockIdx.x * (NT * 8);
+  const int f0 = blockIdx.y * (MT * 16);
+  const int nch = (K + 31) >> 5;
+  const int per = (nch + GEMM_SLICES - 1) / GEMM_SLICES;
+  const int cbeg = min(warp * per, nch), cend = min(cbeg + per, nch);
+
+  // The two weight rows this lane reads per m-tile (gid and gid + 8), clamped to N - 1 (their
+  // results are never written).
+  int wrow[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) wrow[mt][h] = min(f0 + mt * 16 + gid + 8 * h, N - 1);
+  // The input rows this lane reads per n-tile; -1: past M (zeros).
+  int xrow[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) xrow[nt] = r0 + nt * 8 + gid < M ? r0 + nt * 8 + gid : -1;
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[mt][nt][i] = 0.0f;
+
+  for (int c = cbeg; c < cend; c += U) {
+    // Issue every weight load of U chunks before the math.
+    uint4 wa[U][MT][2];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int k = (c + u) * 32 + tig * 8;
+      const bool ok = c + u < cend && k < K;
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          if (!ok) {
+            wa[u][mt][h] = make_uint4(0, 0, 0, 0);
+          } else if (Q8) {
+            const uint2 q = __ldcs(reinterpret_cast<const uint2*>(
+                reinterpret_cast<const signed char*>(Wp) + (size_t)wrow[mt][h] * K + k));
+            wa[u][mt][h] = make_uint4(q.x, q.y, 0, 0);
+          } else {
+            wa[u][mt][h] = __ldcs(reinterpret_cast<const uint4*>(
+                reinterpret_cast<const bf16_t*>(Wp) + (size_t)wrow[mt][h] * K + k));
+          }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (c + u >= cend) break;  // warp-uniform
+      const int k = (c + u) * 32 + tig * 8;
+      uint4 xb[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++)
+        xb[nt] = (xrow[nt] >= 0 && k < K) ? __ldg(reinterpret_cast<const uint4*>(X + (size_t)xrow[nt] * K + k))
+                                          : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        uint4 a = wa[u][mt][0], b = wa[u][mt][1];
+        if (Q8) {
+          // int8 lanes: bytes 0-3 of .x are k 0..3, of .y k 4..7.
+          a = make_uint4(i8x2_bf16x2(a.x, 0), i8x2_bf16x2(a.x, 16), i8x2_bf16x2(a.y, 0), i8x2_bf16x2(a.y, 16));
+          b = make_uint4(i8x2_bf16x2(b.x, 0), i8x2_bf16x2(b.x, 16), i8x2_bf16x2(b.y, 0), i8x2_bf16x2(b.y, 16));
+        }
+        float sa = 0.0f, sb = 0.0f;
+        if (Q8) {
+          const int nchunks = nch;
+          sa = __ldg(Ws + (size_t)wrow[mt][0] * nchunks + c + u);
+          sb = __ldg(Ws + (size_t)wrow[mt][1] * nchunks + c + u);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          if (Q8) {
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma16816(p, a.x, b.x, a.y, b.y, xb[nt].x, xb[nt].y);
+            mma16816(p, a.z, b.z, a.w, b.w, xb[nt].z, xb[nt].w);
+            acc[mt][nt][0] = __fmaf_rn(sa, p[0], acc[mt][nt][0]);
+            acc[mt][nt][1] = __fmaf_rn(sa, p[1], acc[mt][nt][1]);
+            acc[mt][nt][2] = __fmaf_rn(sb, p[2], acc[mt][nt][2]);
+            acc[mt][nt][3] = __fmaf_rn(sb, p[3], acc[mt][nt][3]);
+          } else {
+            mma16816(acc[mt][nt], a.x, b.x, a.y, b.y, xb[nt].x, xb[nt].y);
+            mma16816(acc[mt][nt], a.z, b.z, a.w, b.w, xb[nt].z, xb[nt].w);
+          }
+        }
+      }
+    }
+  }
+
+  // Fold the 8 slice partials in slice order, one n-tile at a time.
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      red[warp][mt * 16 + gid][2 * tig] = acc[mt][nt][0];
+      red[warp][mt * 16 + gid][2 * tig + 1] = acc[mt][nt][1];
+      red[warp][mt * 16 + gid + 8][2 * tig] = acc[mt][nt][2];
+      red[warp][mt * 16 + gid + 8][2 * tig + 1] = acc[mt][nt][3];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < MT * 16 * 8; i += blockDim.x) {
+      const int f = i % (MT * 16), r = i / (MT * 16);
+      const int n = f0 + f, m = r0 + nt * 8 + r;
+      if (n < N && m < M) {
+        float s = red[0][f][r];
+#pragma unroll
+        for (int w = 1; w < GEMM_SLICES; w++) s += red[w][f][r];
+        const size_t o = (size_t)m * N + n;
+        Y[o] = R ? R[o] + s : s;
+      }
+    }
+  }
+}
+
+#define GEMM(MT, NT, U)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256) gemm_bf16_##MT##x##NT(                       \
+      const void* W, const float* Ws, const bf16_t* X, const float* R, float* Y, int M, int N, int K) { \
+    gemm_impl<MT, NT, U, false>(W, Ws, X, R, Y, M, N, K);                                         \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(256) gemm_q8_##MT##x##NT(                         \
+      const void* W, const float* Ws, const bf16_t* X, const float* R, float* Y, int M, int N, int K) { \
+    gemm_impl<MT, NT, U, true>(W, Ws, X, R, Y, M, N, K);                                          \
+  }
+GEMM(1, 1, 4) GEMM(1, 2, 4) GEMM(2, 4, 2) GEMM(2, 8, 2) GEMM(4, 8, 1)
+
+// Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
+// from splitmix64 like fill_uniform_bf16.
+__device__ __forceinline__ float splitmix_u(unsigned long long seed, unsigned long long i) {
+  unsigned long long z = seed + i * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
+}
+
+extern "C" __global__ void fill_q8(signed char* Q, float* D, unsigned long long n, unsigned long long nd,
+                                   unsigned long long seed, float scale) {
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    Q[i] = (signed char)__float2int_rn(127.0f * splitmix_u(seed, i));
+    if (i < nd) D[i] = scale * (1.0f + 0.5f * splitmix_u(seed ^ 0x5555ull, i));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // X[r, :] = E[tok[r], :] (f32 residual stream). Grid: rows.
 extern "C" __global__ void embed_rows(const bf16_t* E, const int* tok, float* X, int H) {
   const bf16_t* e = E + (size_t)tok[blockIdx.x] * H;

@@ -1,7 +1,7 @@
 //! Weights for the CUDA path: synthetic ones of a named architecture's shape, generated on the
 //! device (vLLM's `--load-format dummy`), or a bundle's tensors converted to bf16 at load.
 
-use super::{DevBuf, Gpu, GpuModel, Layer, Weights};
+use super::{DevBuf, Gpu, GpuModel, Layer, Mat, Weights};
 use crate::model::{Family, ModelConfig, RopeStyle};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -192,19 +192,66 @@ fn synth(gpu: &Gpu, n: usize, seed: &mut u64, scale: f32, offset: f32) -> Result
     Ok(b)
 }
 
+/// The storage of synthetic projection weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum WeightDtype {
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// llama.cpp's Q8_0: int8 values, one scale per 32.
+    #[serde(rename = "q8_0")]
+    Q8_0,
+}
+
+impl std::str::FromStr for WeightDtype {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(Self::Bf16),
+            "q8_0" | "q8" => Ok(Self::Q8_0),
+            _ => bail!("unknown weight dtype '{s}': use bf16 or q8_0"),
+        }
+    }
+}
+
+/// A projection `[n, k]` with values `U(-1, 1)/sqrt(k)` (bf16), or int8 values with per-chunk
+/// scales of the same range (Q8_0).
+fn synth_mat(gpu: &Gpu, n: usize, k: usize, seed: &mut u64, dtype: WeightDtype) -> Result<Mat> {
+    let scale = 1.0 / (k as f32).sqrt();
+    match dtype {
+        WeightDtype::Bf16 => Ok(Mat::bf16(synth(gpu, n * k, seed, scale, 0.0)?)),
+        WeightDtype::Q8_0 => {
+            let q = DevBuf::new(n * k)?;
+            let d = DevBuf::new(n * k.div_ceil(32) * 4)?;
+            *seed = seed.wrapping_add(0x1234_5678_9ABC_DEF1);
+            gpu.fill_q8(q.at(0), d.at(0), n * k, k, *seed, scale / 127.0)?;
+            Ok(Mat {
+                data: q,
+                scales: Some(d),
+            })
+        }
+    }
+}
+
 /// A model of `config`'s shape with random weights generated on the device from `seed`:
-/// projections `U(-1, 1)/sqrt(fan_in)`, norms `1 + U(-0.1, 0.1)`, embedding `U(-1, 1)`.
-pub fn synthetic(gpu: Gpu, config: GpuConfig, seed: u64, slots: usize, max_ctx: usize) -> Result<GpuModel> {
+/// projections `U(-1, 1)/sqrt(fan_in)` stored as `dtype` (the LM head too when it is not tied),
+/// norms `1 + U(-0.1, 0.1)`, embedding `U(-1, 1)` (bf16).
+pub fn synthetic(
+    gpu: Gpu,
+    config: GpuConfig,
+    seed: u64,
+    slots: usize,
+    max_ctx: usize,
+    dtype: WeightDtype,
+) -> Result<GpuModel> {
     let c = &config;
     let mut sd = seed;
     let (h, hd) = (c.hidden, c.head_dim);
     let qkv_w = (c.heads + 2 * c.kv_heads) * hd;
-    let lin = |k: usize| 1.0 / (k as f32).sqrt();
     let mut layers = Vec::with_capacity(c.layers);
     for _ in 0..c.layers {
         layers.push(Layer {
             attn_norm: synth(&gpu, h, &mut sd, 0.1, 1.0)?,
-            qkv: synth(&gpu, qkv_w * h, &mut sd, lin(h), 0.0)?,
+            qkv: synth_mat(&gpu, qkv_w, h, &mut sd, dtype)?,
             qkv_bias: None,
             q_norm: if c.qk_norm {
                 Some(synth(&gpu, hd, &mut sd, 0.1, 1.0)?)
@@ -216,10 +263,10 @@ pub fn synthetic(gpu: Gpu, config: GpuConfig, seed: u64, slots: usize, max_ctx: 
             } else {
                 None
             },
-            o: synth(&gpu, h * c.heads * hd, &mut sd, lin(c.heads * hd), 0.0)?,
+            o: synth_mat(&gpu, h, c.heads * hd, &mut sd, dtype)?,
             mlp_norm: synth(&gpu, h, &mut sd, 0.1, 1.0)?,
-            gate_up: synth(&gpu, 2 * c.intermediate * h, &mut sd, lin(h), 0.0)?,
-            down: synth(&gpu, h * c.intermediate, &mut sd, lin(c.intermediate), 0.0)?,
+            gate_up: synth_mat(&gpu, 2 * c.intermediate, h, &mut sd, dtype)?,
+            down: synth_mat(&gpu, h, c.intermediate, &mut sd, dtype)?,
         });
     }
     let w = Weights {
@@ -227,7 +274,7 @@ pub fn synthetic(gpu: Gpu, config: GpuConfig, seed: u64, slots: usize, max_ctx: 
         lm_head: if c.tied {
             None
         } else {
-            Some(synth(&gpu, c.vocab * h, &mut sd, lin(h), 0.0)?)
+            Some(synth_mat(&gpu, c.vocab, h, &mut sd, dtype)?)
         },
         final_norm: synth(&gpu, h, &mut sd, 0.1, 1.0)?,
         layers,
@@ -249,6 +296,10 @@ fn upload_bf16(gpu: &Gpu, parts: &[&Tensor]) -> Result<DevBuf> {
     let b = DevBuf::new(bits.len() * 2)?;
     gpu.upload(b.at(0), &bits)?;
     Ok(b)
+}
+
+fn upload_mat(gpu: &Gpu, parts: &[&Tensor]) -> Result<Mat> {
+    Ok(Mat::bf16(upload_bf16(gpu, parts)?))
 }
 
 fn upload_f32(gpu: &Gpu, parts: &[&Tensor]) -> Result<DevBuf> {
@@ -377,7 +428,7 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
         };
         layers.push(Layer {
             attn_norm: upload_bf16(&gpu, &[get(&p("input_layernorm.weight"))?])?,
-            qkv: upload_bf16(
+            qkv: upload_mat(
                 &gpu,
                 &[
                     get(&p("self_attn.q_proj.weight"))?,
@@ -388,13 +439,13 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
             qkv_bias: bias,
             q_norm: norm("self_attn.q_norm.weight")?,
             k_norm: norm("self_attn.k_norm.weight")?,
-            o: upload_bf16(&gpu, &[get(&p("self_attn.o_proj.weight"))?])?,
+            o: upload_mat(&gpu, &[get(&p("self_attn.o_proj.weight"))?])?,
             mlp_norm: upload_bf16(&gpu, &[get(&p("post_attention_layernorm.weight"))?])?,
-            gate_up: upload_bf16(
+            gate_up: upload_mat(
                 &gpu,
                 &[get(&p("mlp.gate_proj.weight"))?, get(&p("mlp.up_proj.weight"))?],
             )?,
-            down: upload_bf16(&gpu, &[get(&p("mlp.down_proj.weight"))?])?,
+            down: upload_mat(&gpu, &[get(&p("mlp.down_proj.weight"))?])?,
         });
     }
     let embed = get("model.embed_tokens.weight")?;
@@ -412,7 +463,7 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
         lm_head: if tied {
             None
         } else {
-            Some(upload_bf16(&gpu, &[get("lm_head.weight")?])?)
+            Some(upload_mat(&gpu, &[get("lm_head.weight")?])?)
         },
         final_norm: upload_bf16(&gpu, &[get("model.norm.weight")?])?,
         layers,

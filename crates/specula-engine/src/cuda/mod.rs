@@ -1,8 +1,11 @@
 //! The CUDA backend (feature `cuda`): a dense Llama / Qwen2 / Qwen3 forward on one NVIDIA GPU,
 //! built for decode and verify, and batch-invariant like the CPU kernels.
 //!
-//! * Weights are bf16 in device memory (synthetic ones generated on the device, or a bundle's
-//!   tensors converted at load: GGUF quantized types are dequantized, so this is a bf16 path).
+//! * Projection weights are bf16 or Q8_0 in device memory (synthetic ones generated on the
+//!   device, or a bundle's tensors at load: GGUF Q8_0 matrices stay Q8_0, other quantized types
+//!   are dequantized to bf16). Norms and the embedding are bf16.
+//! * The projections run on tensor cores (`mma.sync`) for any row count, with a fold order that
+//!   depends only on K, so decode, verify and batched rows get the same bits.
 //! * The KV cache is preallocated, `[layers][slots][max_ctx][kv_heads][head_dim]` bf16, and
 //!   written in place; a row names its slot and position, so one forward serves a verify block of
 //!   one sequence, decode rows of many sequences, or a mix (continuous batching). Rolling back a
@@ -116,9 +119,15 @@ pub struct Gpu {
     stream: sys::CUstream,
     module: sys::CUmodule,
     f: HashMap<&'static str, sys::CUfunction>,
+    /// The projection kernels (`SPECULA_CUDA_GEMM=gemv` picks the reference FMA kernels).
+    gemm_path: std::cell::Cell<GemmPath>,
+    /// `SPECULA_CUDA_GEMM_WIDE=4`: 64 features per block (instead of 32) above 32 rows.
+    wide_mt: std::cell::Cell<usize>,
+    /// While set, every launch is bracketed by CUDA events (see [`Gpu::start_profile`]).
+    profile: std::cell::RefCell<Option<Vec<(&'static str, sys::CUevent, sys::CUevent)>>>,
 }
 
-const KERNELS: [&str; 23] = [
+const KERNELS: [&str; 34] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -135,6 +144,16 @@ const KERNELS: [&str; 23] = [
     "gemv_m14",
     "gemv_m15",
     "gemv_m16",
+    "gemm_bf16_1x1",
+    "gemm_bf16_1x2",
+    "gemm_bf16_2x4",
+    "gemm_bf16_2x8",
+    "gemm_bf16_4x8",
+    "gemm_q8_1x1",
+    "gemm_q8_1x2",
+    "gemm_q8_2x4",
+    "gemm_q8_2x8",
+    "gemm_q8_4x8",
     "embed_rows",
     "rmsnorm_bf16",
     "qkv_rope_store",
@@ -142,7 +161,45 @@ const KERNELS: [&str; 23] = [
     "silu_mul",
     "argmax_rows",
     "fill_uniform_bf16",
+    "fill_q8",
 ];
+
+/// Which kernels run the projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum GemmPath {
+    /// `gemm_{bf16,q8}_{MT}x{NT}`: tensor cores (mma.sync), any row count, bf16 and Q8_0.
+    Mma,
+    /// `gemv_m{M}`: CUDA-core FMAs, bf16 only, chunks of 16 rows (the first kernels; kept as a
+    /// reference and for side-by-side timing).
+    Gemv,
+}
+
+/// A weight matrix `[n, k]` on the device: bf16 values, or Q8_0 as int8 values `[n, k]` plus
+/// one f32 scale per 32-wide chunk of a row, `[n, ceil(k / 32)]` (llama.cpp's Q8_0 block,
+/// repacked so both parts load as aligned vectors).
+pub(crate) struct Mat {
+    pub data: DevBuf,
+    pub scales: Option<DevBuf>,
+}
+
+impl Mat {
+    pub fn bf16(data: DevBuf) -> Self {
+        Self { data, scales: None }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.data.bytes() + self.scales.as_ref().map_or(0, |s| s.bytes())
+    }
+
+    /// (values, scales or 0) device addresses for [`Gpu::gemm`].
+    pub fn ptrs(&self) -> (u64, u64) {
+        (self.data.at(0), self.scales.as_ref().map_or(0, |s| s.at(0)))
+    }
+}
+
+/// Kernel timings of one forward (`SPECULA`'s own breakdown, from CUDA events around each
+/// launch): per kernel name, launches and total milliseconds.
+pub type Profile = Vec<(String, usize, f64)>;
 
 impl Gpu {
     /// Open device `ordinal` (the N of `cuda:N`) and load the kernels. Errors: no driver, no
@@ -184,12 +241,24 @@ impl Gpu {
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
             f.insert(name, func);
         }
+        let gemm_path = match std::env::var("SPECULA_CUDA_GEMM").as_deref() {
+            Ok("gemv") => GemmPath::Gemv,
+            Ok("mma") | Err(_) => GemmPath::Mma,
+            Ok(other) => bail!("SPECULA_CUDA_GEMM={other}: use mma or gemv"),
+        };
+        let wide_mt = match std::env::var("SPECULA_CUDA_GEMM_WIDE").as_deref() {
+            Ok("4") => 4,
+            _ => 2,
+        };
         Ok(Self {
             capturing: std::cell::Cell::new(false),
             ctx,
             stream,
             module,
             f,
+            gemm_path: std::cell::Cell::new(gemm_path),
+            wide_mt: std::cell::Cell::new(wide_mt),
+            profile: std::cell::RefCell::new(None),
         })
     }
 
@@ -211,15 +280,65 @@ impl Gpu {
         self.ctx.total_mem().unwrap_or(0)
     }
 
-    fn func(&self, name: &str) -> Result<sys::CUfunction> {
+    fn func(&self, name: &str) -> Result<(&'static str, sys::CUfunction)> {
         self.f
-            .get(name)
-            .copied()
+            .get_key_value(name)
+            .map(|(k, v)| (*k, *v))
             .ok_or_else(|| anyhow::anyhow!("kernel {name} not loaded"))
     }
 
+    pub fn gemm_path(&self) -> GemmPath {
+        self.gemm_path.get()
+    }
+
+    /// Features per block (16·MT) of the GEMM above 32 rows: MT = 2 or 4 (speed only).
+    pub fn set_wide_mt(&self, mt: usize) {
+        self.wide_mt.set(if mt == 4 { 4 } else { 2 });
+    }
+
+    /// Start bracketing every launch with CUDA events (not while capturing a graph).
+    pub fn start_profile(&self) {
+        *self.profile.borrow_mut() = Some(Vec::new());
+    }
+
+    /// Stop profiling: wait for the stream and sum the event timings per kernel.
+    pub fn finish_profile(&self) -> Result<Profile> {
+        let Some(events) = self.profile.borrow_mut().take() else {
+            return Ok(Vec::new());
+        };
+        self.synchronize()?;
+        let mut out: Profile = Vec::new();
+        for (name, a, b) in events {
+            let mut ms = 0f32;
+            let r = unsafe { sys::cuEventElapsedTime_v2(&mut ms, a, b) };
+            unsafe {
+                sys::cuEventDestroy_v2(a);
+                sys::cuEventDestroy_v2(b);
+            }
+            ck(r, "cuEventElapsedTime")?;
+            match out.iter_mut().find(|e| e.0 == name) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.2 += ms as f64;
+                }
+                None => out.push((name.to_string(), 1, ms as f64)),
+            }
+        }
+        out.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(out)
+    }
+
+    fn record_event(&self) -> Result<sys::CUevent> {
+        let mut e = std::ptr::null_mut();
+        ck(unsafe { sys::cuEventCreate(&mut e, 0) }, "cuEventCreate")?;
+        ck(unsafe { sys::cuEventRecord(e, self.stream) }, "cuEventRecord")?;
+        Ok(e)
+    }
+
     pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[A]) -> Result<()> {
-        let f = self.func(name)?;
+        let (name, f) = self.func(name)?;
+        let profiling = self.profile.borrow().is_some() && !self.capturing.get();
+        let ev0 = if profiling { Some(self.record_event()?) } else { None };
         if sync_each() {
             trace(&format!("launch {name} grid {grid:?} block {block}"));
         }
@@ -250,6 +369,12 @@ impl Gpu {
             },
             name,
         )?;
+        if let Some(a) = ev0 {
+            let b = self.record_event()?;
+            if let Some(p) = self.profile.borrow_mut().as_mut() {
+                p.push((name, a, b));
+            }
+        }
         if sync_each() && !self.capturing.get() {
             self.synchronize()?;
         }
@@ -310,10 +435,54 @@ impl Gpu {
         )
     }
 
-    /// Y[rows, n] = X[rows, k] · W[n, k]ᵀ (+ R): bf16 W and X, f32 Y and R, in chunks of up to
-    /// 16 rows on the batch-invariant `gemv_m{M}` kernels.
+    /// Y[rows, n] = X[rows, k] · W[n, k]ᵀ (+ R): W a [`Mat`] given as its (values, scales)
+    /// addresses (scales 0: bf16), X bf16 `[rows, k]`, Y and R f32 `[rows, n]` (R may be Y).
+    /// Batch-invariant for any `rows` (kernels.cu says how). Errors: a Q8_0 matrix on the
+    /// reference GEMV path, or a launch failure.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemv(&self, w: u64, x: u64, r: Option<u64>, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
+    pub(crate) fn gemm(
+        &self,
+        w: (u64, u64),
+        x: u64,
+        r: Option<u64>,
+        y: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        if self.gemm_path.get() == GemmPath::Gemv {
+            if w.1 != 0 {
+                bail!("the reference GEMV kernels take bf16 weights only");
+            }
+            return self.gemv(w.0, x, r, y, rows, n, k);
+        }
+        let q8 = w.1 != 0;
+        let (mt, nt) = gemm_tile(rows, self.wide_mt.get());
+        let name = GEMM_NAMES[q8 as usize]
+            .iter()
+            .find(|(m, t, _)| (*m, *t) == (mt, nt))
+            .map(|e| e.2)
+            .ok_or_else(|| anyhow::anyhow!("no GEMM kernel for a {mt}x{nt} tile"))?;
+        self.launch(
+            name,
+            (rows.div_ceil(8 * nt) as u32, n.div_ceil(16 * mt) as u32),
+            256,
+            &[
+                A::P(w.0),
+                A::P(w.1),
+                A::P(x),
+                A::P(r.unwrap_or(0)),
+                A::P(y),
+                A::I(rows as i32),
+                A::I(n as i32),
+                A::I(k as i32),
+            ],
+        )
+    }
+
+    /// The reference path: chunks of up to 16 rows on the `gemv_m{M}` FMA kernels.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(&self, w: u64, x: u64, r: Option<u64>, y: u64, rows: usize, n: usize, k: usize) -> Result<()> {
         let mut c = 0;
         while c < rows {
             let m = (rows - c).min(16);
@@ -336,7 +505,56 @@ impl Gpu {
         }
         Ok(())
     }
+
+    /// Fill a Q8_0 [`Mat`] of `n` values in rows of `k` with random int8 values and per-chunk
+    /// scales `scale · (1 + U(-0.5, 0.5))` (synthetic weights).
+    pub fn fill_q8(&self, q: u64, d: u64, n: usize, k: usize, seed: u64, scale: f32) -> Result<()> {
+        let nd = n / k * k.div_ceil(32);
+        let blocks = (n.div_ceil(256)).min(65536) as u32;
+        self.launch(
+            "fill_q8",
+            (blocks, 1),
+            256,
+            &[
+                A::P(q),
+                A::P(d),
+                A::U64(n as u64),
+                A::U64(nd as u64),
+                A::U64(seed),
+                A::F(scale),
+            ],
+        )
+    }
 }
+
+/// The (MT, NT) tile of the GEMM for `rows` input rows: 16·MT features by 8·NT rows per block.
+/// Any choice gives the same bits (the fold order depends on K only); this one is for speed.
+fn gemm_tile(rows: usize, wide_mt: usize) -> (usize, usize) {
+    match rows {
+        0..=8 => (1, 1),
+        9..=16 => (1, 2),
+        17..=32 => (2, 4),
+        _ => (wide_mt, 8),
+    }
+}
+
+/// GEMM kernels by (MT, NT): bf16, then Q8_0.
+const GEMM_NAMES: [[(usize, usize, &str); 5]; 2] = [
+    [
+        (1, 1, "gemm_bf16_1x1"),
+        (1, 2, "gemm_bf16_1x2"),
+        (2, 4, "gemm_bf16_2x4"),
+        (2, 8, "gemm_bf16_2x8"),
+        (4, 8, "gemm_bf16_4x8"),
+    ],
+    [
+        (1, 1, "gemm_q8_1x1"),
+        (1, 2, "gemm_q8_1x2"),
+        (2, 4, "gemm_q8_2x4"),
+        (2, 8, "gemm_q8_2x8"),
+        (4, 8, "gemm_q8_4x8"),
+    ],
+];
 
 impl Gpu {
     /// Y[r, :] = bf16(RMSNorm(X[r, :]) · w) for `rows` rows of width `h` (f32 in, bf16 out).
@@ -362,24 +580,24 @@ impl Drop for Gpu {
 /// One layer's weights on the device.
 pub(crate) struct Layer {
     pub attn_norm: DevBuf,
-    /// `[q; k; v]` rows: `[(heads + 2 kv_heads) head_dim, hidden]` bf16.
-    pub qkv: DevBuf,
+    /// `[q; k; v]` rows: `[(heads + 2 kv_heads) head_dim, hidden]`.
+    pub qkv: Mat,
     /// f32 `[(heads + 2 kv_heads) head_dim]` (Qwen2).
     pub qkv_bias: Option<DevBuf>,
     pub q_norm: Option<DevBuf>,
     pub k_norm: Option<DevBuf>,
-    pub o: DevBuf,
+    pub o: Mat,
     pub mlp_norm: DevBuf,
-    /// `[gate; up]` rows: `[2 intermediate, hidden]` bf16.
-    pub gate_up: DevBuf,
-    pub down: DevBuf,
+    /// `[gate; up]` rows: `[2 intermediate, hidden]`.
+    pub gate_up: Mat,
+    pub down: Mat,
 }
 
 /// All weights on the device.
 pub(crate) struct Weights {
     pub embed: DevBuf,
     /// None: tied to the embedding.
-    pub lm_head: Option<DevBuf>,
+    pub lm_head: Option<Mat>,
     pub final_norm: DevBuf,
     pub layers: Vec<Layer>,
 }
@@ -390,9 +608,9 @@ impl Weights {
     /// it. A decode step reads one row of the embedding, so the strict floor is a little lower
     /// (docs/gpu.md gives both).
     pub fn bytes(&self) -> usize {
-        let mut b = self.final_norm.bytes() + self.lm_head.as_ref().unwrap_or(&self.embed).bytes();
-        if self.lm_head.is_some() {
-            b += self.embed.bytes();
+        let mut b = self.final_norm.bytes() + self.embed.bytes();
+        if let Some(h) = &self.lm_head {
+            b += h.bytes();
         }
         for l in &self.layers {
             b += l.attn_norm.bytes()
@@ -626,7 +844,7 @@ impl GpuModel {
         let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
         for (li, l) in self.w.layers.iter().enumerate() {
             g.rmsnorm(s.x.at(0), l.attn_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
-            g.gemv(l.qkv.at(0), s.xn.at(0), None, s.qkv.at(0), n, qkv_w, h)?;
+            g.gemm(l.qkv.ptrs(), s.xn.at(0), None, s.qkv.at(0), n, qkv_w, h)?;
             let opt = |b: &Option<DevBuf>| b.as_ref().map(|b| b.at(0)).unwrap_or(0);
             g.launch(
                 "qkv_rope_store",
@@ -670,9 +888,9 @@ impl GpuModel {
                     A::F(1.0 / (hd as f32).sqrt()),
                 ],
             )?;
-            g.gemv(l.o.at(0), s.ao.at(0), Some(s.x.at(0)), s.x.at(0), n, h, nh * hd)?;
+            g.gemm(l.o.ptrs(), s.ao.at(0), Some(s.x.at(0)), s.x.at(0), n, h, nh * hd)?;
             g.rmsnorm(s.x.at(0), l.mlp_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
-            g.gemv(l.gate_up.at(0), s.xn.at(0), None, s.gu.at(0), n, 2 * inter, h)?;
+            g.gemm(l.gate_up.ptrs(), s.xn.at(0), None, s.gu.at(0), n, 2 * inter, h)?;
             let total = n * inter;
             g.launch(
                 "silu_mul",
@@ -680,7 +898,7 @@ impl GpuModel {
                 256,
                 &[A::P(s.gu.at(0)), A::P(s.act.at(0)), A::I(inter as i32), A::I(n as i32)],
             )?;
-            g.gemv(l.down.at(0), s.act.at(0), Some(s.x.at(0)), s.x.at(0), n, h, inter)?;
+            g.gemm(l.down.ptrs(), s.act.at(0), Some(s.x.at(0)), s.x.at(0), n, h, inter)?;
         }
         let (first, m) = match logits {
             LogitsRows::None => return Ok(()),
@@ -695,8 +913,8 @@ impl GpuModel {
             h,
             c.rms_eps,
         )?;
-        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
-        g.gemv(head.at(0), s.xn.at(0), None, s.logits.at(0), m, c.vocab, h)?;
+        let head = self.w.lm_head.as_ref().map_or((self.w.embed.at(0), 0), |h| h.ptrs());
+        g.gemm(head, s.xn.at(0), None, s.logits.at(0), m, c.vocab, h)?;
         g.launch(
             "argmax_rows",
             (m as u32, 1),
@@ -764,6 +982,25 @@ impl GpuModel {
             self.enqueue(n, LogitsRows::All)?;
         }
         self.read_out(n, want_logits)
+    }
+
+    /// Run one forward over `rows` kernel by kernel with CUDA events around each launch, and
+    /// return the time per kernel (the KV cache is written as by [`GpuModel::forward`]).
+    pub fn profile(&mut self, rows: &[Row]) -> Result<Profile> {
+        self.check_rows(rows)?;
+        self.write_io(rows)?;
+        self.gpu.synchronize()?;
+        self.gpu.start_profile();
+        let r = self.enqueue(rows.len(), LogitsRows::All);
+        let p = self.gpu.finish_profile();
+        r?;
+        p
+    }
+
+    /// Switch the projection kernels (captured graphs are dropped).
+    pub fn set_gemm_path(&mut self, path: GemmPath) {
+        self.graphs.clear();
+        self.gpu.gemm_path.set(path);
     }
 
     fn read_out(&self, m: usize, want_logits: bool) -> Result<StepOut> {
