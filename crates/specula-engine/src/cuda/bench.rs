@@ -533,7 +533,7 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
 fn time_decode(m: &mut GpuModel, o: &BenchOptions, prompt: &[u32]) -> Result<Value> {
     let v = m.config.vocab;
     let max_streams = o.streams.iter().copied().max().unwrap_or(1).max(8);
-    let mut t = m.prefill(0, 0, &prompt, false)?.argmax[0];
+    let mut t = m.prefill(0, 0, prompt, false)?.argmax[0];
     let mut pos = prompt.len() as u32;
     for _ in 0..8 {
         t = m.forward(&[Row { token: t, slot: 0, pos }], false)?.argmax[0];
@@ -642,7 +642,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
 
     log("kernel profile at 1, 8 and 64 rows");
     let mut profile = Vec::new();
-    for r in [1usize, 8, 64] {
+    for (r, wide) in [(1usize, 0usize), (8, 0), (64, 0), (64, 4)] {
         let rows: Vec<Row> = (0..r.min(m.slots()))
             .map(|i| Row {
                 token: prompt[i],
@@ -650,10 +650,17 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
                 pos: o.context as u32,
             })
             .collect();
-        let p = m.profile(&rows)?;
+        let keep = m.gpu.wide_mt.get();
+        if wide != 0 {
+            m.gpu.set_wide_mt(wide);
+        }
+        let p = m.profile(&rows);
+        m.gpu.set_wide_mt(keep);
+        let p = p?;
         let total: f64 = p.iter().map(|e| e.2).sum();
         profile.push(json!({
             "rows": rows.len(),
+            "gemm_wide_mt": if wide != 0 { wide } else { keep },
             "total_ms": total,
             "kernels": p.iter().map(|(k, n, ms)| json!({"kernel": k, "launches": n, "ms": ms})).collect::<Vec<_>>(),
         }));

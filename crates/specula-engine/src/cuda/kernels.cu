@@ -4,11 +4,14 @@
 // instructions in the same order whatever the number of rows in the launch (and whatever the
 // other rows are), so the logits of row i of a (k+1)-row verify are bitwise equal to a one-row
 // decode at the same position. How:
-//   * gemv_m{M}: one warp owns RW output features; each lane walks K in 8-element chunks at
-//     lane, lane+32, ... and folds them into one f32 accumulator per (row, feature) with
-//     round-to-nearest FMAs in that fixed order, then a fixed xor-butterfly across the warp.
-//     M (the number of input rows, 1..16) only changes how many accumulators a lane keeps, never
-//     the order of one accumulator's operations.
+//   * gemm_{bf16,q8}_{MT}x{NT}: tensor cores for every row count; the K split and the fold
+//     order of one output depend on K only (the comment above gemm_impl says how), so the tile
+//     chosen for a row count changes speed, never bits.
+//   * gemv_m{M} (the reference kernels, SPECULA_CUDA_GEMM=gemv): one warp owns RW output
+//     features; each lane walks K in 8-element chunks at lane, lane+32, ... and folds them into
+//     one f32 accumulator per (row, feature) with round-to-nearest FMAs in that fixed order,
+//     then a fixed xor-butterfly across the warp. M (1..16) only changes how many accumulators
+//     a lane keeps, never the order of one accumulator's operations.
 //   * rmsnorm / attention / argmax: one block per row (and head) with a fixed-shape block
 //     reduction; what a row reads depends only on its own position and slot.
 // Build: nvcc -fatbin for sm_90 machine code plus compute_90 PTX (build.rs), without fast-math (expf, rsqrtf and sincosf are
@@ -46,6 +49,12 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90; no-ops when a kernel is launched without it): wait
+// until the previous kernel in the stream has finished and its writes are visible, and let
+// the next kernel start its own prologue. Every kernel waits before touching activations.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 // Fixed-order block reductions: warp butterflies, then every warp folds the per-warp values the
 // same way, so every thread returns the same bits. `sh` holds 32 floats.
 __device__ float block_sum(float v, float* sh) {
@@ -75,6 +84,8 @@ __device__ float block_max(float v, float* sh) {
 template <int M, int RW, int U>
 __device__ __forceinline__ void gemv_impl(const bf16_t* __restrict__ W, const bf16_t* __restrict__ X,
                                           const float* R, float* Y, int N, int K) {
+  pdl_wait();
+  pdl_launch();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * RW;
   if (n0 >= N) return;
@@ -187,6 +198,16 @@ __device__ __forceinline__ uint32_t i8x2_bf16x2(uint32_t w, int shift) {
 
 #define GEMM_SLICES 8
 
+// A 16-byte weight load that bypasses L1 and asks L2 to fetch the whole 256-byte span (a warp
+// reads 64 contiguous bytes of a row per load, and the next chunks follow).
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 template <int MT, int NT, int U, bool Q8>
 __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                           const bf16_t* __restrict__ X, const float* R, float* Y, int M,
@@ -219,9 +240,8 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
 #pragma unroll
       for (int i = 0; i < 4; i++) acc[mt][nt][i] = 0.0f;
 
-  for (int c = cbeg; c < cend; c += U) {
-    // Issue every weight load of U chunks before the math.
-    uint4 wa[U][MT][2];
+  // Weight loads of U chunks from chunk c (zeros past the slice or K).
+  auto load_w = [&](uint4 (&wa)[U][MT][2], int c) {
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int k = (c + u) * 32 + tig * 8;
@@ -237,51 +257,70 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
                 reinterpret_cast<const signed char*>(Wp) + (size_t)wrow[mt][h] * K + k));
             wa[u][mt][h] = make_uint4(q.x, q.y, 0, 0);
           } else {
-            wa[u][mt][h] = __ldcs(reinterpret_cast<const uint4*>(
-                reinterpret_cast<const bf16_t*>(Wp) + (size_t)wrow[mt][h] * K + k));
+            wa[u][mt][h] = ld_stream16(reinterpret_cast<const bf16_t*>(Wp) + (size_t)wrow[mt][h] * K + k);
           }
         }
     }
+  };
+  // The math of U chunks from chunk c whose weights are in wa: every X fragment of the U chunks
+  // is loaded first (they come from L2), then the mmas run.
+  auto fold = [&](const uint4 (&wa)[U][MT][2], int c) {
+    uint4 xb[U][NT];
 #pragma unroll
     for (int u = 0; u < U; u++) {
-      if (c + u >= cend) break;  // warp-uniform
       const int k = (c + u) * 32 + tig * 8;
-      uint4 xb[NT];
+      const bool ok = c + u < cend && k < K;
 #pragma unroll
       for (int nt = 0; nt < NT; nt++)
-        xb[nt] = (xrow[nt] >= 0 && k < K) ? __ldg(reinterpret_cast<const uint4*>(X + (size_t)xrow[nt] * K + k))
+        xb[u][nt] = (ok && xrow[nt] >= 0) ? __ldg(reinterpret_cast<const uint4*>(X + (size_t)xrow[nt] * K + k))
                                           : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        uint4 a = wa[u][mt][0], b = wa[u][mt][1];
-        if (Q8) {
-          // int8 lanes: bytes 0-3 of .x are k 0..3, of .y k 4..7.
-          a = make_uint4(i8x2_bf16x2(a.x, 0), i8x2_bf16x2(a.x, 16), i8x2_bf16x2(a.y, 0), i8x2_bf16x2(a.y, 16));
-          b = make_uint4(i8x2_bf16x2(b.x, 0), i8x2_bf16x2(b.x, 16), i8x2_bf16x2(b.y, 0), i8x2_bf16x2(b.y, 16));
-        }
-        float sa = 0.0f, sb = 0.0f;
-        if (Q8) {
-          const int nchunks = nch;
-          sa = __ldg(Ws + (size_t)wrow[mt][0] * nchunks + c + u);
-          sb = __ldg(Ws + (size_t)wrow[mt][1] * nchunks + c + u);
-        }
+    for (int u = 0; u < U; u++) {
+      if (c + u < cend) {  // warp-uniform
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int mt = 0; mt < MT; mt++) {
+          uint4 a = wa[u][mt][0], b = wa[u][mt][1];
           if (Q8) {
-            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma16816(p, a.x, b.x, a.y, b.y, xb[nt].x, xb[nt].y);
-            mma16816(p, a.z, b.z, a.w, b.w, xb[nt].z, xb[nt].w);
-            acc[mt][nt][0] = __fmaf_rn(sa, p[0], acc[mt][nt][0]);
-            acc[mt][nt][1] = __fmaf_rn(sa, p[1], acc[mt][nt][1]);
-            acc[mt][nt][2] = __fmaf_rn(sb, p[2], acc[mt][nt][2]);
-            acc[mt][nt][3] = __fmaf_rn(sb, p[3], acc[mt][nt][3]);
-          } else {
-            mma16816(acc[mt][nt], a.x, b.x, a.y, b.y, xb[nt].x, xb[nt].y);
-            mma16816(acc[mt][nt], a.z, b.z, a.w, b.w, xb[nt].z, xb[nt].w);
+            // int8 lanes: bytes 0-3 of .x are k 0..3, of .y k 4..7.
+            a = make_uint4(i8x2_bf16x2(a.x, 0), i8x2_bf16x2(a.x, 16), i8x2_bf16x2(a.y, 0), i8x2_bf16x2(a.y, 16));
+            b = make_uint4(i8x2_bf16x2(b.x, 0), i8x2_bf16x2(b.x, 16), i8x2_bf16x2(b.y, 0), i8x2_bf16x2(b.y, 16));
+          }
+          float sa = 0.0f, sb = 0.0f;
+          if (Q8) {
+            sa = __ldg(Ws + (size_t)wrow[mt][0] * nch + c + u);
+            sb = __ldg(Ws + (size_t)wrow[mt][1] * nch + c + u);
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; nt++) {
+            if (Q8) {
+              float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma16816(p, a.x, b.x, a.y, b.y, xb[u][nt].x, xb[u][nt].y);
+              mma16816(p, a.z, b.z, a.w, b.w, xb[u][nt].z, xb[u][nt].w);
+              acc[mt][nt][0] = __fmaf_rn(sa, p[0], acc[mt][nt][0]);
+              acc[mt][nt][1] = __fmaf_rn(sa, p[1], acc[mt][nt][1]);
+              acc[mt][nt][2] = __fmaf_rn(sb, p[2], acc[mt][nt][2]);
+              acc[mt][nt][3] = __fmaf_rn(sb, p[3], acc[mt][nt][3]);
+            } else {
+              mma16816(acc[mt][nt], a.x, b.x, a.y, b.y, xb[u][nt].x, xb[u][nt].y);
+              mma16816(acc[mt][nt], a.z, b.z, a.w, b.w, xb[u][nt].z, xb[u][nt].w);
+            }
           }
         }
       }
     }
+  };
+
+  // The first U chunks' weights load before waiting for the previous kernel (weights are
+  // constant), so with programmatic dependent launch the weight stream starts while the
+  // previous kernel finishes.
+  uint4 wa[U][MT][2];
+  load_w(wa, cbeg);
+  pdl_wait();
+  pdl_launch();
+  for (int c = cbeg; c < cend; c += U) {
+    fold(wa, c);
+    if (c + U < cend) load_w(wa, c + U);
   }
 
   // Fold the 8 slice partials in slice order, one n-tile at a time.
@@ -310,16 +349,18 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
   }
 }
 
-#define GEMM(MT, NT, U)                                                                           \
+#define GEMM(MT, NT, U, UQ)                                                                           \
   extern "C" __global__ void __launch_bounds__(256) gemm_bf16_##MT##x##NT(                       \
       const void* W, const float* Ws, const bf16_t* X, const float* R, float* Y, int M, int N, int K) { \
     gemm_impl<MT, NT, U, false>(W, Ws, X, R, Y, M, N, K);                                         \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(256) gemm_q8_##MT##x##NT(                         \
       const void* W, const float* Ws, const bf16_t* X, const float* R, float* Y, int M, int N, int K) { \
-    gemm_impl<MT, NT, U, true>(W, Ws, X, R, Y, M, N, K);                                          \
+    gemm_impl<MT, NT, UQ, true>(W, Ws, X, R, Y, M, N, K);                                          \
   }
-GEMM(1, 1, 4) GEMM(1, 2, 4) GEMM(2, 4, 2) GEMM(2, 8, 2) GEMM(4, 8, 1)
+// U / UQ (bf16 / Q8_0 chunks in flight per lane) change speed only. On the H200 at one row,
+// bf16 ran 4% faster with 8 than with 4, and Q8_0 12% slower (docs/perf.md).
+GEMM(1, 1, 8, 4) GEMM(1, 2, 8, 4) GEMM(2, 4, 2, 2) GEMM(2, 8, 2, 2) GEMM(4, 8, 1, 1)
 
 // Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
 // from splitmix64 like fill_uniform_bf16.
@@ -333,6 +374,8 @@ __device__ __forceinline__ float splitmix_u(unsigned long long seed, unsigned lo
 
 extern "C" __global__ void fill_q8(signed char* Q, float* D, unsigned long long n, unsigned long long nd,
                                    unsigned long long seed, float scale) {
+  pdl_wait();
+  pdl_launch();
   for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x) {
     Q[i] = (signed char)__float2int_rn(127.0f * splitmix_u(seed, i));
@@ -343,6 +386,8 @@ extern "C" __global__ void fill_q8(signed char* Q, float* D, unsigned long long 
 // ---------------------------------------------------------------------------------------------
 // X[r, :] = E[tok[r], :] (f32 residual stream). Grid: rows.
 extern "C" __global__ void embed_rows(const bf16_t* E, const int* tok, float* X, int H) {
+  pdl_wait();
+  pdl_launch();
   const bf16_t* e = E + (size_t)tok[blockIdx.x] * H;
   float* x = X + (size_t)blockIdx.x * H;
   for (int i = threadIdx.x; i < H; i += blockDim.x) x[i] = bf2f(e[i]);
@@ -350,6 +395,8 @@ extern "C" __global__ void embed_rows(const bf16_t* E, const int* tok, float* X,
 
 // Y[r, :] = bf16(X[r, :] * rsqrt(mean(X[r, :]^2) + eps) * w). Grid: rows; block 256.
 extern "C" __global__ void rmsnorm_bf16(const float* X, const bf16_t* w, bf16_t* Y, int H, float eps) {
+  pdl_wait();
+  pdl_launch();
   __shared__ float sh[32];
   const float* x = X + (size_t)blockIdx.x * H;
   float ss = 0.0f;
@@ -368,6 +415,8 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
                                           const bf16_t* knorm, const float* inv_freq, const int* pos,
                                           const int* slot, float* Q, bf16_t* Kc, bf16_t* Vc, int nh,
                                           int nkv, int hd, int max_ctx, float eps, int interleaved) {
+  pdl_wait();
+  pdl_launch();
   __shared__ float sh[32];
   __shared__ float xs[256];
   const int r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
@@ -417,6 +466,8 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 extern "C" __global__ void attention_rows(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
                                           const int* slot, float* S, bf16_t* O, int nh, int nkv, int hd,
                                           int max_ctx, float scale) {
+  pdl_wait();
+  pdl_launch();
   __shared__ float sh[32];
   __shared__ float q[256];
   __shared__ float part[8][256];
@@ -483,6 +534,8 @@ extern "C" __global__ void attention_rows(const float* Q, const bf16_t* Kc, cons
 
 // A[r, i] = bf16(silu(G) * U) with GU = [G | U]: f32 [rows, 2I]. Grid-stride over rows * I.
 extern "C" __global__ void silu_mul(const float* GU, bf16_t* A, int I, int rows) {
+  pdl_wait();
+  pdl_launch();
   size_t n = (size_t)rows * I;
   for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
     size_t r = idx / I, i = idx % I;
@@ -493,6 +546,8 @@ extern "C" __global__ void silu_mul(const float* GU, bf16_t* A, int I, int rows)
 
 // out[r] = the smallest index of the largest logit in row r. Grid: rows; block 1024.
 extern "C" __global__ void argmax_rows(const float* Lg, int V, int* out) {
+  pdl_wait();
+  pdl_launch();
   __shared__ float bv[1024];
   __shared__ int bi[1024];
   const float* l = Lg + (size_t)blockIdx.x * V;
@@ -523,6 +578,8 @@ extern "C" __global__ void argmax_rows(const float* Lg, int V, int* out) {
 // synthetic weights generated on the device.
 extern "C" __global__ void fill_uniform_bf16(bf16_t* P, unsigned long long n, unsigned long long seed,
                                              float scale, float offset) {
+  pdl_wait();
+  pdl_launch();
   for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x) {
     unsigned long long z = seed + i * 0x9E3779B97F4A7C15ull;

@@ -123,8 +123,11 @@ pub struct Gpu {
     gemm_path: std::cell::Cell<GemmPath>,
     /// `SPECULA_CUDA_GEMM_WIDE=4`: 64 features per block (instead of 32) above 32 rows.
     wide_mt: std::cell::Cell<usize>,
+    /// Launch with programmatic dependent launch (`SPECULA_CUDA_PDL=0` turns it off): a
+    /// kernel's prologue (the GEMM's first weight loads) overlaps the previous kernel's tail.
+    pdl: bool,
     /// While set, every launch is bracketed by CUDA events (see [`Gpu::start_profile`]).
-    profile: std::cell::RefCell<Option<Vec<(&'static str, sys::CUevent, sys::CUevent)>>>,
+    profile: std::cell::RefCell<Option<Vec<LaunchEvents>>>,
 }
 
 const KERNELS: [&str; 34] = [
@@ -197,6 +200,9 @@ impl Mat {
     }
 }
 
+/// One profiled launch: the kernel and the events recorded before and after it.
+type LaunchEvents = (&'static str, sys::CUevent, sys::CUevent);
+
 /// Kernel timings of one forward (`SPECULA`'s own breakdown, from CUDA events around each
 /// launch): per kernel name, launches and total milliseconds.
 pub type Profile = Vec<(String, usize, f64)>;
@@ -258,6 +264,7 @@ impl Gpu {
             f,
             gemm_path: std::cell::Cell::new(gemm_path),
             wide_mt: std::cell::Cell::new(wide_mt),
+            pdl: std::env::var("SPECULA_CUDA_PDL").map_or(true, |v| v != "0"),
             profile: std::cell::RefCell::new(None),
         })
     }
@@ -351,7 +358,26 @@ impl Gpu {
             })
             .collect();
         let mut ptrs: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        ck(
+        let r = if self.pdl {
+            // SAFETY: a zeroed attribute is valid plain data; the id and value set are the
+            // documented pair for programmatic stream serialization.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let cfg = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: 1,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: 0,
+                hStream: self.stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            unsafe { sys::cuLaunchKernelEx(&cfg, f, ptrs.as_mut_ptr(), std::ptr::null_mut()) }
+        } else {
             unsafe {
                 sys::cuLaunchKernel(
                     f,
@@ -366,9 +392,9 @@ impl Gpu {
                     ptrs.as_mut_ptr(),
                     std::ptr::null_mut(),
                 )
-            },
-            name,
-        )?;
+            }
+        };
+        ck(r, name)?;
         if let Some(a) = ev0 {
             let b = self.record_event()?;
             if let Some(p) = self.profile.borrow_mut().as_mut() {
