@@ -10,7 +10,8 @@ max_tokens (1..128), random spec mode (off/ngram/on), streamed or not; one reque
 abandoned mid-stream (the connection closed after a few chunks) and one in ten is sent with a
 short client timeout (a disconnect while queued or running). At the end it checks: no request
 failed with a 5xx or an unexpected error; `/metrics` shows nothing running or queued and
-`specula_kv_bytes` back at 0 (no KV held by finished requests); resident memory (VmRSS of
+`specula_kv_bytes` and `specula_kv_pool_blocks_in_use` back at 0 (no KV held by finished
+requests: the block pool is full again); resident memory (VmRSS of
 --pid, sampled every 5 s) is flat within 5% after the first third of the run. Exit 1 on a
 failed check. Standard library only.
 """
@@ -104,13 +105,14 @@ def main():
     time.sleep(2)
     m = urllib.request.urlopen(args.base_url.rstrip("/") + "/metrics").read().decode()
     running, queued, kv = metric(m, "specula_requests_running"), metric(m, "specula_queue_depth"), metric(m, "specula_kv_bytes")
+    pool_in_use, pool_bytes = metric(m, "specula_kv_pool_blocks_in_use"), metric(m, "specula_kv_pool_bytes")
     print(json.dumps({k: v for k, v in counts.items() if k != "errors"}), f"errors={len(counts['errors'])}")
     failed = False
     for e in counts["errors"][:10]:
         print("error:", e)
         failed = True
-    print(f"after the run: running={running} queued={queued} kv_bytes={kv}")
-    if running not in (0, None) or queued not in (0, None) or kv not in (0, None):
+    print(f"after the run: running={running} queued={queued} kv_bytes={kv} kv_pool_blocks_in_use={pool_in_use} kv_pool_bytes={pool_bytes}")
+    if running not in (0, None) or queued not in (0, None) or kv not in (0, None) or pool_in_use not in (0, None):
         print("FAIL: work or KV left over")
         failed = True
     if samples:

@@ -1,33 +1,162 @@
-//! Per-sequence KV cache with rollback.
+//! Per-sequence KV cache with rollback, in fixed-size blocks from a shared pool (paged).
 //!
-//! Keys and values of each layer are stored as f32 in `[position, kv_head, head_dim]` order, in
-//! owned memory sized on demand up to the context window. [`KvCache::truncate`] drops the
-//! positions past a length: speculative decoding rolls back rejected draft tokens with it.
+//! Keys and values are f32 in `[position, kv_head, head_dim]` order. A sequence holds, per
+//! layer, a table of blocks of [`KV_BLOCK`] positions each (K rows then V rows); blocks come
+//! from a [`KvPool`] shared by every sequence of a model and go back to it when a sequence
+//! shrinks or ends. All blocks of a pool have one size, so freed blocks are reused as they are
+//! and resident memory stays at the peak of concurrent KV instead of growing with the
+//! allocator's fragmentation (vLLM's PagedAttention block table, Kwon et al. 2023, on the CPU).
+//! [`KvCache::truncate`] drops the positions past a length: speculative decoding rolls back
+//! rejected draft tokens with it, and whole blocks past the new length return to the pool.
 
 use anyhow::{bail, Result};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Positions per KV block (a multiple of the attention's key tile, so a tile never spans two
+/// blocks).
+pub const KV_BLOCK: usize = 64;
+
+/// Fixed-size KV blocks shared by the sequences of one model: a free list plus counters.
+/// Blocks are allocated on first need and recycled, never returned to the allocator while the
+/// pool lives.
+#[derive(Debug)]
+pub struct KvPool {
+    /// Floats per block: `2 * KV_BLOCK * stride` (K rows, then V rows).
+    block_floats: usize,
+    free: Mutex<Vec<Box<[f32]>>>,
+    /// Blocks created so far (in use + free).
+    allocated: AtomicUsize,
+    in_use: AtomicUsize,
+}
+
+/// A snapshot of a pool's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvPoolStats {
+    pub block_bytes: usize,
+    /// Blocks created so far: the pool's resident size is `allocated * block_bytes`.
+    pub allocated: usize,
+    pub in_use: usize,
+}
+
+impl KvPool {
+    /// A pool of blocks for `stride = kv_heads * head_dim` floats per position.
+    pub fn new(stride: usize) -> Arc<Self> {
+        Arc::new(Self {
+            block_floats: 2 * KV_BLOCK * stride,
+            free: Mutex::new(Vec::new()),
+            allocated: AtomicUsize::new(0),
+            in_use: AtomicUsize::new(0),
+        })
+    }
+
+    fn take(&self) -> Box<[f32]> {
+        self.in_use.fetch_add(1, Ordering::Relaxed);
+        let reused = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        reused.unwrap_or_else(|| {
+            self.allocated.fetch_add(1, Ordering::Relaxed);
+            vec![0f32; self.block_floats].into_boxed_slice()
+        })
+    }
+
+    fn give(&self, b: Box<[f32]>) {
+        debug_assert_eq!(b.len(), self.block_floats);
+        self.in_use.fetch_sub(1, Ordering::Relaxed);
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).push(b);
+    }
+
+    pub fn stats(&self) -> KvPoolStats {
+        KvPoolStats {
+            block_bytes: self.block_floats * 4,
+            allocated: self.allocated.load(Ordering::Relaxed),
+            in_use: self.in_use.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Keys and values of the first `positions` positions of one layer, block by block: what the
+/// attention reads. `key(j)` / `value(j)` are position j's rows (`stride` floats).
+#[derive(Debug, Clone)]
+pub struct KvRows<'a> {
+    /// Per block: (K rows, V rows), `KV_BLOCK * stride` floats each (the last may be shorter
+    /// when built from slices).
+    parts: Vec<(&'a [f32], &'a [f32])>,
+    stride: usize,
+    positions: usize,
+}
+
+impl<'a> KvRows<'a> {
+    /// Rows from contiguous `[positions, stride]` keys and values (tests, references).
+    pub fn from_slices(keys: &'a [f32], values: &'a [f32], stride: usize) -> Self {
+        let per = KV_BLOCK * stride;
+        Self {
+            parts: keys.chunks(per).zip(values.chunks(per)).collect(),
+            stride,
+            positions: keys.len() / stride.max(1),
+        }
+    }
+
+    #[inline(always)]
+    pub fn key(&self, j: usize) -> &'a [f32] {
+        let k = self.parts[j / KV_BLOCK].0;
+        &k[(j % KV_BLOCK) * self.stride..][..self.stride]
+    }
+
+    #[inline(always)]
+    pub fn value(&self, j: usize) -> &'a [f32] {
+        let v = self.parts[j / KV_BLOCK].1;
+        &v[(j % KV_BLOCK) * self.stride..][..self.stride]
+    }
+
+    pub fn positions(&self) -> usize {
+        self.positions
+    }
+
+    /// Contiguous copies `[positions, stride]` of the keys and values.
+    pub fn to_vecs(&self) -> (Vec<f32>, Vec<f32>) {
+        let mut k = Vec::with_capacity(self.positions * self.stride);
+        let mut v = Vec::with_capacity(self.positions * self.stride);
+        for j in 0..self.positions {
+            k.extend_from_slice(self.key(j));
+            v.extend_from_slice(self.value(j));
+        }
+        (k, v)
+    }
+}
 
 /// Keys and values of one sequence, for every layer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvCache {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    /// `[layer][block]`: blocks of `2 * KV_BLOCK * stride` floats (K rows, then V rows).
+    blocks: Vec<Vec<Box<[f32]>>>,
+    /// Positions written per layer (committed plus appended by the forward in progress).
+    filled: Vec<usize>,
     /// Committed positions (the same for every layer between forwards).
     len: usize,
     /// `num_kv_heads * head_dim`: floats per position per layer.
     stride: usize,
     capacity: usize,
+    pool: Arc<KvPool>,
 }
 
 impl KvCache {
     /// An empty cache for `layers` layers of `kv_heads × head_dim`, holding at most `capacity`
-    /// positions.
+    /// positions, with a pool of its own.
     pub fn new(layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
+        Self::with_pool(layers, kv_heads * head_dim, capacity, KvPool::new(kv_heads * head_dim))
+    }
+
+    /// An empty cache whose blocks come from `pool` (which must be for `stride` floats per
+    /// position).
+    pub fn with_pool(layers: usize, stride: usize, capacity: usize, pool: Arc<KvPool>) -> Self {
+        debug_assert_eq!(pool.block_floats, 2 * KV_BLOCK * stride);
         Self {
-            keys: vec![Vec::new(); layers],
-            values: vec![Vec::new(); layers],
+            blocks: (0..layers).map(|_| Vec::new()).collect(),
+            filled: vec![0; layers],
             len: 0,
-            stride: kv_heads * head_dim,
+            stride,
             capacity,
+            pool,
         }
     }
 
@@ -45,32 +174,41 @@ impl KvCache {
         self.capacity
     }
 
+    /// Give back every block of every layer past the first `positions` positions.
+    fn release_past(&mut self, positions: usize) {
+        let keep = positions.div_ceil(KV_BLOCK);
+        for (bl, filled) in self.blocks.iter_mut().zip(self.filled.iter_mut()) {
+            *filled = (*filled).min(positions);
+            while bl.len() > keep {
+                if let Some(b) = bl.pop() {
+                    self.pool.give(b);
+                }
+            }
+        }
+    }
+
     /// Keep only the first `len` positions (no-op if `len >= self.len()`).
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
             self.len = len;
-            for l in self.keys.iter_mut().chain(self.values.iter_mut()) {
-                l.truncate(len * self.stride);
-            }
+            self.release_past(len);
         }
     }
 
     /// Drop rows appended by a forward pass that failed before [`KvCache::advance`].
     pub fn discard_uncommitted(&mut self) {
-        let n = self.len * self.stride;
-        for l in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            l.truncate(n);
-        }
+        self.release_past(self.len);
     }
 
     /// Drop everything.
     pub fn clear(&mut self) {
-        self.truncate(0);
+        self.len = 0;
+        self.release_past(0);
     }
 
     /// Number of layers.
     pub fn num_layers(&self) -> usize {
-        self.keys.len()
+        self.blocks.len()
     }
 
     /// Floats per position per layer (`kv_heads * head_dim`).
@@ -78,54 +216,125 @@ impl KvCache {
         self.stride
     }
 
-    /// Bytes of memory in use.
+    /// Bytes of the blocks this sequence holds.
     pub fn bytes(&self) -> usize {
-        self.keys.iter().chain(&self.values).map(|l| l.len() * 4).sum()
+        self.blocks.iter().map(Vec::len).sum::<usize>() * self.pool.block_floats * 4
+    }
+
+    /// The pool the blocks come from.
+    pub fn pool(&self) -> &Arc<KvPool> {
+        &self.pool
     }
 
     /// Append the K and V rows (`[n, kv_heads, head_dim]` each) of layer `layer` for positions
     /// `len .. len + n`. The new positions count once [`KvCache::advance`] is called after every
     /// layer has appended.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        if k.len() != v.len() || !k.len().is_multiple_of(self.stride) {
+        let st = self.stride;
+        if k.len() != v.len() || !k.len().is_multiple_of(st) {
+            bail!("kv append: bad row sizes {} / {} for stride {st}", k.len(), v.len());
+        }
+        if self.filled[layer] != self.len {
             bail!(
-                "kv append: bad row sizes {} / {} for stride {}",
-                k.len(),
-                v.len(),
-                self.stride
+                "kv append: layer {layer} holds {} positions, expected {}",
+                self.filled[layer],
+                self.len
             );
         }
-        let expected = self.len * self.stride;
-        let (kl, vl) = (&mut self.keys[layer], &mut self.values[layer]);
-        if kl.len() != expected {
-            bail!(
-                "kv append: layer {layer} holds {} floats, expected {expected}",
-                kl.len()
-            );
-        }
-        if self.len + k.len() / self.stride > self.capacity {
+        let n = k.len() / st;
+        if self.len + n > self.capacity {
             bail!("kv cache full ({} positions)", self.capacity);
         }
-        kl.extend_from_slice(k);
-        vl.extend_from_slice(v);
+        let mut pos = self.len;
+        let mut i = 0;
+        while i < n {
+            let (bi, off) = (pos / KV_BLOCK, pos % KV_BLOCK);
+            if bi == self.blocks[layer].len() {
+                let b = self.pool.take();
+                self.blocks[layer].push(b);
+            }
+            let run = (KV_BLOCK - off).min(n - i);
+            let b = &mut self.blocks[layer][bi];
+            b[off * st..(off + run) * st].copy_from_slice(&k[i * st..(i + run) * st]);
+            let vo = KV_BLOCK * st;
+            b[vo + off * st..vo + (off + run) * st].copy_from_slice(&v[i * st..(i + run) * st]);
+            pos += run;
+            i += run;
+        }
+        self.filled[layer] = pos;
         Ok(())
     }
 
     /// Commit `n` positions appended to every layer.
     pub fn advance(&mut self, n: usize) -> Result<()> {
-        let want = (self.len + n) * self.stride;
-        if let Some(l) = self.keys.iter().find(|l| l.len() != want) {
-            bail!("kv advance: a layer holds {} floats, expected {want}", l.len());
+        let want = self.len + n;
+        if let Some(f) = self.filled.iter().find(|&&f| f != want) {
+            bail!("kv advance: a layer holds {f} positions, expected {want}");
         }
         self.len += n;
         Ok(())
     }
 
     /// Keys and values of `layer` for the first `positions` positions (committed or just
-    /// appended).
-    pub fn layer(&self, layer: usize, positions: usize) -> (&[f32], &[f32]) {
-        let n = positions * self.stride;
-        (&self.keys[layer][..n], &self.values[layer][..n])
+    /// appended). Panics if `positions` is past what the layer holds.
+    pub fn rows(&self, layer: usize, positions: usize) -> KvRows<'_> {
+        assert!(
+            positions <= self.filled[layer],
+            "kv rows: {positions} positions asked, layer {layer} holds {}",
+            self.filled[layer]
+        );
+        let per = KV_BLOCK * self.stride;
+        let parts = self.blocks[layer][..positions.div_ceil(KV_BLOCK)]
+            .iter()
+            .map(|b| (&b[..per], &b[per..]))
+            .collect();
+        KvRows {
+            parts,
+            stride: self.stride,
+            positions,
+        }
+    }
+
+    /// Contiguous copies of [`KvCache::rows`]: `[positions, stride]` keys and values.
+    pub fn layer_vecs(&self, layer: usize, positions: usize) -> (Vec<f32>, Vec<f32>) {
+        self.rows(layer, positions).to_vecs()
+    }
+}
+
+impl Clone for KvCache {
+    /// A copy with blocks of its own from the same pool.
+    fn clone(&self) -> Self {
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|bl| {
+                bl.iter()
+                    .map(|b| {
+                        let mut nb = self.pool.take();
+                        nb.copy_from_slice(b);
+                        nb
+                    })
+                    .collect()
+            })
+            .collect();
+        Self {
+            blocks,
+            filled: self.filled.clone(),
+            len: self.len,
+            stride: self.stride,
+            capacity: self.capacity,
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        for bl in &mut self.blocks {
+            for b in bl.drain(..) {
+                self.pool.give(b);
+            }
+        }
     }
 }
 
@@ -141,10 +350,10 @@ mod tests {
         }
         kv.advance(2).unwrap();
         assert_eq!(kv.len(), 2);
-        assert_eq!(kv.layer(1, 2).0, &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(kv.layer_vecs(1, 2).0, vec![1.0, 2.0, 3.0, 4.0]);
         kv.truncate(1);
         assert_eq!(kv.len(), 1);
-        assert_eq!(kv.layer(0, 1).1, &[5.0, 6.0]);
+        assert_eq!(kv.layer_vecs(0, 1).1, vec![5.0, 6.0]);
         // A layer that did not append makes advance fail.
         kv.append(0, &[9.0, 9.0], &[9.0, 9.0]).unwrap();
         assert!(kv.advance(1).is_err());
@@ -154,5 +363,48 @@ mod tests {
     fn capacity_is_enforced() {
         let mut kv = KvCache::new(1, 1, 1, 2);
         assert!(kv.append(0, &[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]).is_err());
+    }
+
+    #[test]
+    fn blocks_span_and_return_to_the_pool() {
+        // Positions across three blocks, rows read back by position, blocks freed on
+        // truncate and drop, and reused by the next sequence.
+        let pool = KvPool::new(2);
+        let n = 2 * KV_BLOCK + 5;
+        let k: Vec<f32> = (0..n * 2).map(|i| i as f32).collect();
+        let v: Vec<f32> = (0..n * 2).map(|i| -(i as f32)).collect();
+        let mut kv = KvCache::with_pool(2, 2, 1000, pool.clone());
+        for l in 0..2 {
+            // Two appends, the first ending mid-block.
+            kv.append(l, &k[..10], &v[..10]).unwrap();
+        }
+        kv.advance(5).unwrap();
+        for l in 0..2 {
+            kv.append(l, &k[10..], &v[10..]).unwrap();
+        }
+        kv.advance(n - 5).unwrap();
+        assert_eq!(pool.stats().in_use, 2 * 3);
+        let r = kv.rows(1, n);
+        for j in [0, 4, 5, KV_BLOCK - 1, KV_BLOCK, n - 1] {
+            assert_eq!(r.key(j), &k[2 * j..2 * j + 2]);
+            assert_eq!(r.value(j), &v[2 * j..2 * j + 2]);
+        }
+        assert_eq!(kv.layer_vecs(0, n), (k.clone(), v.clone()));
+        kv.truncate(KV_BLOCK);
+        assert_eq!(pool.stats().in_use, 2);
+        assert_eq!(kv.bytes(), 2 * pool.stats().block_bytes);
+        let copy = kv.clone();
+        assert_eq!(copy.layer_vecs(1, KV_BLOCK), kv.layer_vecs(1, KV_BLOCK));
+        assert_eq!(pool.stats().in_use, 4);
+        drop(copy);
+        drop(kv);
+        let s = pool.stats();
+        assert_eq!((s.in_use, s.allocated), (0, 6));
+        let mut again = KvCache::with_pool(2, 2, 1000, pool.clone());
+        for l in 0..2 {
+            again.append(l, &k, &v).unwrap();
+        }
+        again.advance(n).unwrap();
+        assert_eq!(pool.stats().allocated, 6, "freed blocks are reused");
     }
 }

@@ -151,13 +151,20 @@ impl PrefixCache {
                 Some(b) if b.parent == parent && b.tokens == block => b.last_used = self.clock,
                 Some(_) => break, // a hash collision with another prefix: keep the old entry
                 None => {
-                    let (a, z) = (i * BLOCK_TOKENS * stride, (i + 1) * BLOCK_TOKENS * stride);
                     let mut keys = Vec::with_capacity(layers);
                     let mut values = Vec::with_capacity(layers);
                     for layer in 0..layers {
-                        let (k, v) = kv.layer(layer, positions);
-                        keys.push(k[a..z].to_vec());
-                        values.push(v[a..z].to_vec());
+                        let rows = kv.rows(layer, positions);
+                        let (mut k, mut v) = (
+                            Vec::with_capacity(BLOCK_TOKENS * stride),
+                            Vec::with_capacity(BLOCK_TOKENS * stride),
+                        );
+                        for j in i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS {
+                            k.extend_from_slice(rows.key(j));
+                            v.extend_from_slice(rows.value(j));
+                        }
+                        keys.push(k);
+                        values.push(v);
                     }
                     let mut toks = [0u32; BLOCK_TOKENS];
                     toks.copy_from_slice(block);
@@ -224,7 +231,7 @@ mod tests {
         let mut got = KvCache::new(2, 1, 2, 1024);
         assert_eq!(c.lookup(&other, other.len() - 1, &mut got).expect("lookup"), 32);
         for layer in 0..2 {
-            assert_eq!(got.layer(layer, 32), kv.layer(layer, 32));
+            assert_eq!(got.layer_vecs(layer, 32), kv.layer_vecs(layer, 32));
         }
         // max_tokens bounds the reuse.
         let mut got = KvCache::new(2, 1, 2, 1024);

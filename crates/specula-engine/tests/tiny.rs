@@ -150,8 +150,8 @@ fn batched_forward_equals_separate_forwards_bitwise() {
                     hidden,
                     "{dtype:?} {family:?}: segment {i} hidden"
                 );
-                let (k1, v1) = kv.layer(0, kv.len());
-                let (k2, v2) = caches[i].layer(0, caches[i].len());
+                let (k1, v1) = kv.layer_vecs(0, kv.len());
+                let (k2, v2) = caches[i].layer_vecs(0, caches[i].len());
                 assert_eq!((k1, v1), (k2, v2), "{dtype:?} {family:?}: segment {i} cache");
             }
         }

@@ -51,6 +51,10 @@ pub struct Metrics {
     pub prefix_cache_bytes: IntGauge,
     /// Bytes of KV cache held by running requests (0 when idle: nothing leaks).
     pub kv_bytes: IntGauge,
+    /// KV blocks of the target's pool held by sequences (0 when idle: nothing leaked).
+    pub kv_pool_blocks_in_use: IntGauge,
+    /// Bytes of KV blocks the target's pool has created (resident: blocks are recycled).
+    pub kv_pool_bytes: IntGauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -160,9 +164,21 @@ impl Metrics {
             "Bytes of KV cache held by running requests (0 when idle).",
         )
         .expect("valid metric");
+        let kv_pool_blocks_in_use = IntGauge::new(
+            "specula_kv_pool_blocks_in_use",
+            "KV blocks of the target model's pool held by sequences (running requests and the current step).",
+        )
+        .expect("valid metric");
+        let kv_pool_bytes = IntGauge::new(
+            "specula_kv_pool_bytes",
+            "Bytes of KV blocks the target model's pool has created (in use plus free for reuse).",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(kv_bytes.clone()),
+            Box::new(kv_pool_blocks_in_use.clone()),
+            Box::new(kv_pool_bytes.clone()),
             Box::new(prefix_cache_hits.clone()),
             Box::new(prefix_cache_misses.clone()),
             Box::new(prefix_cache_hit_tokens.clone()),
@@ -210,6 +226,8 @@ impl Metrics {
             prefix_cache_hit_tokens,
             prefix_cache_bytes,
             kv_bytes,
+            kv_pool_blocks_in_use,
+            kv_pool_bytes,
         }
     }
 

@@ -721,6 +721,9 @@ fn worker_loop(
         }
         let held: usize = running.iter().map(|r| r.seq.kv().bytes()).sum();
         metrics.kv_bytes.set(held as i64);
+        let pool = engine.model().kv_pool_stats();
+        metrics.kv_pool_blocks_in_use.set(pool.in_use as i64);
+        metrics.kv_pool_bytes.set((pool.allocated * pool.block_bytes) as i64);
     }
     tracing::debug!("engine worker stopped");
 }

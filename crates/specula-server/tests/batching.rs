@@ -81,6 +81,15 @@ fn content(reply: &Reply, streamed: bool) -> String {
         .collect()
 }
 
+/// The value of an unlabelled metric in a `/metrics` text (0 when absent).
+fn metric_value(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find(|l| l.split(' ').next() == Some(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// Steps that decoded more than one request, from `/metrics`.
 async fn batched_steps(app: &axum::Router) -> (u64, u64) {
     let text = get(app, "/metrics").await.text;
@@ -141,6 +150,19 @@ async fn concurrent_streams_are_byte_identical_to_solo_runs() {
             );
         }
     }
+    // Every KV block is back in the pool once the requests are done (the gauge is set after
+    // the worker answers a step's requests, so it may lag the last answer by a step).
+    let mut in_use = u64::MAX;
+    for _ in 0..100 {
+        let m = get(&app, "/metrics").await.text;
+        in_use = metric_value(&m, "specula_kv_pool_blocks_in_use");
+        if in_use == 0 {
+            assert!(metric_value(&m, "specula_kv_pool_bytes") > 0, "{m}");
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(in_use, 0, "KV blocks still held after every request finished");
     let metrics = get(&app, "/metrics").await.text;
     let hits: u64 = metrics
         .lines()

@@ -18,6 +18,7 @@
 //! Softmax is the max-subtracted online form (Milakov & Gimelshein 2018; scaled dot-product
 //! attention, Vaswani et al. 2017).
 
+use crate::kv_cache::KvRows;
 use rayon::prelude::*;
 
 /// Shape of one attention call.
@@ -400,12 +401,18 @@ fn fast() -> bool {
 /// every row of the block (grouped-query attention reads K/V once per group, and a verify block
 /// reads them once for all its rows). The arithmetic of each (row, head) is unchanged by this
 /// sharing: the same scores, the same ascending-position online softmax and accumulation.
-pub fn attend(q: &[f32], keys: &[f32], values: &[f32], s: &AttnShape) -> Vec<f32> {
-    attend_mode(q, keys, values, s, mode())
+pub fn attend(q: &[f32], kv: &KvRows<'_>, s: &AttnShape) -> Vec<f32> {
+    attend_mode(q, kv, s, mode())
 }
 
 /// [`attend`] with an explicit mode.
-pub fn attend_mode(q: &[f32], keys: &[f32], values: &[f32], s: &AttnShape, mode: AttnMode) -> Vec<f32> {
+pub fn attend_mode(q: &[f32], kv: &KvRows<'_>, s: &AttnShape, mode: AttnMode) -> Vec<f32> {
+    assert!(
+        kv.positions() >= s.start + s.rows,
+        "attention: {} cached positions, {} needed",
+        kv.positions(),
+        s.start + s.rows
+    );
     let d = s.head_dim;
     let group = s.num_heads / s.num_kv_heads;
     let blocks = s.rows.div_ceil(ROW_BLOCK);
@@ -431,8 +438,7 @@ pub fn attend_mode(q: &[f32], keys: &[f32], values: &[f32], s: &AttnShape, mode:
         };
         let a = Args {
             qs: &qs,
-            keys,
-            values,
+            kv,
             s,
             g,
             r0,
@@ -481,8 +487,7 @@ pub fn attend_mode(q: &[f32], keys: &[f32], values: &[f32], s: &AttnShape, mode:
 #[derive(Clone, Copy)]
 struct Args<'a> {
     qs: &'a [f32],
-    keys: &'a [f32],
-    values: &'a [f32],
+    kv: &'a KvRows<'a>,
     s: &'a AttnShape,
     g: usize,
     r0: usize,
@@ -509,23 +514,15 @@ unsafe fn tiled_x86(a: &Args<'_>, st: &mut State) {
 /// `S = S * ms + w` (one FMA, as GCC contracts it).
 #[inline(always)]
 fn one_chunk<const FAST: bool>(a: &Args<'_>, st: &mut State) {
-    let Args {
-        qs,
-        keys,
-        values,
-        s,
-        g,
-        r0,
-        nr,
-    } = *a;
+    let Args { qs, kv, s, g, r0, nr } = *a;
     let fast = FAST;
     let d = s.head_dim;
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let len = s.start + r0 + nr; // keys visible to the block's last row
     for j in 0..len {
-        let kj = &keys[(j * s.num_kv_heads + g) * d..][..d];
-        let vj = &values[(j * s.num_kv_heads + g) * d..][..d];
+        let kj = &kv.key(j)[g * d..][..d];
+        let vj = &kv.value(j)[g * d..][..d];
         for r in 0..nr {
             if j > s.start + r0 + r {
                 continue;
@@ -558,15 +555,7 @@ fn one_chunk<const FAST: bool>(a: &Args<'_>, st: &mut State) {
 /// `v_expf(s - M)` summed per 16 lanes and in f64, then `acc = fma(v, w, acc)` key by key.
 #[inline(always)]
 fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
-    let Args {
-        qs,
-        keys,
-        values,
-        s,
-        g,
-        r0,
-        nr,
-    } = *a;
+    let Args { qs, kv, s, g, r0, nr } = *a;
     let fast = FAST;
     let d = s.head_dim;
     let group = s.num_heads / s.num_kv_heads;
@@ -578,7 +567,7 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
         let t1 = (t0 + KV_TILE).min(len);
         kt.fill(0.0);
         for tk in 0..t1 - t0 {
-            let kj = &keys[((t0 + tk) * s.num_kv_heads + g) * d..][..d];
+            let kj = &kv.key(t0 + tk)[g * d..][..d];
             for (dd, &x) in kj.iter().enumerate() {
                 kt[dd * KV_TILE + tk] = x;
             }
@@ -622,7 +611,7 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
                 }
                 st.sum[i] = (st.sum[i] as f64 + tsum) as f32;
                 for (tk, &p) in kq[..visible].iter().enumerate() {
-                    let vj = &values[((t0 + tk) * s.num_kv_heads + g) * d..][..d];
+                    let vj = &kv.value(t0 + tk)[g * d..][..d];
                     simd::mad_f32(fast, acc, vj, p);
                 }
             }
@@ -669,15 +658,10 @@ mod tests {
                         num_kv_heads: kvh,
                         head_dim: d,
                     };
-                    let many = attend_mode(&q, &keys, &values, &shape(rows, start), mode);
+                    let kv = KvRows::from_slices(&keys, &values, kvh * d);
+                    let many = attend_mode(&q, &kv, &shape(rows, start), mode);
                     for r in 0..rows {
-                        let one = attend_mode(
-                            &q[r * h * d..(r + 1) * h * d],
-                            &keys,
-                            &values,
-                            &shape(1, start + r),
-                            mode,
-                        );
+                        let one = attend_mode(&q[r * h * d..(r + 1) * h * d], &kv, &shape(1, start + r), mode);
                         assert_eq!(
                             many[r * h * d..(r + 1) * h * d]
                                 .iter()
@@ -754,8 +738,7 @@ mod tests {
         for mode in [AttnMode::OneChunk, AttnMode::Tiled] {
             let out = attend_mode(
                 &q,
-                &keys,
-                &values,
+                &KvRows::from_slices(&keys, &values, kvh * d),
                 &AttnShape {
                     rows,
                     start: 0,

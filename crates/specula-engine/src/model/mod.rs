@@ -319,6 +319,8 @@ pub struct Model {
     /// The LM head's weights as a row table (quantized GGUF tensor), for draft heads that
     /// borrow rows of it ([`Model::lm_head_rows`]).
     lm_head_table: Option<Embedding>,
+    /// The KV blocks every cache of this model draws from ([`Model::new_kv_cache`]).
+    kv_pool: std::sync::Arc<crate::kv_cache::KvPool>,
 }
 
 impl Model {
@@ -348,6 +350,7 @@ impl Model {
         }
         let half = config.head_dim / 2;
         let ctx = config.context_length;
+        let config_stride = config.num_kv_heads * config.head_dim;
         let mut rope_cos = Vec::with_capacity(ctx * half);
         let mut rope_sin = Vec::with_capacity(ctx * half);
         // theta_i = pos * base^(-2i/d) (RoFormer, Su et al. 2021), optionally divided by a
@@ -376,6 +379,7 @@ impl Model {
             rope_sin,
             device,
             lm_head_table: None,
+            kv_pool: crate::kv_cache::KvPool::new(config_stride),
         })
     }
 
@@ -422,14 +426,19 @@ impl Model {
             })
     }
 
-    /// A KV cache sized for this model's context window.
+    /// A KV cache sized for this model's context window, with blocks from the model's pool.
     pub fn new_kv_cache(&self) -> KvCache {
-        KvCache::new(
+        KvCache::with_pool(
             self.config.num_layers,
-            self.config.num_kv_heads,
-            self.config.head_dim,
+            self.config.num_kv_heads * self.config.head_dim,
             self.config.context_length,
+            self.kv_pool.clone(),
         )
+    }
+
+    /// The counters of the KV block pool shared by this model's caches.
+    pub fn kv_pool_stats(&self) -> crate::kv_cache::KvPoolStats {
+        self.kv_pool.stats()
     }
 
     /// Run `tokens` at positions `kv.len() .. kv.len() + tokens.len()`, append their keys and
@@ -598,11 +607,10 @@ impl Model {
                 .map(|&x| attention::round_f16(x))
                 .collect();
             s.kv.append(li, &k, &v)?;
-            let (keys, values) = s.kv.layer(li, start + n);
+            let kv_rows = s.kv.rows(li, start + n);
             out.extend(attention::attend(
                 &q,
-                keys,
-                values,
+                &kv_rows,
                 &attention::AttnShape {
                     rows: n,
                     start,
