@@ -65,6 +65,24 @@ impl KvPool {
         self.free.lock().unwrap_or_else(|e| e.into_inner()).push(b);
     }
 
+    /// Create blocks up to `bytes` of them (whole blocks) now and write every page, so the
+    /// pool's resident size is reached at start and stays flat (a server with a KV budget).
+    /// Returns the number of blocks created.
+    pub fn reserve_bytes(&self, bytes: usize) -> usize {
+        let want = bytes / (self.block_floats * 4);
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let have = self.allocated.load(Ordering::Relaxed);
+        let n = want.saturating_sub(have);
+        for _ in 0..n {
+            // `resize` writes the zeros (a zeroed allocation would leave the pages untouched).
+            let mut v = Vec::with_capacity(self.block_floats);
+            v.resize(self.block_floats, 0f32);
+            free.push(v.into_boxed_slice());
+        }
+        self.allocated.fetch_add(n, Ordering::Relaxed);
+        n
+    }
+
     pub fn stats(&self) -> KvPoolStats {
         KvPoolStats {
             block_bytes: self.block_floats * 4,
@@ -400,11 +418,15 @@ mod tests {
         drop(kv);
         let s = pool.stats();
         assert_eq!((s.in_use, s.allocated), (0, 6));
+        // Reserving tops the pool up to whole blocks of the budget, never down.
+        assert_eq!(pool.reserve_bytes(8 * s.block_bytes + 1), 2);
+        assert_eq!(pool.reserve_bytes(3 * s.block_bytes), 0);
+        assert_eq!(pool.stats().allocated, 8);
         let mut again = KvCache::with_pool(2, 2, 1000, pool.clone());
         for l in 0..2 {
             again.append(l, &k, &v).unwrap();
         }
         again.advance(n).unwrap();
-        assert_eq!(pool.stats().allocated, 6, "freed blocks are reused");
+        assert_eq!(pool.stats().allocated, 8, "freed blocks are reused");
     }
 }

@@ -70,6 +70,9 @@ pub struct ServeOptions {
     /// Bytes of KV cache running requests may reserve together (`None`: no limit); see
     /// [`EngineHandle::with_kv_budget`].
     pub kv_budget_bytes: Option<usize>,
+    /// Create the target's KV blocks for the whole budget at start (resident memory flat from
+    /// the first request on); otherwise blocks are created on demand and recycled.
+    pub kv_preallocate: bool,
     /// Speculative decoding for requests that do not set the `spec` field.
     pub spec: specula_engine::spec::SpecOptions,
     /// The bundle's capability summary from `specula_engine::inspect`
@@ -92,6 +95,7 @@ impl Default for ServeOptions {
             max_queue: DEFAULT_MAX_QUEUE,
             max_batch: DEFAULT_MAX_BATCH,
             kv_budget_bytes: None,
+            kv_preallocate: false,
             spec: Default::default(),
             bundle: None,
             tool_parser: None,
@@ -121,6 +125,16 @@ pub fn router(handle: EngineHandle) -> Router {
 pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result<()> {
     worker::check_spec_default(&engine, &opts.spec)
         .map_err(|e| anyhow::anyhow!("the server's speculation default: {e}"))?;
+    if let (true, Some(b)) = (opts.kv_preallocate, opts.kv_budget_bytes) {
+        let t = std::time::Instant::now();
+        let blocks = engine.model().kv_pool().reserve_bytes(b);
+        tracing::info!(
+            blocks,
+            mib = b >> 20,
+            seconds = t.elapsed().as_secs_f64(),
+            "KV block pool preallocated for the KV budget"
+        );
+    }
     let handle = EngineHandle::spawn_with_bundle(engine, opts.max_queue, opts.spec, opts.bundle.clone())
         .with_tool_parser(opts.tool_parser)
         .with_load_seconds(opts.target_load_s, opts.draft_load_s)

@@ -762,7 +762,10 @@ fn start_job(
     let room = engine.context_length().saturating_sub(prompt);
     let positions = prompt + req.max_tokens.unwrap_or(room).min(room);
     let per_token = engine.kv_bytes_per_token();
-    let need = positions.saturating_mul(per_token);
+    // KV is held in whole blocks: reserve the last one in full.
+    let need = positions
+        .next_multiple_of(specula_engine::kv_cache::KV_BLOCK)
+        .saturating_mul(per_token);
     if need > budget {
         return Err(RequestError::InvalidParameter(format!(
             "max_tokens too large for the KV budget: this request may need {:.1} MiB of KV cache ({positions} positions: {prompt} prompt \

@@ -208,10 +208,11 @@ async fn a_repeated_prompt_reports_a_prefix_cache_hit() {
 async fn the_kv_budget_refuses_what_cannot_fit_and_queues_what_must_wait() {
     let e = spec_engine();
     let per_token = e.kv_bytes_per_token();
-    // Room for 100 positions.
+    // Room for 3 KV blocks (a request reserves its worst case in whole blocks).
+    let block = specula_engine::kv_cache::KV_BLOCK;
     let handle = EngineHandle::spawn_with_queue(e, 8)
         .with_max_batch(4)
-        .with_kv_budget(100 * per_token);
+        .with_kv_budget(3 * block * per_token);
     let app = router(handle.clone());
     let body = |max_tokens: usize| json!({"prompt": "the hen and the fox", "temperature": 0, "max_tokens": max_tokens, "ignore_eos": true});
     let r = post(&app, "/v1/completions", body(200)).await;
@@ -243,15 +244,16 @@ async fn the_kv_budget_refuses_what_cannot_fit_and_queues_what_must_wait() {
             texts
         }
     };
-    // 60 positions each: one fits, two do not, so they run one after the other.
-    let solo = post(&app, "/v1/completions", body(50)).await.json();
+    // Two blocks each (the prompt + 100 tokens): one fits, two do not, so they run one after
+    // the other.
+    let solo = post(&app, "/v1/completions", body(100)).await.json();
     let (before, _) = batched_steps(&app).await;
-    for t in pair(50).await {
+    for t in pair(100).await {
         assert_eq!(t, solo["choices"][0]["text"]);
     }
     let (after, _) = batched_steps(&app).await;
     assert_eq!(after, before, "the two requests never shared a step");
-    // 30 positions each: both fit, so they share steps.
+    // One block each: both fit, so they share steps.
     pair(10).await;
     let (shared, _) = batched_steps(&app).await;
     assert!(shared > after, "small requests were batched together");

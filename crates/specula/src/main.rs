@@ -71,8 +71,10 @@ struct ServeArgs {
     #[arg(long, default_value_t = 1024)]
     prefix_cache_mb: usize,
     /// MiB of KV cache running requests may reserve together (each its worst case, prompt +
-    /// max_tokens); a request that does not fit waits, one that cannot fit alone is refused.
-    /// 0 = half of the memory available after loading.
+    /// max_tokens, in whole 64-position blocks); a request that does not fit waits, one that
+    /// cannot fit alone is refused. Given, the KV block pool is created for the whole budget at
+    /// start (resident memory then stays flat); 0 = half of the memory available after loading,
+    /// with blocks created on demand (and recycled).
     #[arg(long, default_value_t = 0)]
     kv_budget_mb: usize,
     /// The model id clients use (default: the catalog name or the file name).
@@ -489,6 +491,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             max_queue: a.max_queue,
             max_batch: a.max_batch as usize,
             kv_budget_bytes: Some(kv_budget),
+            kv_preallocate: a.kv_budget_mb > 0,
             spec: a.spec.options(),
             bundle: report.map(|r| r.capabilities_json()),
             tool_parser: a.tool_parser,

@@ -441,6 +441,11 @@ impl Model {
         self.kv_pool.stats()
     }
 
+    /// The KV block pool shared by this model's caches.
+    pub fn kv_pool(&self) -> &std::sync::Arc<crate::kv_cache::KvPool> {
+        &self.kv_pool
+    }
+
     /// Run `tokens` at positions `kv.len() .. kv.len() + tokens.len()`, append their keys and
     /// values to `kv`, and return logits for the rows named by `rows` and the hidden states after
     /// the blocks listed in `taps`.
