@@ -6,7 +6,7 @@ Usage:
         --levels 1,2,4,8,16 --modes off,ngram --max-tokens 64
 
 For each mode (the request's `spec` field) and each concurrency level N, N streaming chat
-requests (greedy, different fixture prompts, `ignore_eos` so every stream makes max-tokens
+requests (greedy, fixture prompts of --kinds taken in turn, `ignore_eos` so every stream makes max-tokens
 tokens) start together; reported: aggregate tok/s (all completion tokens / wall time), median
 per-stream decode tok/s, median and max TTFT (time to the first content chunk). Start the server
 with `--max-batch` at least the largest level (and `--max-queue` large enough). Standard library
@@ -49,9 +49,17 @@ def main():
     ap.add_argument("--modes", default="off,ngram")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true", help="print one JSON object per measurement")
+    ap.add_argument("--kinds", default="prose,qa,code,easy_code,json",
+                    help="fixture prompt kinds to cycle through (default: the short ones, so every level "
+                         "runs the same mix; long_context prompts are ~1.5k tokens and dominate any level "
+                         "that includes them)")
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
+    kinds = set(args.kinds.split(","))
     prompts = [json.loads(l) for l in open(root / "tests/fixtures/prompts.jsonl") if l.strip()]
+    prompts = [p for p in prompts if p.get("kind") in kinds]
+    if not prompts:
+        raise SystemExit(f"no fixture prompts of kinds {sorted(kinds)}")
     url = args.base_url.rstrip("/") + "/v1/chat/completions"
     rows = []
     for mode in args.modes.split(","):
