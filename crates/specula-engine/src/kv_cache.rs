@@ -52,11 +52,15 @@ impl KvPool {
 
     fn take(&self) -> Box<[f32]> {
         self.in_use.fetch_add(1, Ordering::Relaxed);
-        let reused = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        reused.unwrap_or_else(|| {
+        {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(b) = free.pop() {
+                return b;
+            }
+            // Counted under the lock, so `reserve_bytes` sees every block.
             self.allocated.fetch_add(1, Ordering::Relaxed);
-            vec![0f32; self.block_floats].into_boxed_slice()
-        })
+        }
+        vec![0f32; self.block_floats].into_boxed_slice()
     }
 
     fn give(&self, b: Box<[f32]>) {
@@ -114,14 +118,19 @@ impl<'a> KvRows<'a> {
         }
     }
 
+    /// Position `j`'s key row. Panics past [`KvRows::positions`] (recycled blocks hold other
+    /// sequences' old rows past the end).
     #[inline(always)]
     pub fn key(&self, j: usize) -> &'a [f32] {
+        assert!(j < self.positions, "kv rows: position {j} of {}", self.positions);
         let k = self.parts[j / KV_BLOCK].0;
         &k[(j % KV_BLOCK) * self.stride..][..self.stride]
     }
 
+    /// Position `j`'s value row. Panics past [`KvRows::positions`].
     #[inline(always)]
     pub fn value(&self, j: usize) -> &'a [f32] {
+        assert!(j < self.positions, "kv rows: position {j} of {}", self.positions);
         let v = self.parts[j / KV_BLOCK].1;
         &v[(j % KV_BLOCK) * self.stride..][..self.stride]
     }

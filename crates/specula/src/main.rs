@@ -471,13 +471,12 @@ fn serve(a: ServeArgs) -> Result<()> {
     a.spec.attach(&mut engine, model_path.as_deref())?;
     let draft_load_s = a.spec.draft_model.is_some().then(|| t.elapsed().as_secs_f64());
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
+    let available = specula_engine::inspect::memory::available_memory();
     let kv_budget = if a.kv_budget_mb > 0 {
         a.kv_budget_mb.saturating_mul(1 << 20)
     } else {
         // Half of what is left after loading (the prefix cache has its own budget).
-        specula_engine::inspect::memory::available_memory()
-            .map(|b| (b / 2) as usize)
-            .unwrap_or(usize::MAX)
+        available.map(|b| (b / 2) as usize).unwrap_or(usize::MAX)
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -491,7 +490,18 @@ fn serve(a: ServeArgs) -> Result<()> {
             max_queue: a.max_queue,
             max_batch: a.max_batch as usize,
             kv_budget_bytes: Some(kv_budget),
-            kv_preallocate: a.kv_budget_mb > 0,
+            // Preallocating more than the machine has would end the server before it serves.
+            kv_preallocate: a.kv_budget_mb > 0 && {
+                let fits = available.is_none_or(|b| kv_budget as u64 <= b);
+                if !fits {
+                    tracing::warn!(
+                        kv_budget_mib = a.kv_budget_mb,
+                        available_mib = available.map(|b| b >> 20),
+                        "--kv-budget-mb is more than the memory available: KV blocks are created on demand instead of at start"
+                    );
+                }
+                fits
+            },
             spec: a.spec.options(),
             bundle: report.map(|r| r.capabilities_json()),
             tool_parser: a.tool_parser,

@@ -2,8 +2,9 @@
 //! built for decode and verify, and batch-invariant like the CPU kernels.
 //!
 //! * Projection weights are bf16 or Q8_0 in device memory (synthetic ones generated on the
-//!   device, or a bundle's tensors at load: GGUF Q8_0 matrices stay Q8_0, other quantized types
-//!   are dequantized to bf16). Norms and the embedding are bf16.
+//!   device, `--dtype q8_0` for Q8_0), or a bundle's tensors converted to bf16 at load (GGUF
+//!   quantized types are dequantized: keeping Q8_0 tensors quantized is not built yet). Norms and
+//!   the embedding are bf16.
 //! * The projections run on tensor cores (`mma.sync`) for any row count, with a fold order that
 //!   depends only on K, so decode, verify and batched rows get the same bits.
 //! * The KV cache is preallocated, `[layers][slots][max_ctx][kv_heads][head_dim]` bf16, and
@@ -394,7 +395,14 @@ impl Gpu {
                 )
             }
         };
-        ck(r, name)?;
+        if let Err(e) = ck(r, name) {
+            if let Some(a) = ev0 {
+                unsafe {
+                    sys::cuEventDestroy_v2(a);
+                }
+            }
+            return Err(e);
+        }
         if let Some(a) = ev0 {
             let b = self.record_event()?;
             if let Some(p) = self.profile.borrow_mut().as_mut() {
@@ -481,6 +489,9 @@ impl Gpu {
                 bail!("the reference GEMV kernels take bf16 weights only");
             }
             return self.gemv(w.0, x, r, y, rows, n, k);
+        }
+        if !k.is_multiple_of(8) {
+            bail!("the GEMM needs K a multiple of 8 (16-byte loads), got {k}");
         }
         let q8 = w.1 != 0;
         let (mt, nt) = gemm_tile(rows, self.wide_mt.get());
