@@ -141,9 +141,14 @@ impl<'a> KvRows<'a> {
 
     /// Contiguous copies `[positions, stride]` of the keys and values.
     pub fn to_vecs(&self) -> (Vec<f32>, Vec<f32>) {
-        let mut k = Vec::with_capacity(self.positions * self.stride);
-        let mut v = Vec::with_capacity(self.positions * self.stride);
-        for j in 0..self.positions {
+        self.copy_range(0..self.positions)
+    }
+
+    /// Contiguous copies `[range.len(), stride]` of the keys and values of positions `range`.
+    pub fn copy_range(&self, range: std::ops::Range<usize>) -> (Vec<f32>, Vec<f32>) {
+        let mut k = Vec::with_capacity(range.len() * self.stride);
+        let mut v = Vec::with_capacity(range.len() * self.stride);
+        for j in range {
             k.extend_from_slice(self.key(j));
             v.extend_from_slice(self.value(j));
         }

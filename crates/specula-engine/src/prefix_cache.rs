@@ -143,7 +143,6 @@ impl PrefixCache {
         self.clock += 1;
         let positions = positions.min(tokens.len()).min(kv.len());
         let layers = kv.num_layers();
-        let stride = kv.stride();
         let mut parent = 0u64;
         for (i, block) in tokens[..positions].chunks_exact(BLOCK_TOKENS).enumerate() {
             let key = chain(parent, block);
@@ -154,15 +153,9 @@ impl PrefixCache {
                     let mut keys = Vec::with_capacity(layers);
                     let mut values = Vec::with_capacity(layers);
                     for layer in 0..layers {
-                        let rows = kv.rows(layer, positions);
-                        let (mut k, mut v) = (
-                            Vec::with_capacity(BLOCK_TOKENS * stride),
-                            Vec::with_capacity(BLOCK_TOKENS * stride),
-                        );
-                        for j in i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS {
-                            k.extend_from_slice(rows.key(j));
-                            v.extend_from_slice(rows.value(j));
-                        }
+                        let (k, v) = kv
+                            .rows(layer, positions)
+                            .copy_range(i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS);
                         keys.push(k);
                         values.push(v);
                     }

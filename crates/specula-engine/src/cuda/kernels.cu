@@ -582,11 +582,6 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* P, unsigned long long n, un
   pdl_launch();
   for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x) {
-    unsigned long long z = seed + i * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    float u = (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;
-    P[i] = f2bf(offset + scale * u);
+    P[i] = f2bf(offset + scale * splitmix_u(seed, i));
   }
 }

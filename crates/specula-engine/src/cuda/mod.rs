@@ -131,7 +131,8 @@ pub struct Gpu {
     profile: std::cell::RefCell<Option<Vec<LaunchEvents>>>,
 }
 
-const KERNELS: [&str; 34] = [
+/// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
+const KERNELS: [&str; 24] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -148,16 +149,6 @@ const KERNELS: [&str; 34] = [
     "gemv_m14",
     "gemv_m15",
     "gemv_m16",
-    "gemm_bf16_1x1",
-    "gemm_bf16_1x2",
-    "gemm_bf16_2x4",
-    "gemm_bf16_2x8",
-    "gemm_bf16_4x8",
-    "gemm_q8_1x1",
-    "gemm_q8_1x2",
-    "gemm_q8_2x4",
-    "gemm_q8_2x8",
-    "gemm_q8_4x8",
     "embed_rows",
     "rmsnorm_bf16",
     "qkv_rope_store",
@@ -242,7 +233,8 @@ impl Gpu {
             "loading Specula's kernels (cuModuleLoadData)",
         )?;
         let mut f = HashMap::new();
-        for name in KERNELS {
+        let gemms = GEMM_NAMES.iter().flatten().map(|e| e.2);
+        for name in KERNELS.into_iter().chain(gemms) {
             let c = CString::new(name)?;
             let mut func = std::ptr::null_mut();
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
