@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor};
 use crate::bundle::{self, LoadedBundle};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::constraint::{Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningConstraint};
+use crate::device::{DeviceSegment, DeviceTarget, SlotPool};
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig, Segment};
 use crate::prefix_cache::PrefixCache;
@@ -70,6 +71,17 @@ pub struct Engine {
     controller_priors: std::collections::HashMap<String, crate::spec::DraftLength>,
     /// Seconds of batched forwards by row count, for the draft-length controllers under load.
     batch_cost: std::sync::Mutex<crate::spec::controller::BatchCost>,
+    /// The accelerator that runs the target's forwards, when one is attached
+    /// ([`Engine::attach_device`]).
+    device: Option<DeviceState>,
+}
+
+/// A [`DeviceTarget`] and its free KV slots.
+struct DeviceState {
+    target: std::sync::Mutex<Box<dyn DeviceTarget>>,
+    slots: SlotPool,
+    name: String,
+    max_ctx: usize,
 }
 
 impl std::fmt::Debug for Engine {
@@ -102,7 +114,58 @@ impl Engine {
             block: None,
             grammar: None,
             tuned: None,
+            device: None,
         }
+    }
+
+    /// Run the target's forwards on `target` (an accelerator holding the KV cache in slots,
+    /// e.g. the CUDA model built from this engine's bundle) instead of the CPU model. The CPU
+    /// model stays loaded for what has no device path yet (`logits_all`, distillation).
+    /// Sequences then hold a device KV slot each ([`Engine::device_slots`]: at most that many
+    /// run at once) and the context window is at most the slots' length. The prefix cache is
+    /// turned off (its KV rows live on the host).
+    ///
+    /// Errors: an MTP head or block drafter is attached (they read hidden-state taps, which the
+    /// device path does not return), the target's vocabulary differs from the model's, or it
+    /// has no slot.
+    pub fn attach_device(&mut self, target: Box<dyn DeviceTarget>) -> Result<()> {
+        if self.mtp.is_some() || self.block.is_some() {
+            anyhow::bail!(
+                "MTP heads and block drafters read the target's hidden states, which the {} path does not return yet: use n-gram or a draft model",
+                target.device_name()
+            );
+        }
+        if target.slots() == 0 || target.max_ctx() == 0 {
+            anyhow::bail!("{}: no KV slot", target.device_name());
+        }
+        if self.prefix.take().is_some() {
+            tracing::info!("prefix cache off: the KV cache lives on {}", target.device_name());
+        }
+        self.device = Some(DeviceState {
+            slots: SlotPool::new(target.slots()),
+            name: target.device_name(),
+            max_ctx: target.max_ctx(),
+            target: std::sync::Mutex::new(target),
+        });
+        Ok(())
+    }
+
+    /// Whether the target's forwards give every row the same bits whatever the batch (then
+    /// speculation and batching are exact): the CPU model's kernels for its weight types
+    /// ([`Model::batch_invariant`]), or the attached device's, which are for every type
+    /// (docs/gpu.md).
+    pub fn batch_invariant(&self) -> bool {
+        self.device.is_some() || self.bundle.model.batch_invariant()
+    }
+
+    /// The attached device ([`Engine::attach_device`]) by name.
+    pub fn device_name(&self) -> Option<&str> {
+        self.device.as_ref().map(|d| d.name.as_str())
+    }
+
+    /// The attached device's KV slots: how many there are and how many are held.
+    pub fn device_slots(&self) -> Option<&SlotPool> {
+        self.device.as_ref().map(|d| &d.slots)
     }
 
     /// Load a draft model (GGUF file or HF directory) for speculative decoding with this engine
@@ -136,6 +199,7 @@ impl Engine {
     /// `On` use it when no draft model is attached. Errors: the head does not load or does not
     /// fit the target (the message names the file and the tensor or field).
     pub fn attach_mtp_head(&mut self, path: &Path) -> Result<()> {
+        self.refuse_taps_on_device("an MTP head")?;
         let head = crate::spec::mtp::MtpHead::load(path, &self.bundle.model)?;
         self.mtp = Some(Arc::new(head));
         Ok(())
@@ -145,9 +209,22 @@ impl Engine {
     /// and attach it: `SpecMode::Block` drafts with it. Errors: it does not load or does not fit
     /// the target (the message names the file and the field or tensor).
     pub fn attach_block_drafter(&mut self, dir: &Path) -> Result<()> {
+        self.refuse_taps_on_device("a block drafter")?;
         let m = crate::spec::block::BlockDrafterModel::load(dir, &self.bundle.model)?;
         self.block = Some(Arc::new(m));
         Ok(())
+    }
+
+    /// Errors when a device is attached: `what` reads hidden-state taps, which the device path
+    /// does not return yet.
+    fn refuse_taps_on_device(&self, what: &str) -> Result<()> {
+        match &self.device {
+            Some(d) => anyhow::bail!(
+                "{what} reads the target's hidden states, which the {} path does not return yet: use n-gram or a draft model",
+                d.name
+            ),
+            None => Ok(()),
+        }
     }
 
     /// The attached block drafter, if any.
@@ -251,7 +328,8 @@ impl Engine {
 
     /// Context window in tokens.
     pub fn context_length(&self) -> usize {
-        self.bundle.model.config.context_length
+        let model = self.bundle.model.config.context_length;
+        self.device.as_ref().map_or(model, |d| model.min(d.max_ctx))
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -384,7 +462,7 @@ impl Engine {
             eos_ids: self.bundle.eos_ids.clone(),
             context_length: self.context_length(),
             prefill_chunk: self.opts.prefill_chunk,
-            batch_invariant: self.bundle.model.batch_invariant(),
+            batch_invariant: self.batch_invariant(),
             draft: self.draft.as_ref().map(|d| (d.model.clone(), d.id.clone())),
             mtp: self.mtp.clone(),
             block: self.block.clone(),
@@ -535,6 +613,9 @@ impl Engine {
         self.validate(req)?;
         let mut req = req.clone();
         req.spec = self.effective_spec(req.spec);
+        if self.device.is_some() {
+            return self.start_device_sequence(req, constraint);
+        }
         let mut kv = self.bundle.model.new_kv_cache();
         // A prefix-cache hit fills the cache with the prefix's rows (at least one prompt token
         // is left to feed: its logits give the first output token).
@@ -553,6 +634,28 @@ impl Engine {
         if cached > 0 {
             seq.skip_prefix(cached);
         }
+        Ok(seq)
+    }
+
+    /// [`Engine::start_sequence`] on the attached device: the sequence leases a KV slot.
+    fn start_device_sequence(
+        &mut self,
+        req: GenerateRequest,
+        constraint: Option<Box<dyn Constraint>>,
+    ) -> Result<Sequence, RequestError> {
+        let Some(dev) = self.device.as_ref() else {
+            return Err(RequestError::Internal("no device attached".into()));
+        };
+        let lease = dev.slots.lease().ok_or_else(|| {
+            RequestError::Internal(format!(
+                "all {} KV slots of {} are in use (run at most that many requests at once)",
+                dev.slots.slots(),
+                dev.name
+            ))
+        })?;
+        let kv = crate::device::position_counter(self.context_length());
+        let mut seq = Sequence::with_constraint(self.sequence_env(), req, kv, constraint);
+        seq.set_device_slot(lease);
         Ok(seq)
     }
 
@@ -622,14 +725,18 @@ impl Engine {
             }
         }
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| inputs[i].is_some()).collect();
+        let mut results: Vec<Result<Option<StepOutcome>, RequestError>> =
+            deferred.iter().map(|&d| Ok(d.then(StepOutcome::default))).collect();
+        if let Some(dev) = &self.device {
+            self.step_device(dev, seqs, &inputs, &live, &mut results);
+            return results;
+        }
         let model = &self.bundle.model;
         let groups: Vec<Vec<usize>> = if model.batch_invariant() {
             vec![live]
         } else {
             live.into_iter().map(|i| vec![i]).collect()
         };
-        let mut results: Vec<Result<Option<StepOutcome>, RequestError>> =
-            deferred.iter().map(|&d| Ok(d.then(StepOutcome::default))).collect();
         for group in groups.into_iter().filter(|g| !g.is_empty()) {
             // The union of the group's drafter taps (MTP heads, block drafters).
             let mut taps: Vec<usize> = group.iter().flat_map(|&i| seqs[i].taps().to_vec()).collect();
@@ -652,16 +759,7 @@ impl Engine {
             let outs = model.forward_batch(&mut segs, &taps);
             let seconds = started.elapsed().as_secs_f64();
             drop(segs);
-            let load = {
-                let mut bc = self.batch_cost.lock().unwrap_or_else(|e| e.into_inner());
-                if outs.is_ok() {
-                    bc.observe(rows, seconds);
-                }
-                bc.load(group.len()).filter(|_| load_aware())
-            };
-            for &i in &group {
-                seqs[i].set_load(load);
-            }
+            self.note_batch(seqs, &group, rows, outs.is_ok().then_some(seconds));
             match outs {
                 Err(e) => {
                     let msg = format!("{e:#}");
@@ -689,6 +787,92 @@ impl Engine {
             }
         }
         results
+    }
+
+    /// Record a batched forward of `rows` rows that took `seconds` (`None`: it failed) and tell
+    /// the `group`'s draft-length controllers the load it implies.
+    fn note_batch(&self, seqs: &mut [&mut Sequence], group: &[usize], rows: usize, seconds: Option<f64>) {
+        let load = {
+            let mut bc = self.batch_cost.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(s) = seconds {
+                bc.observe(rows, s);
+            }
+            bc.load(group.len()).filter(|_| load_aware())
+        };
+        for &i in group {
+            seqs[i].set_load(load);
+        }
+    }
+
+    /// [`Engine::step`] on the attached device: the `live` sequences' inputs go through
+    /// [`crate::device::run_segments`] (one forward, or several of at most the device's row
+    /// limit), each at its slot and its committed length; each sequence then commits the rows
+    /// it fed and absorbs its logits.
+    fn step_device(
+        &self,
+        dev: &DeviceState,
+        seqs: &mut [&mut Sequence],
+        inputs: &[Option<StepInput>],
+        live: &[usize],
+        results: &mut [Result<Option<StepOutcome>, RequestError>],
+    ) {
+        let mut group = Vec::with_capacity(live.len());
+        let mut segs = Vec::with_capacity(live.len());
+        let ctx = self.context_length();
+        for &i in live {
+            let Some(inp) = inputs[i].as_ref() else { continue };
+            let start = seqs[i].kv().len();
+            let fail = if !seqs[i].taps().is_empty() {
+                Some(format!(
+                    "{}: this drafter needs hidden-state taps, which the device path does not return",
+                    dev.name
+                ))
+            } else if start + inp.tokens.len() > ctx {
+                Some(format!("the sequence would pass the {ctx} positions of its KV slot"))
+            } else {
+                None
+            };
+            match (fail, seqs[i].device_slot()) {
+                (Some(m), _) => results[i] = Err(RequestError::Internal(m)),
+                (None, None) => results[i] = Err(RequestError::Internal("the sequence holds no KV slot".into())),
+                (None, Some(slot)) => {
+                    group.push(i);
+                    segs.push(DeviceSegment {
+                        tokens: &inp.tokens,
+                        slot,
+                        start,
+                        rows: inp.rows,
+                    });
+                }
+            }
+        }
+        if segs.is_empty() {
+            return;
+        }
+        let rows: usize = segs.iter().map(|s| s.tokens.len()).sum();
+        let started = std::time::Instant::now();
+        let outs = {
+            let mut t = dev.target.lock().unwrap_or_else(|e| e.into_inner());
+            crate::device::run_segments(&mut **t, &segs)
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        let fed: Vec<usize> = segs.iter().map(|s| s.tokens.len()).collect();
+        drop(segs);
+        self.note_batch(seqs, &group, rows, outs.is_ok().then_some(seconds));
+        match outs {
+            Err(e) => {
+                let msg = format!("{e:#}");
+                for &i in &group {
+                    results[i] = Err(RequestError::Internal(msg.clone()));
+                }
+            }
+            Ok(outs) => {
+                for ((&i, logits), n) in group.iter().zip(outs).zip(fed) {
+                    let absorbed = seqs[i].kv_mut().advance(n).and_then(|()| seqs[i].absorb(logits));
+                    results[i] = absorbed.map(Some).map_err(|e| RequestError::Internal(format!("{e:#}")));
+                }
+            }
+        }
     }
 }
 

@@ -10,6 +10,7 @@ pub mod chat;
 pub mod constraint;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod distill;
 pub mod emit;
 pub mod engine;

@@ -94,6 +94,9 @@ pub struct Sequence {
     /// The drafter's taps from the last verify forward: its first position and one
     /// `[fed, hidden]` buffer per tap (the committed rows go to the drafter after acceptance).
     tapped: Option<(usize, Vec<Vec<f32>>)>,
+    /// The KV slot this sequence holds on a device target (freed when the sequence is dropped
+    /// or finished).
+    slot: Option<crate::device::SlotLease>,
 }
 
 impl Sequence {
@@ -213,7 +216,18 @@ impl Sequence {
             decode_started: None,
             forward_started: None,
             tapped: None,
+            slot: None,
         }
+    }
+
+    /// Give this sequence a device KV slot ([`crate::Engine::attach_device`]).
+    pub fn set_device_slot(&mut self, lease: crate::device::SlotLease) {
+        self.slot = Some(lease);
+    }
+
+    /// The device KV slot this sequence holds, if any.
+    pub fn device_slot(&self) -> Option<u32> {
+        self.slot.as_ref().map(|l| l.slot())
     }
 
     /// The target hidden states this sequence's drafter reads ([`Drafter::taps`]); the caller

@@ -572,6 +572,7 @@ fn model_json(h: &EngineHandle) -> Value {
             "draft_max": m.spec.draft_max,
             "adaptive": m.spec.adaptive,
             "batch_invariant": m.batch_invariant,
+            "device": m.device,
             "effective_spec": m.effective_spec,
             "tuned_default": m.tuned_default,
             "bundle": m.bundle,

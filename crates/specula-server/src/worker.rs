@@ -46,6 +46,8 @@ pub struct ModelInfo {
     /// Whether every projection of the model runs on a batch-invariant kernel (speculation is
     /// used only then; otherwise requests decode plain AR).
     pub batch_invariant: bool,
+    /// Where the target runs: "cpu", or the GPU's name with `--device cuda:N`.
+    pub device: String,
     /// Speculative decoding for requests that do not set the `spec` field.
     pub spec: SpecOptions,
     /// The chat format: tool-call dialect, thinking.
@@ -82,7 +84,7 @@ pub(crate) fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_
                 None => "speculation off".to_string(),
             },
         ),
-        Some(_) if !engine.model().batch_invariant() => (
+        Some(_) if !engine.batch_invariant() => (
             "ar".to_string(),
             "this model's kernels are not batch-invariant, so speculation would not be exact".to_string(),
         ),
@@ -335,7 +337,8 @@ impl EngineHandle {
             created: unix_now(),
             draft_model: engine.draft_model_id().map(str::to_string),
             native_drafters: engine.native_drafters(),
-            batch_invariant: engine.model().batch_invariant(),
+            batch_invariant: engine.batch_invariant(),
+            device: engine.device_name().unwrap_or("cpu").to_string(),
             spec,
             chat: ChatInfo::of(&engine),
         };

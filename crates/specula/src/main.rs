@@ -91,6 +91,10 @@ struct ServeArgs {
     /// mistral (default: detected from the chat template and the model family).
     #[arg(long, value_parser = parse_tool_parser)]
     tool_parser: Option<specula_server::tools::Dialect>,
+    /// Where the target runs: cpu, or cuda:N with a build made with `--features cuda`
+    /// (docs/gpu.md; weights in bf16, the KV cache in one GPU slot per running request).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -168,6 +172,10 @@ struct GenerateArgs {
     /// strict refuses).
     #[arg(long, value_enum, default_value = "advisory")]
     memory_check: preflight::MemoryCheckArg,
+    /// Where the target runs: cpu, or cuda:N with a build made with `--features cuda`
+    /// (docs/gpu.md; weights in bf16, the KV cache in one GPU slot per running request).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -242,7 +250,22 @@ impl SpecArgs {
         }
         let drafters: Vec<PathBuf> = match &self.drafter {
             Some(p) => vec![p.clone()],
-            None => model_path.map(native_sidecars).unwrap_or_default(),
+            None => {
+                let found = model_path.map(native_sidecars).unwrap_or_default();
+                match engine.device_name() {
+                    // Native drafters read hidden-state taps, which the device path does not
+                    // return yet: the ones found beside the model are left out (a named
+                    // --drafter is refused by the engine, with the reason).
+                    Some(d) if !found.is_empty() => {
+                        tracing::warn!(
+                            device = d,
+                            "native drafters beside the model are not used on this device"
+                        );
+                        Vec::new()
+                    }
+                    _ => found,
+                }
+            }
         };
         for p in &drafters {
             if is_block_drafter(p) {
@@ -458,6 +481,7 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
+    check_device(&a.device)?;
     let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let t = std::time::Instant::now();
     let opts = LoadOptions {
@@ -465,14 +489,22 @@ fn serve(a: ServeArgs) -> Result<()> {
         ..LoadOptions::default()
     };
     let mut engine = load_with(&a.model, a.served_model_name.clone(), opts)?;
+    let model_path = pull::resolve_model(&a.model, false).ok();
+    let on_device = attach_device(&mut engine, &a.device, model_path.as_deref(), a.max_batch as usize)?;
     let target_load_s = t.elapsed().as_secs_f64();
     let t = std::time::Instant::now();
-    let model_path = pull::resolve_model(&a.model, false).ok();
     a.spec.attach(&mut engine, model_path.as_deref())?;
     let draft_load_s = a.spec.draft_model.is_some().then(|| t.elapsed().as_secs_f64());
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
+    // On a device, running requests are bounded by its KV slots (the KV cache lives there).
+    let max_batch = match engine.device_slots() {
+        Some(s) => s.slots().min(a.max_batch as usize),
+        None => a.max_batch as usize,
+    };
     let available = specula_engine::inspect::memory::available_memory();
-    let kv_budget = if a.kv_budget_mb > 0 {
+    let kv_budget = if on_device {
+        usize::MAX
+    } else if a.kv_budget_mb > 0 {
         a.kv_budget_mb.saturating_mul(1 << 20)
     } else {
         // Half of what is left after loading (the prefix cache has its own budget).
@@ -488,10 +520,10 @@ fn serve(a: ServeArgs) -> Result<()> {
             host: a.host,
             port: a.port,
             max_queue: a.max_queue,
-            max_batch: a.max_batch as usize,
-            kv_budget_bytes: Some(kv_budget),
+            max_batch,
+            kv_budget_bytes: (!on_device).then_some(kv_budget),
             // Preallocating more than the machine has would end the server before it serves.
-            kv_preallocate: a.kv_budget_mb > 0 && {
+            kv_preallocate: !on_device && a.kv_budget_mb > 0 && {
                 let fits = available.is_none_or(|b| kv_budget as u64 <= b);
                 if !fits {
                     tracing::warn!(
@@ -512,9 +544,11 @@ fn serve(a: ServeArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    check_device(&a.device)?;
     let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let mut engine = load(&a.model, None)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
+    attach_device(&mut engine, &a.device, model_path.as_deref(), 1)?;
     a.spec.attach(&mut engine, model_path.as_deref())?;
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     let prompt_tokens = if a.chat {
@@ -546,6 +580,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             "text": out.text,
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason.as_str(),
+            "device": engine.device_name().unwrap_or("cpu"),
             "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens},
             "timings": {"prefill_s": s.prefill_s, "decode_s": s.decode_s, "decode_steps": s.decode_steps},
             "speculative": s.spec.to_json(),
@@ -703,6 +738,60 @@ fn cuda_ordinal(device: &str) -> Result<usize> {
         .and_then(|n| n.parse().ok())
         .or_else(|| (device == "cuda").then_some(0))
         .ok_or_else(|| anyhow::anyhow!("unknown device '{device}': use cpu or cuda:N"))
+}
+
+/// `--device`: for cuda:N, load the target onto that GPU with KV slots for up to `slots`
+/// running requests and attach it to `engine` ([`Engine::attach_device`]). Returns whether a
+/// device was attached. Errors: an unknown device, a build without CUDA, a GPU or bundle the
+/// CUDA path cannot use.
+fn attach_device(
+    engine: &mut Engine,
+    device: &str,
+    model_path: Option<&std::path::Path>,
+    slots: usize,
+) -> Result<bool> {
+    if device == "cpu" {
+        return Ok(false);
+    }
+    let ordinal = cuda_ordinal(device)?;
+    let path = model_path.ok_or_else(|| anyhow::anyhow!("--device {device}: the model's path is unknown"))?;
+    attach_cuda(engine, ordinal, path, slots)?;
+    Ok(true)
+}
+
+/// `--device` before anything loads: a known device name this build can use.
+fn check_device(device: &str) -> Result<()> {
+    if device == "cpu" {
+        return Ok(());
+    }
+    let ordinal = cuda_ordinal(device)?;
+    if cfg!(feature = "cuda") {
+        Ok(())
+    } else {
+        bail!("this specula was built without CUDA: build with `cargo build --release --features cuda` (docs/gpu.md) for --device cuda:{ordinal}")
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn attach_cuda(engine: &mut Engine, ordinal: usize, path: &std::path::Path, slots: usize) -> Result<()> {
+    let t = std::time::Instant::now();
+    let m = specula_engine::cuda::load::engine_target(ordinal, path, engine.config(), slots)
+        .with_context(|| format!("loading {} onto cuda:{ordinal}", path.display()))?;
+    tracing::info!(
+        device = %m.gpu.name(),
+        weights_mib = m.weight_bytes() >> 20,
+        kv_mib = m.kv_bytes() >> 20,
+        slots = m.slots(),
+        context = m.max_ctx(),
+        "target on cuda:{ordinal} in {:.2}s",
+        t.elapsed().as_secs_f64()
+    );
+    engine.attach_device(Box::new(m))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn attach_cuda(_: &mut Engine, ordinal: usize, _: &std::path::Path, _: usize) -> Result<()> {
+    check_device(&format!("cuda:{ordinal}"))
 }
 
 #[cfg(feature = "cuda")]

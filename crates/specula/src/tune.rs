@@ -156,7 +156,7 @@ pub fn run(a: TuneArgs) -> Result<()> {
             .with_context(|| format!("loading draft model {}", dp.display()))?;
     }
     tracing::info!("loaded in {:.1}s", t.elapsed().as_secs_f64());
-    if !engine.model().batch_invariant() {
+    if !engine.batch_invariant() {
         tracing::warn!("this model's kernels are not batch-invariant: every speculative configuration decodes AR");
     }
     let max_tokens = a.max_tokens as usize;

@@ -262,6 +262,14 @@ impl Gpu {
         })
     }
 
+    /// Make this GPU's context current on the calling thread (CUDA driver calls act on the
+    /// thread's current context; a model built on one thread and run on another needs this).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow::anyhow!("binding the CUDA context to this thread: {e:?}"))
+    }
+
     /// Device name, e.g. "NVIDIA H200".
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "unknown".into())
@@ -278,6 +286,13 @@ impl Gpu {
 
     pub fn total_memory(&self) -> usize {
         self.ctx.total_mem().unwrap_or(0)
+    }
+
+    /// Bytes of device memory free now (`cuMemGetInfo`).
+    pub fn free_memory(&self) -> Result<usize> {
+        let (mut free, mut total) = (0usize, 0usize);
+        ck(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
+        Ok(free)
     }
 
     fn func(&self, name: &str) -> Result<(&'static str, sys::CUfunction)> {
@@ -807,6 +822,35 @@ impl GpuModel {
         self.kv.slots
     }
 
+    /// Size the KV cache for up to `want_slots` sequences of `want_ctx` positions within
+    /// `fraction` of the device memory free now (the current KV cache counted as free): as many
+    /// slots as fit, and when not even one fits, the context halved until it does (not below
+    /// 256 positions). Returns (slots, positions per slot). Errors: not even one slot of 256
+    /// positions fits, or the allocation fails.
+    pub fn fit_kv(&mut self, want_slots: usize, want_ctx: usize, fraction: f64) -> Result<(usize, usize)> {
+        let c = &self.config;
+        let free = self.gpu.free_memory()? + self.kv_bytes() + self.s.scores.bytes();
+        let budget = (free as f64 * fraction) as usize;
+        let per_pos = c.layers * c.kv_heads * c.head_dim * 2 * 2;
+        let mut ctx = want_ctx.max(1);
+        loop {
+            let scores = MAX_ROWS * c.heads * ctx * 4;
+            let slots = budget.saturating_sub(scores) / (per_pos * ctx).max(1);
+            if slots >= 1 {
+                let slots = slots.min(want_slots.max(1));
+                self.resize_kv(slots, ctx)?;
+                return Ok((slots, ctx));
+            }
+            if ctx <= 256 {
+                bail!(
+                    "not even one KV slot of {ctx} positions fits in the {} MiB of GPU memory left after the weights",
+                    free >> 20
+                );
+            }
+            ctx = (ctx / 2).max(256);
+        }
+    }
+
     pub fn max_ctx(&self) -> usize {
         self.kv.max_ctx
     }
@@ -1013,6 +1057,64 @@ impl GpuModel {
         self.read_out(n, want_logits)
     }
 
+    /// As [`GpuModel::forward`], returning the f32 logits `[vocab]` of the rows whose `want`
+    /// flag is set (in row order) and downloading only those. A wide forward (past the graph
+    /// widths) that wants no row, or only its last, runs the LM head on that row alone.
+    /// Errors: as [`GpuModel::forward`], or `want` of another length than `rows`.
+    pub fn forward_select(&mut self, rows: &[Row], want: &[bool]) -> Result<Vec<Vec<f32>>> {
+        self.check_rows(rows)?;
+        if want.len() != rows.len() {
+            bail!("{} logits flags for {} rows", want.len(), rows.len());
+        }
+        let n = rows.len();
+        self.write_io(rows)?;
+        let wanted = want.iter().filter(|&&w| w).count();
+        let only_last = wanted == 0 || (wanted == 1 && want[n - 1]);
+        // Logits row r of the buffer holds input row `first + r`.
+        let first = if self.use_graphs && n <= GRAPH_MAX_ROWS {
+            if !self.graphs.contains_key(&n) {
+                let g = self.capture(n)?;
+                self.graphs.insert(n, g);
+            }
+            let exec = self.graphs[&n].exec;
+            ck(unsafe { sys::cuGraphLaunch(exec, self.gpu.stream) }, "cuGraphLaunch")?;
+            0
+        } else if only_last {
+            let mode = if wanted == 0 {
+                LogitsRows::None
+            } else {
+                LogitsRows::Last
+            };
+            self.enqueue(n, mode)?;
+            n - 1
+        } else {
+            self.enqueue(n, LogitsRows::All)?;
+            0
+        };
+        let v = self.config.vocab;
+        let mut out = Vec::with_capacity(wanted);
+        let mut i = 0;
+        while i < n {
+            if !want[i] {
+                i += 1;
+                continue;
+            }
+            // One download per run of wanted rows.
+            let mut j = i;
+            while j < n && want[j] {
+                j += 1;
+            }
+            let mut buf = vec![0f32; (j - i) * v];
+            self.gpu.download(&mut buf, self.s.logits.at((i - first) * v * 4))?;
+            out.extend(buf.chunks_exact(v).map(<[f32]>::to_vec));
+            i = j;
+        }
+        if wanted == 0 {
+            self.gpu.synchronize()?;
+        }
+        Ok(out)
+    }
+
     /// Run one forward over `rows` kernel by kernel with CUDA events around each launch, and
     /// return the time per kernel (the KV cache is written as by [`GpuModel::forward`]).
     pub fn profile(&mut self, rows: &[Row]) -> Result<Profile> {
@@ -1074,5 +1176,43 @@ impl GpuModel {
             }
         }
         Ok(out)
+    }
+}
+
+// SAFETY: the raw handles a `GpuModel` holds (stream, module, functions, graphs, device
+// memory) belong to its CUDA context, not to a thread; the driver accepts them from any thread
+// on which that context is current. A `GpuModel` moved to another thread is used there only
+// through `&mut self` (the engine keeps it behind a mutex) and `DeviceTarget::forward` makes
+// the context current first. The `Cell`s inside `Gpu` are never shared across threads.
+unsafe impl Send for GpuModel {}
+
+impl crate::device::DeviceTarget for GpuModel {
+    fn device_name(&self) -> String {
+        self.gpu.name()
+    }
+
+    fn slots(&self) -> usize {
+        self.kv.slots
+    }
+
+    fn max_ctx(&self) -> usize {
+        self.kv.max_ctx
+    }
+
+    fn max_rows(&self) -> usize {
+        MAX_ROWS
+    }
+
+    fn forward(&mut self, rows: &[crate::device::DeviceRow], want: &[bool]) -> Result<Vec<Vec<f32>>> {
+        self.gpu.bind()?;
+        let rows: Vec<Row> = rows
+            .iter()
+            .map(|r| Row {
+                token: r.token,
+                slot: r.slot,
+                pos: r.pos,
+            })
+            .collect();
+        self.forward_select(&rows, want)
     }
 }

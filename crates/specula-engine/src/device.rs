@@ -1,0 +1,259 @@
+//! A target model that runs on an accelerator and keeps its KV cache there, in one slot per
+//! sequence (the CUDA backend, [`crate::cuda::GpuModel`]).
+//!
+//! The engine drives such a target through [`DeviceTarget`]: every input row names its
+//! sequence's slot and its position, the device writes the row's keys and values at
+//! `(slot, pos)` and the row attends to its slot's positions `0..=pos`. Rollback is therefore
+//! free: a rejected draft row is simply overwritten by the next row fed at that position. On
+//! the host, the sequence's [`KvCache`](crate::kv_cache::KvCache) has no layers and only counts
+//! committed positions.
+//!
+//! Exactness needs the device's kernels to give every row the same bits whatever else is in
+//! the forward (row count, other sequences, positions): the CUDA kernels are built that way
+//! (docs/exactness.md, docs/gpu.md), and [`CpuSlots`] is the CPU model behind the same
+//! interface, which the tests use to check the engine's slot plumbing byte for byte.
+
+use crate::kv_cache::KvCache;
+use crate::model::{LogitsRows, Model};
+use anyhow::{bail, Result};
+use std::sync::{Arc, Mutex};
+
+/// One input row of a device forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRow {
+    /// Token id (< vocab).
+    pub token: u32,
+    /// KV slot of the row's sequence (< [`DeviceTarget::slots`]).
+    pub slot: u32,
+    /// Position of the token in its sequence (< [`DeviceTarget::max_ctx`]).
+    pub pos: u32,
+}
+
+/// A target model that holds its KV cache in per-sequence slots.
+pub trait DeviceTarget: Send {
+    /// The device, for logs and `/metrics` (e.g. "NVIDIA H200 (cuda:0)").
+    fn device_name(&self) -> String;
+    /// Number of KV slots (sequences that can run at once).
+    fn slots(&self) -> usize;
+    /// Positions per slot.
+    fn max_ctx(&self) -> usize;
+    /// Most rows one [`DeviceTarget::forward`] takes.
+    fn max_rows(&self) -> usize;
+    /// One forward over `rows` (any mix of slots and positions; the rows of one slot in
+    /// increasing position order). Each row's keys and values are written at `(slot, pos)`
+    /// before it attends to `0..=pos` of its slot.
+    ///
+    /// Returns the f32 logits `[vocab]` of each row whose `want` flag is set, in row order.
+    /// Errors: more than [`DeviceTarget::max_rows`] rows, a slot, position or token out of
+    /// range, a device failure.
+    fn forward(&mut self, rows: &[DeviceRow], want: &[bool]) -> Result<Vec<Vec<f32>>>;
+}
+
+/// The slots of a [`DeviceTarget`] not held by a sequence.
+#[derive(Debug, Clone)]
+pub struct SlotPool {
+    free: Arc<Mutex<Vec<u32>>>,
+    slots: usize,
+}
+
+impl SlotPool {
+    /// A pool of slots `0..slots`, all free.
+    pub fn new(slots: usize) -> Self {
+        Self {
+            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
+            slots,
+        }
+    }
+
+    /// Take a free slot (the lowest), or `None` when every slot is held.
+    pub fn lease(&self) -> Option<SlotLease> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.pop().map(|slot| SlotLease {
+            slot,
+            free: self.free.clone(),
+        })
+    }
+
+    /// Slots currently held.
+    pub fn in_use(&self) -> usize {
+        self.slots - self.free.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+}
+
+/// A KV slot held by one sequence; dropping it frees the slot.
+#[derive(Debug)]
+pub struct SlotLease {
+    slot: u32,
+    free: Arc<Mutex<Vec<u32>>>,
+}
+
+impl SlotLease {
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+}
+
+impl Drop for SlotLease {
+    fn drop(&mut self) {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.push(self.slot);
+        // Lowest slot first, so a lone sequence keeps reusing the same (warm) slot.
+        free.sort_unstable_by(|a, b| b.cmp(a));
+    }
+}
+
+/// The host-side cache of a sequence on a device target: no layers, it only counts the
+/// committed positions (`truncate` rolls back, `advance` commits).
+pub fn position_counter(capacity: usize) -> KvCache {
+    KvCache::new(0, 1, 1, capacity)
+}
+
+/// One segment of a device step: `tokens` fed to `slot` at positions `start..`, with the logits
+/// rows the caller wants.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceSegment<'a> {
+    pub tokens: &'a [u32],
+    pub slot: u32,
+    pub start: usize,
+    pub rows: LogitsRows,
+}
+
+/// Run `segs` through `target` in forwards of at most `max_rows` rows (segments are kept whole
+/// in one forward where they fit; a longer one is split, which is exact since each row only
+/// reads its slot's earlier positions). Returns each segment's logits rows: all, the last or
+/// none, as it asked.
+pub fn run_segments(target: &mut dyn DeviceTarget, segs: &[DeviceSegment<'_>]) -> Result<Vec<Vec<Vec<f32>>>> {
+    let cap = target.max_rows().max(1);
+    let mut out: Vec<Vec<Vec<f32>>> = segs.iter().map(|_| Vec::new()).collect();
+    // (segment, row index within it) of every row of the forward being built.
+    let mut rows: Vec<DeviceRow> = Vec::new();
+    let mut want: Vec<bool> = Vec::new();
+    let mut owner: Vec<usize> = Vec::new();
+    let mut flush = |rows: &mut Vec<DeviceRow>, want: &mut Vec<bool>, owner: &mut Vec<usize>| -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let logits = target.forward(rows, want)?;
+        let owners = owner.iter().zip(want.iter()).filter(|(_, &w)| w).map(|(&o, _)| o);
+        let mut got = 0;
+        for (o, l) in owners.zip(logits) {
+            out[o].push(l);
+            got += 1;
+        }
+        let asked = want.iter().filter(|&&w| w).count();
+        if got != asked {
+            bail!("the device returned {got} logits rows, {asked} were asked for");
+        }
+        rows.clear();
+        want.clear();
+        owner.clear();
+        Ok(())
+    };
+    for (si, s) in segs.iter().enumerate() {
+        if !rows.is_empty() && rows.len() + s.tokens.len() > cap {
+            flush(&mut rows, &mut want, &mut owner)?;
+        }
+        let n = s.tokens.len();
+        for (i, &token) in s.tokens.iter().enumerate() {
+            if rows.len() == cap {
+                flush(&mut rows, &mut want, &mut owner)?;
+            }
+            rows.push(DeviceRow {
+                token,
+                slot: s.slot,
+                pos: (s.start + i) as u32,
+            });
+            want.push(match s.rows {
+                LogitsRows::All => true,
+                LogitsRows::Last => i + 1 == n,
+                LogitsRows::None => false,
+            });
+            owner.push(si);
+        }
+    }
+    flush(&mut rows, &mut want, &mut owner)?;
+    Ok(out)
+}
+
+/// The CPU [`Model`] behind the [`DeviceTarget`] interface: one KV cache per slot, truncated to
+/// the row's position before the row is fed. Its rows get the same bits as the CPU engine's
+/// own path (the CPU kernels are batch-invariant), so tests compare the two byte for byte.
+pub struct CpuSlots {
+    model: Arc<Model>,
+    caches: Vec<KvCache>,
+    max_rows: usize,
+}
+
+impl CpuSlots {
+    /// `slots` slots of the model's context length; at most `max_rows` rows per forward.
+    pub fn new(model: Arc<Model>, slots: usize, max_rows: usize) -> Self {
+        let caches = (0..slots).map(|_| model.new_kv_cache()).collect();
+        Self {
+            model,
+            caches,
+            max_rows,
+        }
+    }
+}
+
+impl DeviceTarget for CpuSlots {
+    fn device_name(&self) -> String {
+        "cpu (slots)".into()
+    }
+
+    fn slots(&self) -> usize {
+        self.caches.len()
+    }
+
+    fn max_ctx(&self) -> usize {
+        self.model.config.context_length
+    }
+
+    fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    fn forward(&mut self, rows: &[DeviceRow], want: &[bool]) -> Result<Vec<Vec<f32>>> {
+        if rows.len() > self.max_rows || rows.len() != want.len() {
+            bail!(
+                "cpu slots: {} rows ({} flags), at most {}",
+                rows.len(),
+                want.len(),
+                self.max_rows
+            );
+        }
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < rows.len() {
+            // A run of consecutive positions of one slot.
+            let r0 = rows[i];
+            let mut j = i + 1;
+            while j < rows.len() && rows[j].slot == r0.slot && rows[j].pos == rows[j - 1].pos + 1 {
+                j += 1;
+            }
+            let Some(kv) = self.caches.get_mut(r0.slot as usize) else {
+                bail!("slot {} out of range ({} slots)", r0.slot, self.caches.len());
+            };
+            if r0.pos as usize > kv.len() {
+                bail!(
+                    "slot {}: position {} past the {} positions written",
+                    r0.slot,
+                    r0.pos,
+                    kv.len()
+                );
+            }
+            kv.truncate(r0.pos as usize);
+            let tokens: Vec<u32> = rows[i..j].iter().map(|r| r.token).collect();
+            let logits = self.model.forward(&tokens, kv, LogitsRows::All, &[])?.logits;
+            let logits = logits.to_vec2::<f32>()?;
+            out.extend(logits.into_iter().zip(&want[i..j]).filter(|(_, &w)| w).map(|(l, _)| l));
+            i = j;
+        }
+        Ok(out)
+    }
+}

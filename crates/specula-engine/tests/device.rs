@@ -1,0 +1,249 @@
+//! The engine's device path (`Engine::attach_device`: KV in per-sequence slots, rollback by
+//! position, logits rows selected per segment) against the engine's own CPU path, byte for
+//! byte, with the CPU model behind the device interface ([`CpuSlots`]). The CUDA model runs the
+//! same engine code on the H200 (docs/gpu.md).
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Device;
+use specula_engine::device::{run_segments, CpuSlots, DeviceSegment, DeviceTarget};
+use specula_engine::model::{Family, LogitsRows};
+use specula_engine::spec::mtp::MtpLayout;
+use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::testing::{write_tiny_gguf, TinySpec};
+use specula_engine::{bundle, Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
+use std::path::Path;
+use std::sync::Arc;
+
+fn write(dir: &Path, name: &str, spec: TinySpec) -> std::path::PathBuf {
+    let path = dir.join(name);
+    write_tiny_gguf(&path, &spec).expect("write");
+    path
+}
+
+fn base() -> TinySpec {
+    TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..TinySpec::new(Family::Qwen2)
+    }
+}
+
+/// A plain engine and one whose target runs through `CpuSlots` with `slots` slots and at most
+/// `max_rows` rows per forward (small, so long segments are split).
+fn pair(dir: &Path, slots: usize, max_rows: usize) -> (Engine, Engine) {
+    let target = write(dir, "target.gguf", base());
+    let draft = write(
+        dir,
+        "draft.gguf",
+        TinySpec {
+            seed: 7,
+            layers: 1,
+            dtype: GgmlDType::Q4_0,
+            ..base()
+        },
+    );
+    let opts = || LoadOptions {
+        prefill_chunk: 16,
+        ..LoadOptions::default()
+    };
+    let mut plain = Engine::load(&target, "tiny", opts()).expect("load");
+    plain.attach_draft_model(&draft, "tiny-draft").expect("attach");
+    let mut dev = Engine::load(&target, "tiny", opts()).expect("load");
+    dev.attach_draft_model(&draft, "tiny-draft").expect("attach");
+    let model = Arc::new(bundle::load(&target, &Device::Cpu).expect("load").model);
+    dev.attach_device(Box::new(CpuSlots::new(model, slots, max_rows)))
+        .expect("attach device");
+    (plain, dev)
+}
+
+fn req(e: &Engine, text: &str, max_tokens: usize, mode: SpecMode, sampling: SamplingParams) -> GenerateRequest {
+    GenerateRequest {
+        prompt_tokens: e.tokenize(text).expect("tokenize"),
+        sampling,
+        max_tokens: Some(max_tokens),
+        stop: vec![],
+        logprobs: Some(2),
+        ignore_eos: true,
+        spec: SpecOptions {
+            mode,
+            draft_max: 4,
+            adaptive: false,
+        },
+    }
+}
+
+fn same(a: &GenerateOutput, b: &GenerateOutput, what: &str) {
+    assert_eq!(a.text.as_bytes(), b.text.as_bytes(), "{what}: text");
+    assert_eq!(a.token_ids, b.token_ids, "{what}: token ids");
+    assert_eq!(a.logprobs, b.logprobs, "{what}: logprobs");
+    assert_eq!(a.finish_reason, b.finish_reason, "{what}: finish reason");
+    assert_eq!(a.stats.completion_tokens, b.stats.completion_tokens, "{what}: usage");
+}
+
+fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: Some(seed),
+        ..SamplingParams::greedy()
+    }
+}
+
+#[test]
+fn device_path_equals_the_cpu_path_for_ar_and_every_drafter() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut plain, mut dev) = pair(dir.path(), 2, 5);
+    assert_eq!(dev.device_name(), Some("cpu (slots)"));
+    let prompt = "the then the thin the then the thin the then, and a longer prompt past one chunk";
+    for mode in [SpecMode::Off, SpecMode::Ngram, SpecMode::Draft] {
+        for (what, sampling) in [("greedy", SamplingParams::greedy()), ("sampled", sampled(11))] {
+            let r = req(&plain, prompt, 60, mode, sampling);
+            let a = plain.generate(&r, &mut |_| true).expect("plain");
+            let b = dev.generate(&r, &mut |_| true).expect("device");
+            same(&a, &b, &format!("{mode:?} {what}"));
+            assert_eq!(a.stats.spec.decode_path, b.stats.spec.decode_path);
+            if mode == SpecMode::Draft {
+                // Other weights draft: some rows are rejected and rolled back by position.
+                assert!(b.stats.spec.drafted > 0, "{what}: drafted");
+                assert!(b.stats.spec.accepted < b.stats.spec.drafted, "{what}: some rejected");
+            }
+        }
+    }
+    // Every slot went back.
+    assert_eq!(dev.device_slots().map(|s| s.in_use()), Some(0));
+}
+
+#[test]
+fn concurrent_device_sequences_equal_their_solo_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut plain, mut dev) = pair(dir.path(), 4, 7);
+    let reqs = [
+        req(
+            &plain,
+            "the then the thin the then",
+            40,
+            SpecMode::Ngram,
+            SamplingParams::greedy(),
+        ),
+        req(
+            &plain,
+            "a b c a b c a b c a b",
+            33,
+            SpecMode::Off,
+            SamplingParams::greedy(),
+        ),
+        req(
+            &plain,
+            "hello there, hello there, hello",
+            45,
+            SpecMode::Draft,
+            sampled(3),
+        ),
+        req(
+            &plain,
+            "one two three four five six seven eight nine ten",
+            29,
+            SpecMode::Draft,
+            SamplingParams::greedy(),
+        ),
+    ];
+    let solo: Vec<GenerateOutput> = reqs
+        .iter()
+        .map(|r| plain.generate(r, &mut |_| true).expect("solo"))
+        .collect();
+    let mut seqs: Vec<_> = reqs
+        .iter()
+        .map(|r| dev.start_sequence(r, None).expect("start"))
+        .collect();
+    let slots: Vec<_> = seqs.iter().map(|s| s.device_slot()).collect();
+    assert_eq!(slots, vec![Some(0), Some(1), Some(2), Some(3)]);
+    // A fifth sequence finds no slot: a clear error, nothing leaks.
+    let Err(err) = dev.start_sequence(&reqs[0], None) else {
+        panic!("a fifth sequence got a slot");
+    };
+    assert!(err.to_string().contains("KV slots"), "{err}");
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in dev.step(&mut refs) {
+            r.expect("step");
+        }
+        steps += 1;
+        assert!(steps < 400, "no progress");
+    }
+    for (i, s) in seqs.into_iter().enumerate() {
+        let out = dev.retire(s, true);
+        same(&solo[i], &out, &format!("sequence {i}"));
+    }
+    assert_eq!(dev.device_slots().map(|s| s.in_use()), Some(0));
+    // A freed slot serves the next request.
+    let again = dev.generate(&reqs[1], &mut |_| true).expect("again");
+    same(&solo[1], &again, "after the batch");
+}
+
+#[test]
+fn device_segments_split_at_the_row_limit_and_select_logits_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = write(dir.path(), "target.gguf", base());
+    let model = Arc::new(bundle::load(&target, &Device::Cpu).expect("load").model);
+    let tokens: Vec<u32> = (0..13).map(|i| 97 + i * 3 % 26).collect();
+    // Reference: all 13 rows through the CPU model at once.
+    let mut kv = model.new_kv_cache();
+    let all: Vec<Vec<f32>> = model
+        .forward(&tokens, &mut kv, LogitsRows::All, &[])
+        .expect("forward")
+        .logits
+        .to_vec2()
+        .expect("logits");
+    let mut t = CpuSlots::new(model.clone(), 2, 4);
+    let segs = [
+        DeviceSegment {
+            tokens: &tokens[..9],
+            slot: 1,
+            start: 0,
+            rows: LogitsRows::None,
+        },
+        DeviceSegment {
+            tokens: &tokens[..3],
+            slot: 0,
+            start: 0,
+            rows: LogitsRows::Last,
+        },
+    ];
+    let out = run_segments(&mut t, &segs).expect("run");
+    assert_eq!(out[0].len(), 0);
+    assert_eq!(out[1], vec![all[2].clone()]);
+    let rest = [DeviceSegment {
+        tokens: &tokens[9..],
+        slot: 1,
+        start: 9,
+        rows: LogitsRows::All,
+    }];
+    let out = run_segments(&mut t, &rest).expect("run");
+    assert_eq!(out[0], all[9..].to_vec());
+    // Out-of-range slots and positions past what a slot holds are errors, not panics.
+    let bad = [DeviceSegment {
+        tokens: &tokens[..1],
+        slot: 5,
+        start: 0,
+        rows: LogitsRows::Last,
+    }];
+    assert!(run_segments(&mut t, &bad).is_err());
+    let gap = [DeviceSegment {
+        tokens: &tokens[..1],
+        slot: 0,
+        start: 7,
+        rows: LogitsRows::Last,
+    }];
+    assert!(run_segments(&mut t, &gap).is_err());
+    assert_eq!(t.max_rows(), 4);
+}
+
+#[test]
+fn drafters_with_taps_are_refused_on_a_device() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_plain, mut dev) = pair(dir.path(), 1, 8);
+    let head = dir.path().join("head");
+    specula_engine::testing::write_random_mtp_head(&head, dev.model(), MtpLayout::DeepseekV3, None, 3).expect("head");
+    let err = dev.attach_mtp_head(&head).expect_err("refused");
+    assert!(err.to_string().contains("hidden states"), "{err}");
+}
