@@ -29,6 +29,25 @@ pub struct DeviceRow {
     pub pos: u32,
 }
 
+/// What the caller needs of one row's logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowNeed {
+    /// Nothing (a prompt row before the last).
+    None,
+    /// Only the argmax (lowest id on a tie, as [`crate::sampling::argmax`]): greedy requests
+    /// without penalties, logprobs or constraints. Saves moving `vocab` floats per row.
+    Argmax,
+    /// The f32 logits `[vocab]`.
+    Logits,
+}
+
+/// One row's result of a [`DeviceTarget::forward`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum RowOut {
+    Argmax(u32),
+    Logits(Vec<f32>),
+}
+
 /// A target model that holds its KV cache in per-sequence slots.
 pub trait DeviceTarget: Send {
     /// The device, for logs and `/metrics` (e.g. "NVIDIA H200 (cuda:0)").
@@ -43,10 +62,10 @@ pub trait DeviceTarget: Send {
     /// increasing position order). Each row's keys and values are written at `(slot, pos)`
     /// before it attends to `0..=pos` of its slot.
     ///
-    /// Returns the f32 logits `[vocab]` of each row whose `want` flag is set, in row order.
-    /// Errors: more than [`DeviceTarget::max_rows`] rows, a slot, position or token out of
-    /// range, a device failure.
-    fn forward(&mut self, rows: &[DeviceRow], want: &[bool]) -> Result<Vec<Vec<f32>>>;
+    /// Returns, in row order, one [`RowOut`] per row whose need is not [`RowNeed::None`].
+    /// Errors: more than [`DeviceTarget::max_rows`] rows, `need` of another length, a slot,
+    /// position or token out of range, a device failure.
+    fn forward(&mut self, rows: &[DeviceRow], need: &[RowNeed]) -> Result<Vec<RowOut>>;
 }
 
 /// The slots of a [`DeviceTarget`] not held by a sequence.
@@ -114,38 +133,43 @@ pub fn position_counter(capacity: usize) -> KvCache {
 }
 
 /// One segment of a device step: `tokens` fed to `slot` at positions `start..`, with the logits
-/// rows the caller wants.
+/// rows the caller wants (only their argmax when `argmax_only`).
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceSegment<'a> {
     pub tokens: &'a [u32],
     pub slot: u32,
     pub start: usize,
     pub rows: LogitsRows,
+    pub argmax_only: bool,
 }
 
 /// Run `segs` through `target` in forwards of at most `max_rows` rows (segments are kept whole
 /// in one forward where they fit; a longer one is split, which is exact since each row only
 /// reads its slot's earlier positions). Returns each segment's logits rows: all, the last or
 /// none, as it asked.
-pub fn run_segments(target: &mut dyn DeviceTarget, segs: &[DeviceSegment<'_>]) -> Result<Vec<Vec<Vec<f32>>>> {
+pub fn run_segments(target: &mut dyn DeviceTarget, segs: &[DeviceSegment<'_>]) -> Result<Vec<Vec<RowOut>>> {
     let cap = target.max_rows().max(1);
-    let mut out: Vec<Vec<Vec<f32>>> = segs.iter().map(|_| Vec::new()).collect();
-    // (segment, row index within it) of every row of the forward being built.
+    let mut out: Vec<Vec<RowOut>> = segs.iter().map(|_| Vec::new()).collect();
+    // The segment of every row of the forward being built.
     let mut rows: Vec<DeviceRow> = Vec::new();
-    let mut want: Vec<bool> = Vec::new();
+    let mut want: Vec<RowNeed> = Vec::new();
     let mut owner: Vec<usize> = Vec::new();
-    let mut flush = |rows: &mut Vec<DeviceRow>, want: &mut Vec<bool>, owner: &mut Vec<usize>| -> Result<()> {
+    let mut flush = |rows: &mut Vec<DeviceRow>, want: &mut Vec<RowNeed>, owner: &mut Vec<usize>| -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
-        let logits = target.forward(rows, want)?;
-        let owners = owner.iter().zip(want.iter()).filter(|(_, &w)| w).map(|(&o, _)| o);
+        let results = target.forward(rows, want)?;
+        let owners = owner
+            .iter()
+            .zip(want.iter())
+            .filter(|(_, &w)| w != RowNeed::None)
+            .map(|(&o, _)| o);
         let mut got = 0;
-        for (o, l) in owners.zip(logits) {
-            out[o].push(l);
+        for (o, r) in owners.zip(results) {
+            out[o].push(r);
             got += 1;
         }
-        let asked = want.iter().filter(|&&w| w).count();
+        let asked = want.iter().filter(|&&w| w != RowNeed::None).count();
         if got != asked {
             bail!("the device returned {got} logits rows, {asked} were asked for");
         }
@@ -168,10 +192,15 @@ pub fn run_segments(target: &mut dyn DeviceTarget, segs: &[DeviceSegment<'_>]) -
                 slot: s.slot,
                 pos: (s.start + i) as u32,
             });
-            want.push(match s.rows {
+            let wanted = match s.rows {
                 LogitsRows::All => true,
                 LogitsRows::Last => i + 1 == n,
                 LogitsRows::None => false,
+            };
+            want.push(match (wanted, s.argmax_only) {
+                (false, _) => RowNeed::None,
+                (true, true) => RowNeed::Argmax,
+                (true, false) => RowNeed::Logits,
             });
             owner.push(si);
         }
@@ -218,7 +247,7 @@ impl DeviceTarget for CpuSlots {
         self.max_rows
     }
 
-    fn forward(&mut self, rows: &[DeviceRow], want: &[bool]) -> Result<Vec<Vec<f32>>> {
+    fn forward(&mut self, rows: &[DeviceRow], want: &[RowNeed]) -> Result<Vec<RowOut>> {
         if rows.len() > self.max_rows || rows.len() != want.len() {
             bail!(
                 "cpu slots: {} rows ({} flags), at most {}",
@@ -251,7 +280,13 @@ impl DeviceTarget for CpuSlots {
             let tokens: Vec<u32> = rows[i..j].iter().map(|r| r.token).collect();
             let logits = self.model.forward(&tokens, kv, LogitsRows::All, &[])?.logits;
             let logits = logits.to_vec2::<f32>()?;
-            out.extend(logits.into_iter().zip(&want[i..j]).filter(|(_, &w)| w).map(|(l, _)| l));
+            for (l, w) in logits.into_iter().zip(&want[i..j]) {
+                match w {
+                    RowNeed::None => {}
+                    RowNeed::Argmax => out.push(RowOut::Argmax(crate::sampling::argmax(&l))),
+                    RowNeed::Logits => out.push(RowOut::Logits(l)),
+                }
+            }
             i = j;
         }
         Ok(out)

@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use crate::bundle::{self, LoadedBundle};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::constraint::{Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningConstraint};
-use crate::device::{DeviceSegment, DeviceTarget, SlotPool};
+use crate::device::{DeviceSegment, DeviceTarget, RowOut, SlotPool};
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig, Segment};
 use crate::prefix_cache::PrefixCache;
@@ -842,6 +842,7 @@ impl Engine {
                         slot,
                         start,
                         rows: inp.rows,
+                        argmax_only: device_argmax() && seqs[i].argmax_suffices(),
                     });
                 }
             }
@@ -867,13 +868,45 @@ impl Engine {
                 }
             }
             Ok(outs) => {
-                for ((&i, logits), n) in group.iter().zip(outs).zip(fed) {
-                    let absorbed = seqs[i].kv_mut().advance(n).and_then(|()| seqs[i].absorb(logits));
+                for ((&i, rows), n) in group.iter().zip(outs).zip(fed) {
+                    let absorbed = seqs[i]
+                        .kv_mut()
+                        .advance(n)
+                        .and_then(|()| absorb_device_rows(seqs[i], rows));
                     results[i] = absorbed.map(Some).map_err(|e| RequestError::Internal(format!("{e:#}")));
                 }
             }
         }
     }
+}
+
+/// Hand a sequence the rows a device forward returned: all logits, or all argmax.
+fn absorb_device_rows(seq: &mut Sequence, rows: Vec<RowOut>) -> Result<StepOutcome> {
+    if rows.iter().all(|r| matches!(r, RowOut::Argmax(_))) && !rows.is_empty() {
+        let a = rows
+            .into_iter()
+            .filter_map(|r| match r {
+                RowOut::Argmax(t) => Some(t),
+                RowOut::Logits(_) => None,
+            })
+            .collect();
+        return seq.absorb_argmax(a);
+    }
+    let logits = rows
+        .into_iter()
+        .map(|r| match r {
+            RowOut::Logits(l) => Ok(l),
+            RowOut::Argmax(_) => Err(anyhow::anyhow!("a device step mixed argmax and logits rows")),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    seq.absorb(logits)
+}
+
+/// `SPECULA_DEVICE_ARGMAX=0` makes a device target return full logits rows for greedy requests
+/// too (instead of only their argmax): a switch for side-by-side measurements only.
+fn device_argmax() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_DEVICE_ARGMAX").map_or(true, |v| v != "0"))
 }
 
 /// `SPECULA_LOAD_AWARE=0` makes the draft-length controllers ignore the batch (each decides from

@@ -65,6 +65,26 @@ pub struct StepOutcome {
     pub finished: bool,
 }
 
+/// The target's rows for one step: the logits, or only their argmax (greedy requests on a
+/// device target, [`Sequence::argmax_suffices`]).
+enum TargetRows {
+    Logits(Vec<Vec<f32>>),
+    Argmax(Vec<u32>),
+}
+
+impl TargetRows {
+    fn len(&self) -> usize {
+        match self {
+            Self::Logits(r) => r.len(),
+            Self::Argmax(a) => a.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// One request being decoded.
 pub struct Sequence {
     req: GenerateRequest,
@@ -325,11 +345,32 @@ impl Sequence {
     /// As [`Sequence::absorb`], with the forward's hidden states at [`Sequence::taps`]: one
     /// row-major `[fed tokens, hidden]` f32 buffer per tap, in that order (empty when the
     /// sequence has no taps). The committed rows go to the drafter ([`Drafter::observe`]).
-    pub fn absorb_with_hidden(
-        &mut self,
-        mut rows: Vec<Vec<f32>>,
-        hidden: Vec<Vec<f32>>,
-    ) -> anyhow::Result<StepOutcome> {
+    pub fn absorb_with_hidden(&mut self, rows: Vec<Vec<f32>>, hidden: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
+        self.absorb_rows(TargetRows::Logits(rows), hidden)
+    }
+
+    /// Whether this sequence's next acceptance needs only each row's argmax (lowest id on a
+    /// tie): greedy, no penalties, no logprobs, no constraint. A device target then returns
+    /// the argmax it computed instead of the logits ([`Sequence::absorb_argmax`]).
+    pub fn argmax_suffices(&self) -> bool {
+        self.req.sampling.is_greedy()
+            && !self.req.sampling.has_penalties()
+            && self.req.logprobs.is_none()
+            && self.constraint.is_none()
+            && self.taps().is_empty()
+    }
+
+    /// As [`Sequence::absorb`], with each logits row replaced by its argmax (lowest id on a
+    /// tie, the rule of [`crate::sampling::argmax`]). Errors when
+    /// [`Sequence::argmax_suffices`] is false.
+    pub fn absorb_argmax(&mut self, argmax: Vec<u32>) -> anyhow::Result<StepOutcome> {
+        if !self.argmax_suffices() {
+            anyhow::bail!("this request needs the logits rows, not only their argmax");
+        }
+        self.absorb_rows(TargetRows::Argmax(argmax), Vec::new())
+    }
+
+    fn absorb_rows(&mut self, mut rows: TargetRows, hidden: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
         let secs = self.forward_started.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
         let has_taps = !hidden.is_empty() && !self.taps().is_empty();
         if self.decode_started.is_none() {
@@ -361,6 +402,13 @@ impl Sequence {
         if rows.is_empty() {
             anyhow::bail!("the forward returned no logits rows");
         }
+        if rows.len() != self.draft.len() + 1 {
+            anyhow::bail!(
+                "the forward returned {} logits rows for a draft of {}",
+                rows.len(),
+                self.draft.len()
+            );
+        }
         let outcome = self.accept_and_emit(&mut rows)?;
         if outcome.finished {
             self.close_stats();
@@ -368,13 +416,16 @@ impl Sequence {
         Ok(outcome)
     }
 
-    fn accept_and_emit(&mut self, rows: &mut [Vec<f32>]) -> anyhow::Result<StepOutcome> {
+    fn accept_and_emit(&mut self, rows: &mut TargetRows) -> anyhow::Result<StepOutcome> {
         // rows[i] = logits after the committed prefix and draft[..i].
-        let lps = self.req.logprobs.map(|n| {
-            rows.iter()
-                .map(|r| token_logprobs(&self.env.tokenizer, r, n))
-                .collect::<Vec<_>>()
-        });
+        let lps = match (&*rows, self.req.logprobs) {
+            (TargetRows::Logits(rows), Some(n)) => Some(
+                rows.iter()
+                    .map(|r| token_logprobs(&self.env.tokenizer, r, n))
+                    .collect::<Vec<_>>(),
+            ),
+            _ => None,
+        };
         let draft = std::mem::take(&mut self.draft);
         // Row processing as plain decoding does it: penalties, then the constraint's mask; both
         // see the drafts before a row as committed (observed in order, row by row).
@@ -384,7 +435,7 @@ impl Sequence {
         let sampler = &mut self.sampler;
         let constraint = &mut self.constraint;
         // Returns the processed distribution of row i (one-hot argmax when greedy).
-        let mut process = |i: usize, rows: &mut [Vec<f32>]| {
+        let mut process = |i: usize, rows: &mut TargetRows| {
             while observed < i {
                 sampler.observe(tokens[observed]);
                 if let Some(c) = constraint.as_mut() {
@@ -394,13 +445,19 @@ impl Sequence {
                 }
                 observed += 1;
             }
-            sampler.apply_penalties(&mut rows[i]);
-            if let Some(c) = constraint.as_mut() {
-                if let Err(e) = c.mask(&mut rows[i]) {
-                    failure.get_or_insert(e);
+            match rows {
+                // `absorb_argmax` checked: greedy, no penalties, no constraint.
+                TargetRows::Argmax(a) => vec![(a[i], 1.0)],
+                TargetRows::Logits(rows) => {
+                    sampler.apply_penalties(&mut rows[i]);
+                    if let Some(c) = constraint.as_mut() {
+                        if let Err(e) = c.mask(&mut rows[i]) {
+                            failure.get_or_insert(e);
+                        }
+                    }
+                    sampler.distribution(&rows[i])
                 }
             }
-            sampler.distribution(&rows[i])
         };
         let sampling = !self.req.sampling.is_greedy();
         let (accepted, next, ar_dist) = match self.accept_rng.as_mut() {

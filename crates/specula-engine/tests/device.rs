@@ -5,8 +5,9 @@
 
 use candle_core::quantized::GgmlDType;
 use candle_core::Device;
-use specula_engine::device::{run_segments, CpuSlots, DeviceSegment, DeviceTarget};
+use specula_engine::device::{run_segments, CpuSlots, DeviceSegment, DeviceTarget, RowOut};
 use specula_engine::model::{Family, LogitsRows};
+use specula_engine::sampling::argmax;
 use specula_engine::spec::mtp::MtpLayout;
 use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::testing::{write_tiny_gguf, TinySpec};
@@ -55,13 +56,15 @@ fn pair(dir: &Path, slots: usize, max_rows: usize) -> (Engine, Engine) {
     (plain, dev)
 }
 
+/// A request; greedy ones without logprobs take the device's argmax-only rows.
 fn req(e: &Engine, text: &str, max_tokens: usize, mode: SpecMode, sampling: SamplingParams) -> GenerateRequest {
+    let logprobs = (!sampling.is_greedy() || max_tokens % 2 == 1).then_some(2);
     GenerateRequest {
         prompt_tokens: e.tokenize(text).expect("tokenize"),
         sampling,
         max_tokens: Some(max_tokens),
         stop: vec![],
-        logprobs: Some(2),
+        logprobs,
         ignore_eos: true,
         spec: SpecOptions {
             mode,
@@ -95,8 +98,12 @@ fn device_path_equals_the_cpu_path_for_ar_and_every_drafter() {
     assert_eq!(dev.device_name(), Some("cpu (slots)"));
     let prompt = "the then the thin the then the thin the then, and a longer prompt past one chunk";
     for mode in [SpecMode::Off, SpecMode::Ngram, SpecMode::Draft] {
-        for (what, sampling) in [("greedy", SamplingParams::greedy()), ("sampled", sampled(11))] {
-            let r = req(&plain, prompt, 60, mode, sampling);
+        for (what, sampling, n) in [
+            ("greedy, argmax rows", SamplingParams::greedy(), 60),
+            ("greedy, logits rows", SamplingParams::greedy(), 61),
+            ("sampled", sampled(11), 60),
+        ] {
+            let r = req(&plain, prompt, n, mode, sampling);
             let a = plain.generate(&r, &mut |_| true).expect("plain");
             let b = dev.generate(&r, &mut |_| true).expect("device");
             same(&a, &b, &format!("{mode:?} {what}"));
@@ -201,31 +208,42 @@ fn device_segments_split_at_the_row_limit_and_select_logits_rows() {
             slot: 1,
             start: 0,
             rows: LogitsRows::None,
+            argmax_only: false,
         },
         DeviceSegment {
             tokens: &tokens[..3],
             slot: 0,
             start: 0,
             rows: LogitsRows::Last,
+            argmax_only: false,
         },
     ];
     let out = run_segments(&mut t, &segs).expect("run");
     assert_eq!(out[0].len(), 0);
-    assert_eq!(out[1], vec![all[2].clone()]);
-    let rest = [DeviceSegment {
-        tokens: &tokens[9..],
-        slot: 1,
-        start: 9,
-        rows: LogitsRows::All,
-    }];
-    let out = run_segments(&mut t, &rest).expect("run");
-    assert_eq!(out[0], all[9..].to_vec());
+    assert_eq!(out[1], vec![RowOut::Logits(all[2].clone())]);
+    let rest = |argmax_only| {
+        [DeviceSegment {
+            tokens: &tokens[9..],
+            slot: 1,
+            start: 9,
+            rows: LogitsRows::All,
+            argmax_only,
+        }]
+    };
+    let out = run_segments(&mut t, &rest(false)).expect("run");
+    let want: Vec<RowOut> = all[9..].iter().map(|r| RowOut::Logits(r.clone())).collect();
+    assert_eq!(out[0], want);
+    // The same rows again (rolled back by position), argmax only.
+    let out = run_segments(&mut t, &rest(true)).expect("run");
+    let want: Vec<RowOut> = all[9..].iter().map(|r| RowOut::Argmax(argmax(r))).collect();
+    assert_eq!(out[0], want);
     // Out-of-range slots and positions past what a slot holds are errors, not panics.
     let bad = [DeviceSegment {
         tokens: &tokens[..1],
         slot: 5,
         start: 0,
         rows: LogitsRows::Last,
+        argmax_only: false,
     }];
     assert!(run_segments(&mut t, &bad).is_err());
     let gap = [DeviceSegment {
@@ -233,6 +251,7 @@ fn device_segments_split_at_the_row_limit_and_select_logits_rows() {
         slot: 0,
         start: 7,
         rows: LogitsRows::Last,
+        argmax_only: false,
     }];
     assert!(run_segments(&mut t, &gap).is_err());
     assert_eq!(t.max_rows(), 4);

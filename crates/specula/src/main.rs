@@ -355,11 +355,18 @@ struct BenchArgs {
     /// checks and the timings of docs/gpu.md and writes a JSON receipt.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Benchmark the serving engine on --model and --device: aggregate decode tok/s of
+    /// --streams concurrent greedy requests stepped together (continuous batching, no HTTP), with
+    /// plain decoding and with n-gram speculation. On the GPU this runs the real model instead of
+    /// synthetic weights.
+    #[arg(long)]
+    engine: bool,
     /// With `--device cuda:N`: benchmark synthetic weights of this architecture shape,
     /// generated on the device (qwen3-0.6b, qwen3-1.7b, qwen3-8b, llama-3.1-8b).
     #[arg(long, default_value = "qwen3-8b")]
     shape: String,
-    /// With `--device cuda:N`: concurrency levels of the aggregate decode measurement.
+    /// With `--device cuda:N` or `--engine`: concurrency levels of the aggregate decode
+    /// measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     streams: Vec<usize>,
     /// With `--device cuda:N`: prompt lengths of the prefill measurement.
@@ -608,6 +615,125 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `specula bench --engine`: for each mode (plain, n-gram) and each --streams level N, N greedy
+/// requests of --gen-tokens tokens (prompts: a fixed text, each stream starting at another
+/// offset) are started together and stepped with [`Engine::step`] until all finish. Reported per
+/// level: aggregate decode tok/s (tokens emitted once no stream is prefilling, over that time),
+/// target steps, and the prefill time of the burst. Median of --runs.
+fn bench_engine(a: &BenchArgs) -> Result<()> {
+    check_device(&a.device)?;
+    if a.runs == 0 || a.gen_tokens == 0 || a.streams.is_empty() || a.streams.contains(&0) {
+        bail!("--runs, --gen-tokens and every --streams level must be >= 1");
+    }
+    let slots = a.streams.iter().copied().max().unwrap_or(1);
+    let mut engine = load(&a.model, None)?;
+    let model_path = pull::resolve_model(&a.model, false).ok();
+    attach_device(&mut engine, &a.device, model_path.as_deref(), slots)?;
+    if let Some(s) = engine.device_slots() {
+        if s.slots() < slots {
+            bail!("{} KV slots fit on the device, --streams asks for {slots}", s.slots());
+        }
+    }
+    let base = engine.tokenize(
+        "The harbour town woke slowly under a grey sky. Fishing boats rocked at their moorings while gulls \
+         argued over the nets, and the baker on the corner opened his shutters to the smell of rain. \
+         Down by the quay, an old man mended a sail while two children raced paper boats along the gutter.",
+    )?;
+    let prompt_len = a.prompt_tokens.clamp(1, 4096);
+    let request = |i: usize, mode: specula_engine::spec::SpecMode| GenerateRequest {
+        prompt_tokens: base.iter().copied().cycle().skip(i * 7).take(prompt_len).collect(),
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(a.gen_tokens),
+        stop: vec![],
+        logprobs: None,
+        ignore_eos: true,
+        spec: specula_engine::spec::SpecOptions {
+            mode,
+            ..Default::default()
+        },
+    };
+    let mut rows = Vec::new();
+    for mode in [
+        specula_engine::spec::SpecMode::Off,
+        specula_engine::spec::SpecMode::Ngram,
+    ] {
+        for &n in &a.streams {
+            let mut runs = Vec::new();
+            for _ in 0..a.runs {
+                let mut seqs = (0..n)
+                    .map(|i| engine.start_sequence(&request(i, mode), None))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let t0 = std::time::Instant::now();
+                let (mut decode_t0, mut tokens, mut steps) = (None, 0usize, 0usize);
+                while seqs.iter().any(|s| s.finished().is_none()) {
+                    let prefilling = seqs.iter().any(|s| s.is_prefilling());
+                    if !prefilling && decode_t0.is_none() {
+                        decode_t0 = Some(std::time::Instant::now());
+                    }
+                    let mut refs: Vec<_> = seqs.iter_mut().collect();
+                    for r in engine.step(&mut refs) {
+                        if let Some(o) = r? {
+                            if decode_t0.is_some() {
+                                tokens += o.delta.token_ids.len();
+                            }
+                        }
+                    }
+                    steps += decode_t0.is_some() as usize;
+                }
+                let end = std::time::Instant::now();
+                for s in seqs {
+                    engine.retire(s, true);
+                }
+                let start = decode_t0.unwrap_or(end);
+                let decode_s = (end - start).as_secs_f64();
+                runs.push((tokens as f64 / decode_s.max(1e-9), steps, (start - t0).as_secs_f64()));
+            }
+            runs.sort_by(|x, y| x.0.total_cmp(&y.0));
+            let (tok_s, steps, prefill_s) = runs[runs.len() / 2];
+            eprintln!(
+                "{:5} {n:3} streams: aggregate decode {tok_s:8.1} tok/s, {steps} steps, prefill of the burst {:.1} ms",
+                mode.as_str(),
+                prefill_s * 1e3
+            );
+            rows.push(serde_json::json!({
+                "mode": mode.as_str(), "streams": n, "aggregate_decode_tok_s": tok_s,
+                "decode_steps": steps, "burst_prefill_ms": prefill_s * 1e3,
+            }));
+        }
+    }
+    let single = rows
+        .iter()
+        .find(|r| r["mode"] == "off" && r["streams"] == 1)
+        .and_then(|r| r["aggregate_decode_tok_s"].as_f64());
+    if let Some(one) = single {
+        let ratios: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                let v = r["aggregate_decode_tok_s"].as_f64().unwrap_or(0.0);
+                format!(
+                    "{}@{}: {:.2}x",
+                    r["mode"].as_str().unwrap_or("?"),
+                    r["streams"],
+                    v / one
+                )
+            })
+            .collect();
+        eprintln!("aggregate / single-stream plain: {}", ratios.join(", "));
+    }
+    let v = serde_json::json!({
+        "model": engine.model_id(),
+        "weights": engine.bundle().quantization,
+        "device": engine.device_name().unwrap_or("cpu"),
+        "prompt_tokens": prompt_len,
+        "gen_tokens": a.gen_tokens,
+        "runs": a.runs,
+        "build_commit": tune::build_commit(),
+        "levels": rows,
+    });
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
 /// Median milliseconds of an r-row forward after `prompt` for r = 1..=n, and each relative to
 /// r = 1. Row counts are interleaved within each repetition so machine noise hits them alike.
 fn verify_costs(engine: &Engine, prompt: &[u32], n: usize, runs: usize) -> Result<Vec<(usize, f64, f64)>> {
@@ -644,6 +770,9 @@ fn verify_costs(engine: &Engine, prompt: &[u32], n: usize, runs: usize) -> Resul
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
+    if a.engine {
+        return bench_engine(&a);
+    }
     if a.device != "cpu" {
         return bench_gpu(&a);
     }

@@ -24,6 +24,7 @@
 pub mod bench;
 pub mod load;
 
+use crate::device::{RowNeed, RowOut};
 use anyhow::{bail, Result};
 use cudarc::driver::{sys, CudaContext};
 use std::collections::HashMap;
@@ -1057,19 +1058,20 @@ impl GpuModel {
         self.read_out(n, want_logits)
     }
 
-    /// As [`GpuModel::forward`], returning the f32 logits `[vocab]` of the rows whose `want`
-    /// flag is set (in row order) and downloading only those. A wide forward (past the graph
-    /// widths) that wants no row, or only its last, runs the LM head on that row alone.
-    /// Errors: as [`GpuModel::forward`], or `want` of another length than `rows`.
-    pub fn forward_select(&mut self, rows: &[Row], want: &[bool]) -> Result<Vec<Vec<f32>>> {
+    /// As [`GpuModel::forward`], returning per row what `need` asks (in row order, nothing for
+    /// [`RowNeed::None`]) and downloading only that: the argmax the device computed, or the f32
+    /// logits `[vocab]`. A wide forward (past the graph widths) that needs no row, or only its
+    /// last, runs the LM head on that row alone. Errors: as [`GpuModel::forward`], or `need` of
+    /// another length than `rows`.
+    pub fn forward_select(&mut self, rows: &[Row], need: &[RowNeed]) -> Result<Vec<RowOut>> {
         self.check_rows(rows)?;
-        if want.len() != rows.len() {
-            bail!("{} logits flags for {} rows", want.len(), rows.len());
+        if need.len() != rows.len() {
+            bail!("{} row needs for {} rows", need.len(), rows.len());
         }
         let n = rows.len();
         self.write_io(rows)?;
-        let wanted = want.iter().filter(|&&w| w).count();
-        let only_last = wanted == 0 || (wanted == 1 && want[n - 1]);
+        let wanted = need.iter().filter(|&&w| w != RowNeed::None).count();
+        let only_last = wanted == 0 || (wanted == 1 && need[n - 1] != RowNeed::None);
         // Logits row r of the buffer holds input row `first + r`.
         let first = if self.use_graphs && n <= GRAPH_MAX_ROWS {
             if !self.graphs.contains_key(&n) {
@@ -1092,22 +1094,34 @@ impl GpuModel {
             0
         };
         let v = self.config.vocab;
+        let mut am = Vec::new();
+        if need.contains(&RowNeed::Argmax) {
+            am = vec![0i32; n - first];
+            self.gpu.download(&mut am, self.s.argmax.at(0))?;
+        }
         let mut out = Vec::with_capacity(wanted);
         let mut i = 0;
         while i < n {
-            if !want[i] {
-                i += 1;
-                continue;
+            match need[i] {
+                RowNeed::None => i += 1,
+                RowNeed::Argmax => {
+                    // A row without a finite maximum gives 0, as the host's argmax does.
+                    let t = am[i - first];
+                    out.push(RowOut::Argmax(if (0..v as i32).contains(&t) { t as u32 } else { 0 }));
+                    i += 1;
+                }
+                RowNeed::Logits => {
+                    // One download per run of logits rows.
+                    let mut j = i;
+                    while j < n && need[j] == RowNeed::Logits {
+                        j += 1;
+                    }
+                    let mut buf = vec![0f32; (j - i) * v];
+                    self.gpu.download(&mut buf, self.s.logits.at((i - first) * v * 4))?;
+                    out.extend(buf.chunks_exact(v).map(|r| RowOut::Logits(r.to_vec())));
+                    i = j;
+                }
             }
-            // One download per run of wanted rows.
-            let mut j = i;
-            while j < n && want[j] {
-                j += 1;
-            }
-            let mut buf = vec![0f32; (j - i) * v];
-            self.gpu.download(&mut buf, self.s.logits.at((i - first) * v * 4))?;
-            out.extend(buf.chunks_exact(v).map(<[f32]>::to_vec));
-            i = j;
         }
         if wanted == 0 {
             self.gpu.synchronize()?;
@@ -1203,7 +1217,7 @@ impl crate::device::DeviceTarget for GpuModel {
         MAX_ROWS
     }
 
-    fn forward(&mut self, rows: &[crate::device::DeviceRow], want: &[bool]) -> Result<Vec<Vec<f32>>> {
+    fn forward(&mut self, rows: &[crate::device::DeviceRow], want: &[RowNeed]) -> Result<Vec<RowOut>> {
         self.gpu.bind()?;
         let rows: Vec<Row> = rows
             .iter()
