@@ -47,6 +47,16 @@ python3 scripts/engine_gate.py --base-url http://127.0.0.1:8100 --levels 4,16,32
 tail -n 8 "$OUTDIR/gate-gpu.txt"
 python3 scripts/concurrency_bench.py --base-url http://127.0.0.1:8100 --levels "$LEVELS,64" --modes off,ngram --max-tokens 128 > "$OUTDIR/sweep-gpu.txt" 2>&1
 kill "$PID"; wait "$PID" 2>/dev/null
+# The engine alone (no HTTP): aggregate decode of N concurrent greedy requests, argmax-only rows
+# on and off side by side, and the CPU for scale.
+for am in 1 0; do
+  SPECULA_DEVICE_ARGMAX=$am "$BIN" bench --engine --model "$MODEL" --device "$GPU" --streams "$LEVELS,64" \
+    --gen-tokens 128 --prompt-tokens 64 --runs 3 > "$OUTDIR/engine-gpu-argmax$am.json" 2> "$OUTDIR/engine-gpu-argmax$am.log" || rc=1
+  echo "--- engine bench, $GPU, SPECULA_DEVICE_ARGMAX=$am"; grep -v INFO "$OUTDIR/engine-gpu-argmax$am.log" | tail -n 12
+done
+"$BIN" bench --engine --model "$MODEL" --streams 1,16 --gen-tokens 128 --prompt-tokens 64 --runs 1 \
+  > "$OUTDIR/engine-cpu.json" 2> "$OUTDIR/engine-cpu.log" || rc=1
+echo "--- engine bench, cpu"; grep -v INFO "$OUTDIR/engine-cpu.log" | tail -n 6
 grep -h "target on cuda\|error\|panick" "$OUTDIR"/serve-gpu.log | head -n 5
 echo "--- sweep cpu"; tail -n 12 "$OUTDIR/sweep-cpu.txt"
 echo "--- sweep gpu"; tail -n 14 "$OUTDIR/sweep-gpu.txt"
