@@ -5,10 +5,13 @@
 # usage: scripts/gpu_engine.sh BINARY_XZ MODEL OUTDIR [LEVELS]
 #   BINARY_XZ: the stripped, xz-compressed `specula` built with --features cuda
 #   MODEL:     a GGUF file or HF bundle directory on the device
-#   OUTDIR:    gate-cpu.json, gate-gpu.json, sweep-*.txt, logs
+#   OUTDIR:    gpu_engine.tgz (gate-cpu.json, gate-gpu.json, sweep-*.txt, logs) and engine-*.json
 set -uo pipefail
-BIN_XZ=${1:?binary}; MODEL=${2:?model}; OUTDIR=${3:?outdir}; LEVELS=${4:-1,4,16,32}
-mkdir -p "$OUTDIR"
+BIN_XZ=${1:?binary}; MODEL=${2:?model}; DEST=${3:?outdir}; LEVELS=${4:-1,4,16,32}
+# Everything is written to a work folder and comes back as one archive (the device returns a
+# limited number of files), plus the engine receipts.
+OUTDIR=$(mktemp -d /tmp/gpu_engine.XXXX)
+mkdir -p "$DEST"
 export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 BIN=/tmp/specula-cuda
 xz -d -c "$BIN_XZ" > "$BIN" && chmod +x "$BIN" || exit 1
@@ -60,4 +63,6 @@ echo "--- engine bench, cpu"; grep -v INFO "$OUTDIR/engine-cpu.log" | tail -n 6
 grep -h "target on cuda\|error\|panick" "$OUTDIR"/serve-gpu.log | head -n 5
 echo "--- sweep cpu"; tail -n 12 "$OUTDIR/sweep-cpu.txt"
 echo "--- sweep gpu"; tail -n 14 "$OUTDIR/sweep-gpu.txt"
+tar czf "$DEST/gpu_engine.tgz" -C "$OUTDIR" .
+cp "$OUTDIR"/engine-*.json "$DEST"/ 2>/dev/null
 exit $rc
