@@ -68,39 +68,126 @@ pub trait DeviceTarget: Send {
     fn forward(&mut self, rows: &[DeviceRow], need: &[RowNeed]) -> Result<Vec<RowOut>>;
 }
 
-/// The slots of a [`DeviceTarget`] not held by a sequence.
+/// The KV slots of a [`DeviceTarget`]: which are free, and which tokens a free slot's KV still
+/// holds from its last sequence (the device's prefix cache: a new sequence takes the free slot
+/// sharing the longest prefix with its prompt and skips prefilling it, as llama.cpp's server
+/// reuses a slot's prompt cache).
+///
+/// Exact: a position's K/V depends only on the tokens at and before it (the device kernels are
+/// batch-invariant), so K/V left by a sequence with the same leading tokens are the bits a
+/// fresh prefill would write. Committed positions are never rewritten while a sequence holds
+/// its slot (rollback only drops drafts past the committed length).
 #[derive(Debug, Clone)]
 pub struct SlotPool {
-    free: Arc<Mutex<Vec<u32>>>,
+    state: Arc<Mutex<SlotState>>,
     slots: usize,
 }
 
+#[derive(Debug)]
+struct SlotState {
+    free: Vec<u32>,
+    /// Per slot: the tokens at positions `0..` of its KV, recorded when its last sequence
+    /// retired cleanly ([`SlotPool::remember`]); empty while held or unknown.
+    held: Vec<Vec<u32>>,
+    /// Per slot: when it was last released (a logical clock), to reuse the coldest slot first.
+    released: Vec<u64>,
+    clock: u64,
+    hits: u64,
+    misses: u64,
+    hit_tokens: u64,
+}
+
+/// Counters of the device's slot prefix reuse.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotReuseStats {
+    /// Leases that reused at least one position.
+    pub hits: u64,
+    /// Leases that reused nothing.
+    pub misses: u64,
+    /// Prompt positions not prefilled thanks to reuse.
+    pub hit_tokens: u64,
+}
+
 impl SlotPool {
-    /// A pool of slots `0..slots`, all free.
+    /// A pool of slots `0..slots`, all free and empty.
     pub fn new(slots: usize) -> Self {
         Self {
-            free: Arc::new(Mutex::new((0..slots as u32).rev().collect())),
+            state: Arc::new(Mutex::new(SlotState {
+                free: (0..slots as u32).collect(),
+                held: vec![Vec::new(); slots],
+                released: vec![0; slots],
+                clock: 0,
+                hits: 0,
+                misses: 0,
+                hit_tokens: 0,
+            })),
             slots,
         }
     }
 
-    /// Take a free slot (the lowest), or `None` when every slot is held.
-    pub fn lease(&self) -> Option<SlotLease> {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.pop().map(|slot| SlotLease {
-            slot,
-            free: self.free.clone(),
-        })
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Take a free slot for a sequence whose prompt is `prompt`: the one whose KV shares the
+    /// longest prefix with it (ties and no sharing: the least recently released). Returns the
+    /// lease and how many leading positions of the slot hold `prompt`'s K/V already (at most
+    /// `prompt.len() - 1`: the last prompt token is always fed, its logits give the first
+    /// output token). `None` when every slot is held.
+    pub fn lease(&self, prompt: &[u32]) -> Option<(SlotLease, usize)> {
+        let mut st = self.lock();
+        let shared = |held: &[u32]| held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let (at, reuse) = st
+            .free
+            .iter()
+            .enumerate()
+            .map(|(at, &s)| (at, shared(&st.held[s as usize]), st.released[s as usize], s))
+            .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(b.3.cmp(&a.3)))
+            .map(|(at, n, _, _)| (at, n))?;
+        let slot = st.free.swap_remove(at);
+        let reuse = reuse.min(prompt.len().saturating_sub(1));
+        st.held[slot as usize].clear();
+        if reuse > 0 {
+            st.hits += 1;
+            st.hit_tokens += reuse as u64;
+        } else {
+            st.misses += 1;
+        }
+        Some((
+            SlotLease {
+                slot,
+                pool: self.state.clone(),
+            },
+            reuse,
+        ))
+    }
+
+    /// Record that `slot`'s KV holds `tokens` at positions `0..tokens.len()` (the prompt and
+    /// output of a sequence that retired cleanly), for reuse once the slot is free.
+    pub fn remember(&self, slot: u32, tokens: Vec<u32>) {
+        if let Some(h) = self.lock().held.get_mut(slot as usize) {
+            *h = tokens;
+        }
     }
 
     /// Slots currently held.
     pub fn in_use(&self) -> usize {
-        self.slots - self.free.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.slots - self.lock().free.len()
     }
 
     /// Number of slots.
     pub fn slots(&self) -> usize {
         self.slots
+    }
+
+    /// The reuse counters.
+    pub fn stats(&self) -> SlotReuseStats {
+        let st = self.lock();
+        SlotReuseStats {
+            hits: st.hits,
+            misses: st.misses,
+            hit_tokens: st.hit_tokens,
+        }
     }
 }
 
@@ -108,7 +195,7 @@ impl SlotPool {
 #[derive(Debug)]
 pub struct SlotLease {
     slot: u32,
-    free: Arc<Mutex<Vec<u32>>>,
+    pool: Arc<Mutex<SlotState>>,
 }
 
 impl SlotLease {
@@ -119,10 +206,11 @@ impl SlotLease {
 
 impl Drop for SlotLease {
     fn drop(&mut self) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.push(self.slot);
-        // Lowest slot first, so a lone sequence keeps reusing the same (warm) slot.
-        free.sort_unstable_by(|a, b| b.cmp(a));
+        let mut st = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        st.clock += 1;
+        let now = st.clock;
+        st.released[self.slot as usize] = now;
+        st.free.push(self.slot);
     }
 }
 

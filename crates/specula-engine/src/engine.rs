@@ -122,8 +122,9 @@ impl Engine {
     /// e.g. the CUDA model built from this engine's bundle) instead of the CPU model. The CPU
     /// model stays loaded for what has no device path yet (`logits_all`, distillation).
     /// Sequences then hold a device KV slot each ([`Engine::device_slots`]: at most that many
-    /// run at once) and the context window is at most the slots' length. The prefix cache is
-    /// turned off (its KV rows live on the host).
+    /// run at once) and the context window is at most the slots' length. The host prefix cache
+    /// is replaced by slot reuse: a new sequence takes the free slot whose K/V shares the
+    /// longest prefix with its prompt ([`SlotPool`]).
     ///
     /// Errors: an MTP head or block drafter is attached (they read hidden-state taps, which the
     /// device path does not return), the target's vocabulary differs from the model's, or it
@@ -139,7 +140,10 @@ impl Engine {
             anyhow::bail!("{}: no KV slot", target.device_name());
         }
         if self.prefix.take().is_some() {
-            tracing::info!("prefix cache off: the KV cache lives on {}", target.device_name());
+            tracing::info!(
+                "host prefix cache off: the KV cache lives on {} (a new request reuses the free KV slot sharing the longest prefix with its prompt)",
+                target.device_name()
+            );
         }
         self.device = Some(DeviceState {
             slots: SlotPool::new(target.slots()),
@@ -646,16 +650,23 @@ impl Engine {
         let Some(dev) = self.device.as_ref() else {
             return Err(RequestError::Internal("no device attached".into()));
         };
-        let lease = dev.slots.lease().ok_or_else(|| {
+        let (lease, reuse) = dev.slots.lease(&req.prompt_tokens).ok_or_else(|| {
             RequestError::Internal(format!(
                 "all {} KV slots of {} are in use (run at most that many requests at once)",
                 dev.slots.slots(),
                 dev.name
             ))
         })?;
-        let kv = crate::device::position_counter(self.context_length());
+        let mut kv = crate::device::position_counter(self.context_length());
+        if reuse > 0 {
+            kv.advance(reuse)
+                .map_err(|e| RequestError::Internal(format!("{e:#}")))?;
+        }
         let mut seq = Sequence::with_constraint(self.sequence_env(), req, kv, constraint);
         seq.set_device_slot(lease);
+        if reuse > 0 {
+            seq.skip_prefix(reuse);
+        }
         Ok(seq)
     }
 
@@ -667,7 +678,17 @@ impl Engine {
         if let Some((path, ctl)) = seq.controller() {
             self.controller_priors.insert(path.to_string(), ctl.clone());
         }
+        let slot = seq.device_slot();
         let (out, kv) = seq.finish();
+        if let (Some(d), Some(slot), true) = (self.device.as_ref(), slot, ok) {
+            // The positions fed to the slot (as for the prefix cache below): the prompt and
+            // every output token but the last, and never past what the slot committed.
+            let mut tokens = prompt.clone();
+            tokens.extend_from_slice(&out.token_ids);
+            let fed = (prompt.len() + out.token_ids.len().saturating_sub(1)).min(kv.len());
+            tokens.truncate(fed);
+            d.slots.remember(slot, tokens);
+        }
         if let (Some(p), true) = (self.prefix.as_mut(), ok) {
             let mut tokens = prompt;
             let fed = tokens.len() + out.token_ids.len().saturating_sub(1);
@@ -683,8 +704,18 @@ impl Engine {
         c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     }
 
-    /// The prefix cache's counters, when it is on.
+    /// The prefix cache's counters, when it is on (with a device: its slot reuse, which holds
+    /// no host memory).
     pub fn prefix_cache_stats(&self) -> Option<crate::prefix_cache::PrefixCacheStats> {
+        if let Some(d) = &self.device {
+            let s = d.slots.stats();
+            return Some(crate::prefix_cache::PrefixCacheStats {
+                hits: s.hits,
+                misses: s.misses,
+                hit_tokens: s.hit_tokens,
+                ..Default::default()
+            });
+        }
         self.prefix.as_ref().map(PrefixCache::stats)
     }
 

@@ -266,3 +266,65 @@ fn drafters_with_taps_are_refused_on_a_device() {
     let err = dev.attach_mtp_head(&head).expect_err("refused");
     assert!(err.to_string().contains("hidden states"), "{err}");
 }
+
+#[test]
+fn a_freed_slot_serves_its_prefix_to_the_next_request_exactly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut plain, mut dev) = pair(dir.path(), 2, 6);
+    let turn1 = "the then the thin the then, a first turn of a conversation";
+    let first = req(&plain, turn1, 20, SpecMode::Ngram, SamplingParams::greedy());
+    let out1 = dev.generate(&first, &mut |_| true).expect("turn 1");
+    assert_eq!(out1.stats.cached_prompt_tokens, 0);
+    // The same prompt again: every position but the last comes from the slot.
+    let again = dev.generate(&first, &mut |_| true).expect("again");
+    assert_eq!(again.stats.cached_prompt_tokens, first.prompt_tokens.len() - 1);
+    same(
+        &plain.generate(&first, &mut |_| true).expect("plain"),
+        &again,
+        "same prompt",
+    );
+    // A second turn: turn 1's prompt and answer, then more text (the slot holds the prompt and
+    // all of the answer but its last token).
+    let mut next = first.clone();
+    next.prompt_tokens.extend_from_slice(&out1.token_ids);
+    next.prompt_tokens
+        .extend(dev.tokenize(" and then a follow-up question").expect("tokenize"));
+    let out2 = dev.generate(&next, &mut |_| true).expect("turn 2");
+    assert_eq!(
+        out2.stats.cached_prompt_tokens,
+        first.prompt_tokens.len() + out1.token_ids.len() - 1
+    );
+    same(
+        &plain.generate(&next, &mut |_| true).expect("plain"),
+        &out2,
+        "second turn",
+    );
+    // Another prompt while the warm slot is free takes the cold slot and shares nothing.
+    let other = req(
+        &plain,
+        "one two three four",
+        12,
+        SpecMode::Off,
+        SamplingParams::greedy(),
+    );
+    let o = dev.generate(&other, &mut |_| true).expect("other");
+    assert_eq!(o.stats.cached_prompt_tokens, 0);
+    same(
+        &plain.generate(&other, &mut |_| true).expect("plain"),
+        &o,
+        "other prompt",
+    );
+    let stats = dev.prefix_cache_stats().expect("stats");
+    assert_eq!((stats.hits, stats.misses), (2, 2));
+    // A cancelled request leaves nothing to reuse.
+    let mut n = 0;
+    let cancelled = dev
+        .generate(&next, &mut |_| {
+            n += 1;
+            n < 3
+        })
+        .expect("cancelled");
+    assert_eq!(cancelled.finish_reason, specula_engine::FinishReason::Cancelled);
+    let after = dev.generate(&next, &mut |_| true).expect("after a cancel");
+    same(&out2, &after, "after a cancel");
+}
