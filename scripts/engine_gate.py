@@ -58,6 +58,7 @@ def chat(base, model, p, spec):
         "text": c["message"].get("content") or "",
         "finish_reason": c["finish_reason"],
         "completion_tokens": out["usage"]["completion_tokens"],
+        "cached_tokens": (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0),
         "seconds": secs,
     }
 
@@ -131,6 +132,10 @@ def main():
         "device": info.get("specula", {}).get("device"),
         "solo": solo,
         "solo_identical": sum(v["identical"] for v in solo.values()),
+        # The n-gram run follows the plain run of the same prompt: its prompt comes from the
+        # prefix cache (CPU) or the slot the plain run left (GPU), so identical outputs also
+        # show that reuse is exact.
+        "ngram_runs_with_cached_prompt": sum(v["ngram"]["cached_tokens"] > 0 for v in solo.values()),
         "prompts": len(prompts),
         "ngram_drafted": drafted,
         "ngram_accepted": accepted,
@@ -150,6 +155,7 @@ def main():
         report["compare"] = {"against": other.get("device"), "identical": sum(r["identical"] for r in rows),
                              "of": len(rows), "rows": rows}
         print(f"vs {other.get('device')}: {report['compare']['identical']}/{len(rows)} plain outputs identical")
+    print(f"solo: {report['ngram_runs_with_cached_prompt']}/{len(prompts)} ngram runs reused the plain run's prompt KV")
     print(f"solo: {report['solo_identical']}/{len(prompts)} ngram outputs identical to AR; "
           f"ngram acceptance {accepted / max(drafted, 1):.2f} ({int(accepted)}/{int(drafted)})")
     if a.out:
