@@ -10,9 +10,13 @@ Usage:
    Acceptance comes from the server's /metrics counters.
 2. Batched: the prompts again, all at once at each of --levels concurrent streams, modes
    alternating off / ngram; every output must equal its solo plain run.
-3. --compare FILE: the solo outputs of another run (e.g. the CPU server's); reports how many
-   outputs are identical and where the first differing token is (another device's kernels
-   round differently; this is a report, not a gate).
+3. --compare FILE (repeatable): the solo outputs of another run; reports how many plain outputs
+   are identical and where the first difference is. Against the same device with prefix reuse
+   off (`--prefix-cache-mb 0`) they must all be identical (pass --must-match for that file);
+   against another device (the CPU) this is a report: its kernels round differently.
+
+Outputs are compared as text bytes plus the completion token count (the chat API returns no
+token ids).
 
 Exits 1 when a check fails. Standard library only.
 """
@@ -69,7 +73,8 @@ def main():
     ap.add_argument("--prompts", default=str(Path(__file__).resolve().parent.parent / "tests/fixtures/prompts.jsonl"))
     ap.add_argument("--levels", default="4,16,32")
     ap.add_argument("--out")
-    ap.add_argument("--compare")
+    ap.add_argument("--compare", action="append", default=[])
+    ap.add_argument("--must-match", action="append", default=[], help="a --compare file whose outputs must all match")
     a = ap.parse_args()
     base = a.base_url.rstrip("/")
     for _ in range(600):
@@ -142,8 +147,9 @@ def main():
         "batched": batched,
         "failures": failures,
     }
-    if a.compare:
-        other = json.load(open(a.compare))
+    report["compare"] = []
+    for path in a.compare:
+        other = json.load(open(path))
         rows = []
         for pid, v in solo.items():
             o = other["solo"].get(pid)
@@ -152,9 +158,11 @@ def main():
             x, y = v["ar"]["text"], o["ar"]["text"]
             k = next((i for i, (c, d) in enumerate(zip(x, y)) if c != d), min(len(x), len(y)))
             rows.append({"id": pid, "identical": x == y, "first_difference_at_char": None if x == y else k})
-        report["compare"] = {"against": other.get("device"), "identical": sum(r["identical"] for r in rows),
-                             "of": len(rows), "rows": rows}
-        print(f"vs {other.get('device')}: {report['compare']['identical']}/{len(rows)} plain outputs identical")
+        same = sum(r["identical"] for r in rows)
+        report["compare"].append({"file": path, "against": other.get("device"), "identical": same, "of": len(rows), "rows": rows})
+        print(f"vs {path} ({other.get('device')}): {same}/{len(rows)} plain outputs identical")
+        if path in a.must_match and same != len(rows):
+            failures.append(f"{path}: {len(rows) - same} plain outputs differ")
     print(f"solo: {report['ngram_runs_with_cached_prompt']}/{len(prompts)} ngram runs reused the plain run's prompt KV")
     print(f"solo: {report['solo_identical']}/{len(prompts)} ngram outputs identical to AR; "
           f"ngram acceptance {accepted / max(drafted, 1):.2f} ({int(accepted)}/{int(drafted)})")

@@ -19,8 +19,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 GPU=${GPU_DEVICE:-cuda:0}  # GPU_DEVICE=cpu runs the whole script on the CPU (a dry run)
 GATE_ARGS=${GATE_ARGS:-}     # e.g. "--prompts FILE" for a shorter prompt set
 rc=0
-serve() { # DEVICE PORT LOG
-  "$BIN" serve "$MODEL" --device "$1" --port "$2" --max-batch 64 --max-queue 512 > "$3" 2>&1 &
+serve() { # DEVICE PORT LOG [ARGS...]
+  local dev=$1 port=$2 log=$3; shift 3
+  "$BIN" serve "$MODEL" --device "$dev" --port "$port" --max-batch 64 --max-queue 512 "$@" > "$log" 2>&1 &
   echo $!
 }
 PROMPT="Write a Python function that returns the n-th Fibonacci number, with a docstring and two tests."
@@ -44,10 +45,17 @@ python3 scripts/engine_gate.py --base-url http://127.0.0.1:8101 --levels 4 --out
 tail -n 3 "$OUTDIR/gate-cpu.txt"
 python3 scripts/concurrency_bench.py --base-url http://127.0.0.1:8101 --levels "$LEVELS" --modes off,ngram --max-tokens 128 > "$OUTDIR/sweep-cpu.txt" 2>&1
 kill "$PID"; wait "$PID" 2>/dev/null
+# A cold reference: the GPU server without prefix reuse (every prompt prefilled in full).
+PID=$(serve "$GPU" 8102 "$OUTDIR/serve-gpu-cold.log" --prefix-cache-mb 0)
+python3 scripts/engine_gate.py --base-url http://127.0.0.1:8102 --levels 4 --out "$OUTDIR/gate-gpu-cold.json" $GATE_ARGS \
+  > "$OUTDIR/gate-gpu-cold.txt" 2>&1 || rc=1
+tail -n 3 "$OUTDIR/gate-gpu-cold.txt"
+kill "$PID"; wait "$PID" 2>/dev/null
 PID=$(serve "$GPU" 8100 "$OUTDIR/serve-gpu.log")
 python3 scripts/engine_gate.py --base-url http://127.0.0.1:8100 --levels 4,16,32,64 --out "$OUTDIR/gate-gpu.json" $GATE_ARGS \
+  --compare "$OUTDIR/gate-gpu-cold.json" --must-match "$OUTDIR/gate-gpu-cold.json" \
   --compare "$OUTDIR/gate-cpu.json" > "$OUTDIR/gate-gpu.txt" 2>&1 || rc=1
-tail -n 8 "$OUTDIR/gate-gpu.txt"
+tail -n 9 "$OUTDIR/gate-gpu.txt"
 python3 scripts/concurrency_bench.py --base-url http://127.0.0.1:8100 --levels "$LEVELS,64" --modes off,ngram --max-tokens 128 > "$OUTDIR/sweep-gpu.txt" 2>&1
 kill "$PID"; wait "$PID" 2>/dev/null
 # The engine alone (no HTTP): aggregate decode of N concurrent greedy requests, argmax-only rows

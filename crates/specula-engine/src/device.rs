@@ -58,6 +58,11 @@ pub trait DeviceTarget: Send {
     fn max_ctx(&self) -> usize;
     /// Most rows one [`DeviceTarget::forward`] takes.
     fn max_rows(&self) -> usize;
+    /// Logits per row (the vocabulary size).
+    fn vocab(&self) -> usize;
+    /// Whether a row's bits are the same whatever else is in the forward (row count, other
+    /// slots, positions): speculation and batching are exact only then.
+    fn batch_invariant(&self) -> bool;
     /// One forward over `rows` (any mix of slots and positions; the rows of one slot in
     /// increasing position order). Each row's keys and values are written at `(slot, pos)`
     /// before it attends to `0..=pos` of its slot.
@@ -81,6 +86,7 @@ pub trait DeviceTarget: Send {
 pub struct SlotPool {
     state: Arc<Mutex<SlotState>>,
     slots: usize,
+    reuse: bool,
 }
 
 #[derive(Debug)]
@@ -109,8 +115,9 @@ pub struct SlotReuseStats {
 }
 
 impl SlotPool {
-    /// A pool of slots `0..slots`, all free and empty.
-    pub fn new(slots: usize) -> Self {
+    /// A pool of slots `0..slots`, all free and empty; `reuse`: hand prompts the K/V a free
+    /// slot still holds (off: every sequence prefills its whole prompt).
+    pub fn new(slots: usize, reuse: bool) -> Self {
         Self {
             state: Arc::new(Mutex::new(SlotState {
                 free: (0..slots as u32).collect(),
@@ -122,6 +129,7 @@ impl SlotPool {
                 hit_tokens: 0,
             })),
             slots,
+            reuse,
         }
     }
 
@@ -129,23 +137,50 @@ impl SlotPool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Take a free slot for a sequence whose prompt is `prompt`: the one whose KV shares the
-    /// longest prefix with it (ties and no sharing: the least recently released). Returns the
-    /// lease and how many leading positions of the slot hold `prompt`'s K/V already (at most
-    /// `prompt.len() - 1`: the last prompt token is always fed, its logits give the first
-    /// output token). `None` when every slot is held.
+    /// Take a free slot for a sequence whose prompt is `prompt`. Returns the lease and how many
+    /// leading positions of the slot hold `prompt`'s K/V already (at most `prompt.len() - 1`:
+    /// the last prompt token is always fed, its logits give the first output token). `None`
+    /// when every slot is held.
+    ///
+    /// Which slot: among the free slots whose prompt match covers at least half of what they
+    /// hold (a next turn of their conversation, a repeated prompt), the longest match; else an
+    /// empty slot, else the least recently released one (a short shared header, such as a chat
+    /// template's, does not evict a long conversation; llama.cpp's server picks slots by the
+    /// same kind of similarity threshold). Ties: the least recently released, then the lowest.
     pub fn lease(&self, prompt: &[u32]) -> Option<(SlotLease, usize)> {
         let mut st = self.lock();
-        let shared = |held: &[u32]| held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        let (at, reuse) = st
+        let cap = prompt.len().saturating_sub(1);
+        let shared = |held: &[u32]| held.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(cap);
+        // (index in `free`, reusable positions, similar, empty, released, slot)
+        let cands: Vec<(usize, usize, bool, bool, u64, u32)> = st
             .free
             .iter()
             .enumerate()
-            .map(|(at, &s)| (at, shared(&st.held[s as usize]), st.released[s as usize], s))
-            .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(b.3.cmp(&a.3)))
-            .map(|(at, n, _, _)| (at, n))?;
+            .map(|(at, &s)| {
+                let held = &st.held[s as usize];
+                let n = if self.reuse { shared(held) } else { 0 };
+                (
+                    at,
+                    n,
+                    n > 0 && 2 * n >= held.len(),
+                    held.is_empty(),
+                    st.released[s as usize],
+                    s,
+                )
+            })
+            .collect();
+        let older = |a: &(usize, usize, bool, bool, u64, u32), b: &(usize, usize, bool, bool, u64, u32)| {
+            b.4.cmp(&a.4).then(b.5.cmp(&a.5))
+        };
+        let pick = cands
+            .iter()
+            .filter(|c| c.2)
+            .max_by(|a, b| a.1.cmp(&b.1).then(older(a, b)))
+            .or_else(|| cands.iter().filter(|c| c.3).max_by(|a, b| older(a, b)))
+            .or_else(|| cands.iter().max_by(|a, b| older(a, b)))
+            .copied()?;
+        let (at, reuse) = (pick.0, pick.1);
         let slot = st.free.swap_remove(at);
-        let reuse = reuse.min(prompt.len().saturating_sub(1));
         st.held[slot as usize].clear();
         if reuse > 0 {
             st.hits += 1;
@@ -163,8 +198,11 @@ impl SlotPool {
     }
 
     /// Record that `slot`'s KV holds `tokens` at positions `0..tokens.len()` (the prompt and
-    /// output of a sequence that retired cleanly), for reuse once the slot is free.
+    /// output of a sequence that retired without an error), for reuse once the slot is free.
     pub fn remember(&self, slot: u32, tokens: Vec<u32>) {
+        if !self.reuse {
+            return;
+        }
         if let Some(h) = self.lock().held.get_mut(slot as usize) {
             *h = tokens;
         }
@@ -333,6 +371,14 @@ impl DeviceTarget for CpuSlots {
 
     fn max_rows(&self) -> usize {
         self.max_rows
+    }
+
+    fn vocab(&self) -> usize {
+        self.model.config.vocab_size
+    }
+
+    fn batch_invariant(&self) -> bool {
+        self.model.batch_invariant()
     }
 
     fn forward(&mut self, rows: &[DeviceRow], want: &[RowNeed]) -> Result<Vec<RowOut>> {

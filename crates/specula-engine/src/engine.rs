@@ -74,6 +74,8 @@ pub struct Engine {
     /// The accelerator that runs the target's forwards, when one is attached
     /// ([`Engine::attach_device`]).
     device: Option<DeviceState>,
+    /// [`Engine::limit_context`].
+    context_cap: Option<usize>,
 }
 
 /// A [`DeviceTarget`] and its free KV slots.
@@ -82,6 +84,7 @@ struct DeviceState {
     slots: SlotPool,
     name: String,
     max_ctx: usize,
+    batch_invariant: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -115,6 +118,7 @@ impl Engine {
             grammar: None,
             tuned: None,
             device: None,
+            context_cap: None,
         }
     }
 
@@ -123,13 +127,21 @@ impl Engine {
     /// model stays loaded for what has no device path yet (`logits_all`, distillation).
     /// Sequences then hold a device KV slot each ([`Engine::device_slots`]: at most that many
     /// run at once) and the context window is at most the slots' length. The host prefix cache
-    /// is replaced by slot reuse: a new sequence takes the free slot whose K/V shares the
-    /// longest prefix with its prompt ([`SlotPool`]).
+    /// is replaced by slot reuse (when `LoadOptions::prefix_cache_bytes` > 0): a new sequence
+    /// takes a free slot whose K/V holds the start of its prompt ([`SlotPool::lease`]).
     ///
     /// Errors: an MTP head or block drafter is attached (they read hidden-state taps, which the
     /// device path does not return), the target's vocabulary differs from the model's, or it
     /// has no slot.
     pub fn attach_device(&mut self, target: Box<dyn DeviceTarget>) -> Result<()> {
+        if target.vocab() != self.config().vocab_size {
+            anyhow::bail!(
+                "{}: {} logits per row, the model's vocabulary has {}",
+                target.device_name(),
+                target.vocab(),
+                self.config().vocab_size
+            );
+        }
         if self.mtp.is_some() || self.block.is_some() {
             anyhow::bail!(
                 "MTP heads and block drafters read the target's hidden states, which the {} path does not return yet: use n-gram or a draft model",
@@ -146,7 +158,13 @@ impl Engine {
             );
         }
         self.device = Some(DeviceState {
-            slots: SlotPool::new(target.slots()),
+            // Slot reuse is the device's prefix cache: on when the prefix cache is.
+            // (and exact only on batch-invariant kernels).
+            slots: SlotPool::new(
+                target.slots(),
+                self.opts.prefix_cache_bytes > 0 && target.batch_invariant(),
+            ),
+            batch_invariant: target.batch_invariant(),
             name: target.device_name(),
             max_ctx: target.max_ctx(),
             target: std::sync::Mutex::new(target),
@@ -159,7 +177,20 @@ impl Engine {
     /// ([`Model::batch_invariant`]), or the attached device's, which are for every type
     /// (docs/gpu.md).
     pub fn batch_invariant(&self) -> bool {
-        self.device.is_some() || self.bundle.model.batch_invariant()
+        match &self.device {
+            Some(d) => d.batch_invariant,
+            None => self.bundle.model.batch_invariant(),
+        }
+    }
+
+    /// Cap the context window (prompt + output tokens of one request) at `tokens` (never above
+    /// the model's own or the device's). Errors: `tokens` is 0.
+    pub fn limit_context(&mut self, tokens: usize) -> Result<()> {
+        if tokens == 0 {
+            anyhow::bail!("the context window must be at least one token");
+        }
+        self.context_cap = Some(tokens);
+        Ok(())
     }
 
     /// The attached device ([`Engine::attach_device`]) by name.
@@ -332,7 +363,12 @@ impl Engine {
 
     /// Context window in tokens.
     pub fn context_length(&self) -> usize {
-        let model = self.bundle.model.config.context_length;
+        let model = self
+            .bundle
+            .model
+            .config
+            .context_length
+            .min(self.context_cap.unwrap_or(usize::MAX));
         self.device.as_ref().map_or(model, |d| model.min(d.max_ctx))
     }
 

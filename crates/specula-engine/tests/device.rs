@@ -42,8 +42,10 @@ fn pair(dir: &Path, slots: usize, max_rows: usize) -> (Engine, Engine) {
             ..base()
         },
     );
+    // A prefix-cache budget turns the device's slot reuse on.
     let opts = || LoadOptions {
         prefill_chunk: 16,
+        prefix_cache_bytes: 1 << 20,
         ..LoadOptions::default()
     };
     let mut plain = Engine::load(&target, "tiny", opts()).expect("load");
@@ -316,7 +318,8 @@ fn a_freed_slot_serves_its_prefix_to_the_next_request_exactly() {
     );
     let stats = dev.prefix_cache_stats().expect("stats");
     assert_eq!((stats.hits, stats.misses), (2, 2));
-    // A cancelled request leaves nothing to reuse.
+    // A request cancelled by its client retires without an error: its slot keeps what it
+    // committed, and the next run of the same prompt reuses it, still exactly.
     let mut n = 0;
     let cancelled = dev
         .generate(&next, &mut |_| {
@@ -326,5 +329,73 @@ fn a_freed_slot_serves_its_prefix_to_the_next_request_exactly() {
         .expect("cancelled");
     assert_eq!(cancelled.finish_reason, specula_engine::FinishReason::Cancelled);
     let after = dev.generate(&next, &mut |_| true).expect("after a cancel");
+    assert!(after.stats.cached_prompt_tokens > 0);
     same(&out2, &after, "after a cancel");
+}
+
+#[test]
+fn slot_choice_keeps_a_conversation_warm_and_reuse_follows_the_prefix_cache_switch() {
+    use specula_engine::device::SlotPool;
+    let pool = SlotPool::new(2, true);
+    let conversation: Vec<u32> = (0..40).collect();
+    let (a, n) = pool.lease(&conversation).expect("slot");
+    assert_eq!((a.slot(), n), (0, 0));
+    pool.remember(a.slot(), conversation.clone());
+    drop(a);
+    // Another request sharing only a short header takes the empty slot, not the warm one.
+    let mut other: Vec<u32> = (0..4).collect();
+    other.extend(100..120);
+    let (b, n) = pool.lease(&other).expect("slot");
+    assert_eq!((b.slot(), n), (1, 0));
+    // The conversation's next turn finds its slot.
+    let mut next = conversation.clone();
+    next.extend(200..210);
+    let (c, n) = pool.lease(&next).expect("slot");
+    assert_eq!((c.slot(), n), (0, 40));
+    assert!(pool.lease(&next).is_none(), "both slots are held");
+    drop((b, c));
+    // With reuse off, nothing is remembered or reused.
+    let off = SlotPool::new(1, false);
+    let (d, _) = off.lease(&conversation).expect("slot");
+    off.remember(d.slot(), conversation.clone());
+    drop(d);
+    assert_eq!(off.lease(&conversation).map(|(_, n)| n), Some(0));
+}
+
+#[test]
+fn a_device_without_batch_invariant_kernels_does_not_speculate_or_reuse() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write(
+        dir.path(),
+        "f16.gguf",
+        TinySpec {
+            dtype: GgmlDType::F16,
+            ..TinySpec::new(Family::Qwen2)
+        },
+    );
+    let opts = LoadOptions {
+        prefix_cache_bytes: 1 << 20,
+        ..LoadOptions::default()
+    };
+    let mut e = Engine::load(&path, "tiny", opts).expect("load");
+    let model = Arc::new(bundle::load(&path, &Device::Cpu).expect("load").model);
+    assert!(!model.batch_invariant());
+    e.attach_device(Box::new(CpuSlots::new(model, 1, 8))).expect("attach");
+    assert!(!e.batch_invariant());
+    let r = req(
+        &e,
+        "the then the thin the then",
+        20,
+        SpecMode::Ngram,
+        SamplingParams::greedy(),
+    );
+    let first = e.generate(&r, &mut |_| true).expect("first");
+    assert!(
+        first.stats.spec.decode_path.starts_with("ar"),
+        "{}",
+        first.stats.spec.decode_path
+    );
+    let again = e.generate(&r, &mut |_| true).expect("again");
+    assert_eq!(again.stats.cached_prompt_tokens, 0);
+    same(&first, &again, "repeat");
 }

@@ -95,6 +95,10 @@ struct ServeArgs {
     /// (docs/gpu.md; weights in bf16, the KV cache in one GPU slot per running request).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Cap the context window (prompt + output tokens of a request) below the model's own; on
+    /// a GPU each KV slot then takes less memory, so more requests fit.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    ctx_size: Option<u64>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -176,6 +180,10 @@ struct GenerateArgs {
     /// (docs/gpu.md; weights in bf16, the KV cache in one GPU slot per running request).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Cap the context window (prompt + output tokens of a request) below the model's own; on
+    /// a GPU each KV slot then takes less memory, so more requests fit.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    ctx_size: Option<u64>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -497,6 +505,9 @@ fn serve(a: ServeArgs) -> Result<()> {
     };
     let mut engine = load_with(&a.model, a.served_model_name.clone(), opts)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
+    if let Some(n) = a.ctx_size {
+        engine.limit_context(n as usize)?;
+    }
     let on_device = attach_device(&mut engine, &a.device, model_path.as_deref(), a.max_batch as usize)?;
     let target_load_s = t.elapsed().as_secs_f64();
     let t = std::time::Instant::now();
@@ -555,6 +566,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let mut engine = load(&a.model, None)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
+    if let Some(n) = a.ctx_size {
+        engine.limit_context(n as usize)?;
+    }
     attach_device(&mut engine, &a.device, model_path.as_deref(), 1)?;
     a.spec.attach(&mut engine, model_path.as_deref())?;
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
@@ -904,7 +918,7 @@ fn check_device(device: &str) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn attach_cuda(engine: &mut Engine, ordinal: usize, path: &std::path::Path, slots: usize) -> Result<()> {
     let t = std::time::Instant::now();
-    let m = specula_engine::cuda::load::engine_target(ordinal, path, engine.config(), slots)
+    let m = specula_engine::cuda::load::engine_target(ordinal, path, engine.config(), slots, engine.context_length())
         .with_context(|| format!("loading {} onto cuda:{ordinal}", path.display()))?;
     tracing::info!(
         device = %m.gpu.name(),

@@ -473,13 +473,19 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
 }
 
 /// The target of an [`crate::Engine`] on GPU `ordinal`: the bundle at `path` (its parsed
-/// `config`) in bf16, with KV slots for up to `want_slots` sequences of the model's context
-/// length in at most 90% of the memory left after the weights (fewer slots, or a shorter
-/// context, when they do not fit: [`GpuModel::fit_kv`]). Errors: no usable GPU, a bundle the
-/// CUDA path cannot run, not enough memory for one slot.
-pub fn engine_target(ordinal: usize, path: &Path, config: &ModelConfig, want_slots: usize) -> Result<GpuModel> {
+/// `config`) in bf16, with KV slots for up to `want_slots` sequences of `context` positions
+/// (at most the model's) in at most 90% of the memory left after the weights (fewer slots, or
+/// a shorter context, when they do not fit: [`GpuModel::fit_kv`]). Errors: no usable GPU, a
+/// bundle the CUDA path cannot run, not enough memory for one slot.
+pub fn engine_target(
+    ordinal: usize,
+    path: &Path,
+    config: &ModelConfig,
+    want_slots: usize,
+    context: usize,
+) -> Result<GpuModel> {
     let gpu = Gpu::open(ordinal)?;
     let mut m = from_bundle(gpu, path, config, 1, 16)?;
-    m.fit_kv(want_slots, config.context_length, 0.9)?;
+    m.fit_kv(want_slots, context.clamp(1, config.context_length), 0.9)?;
     Ok(m)
 }

@@ -740,6 +740,10 @@ pub struct GpuModel {
     s: Scratch,
     kv: Kv,
     graphs: HashMap<usize, Graph>,
+    /// Per slot: positions written by [`crate::device::DeviceTarget::forward`] (the engine's
+    /// contract: a row's position is at most its slot's written length, so it never attends
+    /// stale K/V).
+    written: Vec<u32>,
     /// Use captured graphs for narrow forwards (on by default; `SPECULA_CUDA_GRAPHS=0` turns
     /// them off).
     pub use_graphs: bool,
@@ -796,6 +800,7 @@ impl GpuModel {
             s,
             kv,
             graphs: HashMap::new(),
+            written: Vec::new(),
             use_graphs: std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"),
         };
         m.resize_kv(slots, max_ctx)?;
@@ -816,6 +821,7 @@ impl GpuModel {
         self.s.scores = DevBuf::new(MAX_ROWS * c.heads * max_ctx * 4)?;
         self.kv.slots = slots;
         self.kv.max_ctx = max_ctx;
+        self.written = vec![0; slots];
         Ok(())
     }
 
@@ -1193,6 +1199,14 @@ impl GpuModel {
     }
 }
 
+impl Drop for GpuModel {
+    fn drop(&mut self) {
+        // The fields' destructors free device memory, graphs and the module: make the context
+        // current on this thread first (it may not be the thread that built the model).
+        let _ = self.gpu.bind();
+    }
+}
+
 // SAFETY: the raw handles a `GpuModel` holds (stream, module, functions, graphs, device
 // memory) belong to its CUDA context, not to a thread; the driver accepts them from any thread
 // on which that context is current. A `GpuModel` moved to another thread is used there only
@@ -1217,8 +1231,28 @@ impl crate::device::DeviceTarget for GpuModel {
         MAX_ROWS
     }
 
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+
+    fn batch_invariant(&self) -> bool {
+        // Every kernel reduces in an order fixed by the shapes alone (docs/gpu.md).
+        true
+    }
+
     fn forward(&mut self, rows: &[crate::device::DeviceRow], want: &[RowNeed]) -> Result<Vec<RowOut>> {
         self.gpu.bind()?;
+        // Rows of a slot come in position order, each at most one past what the slot holds.
+        let mut written = self.written.clone();
+        for r in rows {
+            let Some(w) = written.get_mut(r.slot as usize) else {
+                bail!("slot {} out of range ({} slots)", r.slot, self.kv.slots);
+            };
+            if r.pos > *w {
+                bail!("slot {}: position {} past the {} positions written", r.slot, r.pos, *w);
+            }
+            *w = r.pos + 1;
+        }
         let rows: Vec<Row> = rows
             .iter()
             .map(|r| Row {
@@ -1227,6 +1261,8 @@ impl crate::device::DeviceTarget for GpuModel {
                 pos: r.pos,
             })
             .collect();
-        self.forward_select(&rows, want)
+        let out = self.forward_select(&rows, want)?;
+        self.written = written;
+        Ok(out)
     }
 }
