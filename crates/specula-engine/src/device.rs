@@ -142,11 +142,12 @@ impl SlotPool {
     /// the last prompt token is always fed, its logits give the first output token). `None`
     /// when every slot is held.
     ///
-    /// Which slot: among the free slots whose prompt match covers at least half of what they
-    /// hold (a next turn of their conversation, a repeated prompt), the longest match; else an
-    /// empty slot, else the least recently released one (a short shared header, such as a chat
-    /// template's, does not evict a long conversation; llama.cpp's server picks slots by the
-    /// same kind of similarity threshold). Ties: the least recently released, then the lowest.
+    /// Which slot: among the free slots whose match covers at least half of the prompt (a
+    /// repeated prompt) or half of what the slot holds (a next turn of its conversation), the
+    /// longest match; else an empty slot, else the least recently released one. So a short
+    /// shared header, such as a chat template's, does not evict a long conversation (llama.cpp's
+    /// server picks slots by a similar threshold on the prompt). Ties: the least recently
+    /// released, then the lowest.
     pub fn lease(&self, prompt: &[u32]) -> Option<(SlotLease, usize)> {
         let mut st = self.lock();
         let cap = prompt.len().saturating_sub(1);
@@ -162,7 +163,7 @@ impl SlotPool {
                 (
                     at,
                     n,
-                    n > 0 && 2 * n >= held.len(),
+                    n > 0 && (2 * n >= held.len() || 2 * n >= cap),
                     held.is_empty(),
                     st.released[s as usize],
                     s,

@@ -353,7 +353,15 @@ fn slot_choice_keeps_a_conversation_warm_and_reuse_follows_the_prefix_cache_swit
     let (c, n) = pool.lease(&next).expect("slot");
     assert_eq!((c.slot(), n), (0, 40));
     assert!(pool.lease(&next).is_none(), "both slots are held");
+    // The same prompt again finds it too, though the slot holds a long answer after it and
+    // the other slot is empty.
+    let mut answered = next.clone();
+    answered.extend(300..400);
+    pool.remember(c.slot(), answered);
     drop((b, c));
+    let (c, n) = pool.lease(&next).expect("slot");
+    assert_eq!((c.slot(), n), (0, next.len() - 1));
+    drop(c);
     // With reuse off, nothing is remembered or reused.
     let off = SlotPool::new(1, false);
     let (d, _) = off.lease(&conversation).expect("slot");
