@@ -106,13 +106,14 @@ def main():
     m = urllib.request.urlopen(args.base_url.rstrip("/") + "/metrics").read().decode()
     running, queued, kv = metric(m, "specula_requests_running"), metric(m, "specula_queue_depth"), metric(m, "specula_kv_bytes")
     pool_in_use, pool_bytes = metric(m, "specula_kv_pool_blocks_in_use"), metric(m, "specula_kv_pool_bytes")
+    slots_in_use = metric(m, "specula_device_slots_in_use")
     print(json.dumps({k: v for k, v in counts.items() if k != "errors"}), f"errors={len(counts['errors'])}")
     failed = False
     for e in counts["errors"][:10]:
         print("error:", e)
         failed = True
-    print(f"after the run: running={running} queued={queued} kv_bytes={kv} kv_pool_blocks_in_use={pool_in_use} kv_pool_bytes={pool_bytes}")
-    if running not in (0, None) or queued not in (0, None) or kv not in (0, None) or pool_in_use not in (0, None):
+    print(f"after the run: running={running} queued={queued} kv_bytes={kv} kv_pool_blocks_in_use={pool_in_use} kv_pool_bytes={pool_bytes} device_slots_in_use={slots_in_use}")
+    if any(v not in (0, None) for v in (running, queued, kv, pool_in_use, slots_in_use)):
         print("FAIL: work or KV left over")
         failed = True
     if samples:

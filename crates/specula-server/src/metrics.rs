@@ -55,6 +55,9 @@ pub struct Metrics {
     pub kv_pool_blocks_in_use: IntGauge,
     /// Bytes of KV blocks the target's pool has created (resident: blocks are recycled).
     pub kv_pool_bytes: IntGauge,
+    /// With `--device cuda:N`: KV slots on the device, and those held by running requests.
+    pub device_slots: IntGauge,
+    pub device_slots_in_use: IntGauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -174,8 +177,20 @@ impl Metrics {
             "Bytes of KV blocks the target model's pool has created (in use plus free for reuse).",
         )
         .expect("valid metric");
+        let device_slots = IntGauge::new(
+            "specula_device_slots",
+            "KV slots of the device the target runs on (0 on the CPU): the most requests that run at once.",
+        )
+        .expect("valid metric");
+        let device_slots_in_use = IntGauge::new(
+            "specula_device_slots_in_use",
+            "Device KV slots held by running requests.",
+        )
+        .expect("valid metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(device_slots.clone()),
+            Box::new(device_slots_in_use.clone()),
             Box::new(kv_bytes.clone()),
             Box::new(kv_pool_blocks_in_use.clone()),
             Box::new(kv_pool_bytes.clone()),
@@ -228,6 +243,8 @@ impl Metrics {
             kv_bytes,
             kv_pool_blocks_in_use,
             kv_pool_bytes,
+            device_slots,
+            device_slots_in_use,
         }
     }
 

@@ -727,6 +727,10 @@ fn worker_loop(
         let pool = engine.model().kv_pool_stats();
         metrics.kv_pool_blocks_in_use.set(pool.in_use as i64);
         metrics.kv_pool_bytes.set((pool.allocated * pool.block_bytes) as i64);
+        if let Some(slots) = engine.device_slots() {
+            metrics.device_slots.set(slots.slots() as i64);
+            metrics.device_slots_in_use.set(slots.in_use() as i64);
+        }
     }
     tracing::debug!("engine worker stopped");
 }
