@@ -40,6 +40,12 @@ for s, r in (("off", a), ("ngram", b)):
 assert a["token_ids"] == b["token_ids"], "generate: ngram differs from AR on the GPU"
 print("generate: ngram token ids identical to AR")
 PY
+# Where a step's time goes per prompt (decode at long context is attention-bound).
+for spec in off ngram; do
+  python3 scripts/generate_timings.py --bin "$BIN" --model "$MODEL" --device "$GPU" --kinds prose,long_context \
+    --spec "$spec" > "$OUTDIR/timings-gpu-$spec.txt" 2>&1 || rc=1
+  echo "--- generate timings, $GPU, --spec $spec"; cat "$OUTDIR/timings-gpu-$spec.txt"
+done
 PID=$(serve cpu 8101 "$OUTDIR/serve-cpu.log")
 python3 scripts/engine_gate.py --base-url http://127.0.0.1:8101 --levels 4 --out "$OUTDIR/gate-cpu.json" $GATE_ARGS > "$OUTDIR/gate-cpu.txt" 2>&1 || rc=1
 tail -n 3 "$OUTDIR/gate-cpu.txt"

@@ -458,77 +458,133 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
     Kc[(cache_row + (h - nh)) * hd + d] = f2bf(out);
 }
 
-// Causal attention of one row and one query head over its slot's cache, positions 0..=pos[r].
-// Q: f32 [rows, nh, hd]; S: f32 scratch [rows, nh, max_ctx]; O: bf16 [rows, nh * hd].
-// Grid: (rows, nh); block: 256 threads (8 warps). Scores: one thread per position. Weighted
-// sum of V: warp w folds positions w, w + 8, ... (lane owns d = lane + 32 j), then the 8 warp
-// partials are added in warp order: a fixed order that depends only on pos[r].
+// Causal attention of one row and one query head over its slot's cache, positions 0..=pos[r],
+// split over the keys (flash-decoding) so a long context is spread over many blocks.
+// The row's L = pos + 1 keys are cut into na = min(ATT_SPLITS, ceil(L / ATT_MIN_KEYS)) ranges,
+// range z being keys [z L / na, (z + 1) L / na): the cut depends on L only, never on the batch.
+// Per range, one block: scores (one thread per key), the range's max m and sum s of
+// exp(score - m), and acc = sum over its keys of exp(score - m) v (warp w folds keys w, w + 8, ...
+// of the range, lane owns d = lane + 32 j; the 8 warp partials added in warp order). With one
+// range (L <= ATT_MIN_KEYS) that is the output: acc / s. Otherwise each range stores (m, s, acc)
+// and the block that finishes the last range (an atomic count per row and head) merges them in
+// range order: M = max m_z, S = sum s_z e^(m_z - M), O = (sum acc_z e^(m_z - M)) / S.
+// Q: f32 [rows, nh, hd]; S: f32 scratch [rows, nh, max_ctx]; P: f32 scratch
+// [rows, nh, ATT_SPLITS, hd + 2]; C: int [rows, nh], zero between launches; O: bf16 [rows, nh * hd].
+// Grid: (rows * G, nh): block (r * G + g, h) takes ranges g, g + G, ... of row r (G changes
+// speed, not bits); block: 256 threads (8 warps).
+#define ATT_SPLITS 16
+#define ATT_MIN_KEYS 128
 extern "C" __global__ void attention_rows(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
-                                          const int* slot, float* S, bf16_t* O, int nh, int nkv, int hd,
-                                          int max_ctx, float scale) {
+                                          const int* slot, float* S, float* P, int* C, bf16_t* O, int nh,
+                                          int nkv, int hd, int max_ctx, float scale, int G) {
   pdl_wait();
   pdl_launch();
   __shared__ float sh[32];
   __shared__ float q[256];
   __shared__ float part[8][256];
-  const int r = blockIdx.x, h = blockIdx.y;
+  __shared__ int last;
+  const int r = blockIdx.x / G, g = blockIdx.x % G, h = blockIdx.y;
   const int kvh = h / (nh / nkv);
   const int L = pos[r] + 1;
+  const int na = min(ATT_SPLITS, (L + ATT_MIN_KEYS - 1) / ATT_MIN_KEYS);
+  if (g >= na) return;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) q[d] = Q[((size_t)r * nh + h) * hd + d];
-  __syncthreads();
   float* s = S + ((size_t)r * nh + h) * max_ctx;
   const size_t stride = (size_t)nkv * hd;
   const bf16_t* kb = Kc + (size_t)slot[r] * max_ctx * stride + (size_t)kvh * hd;
   const bf16_t* vb = Vc + (size_t)slot[r] * max_ctx * stride + (size_t)kvh * hd;
-  float mx = -INFINITY;
-  for (int t = threadIdx.x; t < L; t += blockDim.x) {
-    const uint4* k = reinterpret_cast<const uint4*>(kb + (size_t)t * stride);
-    float a = 0.0f;
-    for (int c = 0; c < hd / 8; c++) {
-      float kf[8];
-      unpack8(k[c], kf);
-#pragma unroll
-      for (int j = 0; j < 8; j++) a = __fmaf_rn(q[c * 8 + j], kf[j], a);
-    }
-    a *= scale;
-    s[t] = a;
-    mx = fmaxf(mx, a);
-  }
-  mx = block_max(mx, sh);
-  float sum = 0.0f;
-  for (int t = threadIdx.x; t < L; t += blockDim.x) {
-    float e = expf(s[t] - mx);
-    s[t] = e;
-    sum += e;
-  }
-  sum = block_sum(sum, sh);  // its barriers also publish s[] to the block
-  const float inv = 1.0f / sum;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nj = (hd + 31) >> 5;
-  float acc[8];
+  float* pr = P + ((size_t)r * nh + h) * ATT_SPLITS * (hd + 2);
+  for (int z = g; z < na; z += G) {
+    const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);
+    __syncthreads();  // q is loaded; the previous range's part[] is consumed
+    float mx = -INFINITY;
+    for (int t = a + threadIdx.x; t < b; t += blockDim.x) {
+      const uint4* k = reinterpret_cast<const uint4*>(kb + (size_t)t * stride);
+      float acc = 0.0f;
+      for (int c = 0; c < hd / 8; c++) {
+        float kf[8];
+        unpack8(k[c], kf);
 #pragma unroll
-  for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+        for (int j = 0; j < 8; j++) acc = __fmaf_rn(q[c * 8 + j], kf[j], acc);
+      }
+      acc *= scale;
+      s[t] = acc;
+      mx = fmaxf(mx, acc);
+    }
+    mx = block_max(mx, sh);
+    float sum = 0.0f;
+    for (int t = a + threadIdx.x; t < b; t += blockDim.x) {
+      float e = expf(s[t] - mx);
+      s[t] = e;
+      sum += e;
+    }
+    sum = block_sum(sum, sh);  // its barriers also publish s[] to the block
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
 #pragma unroll 4
-  for (int t = warp; t < L; t += 8) {
-    const float p = s[t];
-    const bf16_t* v = vb + (size_t)t * stride;
+    for (int t = a + warp; t < b; t += 8) {
+      const float p = s[t];
+      const bf16_t* v = vb + (size_t)t * stride;
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        int d = lane + 32 * j;
+        if (j < nj && d < hd) acc[j] = __fmaf_rn(p, bf2f(v[d]), acc[j]);
+      }
+    }
 #pragma unroll
     for (int j = 0; j < 8; j++) {
       int d = lane + 32 * j;
-      if (j < nj && d < hd) acc[j] = __fmaf_rn(p, bf2f(v[d]), acc[j]);
+      if (j < nj && d < hd) part[warp][d] = acc[j];
     }
-  }
+    __syncthreads();
+    if (na == 1) {
+      const float inv = 1.0f / sum;
+      for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = part[0][d];
 #pragma unroll
-  for (int j = 0; j < 8; j++) {
-    int d = lane + 32 * j;
-    if (j < nj && d < hd) part[warp][d] = acc[j];
-  }
-  __syncthreads();
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float o = part[0][d];
+        for (int w = 1; w < 8; w++) o += part[w][d];
+        O[((size_t)r * nh + h) * hd + d] = f2bf(o * inv);
+      }
+      return;
+    }
+    float* pz = pr + (size_t)z * (hd + 2);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+      float o = part[0][d];
 #pragma unroll
-    for (int w = 1; w < 8; w++) o += part[w][d];
-    O[((size_t)r * nh + h) * hd + d] = f2bf(o * inv);
+      for (int w = 1; w < 8; w++) o += part[w][d];
+      pz[2 + d] = o;
+    }
+    if (threadIdx.x == 0) {
+      pz[0] = mx;
+      pz[1] = sum;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&C[(size_t)r * nh + h], 1) == na - 1;
+    __syncthreads();
+    if (last) {
+      __threadfence();
+      float M = -INFINITY;
+      for (int y = 0; y < na; y++) M = fmaxf(M, __ldcg(pr + (size_t)y * (hd + 2)));
+      float tot = 0.0f;
+      for (int y = 0; y < na; y++) {
+        const float* py = pr + (size_t)y * (hd + 2);
+        tot += __ldcg(py + 1) * expf(__ldcg(py) - M);
+      }
+      const float inv = 1.0f / tot;
+      for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int y = 0; y < na; y++) {
+          const float* py = pr + (size_t)y * (hd + 2);
+          o = __fmaf_rn(__ldcg(py + 2 + d), expf(__ldcg(py) - M), o);
+        }
+        O[((size_t)r * nh + h) * hd + d] = f2bf(o * inv);
+      }
+      if (threadIdx.x == 0) C[(size_t)r * nh + h] = 0;
+    }
   }
 }
 

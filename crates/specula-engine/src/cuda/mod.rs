@@ -42,6 +42,11 @@ pub const GRAPH_MAX_ROWS: usize = 64;
 /// Rows one forward takes at most (prefill runs in chunks of this many).
 pub const MAX_ROWS: usize = 256;
 
+/// Key ranges a row's attention is split into at most (`ATT_SPLITS` in kernels.cu): a long
+/// context is spread over that many blocks per row and head; how many run depends on the row's
+/// position only.
+const ATT_SPLITS: usize = 16;
+
 /// `SPECULA_CUDA_SYNC=1`: synchronize after every kernel and log each launch (debugging).
 fn sync_each() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -707,6 +712,10 @@ struct Scratch {
     logits: DevBuf,
     scores: DevBuf,
     argmax: DevBuf,
+    /// f32 `[MAX_ROWS, heads, ATT_SPLITS, head_dim + 2]`: the attention's per-range partials.
+    att_part: DevBuf,
+    /// i32 `[MAX_ROWS, heads]`: ranges finished per row and head (zero between launches).
+    att_count: DevBuf,
     /// i32 `[3, MAX_ROWS]`: tokens, positions, slots.
     io: DevBuf,
 }
@@ -784,8 +793,11 @@ impl GpuModel {
             logits: DevBuf::new(r * c.vocab * 4)?,
             scores: DevBuf::new(1)?,
             argmax: DevBuf::new(r * 4)?,
+            att_part: DevBuf::new(r * c.heads * ATT_SPLITS * (c.head_dim + 2) * 4)?,
+            att_count: DevBuf::new(r * c.heads * 4)?,
             io: DevBuf::new(3 * r * 4)?,
         };
+        gpu.upload(s.att_count.at(0), &vec![0i32; r * c.heads])?;
         let kv = Kv {
             k: DevBuf::new(1)?,
             v: DevBuf::new(1)?,
@@ -915,6 +927,10 @@ impl GpuModel {
         let pos = s.io.at(MAX_ROWS * 4);
         let slot = s.io.at(2 * MAX_ROWS * 4);
         let nu = n as u32;
+        // Blocks per row and head for the attention: enough for a few waves on the SMs when
+        // the rows are few (a long context's key ranges then run side by side). Changes speed,
+        // never bits: a row's key ranges depend on its position only.
+        let att_blocks = (528 / (n * nh).max(1)).clamp(1, ATT_SPLITS) as u32;
         g.launch(
             "embed_rows",
             (nu, 1),
@@ -951,7 +967,7 @@ impl GpuModel {
             )?;
             g.launch(
                 "attention_rows",
-                (nu, nh as u32),
+                (nu * att_blocks, nh as u32),
                 256,
                 &[
                     A::P(s.q.at(0)),
@@ -960,12 +976,15 @@ impl GpuModel {
                     A::P(pos),
                     A::P(slot),
                     A::P(s.scores.at(0)),
+                    A::P(s.att_part.at(0)),
+                    A::P(s.att_count.at(0)),
                     A::P(s.ao.at(0)),
                     A::I(nh as i32),
                     A::I(nkv as i32),
                     A::I(hd as i32),
                     A::I(self.kv.max_ctx as i32),
                     A::F(1.0 / (hd as f32).sqrt()),
+                    A::I(att_blocks as i32),
                 ],
             )?;
             g.gemm(l.o.ptrs(), s.ao.at(0), Some(s.x.at(0)), s.x.at(0), n, h, nh * hd)?;
