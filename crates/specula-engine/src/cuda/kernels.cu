@@ -474,7 +474,7 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 // speed, not bits); block: 256 threads (8 warps).
 #define ATT_SPLITS 16
 #define ATT_MIN_KEYS 256
-extern "C" __global__ void attention_rows(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
                                           const int* slot, float* S, float* P, int* C, bf16_t* O, int nh,
                                           int nkv, int hd, int max_ctx, float scale, int G) {
   pdl_wait();
