@@ -828,12 +828,7 @@ impl Engine {
             drop(segs);
             self.note_batch(seqs, &group, rows, outs.is_ok().then_some(seconds));
             match outs {
-                Err(e) => {
-                    let msg = format!("{e:#}");
-                    for &i in &group {
-                        results[i] = Err(RequestError::Internal(msg.clone()));
-                    }
-                }
+                Err(e) => fail_group(&mut results, &group, &e),
                 Ok(outs) => {
                     for (&i, out) in group.iter().zip(outs) {
                         let absorbed = (|| {
@@ -928,12 +923,7 @@ impl Engine {
         drop(segs);
         self.note_batch(seqs, &group, rows, outs.is_ok().then_some(seconds));
         match outs {
-            Err(e) => {
-                let msg = format!("{e:#}");
-                for &i in &group {
-                    results[i] = Err(RequestError::Internal(msg.clone()));
-                }
-            }
+            Err(e) => fail_group(results, &group, &e),
             Ok(outs) => {
                 for ((&i, rows), n) in group.iter().zip(outs).zip(fed) {
                     let absorbed = seqs[i]
@@ -944,6 +934,14 @@ impl Engine {
                 }
             }
         }
+    }
+}
+
+/// A batched forward failed: every sequence of `group` gets its error.
+fn fail_group(results: &mut [Result<Option<StepOutcome>, RequestError>], group: &[usize], e: &anyhow::Error) {
+    let msg = format!("{e:#}");
+    for &i in group {
+        results[i] = Err(RequestError::Internal(msg.clone()));
     }
 }
 
