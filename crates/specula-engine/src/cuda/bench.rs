@@ -210,10 +210,14 @@ fn check_wide(m: &mut GpuModel) -> Result<Value> {
     Ok(json!({"pass": differ == 0, "rows": n, "rows_differing": differ}))
 }
 
-/// Verify rows vs one-row decode, and graph vs direct launches, in `slot`.
-fn check_verify(m: &mut GpuModel, slot: u32, max_rows: usize) -> Result<Value> {
+/// Prompt length of the long-context verify check: 1,000 keys, split into 4 ranges.
+const LONG_CHECK_PROMPT: usize = 1000;
+
+/// Verify rows vs one-row decode, and graph vs direct launches, in `slot`, after a prompt of
+/// `prompt_len` tokens (past 256, the attention splits each row's keys into ranges).
+fn check_verify(m: &mut GpuModel, slot: u32, max_rows: usize, prompt_len: usize) -> Result<Value> {
     let v = m.config.vocab;
-    let p = tokens(100, 7, v);
+    let p = tokens(prompt_len, 7, v);
     let p0 = p.len() as u32;
     let mut toks = vec![m.prefill(slot, 0, &p, false)?.argmax[0]];
     let mut single = Vec::new();
@@ -257,7 +261,7 @@ fn check_verify(m: &mut GpuModel, slot: u32, max_rows: usize) -> Result<Value> {
     let expect: Vec<&[f32]> = single[..r].iter().map(|x| x.as_slice()).collect();
     let (gd, _) = compare_rows(&direct, &expect, v);
     ok &= gd == 0;
-    Ok(json!({"pass": ok, "per_k": per_k, "graph_vs_direct_equal": gd == 0}))
+    Ok(json!({"pass": ok, "prompt_tokens": prompt_len, "per_k": per_k, "graph_vs_direct_equal": gd == 0}))
 }
 
 /// Four sequences decoded alone, then together, then a mixed batch (decode rows of three next
@@ -614,7 +618,8 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     log("measuring copy bandwidth");
     let bw = copy_bandwidth(&gpu)?;
     let max_streams = o.streams.iter().copied().max().unwrap_or(1).max(8);
-    let ctx = (o.context + o.decode_steps + 64).max(512);
+    // Room for the long-context verify check too.
+    let ctx = (o.context + o.decode_steps + 64).max(LONG_CHECK_PROMPT + 64);
     log(&format!("generating {} weights on the device", o.shape.name));
     log("exactness: the GEMM kernels against a host reference and across row counts");
     let gemm = check_gemm(&gpu)?;
@@ -624,14 +629,16 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     let v = m.config.vocab;
 
     log("exactness: verify rows vs one-row decode");
-    let verify = check_verify(&mut m, 0, o.max_verify_rows.clamp(2, 16))?;
+    let verify = check_verify(&mut m, 0, o.max_verify_rows.clamp(2, 16), 100)?;
+    log("exactness: verify rows vs one-row decode at a long context (split attention)");
+    let verify_long = check_verify(&mut m, 7, o.max_verify_rows.clamp(2, 16), LONG_CHECK_PROMPT)?;
     log("exactness: batched and mixed rows vs solo");
     let batch = check_batch(&mut m, [1, 2, 3, 4], 6)?;
     log("exactness: greedy n-gram speculation vs AR");
     let ngram = check_ngram(&mut m, 5, 6, 96, 4)?;
     log("exactness: a 40-row decode batch vs each row alone");
     let wide = check_wide(&mut m)?;
-    let all_exact = [&verify, &batch, &ngram, &tiny, &gemm, &wide]
+    let all_exact = [&verify, &verify_long, &batch, &ngram, &tiny, &gemm, &wide]
         .iter()
         .all(|x| x["pass"] == true);
 
@@ -717,6 +724,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         "exactness": {
             "all_pass": all_exact,
             "verify_rows_vs_one_row": verify,
+            "verify_rows_vs_one_row_long_context": verify_long,
             "batched_vs_solo": batch,
             "ngram_spec_vs_ar": ngram,
             "tiny_bundles_vs_cpu": tiny,
