@@ -158,8 +158,8 @@ impl Engine {
             );
         }
         self.device = Some(DeviceState {
-            // Slot reuse is the device's prefix cache: on when the prefix cache is.
-            // (and exact only on batch-invariant kernels).
+            // Slot reuse is the device's prefix cache: on when the prefix cache is, and only
+            // on batch-invariant kernels (where it is exact).
             slots: SlotPool::new(
                 target.slots(),
                 self.opts.prefix_cache_bytes > 0 && target.batch_invariant(),
