@@ -506,7 +506,7 @@ fn serve(a: ServeArgs) -> Result<()> {
     let mut engine = load_with(&a.model, a.served_model_name.clone(), opts)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
     if let Some(n) = a.ctx_size {
-        engine.limit_context(n as usize)?;
+        limit_context(&mut engine, n)?;
     }
     let on_device = attach_device(&mut engine, &a.device, model_path.as_deref(), a.max_batch as usize)?;
     let target_load_s = t.elapsed().as_secs_f64();
@@ -567,7 +567,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut engine = load(&a.model, None)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
     if let Some(n) = a.ctx_size {
-        engine.limit_context(n as usize)?;
+        limit_context(&mut engine, n)?;
     }
     attach_device(&mut engine, &a.device, model_path.as_deref(), 1)?;
     a.spec.attach(&mut engine, model_path.as_deref())?;
@@ -636,8 +636,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// target steps, and the prefill time of the burst. Median of --runs.
 fn bench_engine(a: &BenchArgs) -> Result<()> {
     check_device(&a.device)?;
-    if a.runs == 0 || a.gen_tokens == 0 || a.streams.is_empty() || a.streams.contains(&0) {
-        bail!("--runs, --gen-tokens and every --streams level must be >= 1");
+    if a.runs == 0 || a.streams.is_empty() || a.streams.contains(&0) || a.streams.iter().any(|&s| s > 256) {
+        bail!("--runs must be >= 1 and every --streams level between 1 and 256");
+    }
+    if a.gen_tokens < 2 {
+        bail!("--gen-tokens must be >= 2 with --engine (decode is timed after each stream's first token)");
+    }
+    if a.prompt_tokens == 0 || a.prompt_tokens > 4096 {
+        bail!("--prompt-tokens must be between 1 and 4096 with --engine");
     }
     let slots = a.streams.iter().copied().max().unwrap_or(1);
     let mut engine = load(&a.model, None)?;
@@ -653,7 +659,7 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
          argued over the nets, and the baker on the corner opened his shutters to the smell of rain. \
          Down by the quay, an old man mended a sail while two children raced paper boats along the gutter.",
     )?;
-    let prompt_len = a.prompt_tokens.clamp(1, 4096);
+    let prompt_len = a.prompt_tokens;
     let request = |i: usize, mode: specula_engine::spec::SpecMode| GenerateRequest {
         prompt_tokens: base.iter().copied().cycle().skip(i * 7).take(prompt_len).collect(),
         sampling: SamplingParams::greedy(),
@@ -902,17 +908,33 @@ fn attach_device(
     Ok(true)
 }
 
+/// `--ctx-size`: cap the engine's context window, with a warning when the cap is above the
+/// model's own (which then stays the limit).
+fn limit_context(engine: &mut Engine, n: u64) -> Result<()> {
+    let model = engine.config().context_length;
+    if n as usize > model {
+        tracing::warn!(
+            ctx_size = n,
+            model_context = model,
+            "--ctx-size is above the model's context window, which stays the limit"
+        );
+    }
+    engine.limit_context(n as usize)
+}
+
 /// `--device` before anything loads: a known device name this build can use.
 fn check_device(device: &str) -> Result<()> {
     if device == "cpu" {
         return Ok(());
     }
     let ordinal = cuda_ordinal(device)?;
-    if cfg!(feature = "cuda") {
-        Ok(())
-    } else {
-        bail!("this specula was built without CUDA: build with `cargo build --release --features cuda` (docs/gpu.md) for --device cuda:{ordinal}")
+    #[cfg(feature = "cuda")]
+    {
+        let _ = ordinal;
+        specula_engine::cuda::check_available()
     }
+    #[cfg(not(feature = "cuda"))]
+    bail!("this specula was built without CUDA: build with `cargo build --release --features cuda` (docs/gpu.md) for --device cuda:{ordinal}")
 }
 
 #[cfg(feature = "cuda")]

@@ -48,6 +48,19 @@ pub const MAX_ROWS: usize = 256;
 const ATT_SPLITS: usize = 16;
 
 /// `SPECULA_CUDA_SYNC=1`: synchronize after every kernel and log each launch (debugging).
+/// Whether this build can run on a GPU here: it has kernels (not a `SPECULA_CUDA_STUB=1`
+/// build) and the CUDA driver library loads. Errors say which is missing, so callers can
+/// refuse `--device cuda:N` before loading a model. Does not open a device.
+pub fn check_available() -> Result<()> {
+    if FATBIN.is_empty() {
+        bail!("this specula was built with SPECULA_CUDA_STUB=1: it has no GPU kernels (docs/gpu.md)");
+    }
+    if !unsafe { sys::is_culib_present() } {
+        bail!("no CUDA driver library (libcuda.so) found: is there an NVIDIA GPU and driver on this machine, and is its library folder on LD_LIBRARY_PATH? (docs/gpu.md)");
+    }
+    Ok(())
+}
+
 fn sync_each() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_CUDA_SYNC").is_ok_and(|v| v == "1"))
@@ -210,12 +223,7 @@ impl Gpu {
     /// such device, or kernels the driver cannot load (they are built for sm_90 with compute_90
     /// PTX).
     pub fn open(ordinal: usize) -> Result<Self> {
-        if FATBIN.is_empty() {
-            bail!("this specula was built with SPECULA_CUDA_STUB=1: it has no GPU kernels (docs/gpu.md)");
-        }
-        if !unsafe { sys::is_culib_present() } {
-            bail!("no CUDA driver library (libcuda.so) found: is there an NVIDIA GPU and driver on this machine, and is its library folder on LD_LIBRARY_PATH? (docs/gpu.md)");
-        }
+        check_available()?;
         trace("CudaContext::new");
         let ctx = CudaContext::new(ordinal).map_err(|e| anyhow::anyhow!("opening cuda:{ordinal}: {e:?}"))?;
         ctx.bind_to_thread()
