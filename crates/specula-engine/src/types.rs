@@ -113,11 +113,11 @@ pub struct GenerateOutput {
 /// Errors a request can cause; each maps to an HTTP 4xx in the server.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
-    #[error("the prompt has {prompt} tokens, but the model's context window is {context} tokens")]
-    PromptTooLong { prompt: usize, context: usize },
     #[error(
-        "prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's context window of {context} tokens"
+        "the prompt has {prompt} tokens, but the context window is {context} tokens and must leave room for at least one output token"
     )]
+    PromptTooLong { prompt: usize, context: usize },
+    #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the context window of {context} tokens")]
     MaxTokensTooLarge {
         prompt: usize,
         max_tokens: usize,

@@ -497,7 +497,12 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
 
 fn serve(a: ServeArgs) -> Result<()> {
     check_device(&a.device)?;
-    let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
+    let report = preflight::for_args(
+        &a.model,
+        a.spec.draft_model.as_deref(),
+        a.memory_check,
+        a.ctx_size.map(|n| n as usize),
+    )?;
     let t = std::time::Instant::now();
     let opts = LoadOptions {
         prefix_cache_bytes: a.prefix_cache_mb.saturating_mul(1 << 20),
@@ -563,7 +568,12 @@ fn serve(a: ServeArgs) -> Result<()> {
 
 fn generate(a: GenerateArgs) -> Result<()> {
     check_device(&a.device)?;
-    let report = preflight::for_args(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
+    let report = preflight::for_args(
+        &a.model,
+        a.spec.draft_model.as_deref(),
+        a.memory_check,
+        a.ctx_size.map(|n| n as usize),
+    )?;
     let mut engine = load(&a.model, None)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
     if let Some(n) = a.ctx_size {

@@ -31,12 +31,19 @@ impl From<MemoryCheckArg> for memory::MemoryCheck {
     }
 }
 
-/// Inspect `model` (and `draft`) from headers and run the memory preflight. Strict mode errors
+/// Inspect `model` (and `draft`) from headers and run the memory preflight, with the KV cache
+/// estimated for `kv_context` tokens (`--ctx-size`; default: the model's window). Strict mode errors
 /// with the numbers when the estimate exceeds MemAvailable; advisory mode warns. Problems in the
 /// bundle itself are left to the loader, whose errors are the same diagnostics.
-pub fn before_load(model: &Path, draft: Option<&Path>, check: MemoryCheckArg) -> Result<Option<BundleReport>> {
+pub fn before_load(
+    model: &Path,
+    draft: Option<&Path>,
+    check: MemoryCheckArg,
+    kv_context: Option<usize>,
+) -> Result<Option<BundleReport>> {
     let opts = InspectOptions {
         draft_model: draft.map(Path::to_path_buf),
+        kv_context,
         ..Default::default()
     };
     let report = match inspect::inspect(model, &opts) {
@@ -92,8 +99,13 @@ pub fn apply_tuning(engine: &mut Engine, report: Option<&BundleReport>, spec: &S
 
 /// [`before_load`] for command-line model arguments (paths or catalog names, pulled if missing,
 /// as the load that follows would).
-pub fn for_args(model: &str, draft: Option<&str>, check: MemoryCheckArg) -> Result<Option<BundleReport>> {
+pub fn for_args(
+    model: &str,
+    draft: Option<&str>,
+    check: MemoryCheckArg,
+    kv_context: Option<usize>,
+) -> Result<Option<BundleReport>> {
     let path = crate::pull::resolve_model(model, true)?;
     let draft = draft.map(|d| crate::pull::resolve_model(d, true)).transpose()?;
-    before_load(&path, draft.as_deref(), check)
+    before_load(&path, draft.as_deref(), check, kv_context)
 }
