@@ -91,14 +91,8 @@ struct ServeArgs {
     /// mistral (default: detected from the chat template and the model family).
     #[arg(long, value_parser = parse_tool_parser)]
     tool_parser: Option<specula_server::tools::Dialect>,
-    /// Where the target runs: cpu, or cuda:N with a build made with `--features cuda`
-    /// (docs/gpu.md; weights in bf16, the KV cache in one GPU slot per running request).
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// Cap the context window (prompt + output tokens of a request) below the model's own; on
-    /// a GPU each KV slot then takes less memory, so more requests fit.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    ctx_size: Option<u64>,
+    #[command(flatten)]
+    placement: PlacementArgs,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -176,6 +170,13 @@ struct GenerateArgs {
     /// strict refuses).
     #[arg(long, value_enum, default_value = "advisory")]
     memory_check: preflight::MemoryCheckArg,
+    #[command(flatten)]
+    placement: PlacementArgs,
+}
+
+/// Where the target runs and how long its context is (`serve`, `generate`).
+#[derive(Args, Debug, Clone)]
+struct PlacementArgs {
     /// Where the target runs: cpu, or cuda:N with a build made with `--features cuda`
     /// (docs/gpu.md; weights in bf16, the KV cache in one GPU slot per running request).
     #[arg(long, default_value = "cpu")]
@@ -184,6 +185,31 @@ struct GenerateArgs {
     /// a GPU each KV slot then takes less memory, so more requests fit.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     ctx_size: Option<u64>,
+}
+
+impl PlacementArgs {
+    /// `--ctx-size` in tokens, for the memory preflight's KV estimate.
+    fn kv_context(&self) -> Option<usize> {
+        self.ctx_size.map(|n| n as usize)
+    }
+
+    /// After loading: cap the context (with a warning when `--ctx-size` is above the model's
+    /// own, which then stays the limit), then put the target on `--device` with KV slots for up
+    /// to `slots` running requests. Returns whether a device was attached.
+    fn apply(&self, engine: &mut Engine, model_path: Option<&std::path::Path>, slots: usize) -> Result<bool> {
+        if let Some(n) = self.ctx_size {
+            let model = engine.config().context_length;
+            if n as usize > model {
+                tracing::warn!(
+                    ctx_size = n,
+                    model_context = model,
+                    "--ctx-size is above the model's context window, which stays the limit"
+                );
+            }
+            engine.limit_context(n as usize)?;
+        }
+        attach_device(engine, &self.device, model_path, slots)
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -496,12 +522,12 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
-    check_device(&a.device)?;
+    check_device(&a.placement.device)?;
     let report = preflight::for_args(
         &a.model,
         a.spec.draft_model.as_deref(),
         a.memory_check,
-        a.ctx_size.map(|n| n as usize),
+        a.placement.kv_context(),
     )?;
     let t = std::time::Instant::now();
     let opts = LoadOptions {
@@ -510,10 +536,9 @@ fn serve(a: ServeArgs) -> Result<()> {
     };
     let mut engine = load_with(&a.model, a.served_model_name.clone(), opts)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
-    if let Some(n) = a.ctx_size {
-        limit_context(&mut engine, n)?;
-    }
-    let on_device = attach_device(&mut engine, &a.device, model_path.as_deref(), a.max_batch as usize)?;
+    let on_device = a
+        .placement
+        .apply(&mut engine, model_path.as_deref(), a.max_batch as usize)?;
     let target_load_s = t.elapsed().as_secs_f64();
     let t = std::time::Instant::now();
     a.spec.attach(&mut engine, model_path.as_deref())?;
@@ -567,19 +592,16 @@ fn serve(a: ServeArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    check_device(&a.device)?;
+    check_device(&a.placement.device)?;
     let report = preflight::for_args(
         &a.model,
         a.spec.draft_model.as_deref(),
         a.memory_check,
-        a.ctx_size.map(|n| n as usize),
+        a.placement.kv_context(),
     )?;
     let mut engine = load(&a.model, None)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
-    if let Some(n) = a.ctx_size {
-        limit_context(&mut engine, n)?;
-    }
-    attach_device(&mut engine, &a.device, model_path.as_deref(), 1)?;
+    a.placement.apply(&mut engine, model_path.as_deref(), 1)?;
     a.spec.attach(&mut engine, model_path.as_deref())?;
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     let prompt_tokens = if a.chat {
@@ -916,20 +938,6 @@ fn attach_device(
     let path = model_path.ok_or_else(|| anyhow::anyhow!("--device {device}: the model's path is unknown"))?;
     attach_cuda(engine, ordinal, path, slots)?;
     Ok(true)
-}
-
-/// `--ctx-size`: cap the engine's context window, with a warning when the cap is above the
-/// model's own (which then stays the limit).
-fn limit_context(engine: &mut Engine, n: u64) -> Result<()> {
-    let model = engine.config().context_length;
-    if n as usize > model {
-        tracing::warn!(
-            ctx_size = n,
-            model_context = model,
-            "--ctx-size is above the model's context window, which stays the limit"
-        );
-    }
-    engine.limit_context(n as usize)
 }
 
 /// `--device` before anything loads: a known device name this build can use.

@@ -1077,18 +1077,25 @@ impl GpuModel {
         let n = rows.len();
         self.write_io(rows)?;
         if self.use_graphs && n <= GRAPH_MAX_ROWS {
-            if !self.graphs.contains_key(&n) {
-                let g = self.capture(n)?;
-                self.graphs.insert(n, g);
-            }
-            let exec = self.graphs[&n].exec;
-            trace_always("cuGraphLaunch");
-            ck(unsafe { sys::cuGraphLaunch(exec, self.gpu.stream) }, "cuGraphLaunch")?;
-            trace_always("launched");
+            self.launch_graph(n)?;
         } else {
             self.enqueue(n, LogitsRows::All)?;
         }
         self.read_out(n, want_logits)
+    }
+
+    /// Replay the captured graph of an `n`-row forward (all logits rows), capturing it first
+    /// if this width has none yet.
+    fn launch_graph(&mut self, n: usize) -> Result<()> {
+        if !self.graphs.contains_key(&n) {
+            let g = self.capture(n)?;
+            self.graphs.insert(n, g);
+        }
+        let exec = self.graphs[&n].exec;
+        trace_always("cuGraphLaunch");
+        ck(unsafe { sys::cuGraphLaunch(exec, self.gpu.stream) }, "cuGraphLaunch")?;
+        trace_always("launched");
+        Ok(())
     }
 
     /// As [`GpuModel::forward`], returning per row what `need` asks (in row order, nothing for
@@ -1107,12 +1114,7 @@ impl GpuModel {
         let only_last = wanted == 0 || (wanted == 1 && need[n - 1] != RowNeed::None);
         // Logits row r of the buffer holds input row `first + r`.
         let first = if self.use_graphs && n <= GRAPH_MAX_ROWS {
-            if !self.graphs.contains_key(&n) {
-                let g = self.capture(n)?;
-                self.graphs.insert(n, g);
-            }
-            let exec = self.graphs[&n].exec;
-            ck(unsafe { sys::cuGraphLaunch(exec, self.gpu.stream) }, "cuGraphLaunch")?;
+            self.launch_graph(n)?;
             0
         } else if only_last {
             let mode = if wanted == 0 {
