@@ -596,7 +596,7 @@ impl Model {
         let k_all = k.flatten_all()?.to_vec1::<f32>()?;
         let v_all = v.flatten_all()?.to_vec1::<f32>()?;
         let (qw, kw) = (cfg.num_heads * d, cfg.num_kv_heads * d);
-        let mut out = Vec::with_capacity(total * qw);
+        let mut qs = Vec::with_capacity(segs.len());
         let mut off = 0;
         for s in segs.iter_mut() {
             let n = s.tokens.len();
@@ -612,20 +612,31 @@ impl Model {
                 .map(|&x| attention::round_f16(x))
                 .collect();
             s.kv.append(li, &k, &v)?;
-            let kv_rows = s.kv.rows(li, start + n);
-            out.extend(attention::attend(
-                &q,
-                &kv_rows,
-                &attention::AttnShape {
-                    rows: n,
-                    start,
+            qs.push((q, start, n));
+            off += n;
+        }
+        // Every segment's attention in one parallel pass.
+        let rows: Vec<_> = segs
+            .iter()
+            .zip(&qs)
+            .map(|(s, &(_, start, n))| s.kv.rows(li, start + n))
+            .collect();
+        let items: Vec<attention::AttnItem<'_>> = qs
+            .iter()
+            .zip(&rows)
+            .map(|((q, start, n), kv)| attention::AttnItem {
+                q,
+                kv,
+                shape: attention::AttnShape {
+                    rows: *n,
+                    start: *start,
                     num_heads: cfg.num_heads,
                     num_kv_heads: cfg.num_kv_heads,
                     head_dim: d,
                 },
-            ));
-            off += n;
-        }
+            })
+            .collect();
+        let out = attention::attend_batch(&items);
         let out = Tensor::from_vec(out, (total, qw), &self.device)?;
         block.o.forward(&out)
     }

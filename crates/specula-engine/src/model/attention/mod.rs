@@ -18,6 +18,12 @@
 //! Softmax is the max-subtracted online form (Milakov & Gimelshein 2018; scaled dot-product
 //! attention, Vaswani et al. 2017).
 
+mod expf;
+#[cfg(target_arch = "x86_64")]
+mod fast;
+
+pub use expf::expf;
+
 use crate::kv_cache::KvRows;
 use rayon::prelude::*;
 
@@ -407,26 +413,83 @@ pub fn attend(q: &[f32], kv: &KvRows<'_>, s: &AttnShape) -> Vec<f32> {
 
 /// [`attend`] with an explicit mode.
 pub fn attend_mode(q: &[f32], kv: &KvRows<'_>, s: &AttnShape, mode: AttnMode) -> Vec<f32> {
-    assert!(
-        kv.positions() >= s.start + s.rows,
-        "attention: {} cached positions, {} needed",
-        kv.positions(),
-        s.start + s.rows
-    );
-    let d = s.head_dim;
-    let group = s.num_heads / s.num_kv_heads;
-    let blocks = s.rows.div_ceil(ROW_BLOCK);
+    attend_with(&[AttnItem { q, kv, shape: *s }], mode, true)
+}
+
+/// One sequence's part of a batched attention call ([`attend_batch`]).
+pub struct AttnItem<'a> {
+    /// `[shape.rows, num_heads, head_dim]`.
+    pub q: &'a [f32],
+    pub kv: &'a KvRows<'a>,
+    pub shape: AttnShape,
+}
+
+/// [`attend`] for several sequences (each its own rows, positions and cache) in one parallel
+/// pass: the tasks of every sequence share the threads, so a batch of one-row decode steps
+/// costs one fork-join instead of one per sequence. Returns the outputs of the items one after
+/// the other (`[sum of rows, num_heads, head_dim]`), each exactly what [`attend`] gives it.
+pub fn attend_batch(items: &[AttnItem<'_>]) -> Vec<f32> {
+    attend_with(items, mode(), true)
+}
+
+/// [`attend_batch`] with an explicit mode; `avx512` false keeps the one-walk reference path of
+/// [`AttnMode::OneChunk`] where the three-pass AVX-512 path ([`fast`]) would run.
+fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32> {
+    let Some(first) = items.first() else {
+        return Vec::new();
+    };
+    let (num_heads, num_kv_heads, d) = (first.shape.num_heads, first.shape.num_kv_heads, first.shape.head_dim);
+    for it in items {
+        let s = &it.shape;
+        assert!(
+            (s.num_heads, s.num_kv_heads, s.head_dim) == (num_heads, num_kv_heads, d),
+            "attention: items of one batch share the head layout"
+        );
+        assert!(
+            it.kv.positions() >= s.start + s.rows,
+            "attention: {} cached positions, {} needed",
+            it.kv.positions(),
+            s.start + s.rows
+        );
+    }
+    let group = num_heads / num_kv_heads;
+    // Tasks: (item, row block, KV head), and when that is fewer than the threads, the query
+    // heads of each group split over several tasks (fewer heads per task means less overlap of
+    // their dependency chains, so only as much as needed). Each (row, head) is computed alike
+    // whatever the split.
+    let blocks: usize = items.iter().map(|it| it.shape.rows.div_ceil(ROW_BLOCK)).sum();
+    let threads = rayon::current_num_threads().max(1);
+    let splits = (1..=group)
+        .find(|sp| group % sp == 0 && blocks * num_kv_heads * sp >= threads)
+        .unwrap_or(group);
+    let nh = group / splits;
+    // (item, first row, first query head, KV head) per task, and where its output goes.
+    let mut tasks = Vec::with_capacity(blocks * num_kv_heads * splits);
+    let mut row_base = 0;
+    for (ii, it) in items.iter().enumerate() {
+        for r0 in (0..it.shape.rows).step_by(ROW_BLOCK) {
+            for sp in 0..splits {
+                for g in 0..num_kv_heads {
+                    tasks.push((ii, r0, g * group + sp * nh, g, row_base));
+                }
+            }
+        }
+        row_base += it.shape.rows;
+    }
     let fast = fast();
-    let task = |t: usize| -> Vec<f32> {
-        let (g, b) = (t % s.num_kv_heads, t / s.num_kv_heads);
-        let r0 = b * ROW_BLOCK;
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = avx512 && mode == AttnMode::OneChunk && fast::usable(d);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = avx512;
+    let task = |&(ii, r0, h0, g, _): &(usize, usize, usize, usize, usize)| -> Vec<f32> {
+        let (q, s) = (items[ii].q, &items[ii].shape);
         let nr = ROW_BLOCK.min(s.rows - r0);
-        let nq = nr * group;
+        let nq = nr * nh;
         // The block's query vectors in (row, head) order; f16-rounded for OneChunk.
         let mut qs = vec![0f32; nq * d];
         for r in 0..nr {
-            let src = &q[((r0 + r) * s.num_heads + g * group) * d..][..group * d];
-            let dst = &mut qs[r * group * d..][..group * d];
+            let src = &q[((r0 + r) * num_heads + h0) * d..][..nh * d];
+            let dst = &mut qs[r * nh * d..][..nh * d];
             for (o, &x) in dst.iter_mut().zip(src) {
                 *o = if mode == AttnMode::OneChunk { round_f16(x) } else { x };
             }
@@ -438,13 +501,17 @@ pub fn attend_mode(q: &[f32], kv: &KvRows<'_>, s: &AttnShape, mode: AttnMode) ->
         };
         let a = Args {
             qs: &qs,
-            kv,
+            kv: items[ii].kv,
             s,
             g,
             r0,
             nr,
+            nh,
         };
         match (mode, fast) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `fast::usable` checked AVX-512F, FMA and F16C at run time.
+            (AttnMode::OneChunk, _) if avx512 => unsafe { fast::one_chunk(&a, &mut st) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `fast` means AVX2, FMA and F16C were detected at run time.
             (AttnMode::OneChunk, true) => unsafe { one_chunk_x86(&a, &mut st) },
@@ -463,27 +530,29 @@ pub fn attend_mode(q: &[f32], kv: &KvRows<'_>, s: &AttnShape, mode: AttnMode) ->
         }
         st.out
     };
-    let tasks = s.num_kv_heads * blocks;
-    let total_keys = s.rows * (s.start + s.rows);
-    let parts: Vec<Vec<f32>> = if total_keys * s.num_heads * d < 1 << 16 {
-        (0..tasks).map(task).collect()
+    let work: usize = items
+        .iter()
+        .map(|it| it.shape.rows * (it.shape.start + it.shape.rows))
+        .sum::<usize>()
+        * num_heads
+        * d;
+    let parts: Vec<Vec<f32>> = if work < 1 << 16 {
+        tasks.iter().map(task).collect()
     } else {
-        (0..tasks).into_par_iter().map(task).collect()
+        tasks.par_iter().map(task).collect()
     };
-    let mut out = vec![0f32; s.rows * s.num_heads * d];
-    for (t, part) in parts.iter().enumerate() {
-        let (g, b) = (t % s.num_kv_heads, t / s.num_kv_heads);
-        let r0 = b * ROW_BLOCK;
-        for (ri, rows) in part.chunks(group * d).enumerate() {
-            let dst = ((r0 + ri) * s.num_heads + g * group) * d;
-            out[dst..dst + group * d].copy_from_slice(rows);
+    let mut out = vec![0f32; row_base * num_heads * d];
+    for (&(_, r0, h0, _, base), part) in tasks.iter().zip(&parts) {
+        for (ri, rows) in part.chunks(nh * d).enumerate() {
+            let dst = ((base + r0 + ri) * num_heads + h0) * d;
+            out[dst..dst + nh * d].copy_from_slice(rows);
         }
     }
     out
 }
 
-/// The inputs of one attention task: the block's queries `qs` (`[nr * group, head_dim]`), the
-/// cache, and which KV head `g` and rows `r0 .. r0 + nr` it covers.
+/// The inputs of one attention task: the block's queries `qs` (`[nr * nh, head_dim]`: `nh`
+/// query heads of KV head `g`'s group per row), the cache, and the rows `r0 .. r0 + nr`.
 #[derive(Clone, Copy)]
 struct Args<'a> {
     qs: &'a [f32],
@@ -492,6 +561,7 @@ struct Args<'a> {
     g: usize,
     r0: usize,
     nr: usize,
+    nh: usize,
 }
 
 /// [`one_chunk`] compiled with AVX2, FMA and F16C (scalar `mul_add` becomes one instruction).
@@ -514,10 +584,17 @@ unsafe fn tiled_x86(a: &Args<'_>, st: &mut State) {
 /// `S = S * ms + w` (one FMA, as GCC contracts it).
 #[inline(always)]
 fn one_chunk<const FAST: bool>(a: &Args<'_>, st: &mut State) {
-    let Args { qs, kv, s, g, r0, nr } = *a;
+    let Args {
+        qs,
+        kv,
+        s,
+        g,
+        r0,
+        nr,
+        nh: group,
+    } = *a;
     let fast = FAST;
     let d = s.head_dim;
-    let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let len = s.start + r0 + nr; // keys visible to the block's last row
     for j in 0..len {
@@ -535,12 +612,12 @@ fn one_chunk<const FAST: bool>(a: &Args<'_>, st: &mut State) {
                 if sc > st.m[i] {
                     let mold = st.m[i];
                     st.m[i] = sc;
-                    ms = (mold - sc).exp();
+                    ms = expf(mold - sc);
                     vs = 1.0f32;
                     simd::scale_f16(fast, acc, ms);
                 } else {
                     ms = 1.0f32;
-                    vs = (sc - st.m[i]).exp();
+                    vs = expf(sc - st.m[i]);
                 }
                 simd::mad_f16(fast, acc, vj, vs);
                 st.sum[i] = st.sum[i].mul_add(ms, vs);
@@ -555,10 +632,17 @@ fn one_chunk<const FAST: bool>(a: &Args<'_>, st: &mut State) {
 /// `v_expf(s - M)` summed per 16 lanes and in f64, then `acc = fma(v, w, acc)` key by key.
 #[inline(always)]
 fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
-    let Args { qs, kv, s, g, r0, nr } = *a;
+    let Args {
+        qs,
+        kv,
+        s,
+        g,
+        r0,
+        nr,
+        nh: group,
+    } = *a;
     let fast = FAST;
     let d = s.head_dim;
-    let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (d as f32).sqrt();
     let len = s.start + r0 + nr;
     let mut kt = vec![0f32; d * KV_TILE]; // the tile's keys, transposed: [d][KV_TILE]
@@ -593,7 +677,7 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
                 let mnew = st.m[i].max(tile_max);
                 let acc = &mut st.out[i * d..(i + 1) * d];
                 if mnew > st.m[i] {
-                    let ms = (st.m[i] - mnew).exp();
+                    let ms = expf(st.m[i] - mnew);
                     for a in acc.iter_mut() {
                         *a *= ms;
                     }
@@ -717,6 +801,145 @@ mod tests {
         simd::tile_scores(true, &mut s1, &kt, &a);
         simd::tile_scores(false, &mut s2, &kt, &a);
         assert_eq!(s1, s2);
+    }
+
+    /// The AVX-512 path of OneChunk against the reference walk, bit for bit: head sizes 64 and
+    /// 128, GQA groups of 1..7, one row (decode) to several row blocks (prefill), and scores
+    /// large enough that some weights underflow.
+    #[test]
+    fn fast_matches_reference_bitwise() {
+        #[cfg(target_arch = "x86_64")]
+        if !fast::usable(64) {
+            return;
+        }
+        for (d, h, kvh) in [(64, 9, 3), (64, 14, 2), (128, 12, 2), (64, 4, 4)] {
+            for (rows, pos, amp) in [
+                (1, 1, 1.0),
+                (1, 17, 4.0),
+                (1, 300, 1.0),
+                (3, 70, 30.0),
+                (37, 200, 2.0),
+                (5, 5, 1.0),
+            ] {
+                let keys = f16s(pseudo(pos * kvh * d, 21));
+                let values = f16s(pseudo(pos * kvh * d, 22));
+                let q: Vec<f32> = pseudo(rows * h * d, 23).iter().map(|x| x * amp).collect();
+                let kv = KvRows::from_slices(&keys, &values, kvh * d);
+                let shape = AttnShape {
+                    rows,
+                    start: pos - rows,
+                    num_heads: h,
+                    num_kv_heads: kvh,
+                    head_dim: d,
+                };
+                let item = [AttnItem { q: &q, kv: &kv, shape }];
+                let fast = attend_with(&item, AttnMode::OneChunk, true);
+                let reference = attend_with(&item, AttnMode::OneChunk, false);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&fast),
+                    bits(&reference),
+                    "d{d} h{h}/{kvh} rows {rows} at {pos} x{amp}"
+                );
+            }
+        }
+    }
+
+    /// A batch of sequences (different rows, positions and caches) gives each sequence the bits
+    /// of its own call, in both modes and on both paths.
+    #[test]
+    fn batch_matches_separate_calls_bitwise() {
+        let (h, kvh, d) = (9, 3, 64);
+        let seqs: Vec<(usize, usize)> = vec![(1, 40), (5, 130), (1, 300), (20, 20), (1, 2)];
+        let data: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, &(rows, pos))| {
+                let i = i as u32;
+                (
+                    pseudo(rows * h * d, 40 + i),
+                    f16s(pseudo(pos * kvh * d, 50 + i)),
+                    f16s(pseudo(pos * kvh * d, 60 + i)),
+                )
+            })
+            .collect();
+        let kvs: Vec<KvRows<'_>> = data
+            .iter()
+            .map(|(_, k, v)| KvRows::from_slices(k, v, kvh * d))
+            .collect();
+        let items: Vec<AttnItem<'_>> = seqs
+            .iter()
+            .zip(&data)
+            .zip(&kvs)
+            .map(|((&(rows, pos), (q, _, _)), kv)| AttnItem {
+                q,
+                kv,
+                shape: AttnShape {
+                    rows,
+                    start: pos - rows,
+                    num_heads: h,
+                    num_kv_heads: kvh,
+                    head_dim: d,
+                },
+            })
+            .collect();
+        for mode in [AttnMode::OneChunk, AttnMode::Tiled] {
+            for avx512 in [true, false] {
+                let all = attend_with(&items, mode, avx512);
+                let mut off = 0;
+                for (i, it) in items.iter().enumerate() {
+                    let one = attend_with(std::slice::from_ref(it), mode, avx512);
+                    let got = &all[off..off + one.len()];
+                    assert!(
+                        got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{mode:?} avx512={avx512} sequence {i}"
+                    );
+                    off += one.len();
+                }
+                assert_eq!(off, all.len());
+            }
+        }
+    }
+
+    /// ns per (query head, key) of OneChunk, reference walk vs the AVX-512 path, on SmolLM2's
+    /// shape (9 heads, 3 KV heads, d = 64). Run with
+    /// `cargo test --release -p specula-engine --lib attention::tests::speed -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn speed() {
+        // Inside a one-thread pool, as the model calls it (no wake-ups of another thread).
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+        pool.install(speed_in_pool);
+    }
+
+    fn speed_in_pool() {
+        let (h, kvh, d) = (9, 3, 64);
+        for (rows, pos) in [(1, 130), (1, 1000), (9, 130), (64, 512)] {
+            let keys = f16s(pseudo(pos * kvh * d, 31));
+            let values = f16s(pseudo(pos * kvh * d, 32));
+            let q = pseudo(rows * h * d, 33);
+            let kv = KvRows::from_slices(&keys, &values, kvh * d);
+            let shape = AttnShape {
+                rows,
+                start: pos - rows,
+                num_heads: h,
+                num_kv_heads: kvh,
+                head_dim: d,
+            };
+            let pairs = (rows * h * (pos - rows / 2)) as f64;
+            let mut line = format!("rows {rows:>2} at {pos:>4}:");
+            for (name, fast) in [("reference", false), ("avx512", true)] {
+                let iters = (2e7 / pairs).max(3.0) as usize;
+                let t = std::time::Instant::now();
+                for _ in 0..iters {
+                    let item = [AttnItem { q: &q, kv: &kv, shape }];
+                    std::hint::black_box(attend_with(&item, AttnMode::OneChunk, fast));
+                }
+                let ns = t.elapsed().as_nanos() as f64 / iters as f64 / pairs;
+                line += &format!(" {name} {ns:.2} ns");
+            }
+            eprintln!("{line}");
+        }
     }
 
     #[test]

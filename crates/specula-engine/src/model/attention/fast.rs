@@ -1,0 +1,260 @@
+//! [`AttnMode::OneChunk`](super::AttnMode::OneChunk) with AVX-512: the same bits as
+//! [`super::one_chunk`], in three passes instead of one walk over the keys.
+//!
+//! The reference walks the keys once and, per (query, key), computes the score, one `expf`,
+//! and the f16 update of the output. Only the last step depends on the previous key, so this
+//! path splits the work:
+//!
+//! 1. **Scores** of 16 keys at a time per query. Each score is `dot_f16`'s tree of operations
+//!    (four 16-lane FMA chains over steps of 64, summed `(0 + 2) + (1 + 3)`, then the halving
+//!    tree of `_mm512_reduce_add_ps`), carried out on 16 keys together: the per-key trees
+//!    become lane-wise adds of shuffled registers (a butterfly), so every key gets exactly its
+//!    reference sum.
+//! 2. **Weights**: the running maximum is a prefix scan (scalar); every `expf` argument is
+//!    known from it, so the exponentials run 8 at a time ([`super::expf::expf8`], glibc's
+//!    bits), and the sum `S = fma(S, ms, vs)` follows in key order.
+//! 3. **Values**: the f16 accumulators of up to four queries stay in registers while the keys
+//!    stream past, `acc = f16(acc · ms)` on a new maximum and `acc = f16(fma(v, vs, acc))`
+//!    always. A rescale by exactly 1.0 is skipped, which leaves an f16 value unchanged.
+//!
+//! `tests::fast_matches_reference_bitwise` compares the two paths on random inputs.
+
+#![cfg(target_arch = "x86_64")]
+
+use super::{expf, Args, State};
+use std::arch::x86_64::*;
+
+/// Can this path run here (AVX-512F with F16C and FMA) for head dimension `d`?
+pub(super) fn usable(d: usize) -> bool {
+    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let cpu = *F.get_or_init(|| {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+            && std::env::var("SPECULA_ATTN_AVX512").as_deref() != Ok("0")
+    });
+    cpu && matches!(d, 64 | 128 | 256)
+}
+
+/// One attention task (see [`super::one_chunk`]); `d` is 64, 128 or 256 ([`usable`]).
+///
+/// # Safety
+/// [`usable`] returned true for `a.s.head_dim`.
+pub(super) unsafe fn one_chunk(a: &Args<'_>, st: &mut State) {
+    match a.s.head_dim {
+        64 => run::<4>(a, st),
+        128 => run::<8>(a, st),
+        256 => run::<16>(a, st),
+        d => unreachable!("fast attention for head_dim {d}"),
+    }
+}
+
+/// Keys per score tile.
+const TILE: usize = 16;
+
+/// `NV` 16-lane registers per head (`head_dim = 16 * NV`).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
+    let Args {
+        qs,
+        kv,
+        s,
+        g,
+        r0,
+        nr,
+        nh,
+    } = *a;
+    let d = 16 * NV;
+    let nq = nr * nh;
+    let lmax = s.start + r0 + nr;
+    // Keys visible to query i (row i / nh of the block).
+    let len = |i: usize| s.start + r0 + i / nh + 1;
+    let stride = lmax.next_multiple_of(TILE);
+    let scale = 1.0 / (d as f32).sqrt();
+
+    // 1. Scores, `[nq, stride]`.
+    let mut sc = vec![0f32; nq * stride];
+    let zeros = [0f32; 256];
+    let mut kp = [zeros.as_ptr(); TILE];
+    for j0 in (0..lmax).step_by(TILE) {
+        let nk = TILE.min(lmax - j0);
+        for (t, p) in kp.iter_mut().enumerate() {
+            *p = if t < nk {
+                kv.key(j0 + t)[g * d..][..d].as_ptr()
+            } else {
+                zeros.as_ptr()
+            };
+        }
+        for i in 0..nq {
+            if j0 >= len(i) {
+                continue;
+            }
+            let q = qs[i * d..][..d].as_ptr();
+            let r = scores16::<NV>(q, &kp);
+            _mm512_storeu_ps(
+                sc.as_mut_ptr().add(i * stride + j0),
+                _mm512_mul_ps(r, _mm512_set1_ps(scale)),
+            );
+        }
+    }
+
+    // 2. Weights: `ms` (the rescale of the accumulator) and `vs` (the key's weight) per key.
+    let mut ms = vec![1f32; nq * stride];
+    let mut vs = vec![0f32; nq * stride];
+    for i in 0..nq {
+        let n = len(i);
+        let row = &mut sc[i * stride..][..stride];
+        let new_max = &mut ms[i * stride..][..stride]; // 0.0 marks a new maximum, for now
+        let mut m = f32::NEG_INFINITY;
+        for (x, nm) in row[..n].iter_mut().zip(new_max.iter_mut()) {
+            let v = *x;
+            if v > m {
+                *x = m - v;
+                *nm = 0.0;
+                m = v;
+            } else {
+                *x = v - m;
+            }
+        }
+        let w = &mut vs[i * stride..][..stride];
+        for (c, o) in row.chunks_exact(8).zip(w.chunks_exact_mut(8)) {
+            _mm256_storeu_ps(o.as_mut_ptr(), expf::expf8(_mm256_loadu_ps(c.as_ptr())));
+        }
+        let mut sum = 0f32;
+        for (nm, e) in new_max[..n].iter_mut().zip(w[..n].iter_mut()) {
+            if *nm == 0.0 {
+                *nm = *e;
+                *e = 1.0;
+            }
+            sum = sum.mul_add(*nm, *e);
+        }
+        st.sum[i] = sum;
+        st.m[i] = m;
+    }
+
+    // 3. Values, up to 4 (d = 64) or 2 (d >= 128) queries at a time.
+    let qc = if NV == 4 { 4 } else { 2 };
+    let mut i0 = 0;
+    while i0 < nq {
+        let n = qc.min(nq - i0);
+        let out = &mut st.out[i0 * d..][..n * d];
+        let common = len(i0); // the first query of the chunk sees the fewest keys
+        let w = |q: usize| (ms.as_ptr().add((i0 + q) * stride), vs.as_ptr().add((i0 + q) * stride));
+        match n {
+            4 => values::<NV, 4>(a, out, [w(0), w(1), w(2), w(3)], 0, common),
+            3 => values::<NV, 3>(a, out, [w(0), w(1), w(2)], 0, common),
+            2 => values::<NV, 2>(a, out, [w(0), w(1)], 0, common),
+            _ => values::<NV, 1>(a, out, [w(0)], 0, common),
+        }
+        for q in 0..n {
+            let end = len(i0 + q);
+            if end > common {
+                values::<NV, 1>(a, &mut out[q * d..][..d], [w(q)], common, end);
+            }
+        }
+        i0 += n;
+    }
+}
+
+/// Round each lane to f16 and back (`_mm512_cvtps_ph` with round-to-nearest-even).
+#[inline(always)]
+unsafe fn f16r(x: __m512) -> __m512 {
+    _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x))
+}
+
+/// Keys `j0 .. j1` into the f16 accumulators `out` (`[QC, 16 * NV]`, read and written) of
+/// `QC` queries, whose `(ms, vs)` rows are `w`.
+#[inline(always)]
+unsafe fn values<const NV: usize, const QC: usize>(
+    a: &Args<'_>,
+    out: &mut [f32],
+    w: [(*const f32, *const f32); QC],
+    j0: usize,
+    j1: usize,
+) {
+    let d = 16 * NV;
+    let mut acc = [[_mm512_setzero_ps(); NV]; QC];
+    for (q, regs) in acc.iter_mut().enumerate() {
+        for (c, r) in regs.iter_mut().enumerate() {
+            *r = _mm512_loadu_ps(out.as_ptr().add(q * d + 16 * c));
+        }
+    }
+    for j in j0..j1 {
+        let vp = a.kv.value(j)[a.g * d..][..d].as_ptr();
+        let mut v = [_mm512_setzero_ps(); NV];
+        for (c, r) in v.iter_mut().enumerate() {
+            *r = _mm512_loadu_ps(vp.add(16 * c));
+        }
+        for (q, regs) in acc.iter_mut().enumerate() {
+            let m = *w[q].0.add(j);
+            if m != 1.0 {
+                let mv = _mm512_set1_ps(m);
+                for r in regs.iter_mut() {
+                    *r = f16r(_mm512_mul_ps(*r, mv));
+                }
+            }
+            let wv = _mm512_set1_ps(*w[q].1.add(j));
+            for (r, x) in regs.iter_mut().zip(&v) {
+                *r = f16r(_mm512_fmadd_ps(*x, wv, *r));
+            }
+        }
+    }
+    for (q, regs) in acc.iter().enumerate() {
+        for (c, r) in regs.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(q * d + 16 * c), *r);
+        }
+    }
+}
+
+/// Unscaled `dot_f16(q, k_t)` for the 16 keys `k` (`head_dim = 16 * NV` floats each), lane t.
+#[inline(always)]
+unsafe fn scores16<const NV: usize>(q: *const f32, k: &[*const f32; TILE]) -> __m512 {
+    let mut qv = [_mm512_setzero_ps(); NV];
+    for (c, r) in qv.iter_mut().enumerate() {
+        *r = _mm512_loadu_ps(q.add(16 * c));
+    }
+    // Per key: four accumulators over steps of 64 elements, then (0 + 2) + (1 + 3).
+    let mut x = [_mm512_setzero_ps(); TILE];
+    for (t, xt) in x.iter_mut().enumerate() {
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for step in 0..NV / 4 {
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let c = 4 * step + j;
+                *aj = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k[t].add(16 * c)), *aj);
+            }
+        }
+        *xt = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+    }
+    // The halving tree of each x[t] (8 + 8, 4 + 4, then (0 + 2) + (1 + 3)), on 16 keys at once.
+    // Level 1: keys 2p, 2p+1 → 128-bit lanes [t(2p) lo, t(2p) hi, t(2p+1) lo, t(2p+1) hi].
+    let mut t1 = [_mm512_setzero_ps(); 8];
+    for (p, o) in t1.iter_mut().enumerate() {
+        let (a, b) = (x[2 * p], x[2 * p + 1]);
+        let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+        let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+        *o = _mm512_add_ps(lo, hi);
+    }
+    // Level 2: 128-bit lane j of u[q] holds u(4q + j).
+    let mut u = [_mm512_setzero_ps(); 4];
+    for (qq, o) in u.iter_mut().enumerate() {
+        let (a, b) = (t1[2 * qq], t1[2 * qq + 1]);
+        let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+        let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+        *o = _mm512_add_ps(lo, hi);
+    }
+    // Level 3: lane j of v[s] = [u0+u2, u1+u3 of key 8s + j, the same of key 8s + 4 + j].
+    let mut v = [_mm512_setzero_ps(); 2];
+    for (ss, o) in v.iter_mut().enumerate() {
+        let (a, b) = (u[2 * ss], u[2 * ss + 1]);
+        let lo = _mm512_shuffle_ps::<0b01_00_01_00>(a, b);
+        let hi = _mm512_shuffle_ps::<0b11_10_11_10>(a, b);
+        *o = _mm512_add_ps(lo, hi);
+    }
+    // Level 4: element 4j + e holds key 4e + j.
+    let lo = _mm512_shuffle_ps::<0b10_00_10_00>(v[0], v[1]);
+    let hi = _mm512_shuffle_ps::<0b11_01_11_01>(v[0], v[1]);
+    let r = _mm512_add_ps(lo, hi);
+    // Back to key order: lane t takes element 4 (t % 4) + t / 4.
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(idx, r)
+}
