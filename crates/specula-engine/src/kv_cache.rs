@@ -135,6 +135,20 @@ impl<'a> KvRows<'a> {
         &v[(j % KV_BLOCK) * self.stride..][..self.stride]
     }
 
+    /// The keys and values of positions `j0 .. end` as contiguous `[end - j0, stride]`
+    /// slices, `end` being `j1` or the end of `j0`'s block, whichever comes first: a walk over
+    /// positions in runs, with one lookup per block instead of per position. Panics unless
+    /// `j0 < j1 <= positions`.
+    #[inline]
+    pub fn run(&self, j0: usize, j1: usize) -> (&'a [f32], &'a [f32], usize) {
+        assert!(j0 < j1 && j1 <= self.positions, "kv rows: run {j0}..{j1} of {}", self.positions);
+        let b = j0 / KV_BLOCK;
+        let end = j1.min((b + 1) * KV_BLOCK);
+        let (k, v) = self.parts[b];
+        let range = (j0 % KV_BLOCK) * self.stride..(end - b * KV_BLOCK) * self.stride;
+        (&k[range.clone()], &v[range], end)
+    }
+
     pub fn positions(&self) -> usize {
         self.positions
     }

@@ -120,36 +120,34 @@ unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
         for (c, o) in row.chunks_exact(8).zip(w.chunks_exact_mut(8)) {
             _mm256_storeu_ps(o.as_mut_ptr(), expf::expf8(_mm256_loadu_ps(c.as_ptr())));
         }
-        let mut sum = 0f32;
         for (nm, e) in new_max[..n].iter_mut().zip(w[..n].iter_mut()) {
             if *nm == 0.0 {
                 *nm = *e;
                 *e = 1.0;
             }
-            sum = sum.mul_add(*nm, *e);
         }
-        st.sum[i] = sum;
         st.m[i] = m;
     }
 
-    // 3. Values, up to 4 (d = 64) or 2 (d >= 128) queries at a time.
+    // 3. Values and the sums, up to 4 (d = 64) or 2 (d >= 128) queries at a time.
     let qc = if NV == 4 { 4 } else { 2 };
     let mut i0 = 0;
     while i0 < nq {
         let n = qc.min(nq - i0);
         let out = &mut st.out[i0 * d..][..n * d];
+        let sums = &mut st.sum[i0..i0 + n];
         let common = len(i0); // the first query of the chunk sees the fewest keys
         let w = |q: usize| (ms.as_ptr().add((i0 + q) * stride), vs.as_ptr().add((i0 + q) * stride));
         match n {
-            4 => values::<NV, 4>(a, out, [w(0), w(1), w(2), w(3)], 0, common),
-            3 => values::<NV, 3>(a, out, [w(0), w(1), w(2)], 0, common),
-            2 => values::<NV, 2>(a, out, [w(0), w(1)], 0, common),
-            _ => values::<NV, 1>(a, out, [w(0)], 0, common),
+            4 => values::<NV, 4>(a, out, sums, [w(0), w(1), w(2), w(3)], 0, common),
+            3 => values::<NV, 3>(a, out, sums, [w(0), w(1), w(2)], 0, common),
+            2 => values::<NV, 2>(a, out, sums, [w(0), w(1)], 0, common),
+            _ => values::<NV, 1>(a, out, sums, [w(0)], 0, common),
         }
         for q in 0..n {
             let end = len(i0 + q);
             if end > common {
-                values::<NV, 1>(a, &mut out[q * d..][..d], [w(q)], common, end);
+                values::<NV, 1>(a, &mut out[q * d..][..d], &mut sums[q..q + 1], [w(q)], common, end);
             }
         }
         i0 += n;
@@ -162,47 +160,69 @@ unsafe fn f16r(x: __m512) -> __m512 {
     _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x))
 }
 
-/// Keys `j0 .. j1` into the f16 accumulators `out` (`[QC, 16 * NV]`, read and written) of
-/// `QC` queries, whose `(ms, vs)` rows are `w`.
-#[inline(always)]
+/// Keys `j0 .. j1` into the f16 accumulators `out` (`[QC, 16 * NV]`) and the sums `sums`
+/// (`[QC]`, `S = fma(S, ms, vs)`) of `QC` queries, whose `(ms, vs)` rows are `w`; both read and
+/// written. The sums' FMA chains run beside the vector work instead of after it.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn values<const NV: usize, const QC: usize>(
     a: &Args<'_>,
     out: &mut [f32],
+    sums: &mut [f32],
     w: [(*const f32, *const f32); QC],
     j0: usize,
     j1: usize,
 ) {
     let d = 16 * NV;
     let mut acc = [[_mm512_setzero_ps(); NV]; QC];
+    let mut sum = [0f32; QC];
     for (q, regs) in acc.iter_mut().enumerate() {
         for (c, r) in regs.iter_mut().enumerate() {
             *r = _mm512_loadu_ps(out.as_ptr().add(q * d + 16 * c));
         }
+        sum[q] = sums[q];
     }
-    for j in j0..j1 {
-        let vp = a.kv.value(j)[a.g * d..][..d].as_ptr();
-        let mut v = [_mm512_setzero_ps(); NV];
-        for (c, r) in v.iter_mut().enumerate() {
-            *r = _mm512_loadu_ps(vp.add(16 * c));
-        }
-        for (q, regs) in acc.iter_mut().enumerate() {
-            let m = *w[q].0.add(j);
-            if m != 1.0 {
-                let mv = _mm512_set1_ps(m);
-                for r in regs.iter_mut() {
-                    *r = f16r(_mm512_mul_ps(*r, mv));
+    // Keys where some query of the chunk has a new maximum (`ms != 1`) are rare: they take a
+    // step that rescales every query (by exactly 1.0 where it has none: no change to an f16
+    // value), so the common step has no branch and the accumulators stay in registers.
+    let mut j = j0;
+    while j < j1 {
+        let (_, values, end) = a.kv.run(j, j1);
+        let stride = values.len() / (end - j);
+        for (jj, row) in (j..end).zip(values.chunks_exact(stride)) {
+            let vp = row[a.g * d..][..d].as_ptr();
+            let mut v = [_mm512_setzero_ps(); NV];
+            for (c, r) in v.iter_mut().enumerate() {
+                *r = _mm512_loadu_ps(vp.add(16 * c));
+            }
+            let mut rescale = false;
+            for wq in &w {
+                rescale |= *wq.0.add(jj) != 1.0;
+            }
+            if rescale {
+                for (q, regs) in acc.iter_mut().enumerate() {
+                    let mv = _mm512_set1_ps(*w[q].0.add(jj));
+                    for r in regs.iter_mut() {
+                        *r = f16r(_mm512_mul_ps(*r, mv));
+                    }
                 }
             }
-            let wv = _mm512_set1_ps(*w[q].1.add(j));
-            for (r, x) in regs.iter_mut().zip(&v) {
-                *r = f16r(_mm512_fmadd_ps(*x, wv, *r));
+            for (q, regs) in acc.iter_mut().enumerate() {
+                let vs = *w[q].1.add(jj);
+                let wv = _mm512_set1_ps(vs);
+                for (r, x) in regs.iter_mut().zip(&v) {
+                    *r = f16r(_mm512_fmadd_ps(*x, wv, *r));
+                }
+                sum[q] = sum[q].mul_add(*w[q].0.add(jj), vs);
             }
         }
+        j = end;
     }
     for (q, regs) in acc.iter().enumerate() {
         for (c, r) in regs.iter().enumerate() {
             _mm512_storeu_ps(out.as_mut_ptr().add(q * d + 16 * c), *r);
         }
+        sums[q] = sum[q];
     }
 }
 
