@@ -141,7 +141,11 @@ impl<'a> KvRows<'a> {
     /// `j0 < j1 <= positions`.
     #[inline]
     pub fn run(&self, j0: usize, j1: usize) -> (&'a [f32], &'a [f32], usize) {
-        assert!(j0 < j1 && j1 <= self.positions, "kv rows: run {j0}..{j1} of {}", self.positions);
+        assert!(
+            j0 < j1 && j1 <= self.positions,
+            "kv rows: run {j0}..{j1} of {}",
+            self.positions
+        );
         let b = j0 / KV_BLOCK;
         let end = j1.min((b + 1) * KV_BLOCK);
         let (k, v) = self.parts[b];

@@ -1,9 +1,8 @@
 //! Specula's own CPU kernels: the products whose reduction order the exactness promise depends on.
 
 pub mod kquants;
+pub mod pool;
 pub mod qmatmul;
-
-use rayon::prelude::*;
 
 /// Which implementation of the kernels runs. Every choice gives the same bits (tested); the
 /// switch exists for side-by-side speed comparisons.
@@ -96,7 +95,7 @@ pub(crate) fn run_tiles(
     let wtile = wtile.max(1);
     let gmax = groups.iter().map(|g| g.1).max().unwrap_or(1);
     const PANEL: usize = 16;
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::threads();
     let per_chunk = n.div_ceil(threads * 4).next_multiple_of(PANEL).max(PANEL);
     let chunks = n.div_ceil(per_chunk);
     let dst = OutPtr(out.as_mut_ptr());
@@ -122,7 +121,7 @@ pub(crate) fn run_tiles(
         }
     };
     if n * k * m >= 1 << 15 {
-        (0..chunks).into_par_iter().for_each(work);
+        pool::for_each(chunks, &work);
     } else {
         (0..chunks).for_each(work);
     }

@@ -61,22 +61,6 @@ fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(attention::silu_mul(&gs, &us), dims, g.device())?)
 }
 
-/// The global rayon pool (sized by `RAYON_NUM_THREADS`, else one thread per core).
-fn pool() -> &'static rayon::ThreadPool {
-    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .thread_name(|i| format!("specula-worker-{i}"))
-            .build()
-            .unwrap_or_else(|_| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(1)
-                    .build()
-                    .expect("a 1-thread pool")
-            })
-    })
-}
-
 /// The architecture families this file implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -467,9 +451,9 @@ impl Model {
     ///
     /// Errors: as [`Model::forward`], for any segment; no segment's cache then changes.
     pub fn forward_batch(&self, segs: &mut [Segment<'_>], taps: &[usize]) -> Result<Vec<ForwardOutput>> {
-        // Run on a pool worker: the parallel kernels inside then split work with the other
-        // workers instead of waking the calling thread once per operation.
-        let out = pool().install(|| self.forward_inner(segs, taps));
+        // The parallel kernels inside share the work with the spinning helpers of
+        // `kernels::pool`, on the calling thread.
+        let out = self.forward_inner(segs, taps);
         if out.is_err() {
             for s in segs.iter_mut() {
                 s.kv.discard_uncommitted();

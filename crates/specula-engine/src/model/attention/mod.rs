@@ -25,7 +25,6 @@ mod fast;
 pub use expf::expf;
 
 use crate::kv_cache::KvRows;
-use rayon::prelude::*;
 
 /// Shape of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -458,7 +457,7 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
     // their dependency chains, so only as much as needed). Each (row, head) is computed alike
     // whatever the split.
     let blocks: usize = items.iter().map(|it| it.shape.rows.div_ceil(ROW_BLOCK)).sum();
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::kernels::pool::threads();
     let splits = (1..=group)
         .find(|sp| group % sp == 0 && blocks * num_kv_heads * sp >= threads)
         .unwrap_or(group);
@@ -539,7 +538,15 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
     let parts: Vec<Vec<f32>> = if work < 1 << 16 {
         tasks.iter().map(task).collect()
     } else {
-        tasks.par_iter().map(task).collect()
+        let slots: Vec<std::sync::Mutex<Vec<f32>>> = tasks.iter().map(|_| Default::default()).collect();
+        crate::kernels::pool::for_each(tasks.len(), &|i| {
+            let part = task(&tasks[i]);
+            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = part;
+        });
+        slots
+            .into_iter()
+            .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .collect()
     };
     let mut out = vec![0f32; row_base * num_heads * d];
     for (&(_, r0, h0, _, base), part) in tasks.iter().zip(&parts) {
