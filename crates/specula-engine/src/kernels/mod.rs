@@ -70,6 +70,10 @@ pub(crate) fn fixed_groups(m: usize, max: usize) -> Vec<(usize, usize)> {
     (0..m).step_by(max).map(|i| (i, max.min(m - i))).collect()
 }
 
+/// Chunks of output columns per thread in [`run_tiles`]: claimed dynamically, so more chunks
+/// means less waiting on the last one, at one atomic claim each.
+const CHUNKS_PER_THREAD: usize = 4;
+
 /// Schedule a row-wise product `y[i, j] = f(weight row j, activation row i)` for `n` weight rows
 /// (of `k` inputs each) and `m` activation rows split into `groups` ([`row_groups`]); returns `y`
 /// as `[m, n]` row-major.
@@ -78,7 +82,7 @@ pub(crate) fn fixed_groups(m: usize, max: usize) -> Vec<(usize, usize)> {
 /// the rows of group `gi` (`g` rows): `out[w * g + r] = f(j0 + w, first + r)`. It must give
 /// bitwise the same value for an element whatever tile it is computed in, which is what makes the
 /// product batch-invariant (the tiling depends on `m`). Weight rows are split into chunks over
-/// the rayon pool; inside a chunk, panels of 16 weight rows stay in cache across all activation
+/// the kernel pool ([`pool`]); inside a chunk, panels of 16 weight rows stay in cache across all activation
 /// row groups.
 pub(crate) fn run_tiles(
     n: usize,
@@ -96,7 +100,7 @@ pub(crate) fn run_tiles(
     let gmax = groups.iter().map(|g| g.1).max().unwrap_or(1);
     const PANEL: usize = 16;
     let threads = pool::threads();
-    let per_chunk = n.div_ceil(threads * 4).next_multiple_of(PANEL).max(PANEL);
+    let per_chunk = n.div_ceil(threads * CHUNKS_PER_THREAD).next_multiple_of(PANEL).max(PANEL);
     let chunks = n.div_ceil(per_chunk);
     let dst = OutPtr(out.as_mut_ptr());
     let work = |c: usize| {

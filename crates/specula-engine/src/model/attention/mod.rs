@@ -140,6 +140,10 @@ fn dot_f16(a: &[f32], b: &[f32]) -> f32 {
     sum as f32
 }
 
+/// Multiply-adds (rows × keys × heads × head_dim) below which one attention call runs on the
+/// calling thread: a fork-join costs about a microsecond.
+const ATTN_PARALLEL_MIN: usize = 1 << 13;
+
 /// Keys per softmax tile of [`AttnMode::Tiled`] (`GGML_FA_TILE_KV`).
 const KV_TILE: usize = 64;
 
@@ -535,7 +539,7 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
         .sum::<usize>()
         * num_heads
         * d;
-    let parts: Vec<Vec<f32>> = if work < 1 << 16 {
+    let parts: Vec<Vec<f32>> = if work < ATTN_PARALLEL_MIN {
         tasks.iter().map(task).collect()
     } else {
         let slots: Vec<std::sync::Mutex<Vec<f32>>> = tasks.iter().map(|_| Default::default()).collect();
