@@ -100,7 +100,10 @@ pub(crate) fn run_tiles(
     let gmax = groups.iter().map(|g| g.1).max().unwrap_or(1);
     const PANEL: usize = 16;
     let threads = pool::threads();
-    let per_chunk = n.div_ceil(threads * CHUNKS_PER_THREAD).next_multiple_of(PANEL).max(PANEL);
+    let per_chunk = n
+        .div_ceil(threads * CHUNKS_PER_THREAD)
+        .next_multiple_of(PANEL)
+        .max(PANEL);
     let chunks = n.div_ceil(per_chunk);
     let dst = OutPtr(out.as_mut_ptr());
     let work = |c: usize| {

@@ -238,10 +238,12 @@ impl QWeight {
         );
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
         #[cfg(target_arch = "x86_64")]
-        // One row of Q8_0 / Q5_0 weights streams faster row by row through the AVX2 kernel than
-        // eight rows at a time through the tile (`speed_streamed`: Q8_0 38 vs 31 GB/s, Q5_0 30
-        // vs 19 on the 2-core VM); Q4_1 the other way (16 vs 30). Same bits either way.
-        let row_by_row = m == 1 && matches!(self.kind, QKind::Q8_0 | QKind::Q5_0);
+        // One row of a large Q8_0 / Q5_0 matrix (an LM head) streams faster from memory row by row
+        // through the AVX2 kernel than eight rows at a time through the tile (`speed_streamed`:
+        // Q8_0 38 vs 31 GB/s, Q5_0 30 vs 19 on the 2-core VM; Q4_1 the other way, 16 vs 30), while
+        // a cache-resident one is 3x faster in the tile (`speed`). Same bits either way.
+        let bytes = self.qs.len() + 2 * self.d.len();
+        let row_by_row = m == 1 && bytes >= 8 << 20 && matches!(self.kind, QKind::Q8_0 | QKind::Q5_0);
         if path == super::KernelPath::Best && super::has_avx512_vnni() && !row_by_row {
             return self.matmul_vnni(&rows);
         }
@@ -816,7 +818,8 @@ pub(crate) mod vnni_impl {
                 };
                 for p in 0..WP {
                     let wv = weights2::<K>(qs, qh, base[2 * p] + b, base[2 * p + 1] + b);
-                    let sc = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(ds[2 * p][c]), _mm512_set1_ps(ds[2 * p + 1][c]));
+                    let sc =
+                        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(ds[2 * p][c]), _mm512_set1_ps(ds[2 * p + 1][c]));
                     let lanes = _mm512_dpbusd_epi32(corr, wv, y);
                     acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), sc, acc[p]);
                 }
@@ -825,7 +828,11 @@ pub(crate) mod vnni_impl {
                         st.add(b * VNNI_ROWS) as *const f64
                     )));
                     for p in 0..WP {
-                        let mw = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(ms[2 * p][c]), _mm512_set1_ps(ms[2 * p + 1][c]));
+                        let mw = _mm512_mask_blend_ps(
+                            0xff00,
+                            _mm512_set1_ps(ms[2 * p][c]),
+                            _mm512_set1_ps(ms[2 * p + 1][c]),
+                        );
                         summs[p] = _mm512_fmadd_ps(mw, sv, summs[p]);
                     }
                 }
