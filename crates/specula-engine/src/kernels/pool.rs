@@ -26,11 +26,12 @@ const SPIN: Duration = Duration::from_micros(300);
 /// The job a call publishes: `f` as a type-erased pointer to a `&(dyn Fn(usize) + Sync)` that
 /// outlives the job (the caller waits for every index before returning).
 struct Shared {
-    /// `(generation << 32) | next index`: a helper claims an index by advancing it, and only
-    /// while the generation is the one it read the job of.
+    /// `generation << 32 | n << 16 | next index`, in one word so that a claim sees the job's
+    /// generation and size together: a helper claims an index by advancing it, only while the
+    /// generation is the one it woke for and the index is below that job's `n`. (With `n` in a
+    /// word of its own, a helper late from the previous job could read the next job's larger
+    /// `n` and claim an index past its own job's end, then call a closure already gone.)
     next: AtomicU64,
-    /// Indices of the current job.
-    n: AtomicUsize,
     /// `*const &(dyn Fn(usize) + Sync)` of the current job.
     job: AtomicUsize,
     /// Indices finished.
@@ -67,7 +68,6 @@ fn pool() -> &'static Pool {
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         let shared: &'static Shared = Box::leak(Box::new(Shared {
             next: AtomicU64::new(0),
-            n: AtomicUsize::new(0),
             job: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
@@ -104,7 +104,7 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
         return;
     }
     let p = pool();
-    if n == 1 || p.threads == 1 || IN_JOB.with(|c| c.get()) {
+    if n == 1 || n > MAX_N || p.threads == 1 || IN_JOB.with(|c| c.get()) {
         return (0..n).for_each(f);
     }
     let s = p.shared;
@@ -115,12 +115,11 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     };
     let fref: &(dyn Fn(usize) + Sync) = f;
     let job = &fref as *const &(dyn Fn(usize) + Sync) as usize;
-    s.n.store(n, SeqCst);
     s.job.store(job, SeqCst);
     s.done.store(0, SeqCst);
     s.panicked.store(false, SeqCst);
     let gen = (s.next.load(SeqCst) >> 32).wrapping_add(1) & 0xffff_ffff;
-    s.next.store(gen << 32, SeqCst);
+    s.next.store(gen << 32 | (n as u64) << 16, SeqCst);
     if s.sleepers.load(SeqCst) > 0 {
         let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
         s.wake.notify_all();
@@ -129,7 +128,7 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     // the wait below ends and `f` outlives every use.
     IN_JOB.with(|c| c.set(true));
     let mut first_panic = None;
-    while let Some(i) = claim(s, gen, n) {
+    while let Some(i) = claim(s, gen) {
         if let Err(e) = catch_unwind(AssertUnwindSafe(|| f(i))) {
             first_panic.get_or_insert(e);
         }
@@ -147,14 +146,19 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// Most indices of one job (they share a 16-bit field of [`Shared::next`]); a larger job runs
+/// on the calling thread.
+const MAX_N: usize = 0xffff;
+
 /// Claim the next index of generation `gen`, if any is left.
-fn claim(s: &Shared, gen: u64, n: usize) -> Option<usize> {
+fn claim(s: &Shared, gen: u64) -> Option<usize> {
     let mut cur = s.next.load(SeqCst);
     loop {
-        let i = (cur & 0xffff_ffff) as usize;
+        let (n, i) = ((cur >> 16) & 0xffff, cur & 0xffff);
         if cur >> 32 != gen || i >= n {
             return None;
         }
+        let i = i as usize;
         match s.next.compare_exchange_weak(cur, cur + 1, SeqCst, SeqCst) {
             Ok(_) => return Some(i),
             Err(now) => cur = now,
@@ -188,11 +192,10 @@ fn helper(s: &'static Shared) {
             }
         };
         seen = gen;
-        let n = s.n.load(SeqCst);
-        while let Some(i) = claim(s, gen, n) {
-            // SAFETY: index `i` of generation `gen` is unfinished, so the caller of that job is
-            // still waiting in `for_each` and the closure behind `job` is alive; `n` and `job`
-            // were stored before the generation was published.
+        while let Some(i) = claim(s, gen) {
+            // SAFETY: index `i` is below the `n` of generation `gen` (read from the same word)
+            // and unfinished, so the caller of that job is still waiting in `for_each` and the
+            // closure behind `job` (stored before the generation was published) is alive.
             let f = unsafe { *(s.job.load(SeqCst) as *const &(dyn Fn(usize) + Sync)) };
             if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
                 s.panicked.store(true, SeqCst);
@@ -209,12 +212,27 @@ mod tests {
 
     #[test]
     fn every_index_runs_once() {
-        for n in [1usize, 2, 3, 17, 1000] {
+        for n in [1usize, 2, 3, 17, 1000, 70_000] {
             let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
             for_each(n, &|i| {
                 hits[i].fetch_add(1, SeqCst);
             });
             assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "n = {n}");
+        }
+    }
+
+    /// Back-to-back jobs of alternating sizes, each with its own short-lived closure state: a
+    /// helper running an index of a finished job (the race the packed `next` word prevents)
+    /// would count into the wrong job or freed memory.
+    #[test]
+    fn back_to_back_jobs_of_different_sizes() {
+        for round in 0..20_000usize {
+            let n = if round % 2 == 0 { 2 } else { 2 + round % 61 };
+            let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+            for_each(n, &|i| {
+                hits[i].fetch_add(1, SeqCst);
+            });
+            assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "round {round}, n = {n}");
         }
     }
 
