@@ -495,6 +495,53 @@ impl Engine {
         Ok(out.logits)
     }
 
+    /// Logits of every row of `tokens` (`[tokens.len(), vocab]` f32), evaluated the way
+    /// llama.cpp's CPU backend evaluates a prompt of `prompt_len` tokens and then decodes the
+    /// rest: the prompt in micro-batches of 512 rows (llama.cpp's default `-ub`), each with the
+    /// attention path llama.cpp picks for its row count (`flash_attn_ext`'s tiled path from 64
+    /// rows, the one-chunk path below), then the remaining rows as one-chunk decode steps. This
+    /// reproduces the reference files made with `llama-server` (`tests/reference.rs`); serving
+    /// keeps one attention path for every row count, which batch invariance needs.
+    ///
+    /// Errors: as [`crate::model::Model::forward`]; `prompt_len` past `tokens.len()`.
+    pub fn logits_as_llamacpp(&mut self, tokens: &[u32], prompt_len: usize) -> Result<Tensor> {
+        use crate::model::attention::{with_mode, AttnMode};
+        anyhow::ensure!(
+            prompt_len <= tokens.len(),
+            "prompt_len {prompt_len} past {} tokens",
+            tokens.len()
+        );
+        const UBATCH: usize = 512;
+        const TILED_FROM: usize = 64;
+        self.kv.clear();
+        let mut parts = Vec::new();
+        let mut pieces: Vec<&[u32]> = tokens[..prompt_len].chunks(UBATCH).collect();
+        if prompt_len < tokens.len() {
+            pieces.push(&tokens[prompt_len..]);
+        }
+        let mut done = 0;
+        for piece in pieces {
+            let mode = if done < prompt_len && piece.len() >= TILED_FROM {
+                AttnMode::Tiled
+            } else {
+                AttnMode::OneChunk
+            };
+            let model = &self.bundle.model;
+            let kv = &mut self.kv;
+            let out = with_mode(mode, || model.forward(piece, kv, LogitsRows::All, &[]));
+            match out {
+                Ok(o) => parts.push(o.logits),
+                Err(e) => {
+                    self.kv.clear();
+                    return Err(e);
+                }
+            }
+            done += piece.len();
+        }
+        self.kv.clear();
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
     /// The shared, read-only part of this engine a [`Sequence`] needs.
     pub fn sequence_env(&self) -> SequenceEnv {
         SequenceEnv {

@@ -2,6 +2,12 @@
 //! argmax agreement against llama.cpp's reference outputs on the same GGUF files
 //! (`tests/fixtures/reference/`, made as its README describes).
 //!
+//! The logits are computed as llama.cpp computed them (`Engine::logits_as_llamacpp`): the
+//! prompt in 512-row micro-batches with the attention path llama.cpp picks for each (tiled from
+//! 64 rows, one-chunk below), the completion as one-chunk decode rows. Serving uses one path for
+//! every row count (batch invariance); with it, prompts of 64 tokens or more differ from the
+//! reference by up to 0.26 in top-5 logprob (SmolLM2), through the attention path alone.
+//!
 //! Needs the three catalog models pulled (`.ci/run` does it).
 
 mod common;
@@ -48,7 +54,7 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
         let mut seq = want.clone();
         seq.extend(&completion);
         seq.pop(); // the last completion token is only a target
-        let logits = engine.logits_all(&seq).expect("forward");
+        let logits = engine.logits_as_llamacpp(&seq, want.len()).expect("forward");
         let rows: Vec<Vec<f32>> = logits.to_vec2().expect("logits");
         let first = &rows[want.len() - 1];
         rep.prompts += 1;
@@ -105,14 +111,13 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
 /// Bounds, and what was measured on 2026-11-30 (docs/perf.md has the table):
 /// - first token: equal to llama.cpp's, or a near-tie in llama.cpp's own distribution (its
 ///   logprob for our token within 0.2 of its top-1); at most one near-tie per model. Measured:
-///   SmolLM2 24/24 equal; Qwen 0.5B 23/24 (p30, a 0.06 near-tie); 1.5B 23/24 (p06, 0.015).
-/// - top-5 first-token logprobs: the goal is 0.1 and is NOT met yet. Measured max |diff|:
-///   SmolLM2 0.26, Qwen 0.5B 0.18, Qwen 1.5B 0.34 (llama.cpp vs transformers on the same
-///   weights: 0.27). The reference run used llama.cpp's repacked AVX-512 matmul paths, whose
-///   accumulation order our per-row kernels do not reproduce (see docs/perf.md). The bound
-///   below guards against regressions.
+///   SmolLM2 24/24 equal; Qwen 0.5B 24/24; 1.5B 23/24 (p06, a 0.015 near-tie).
+/// - top-5 first-token logprobs, goal 0.1 (`max_top5`). Measured max |diff|: SmolLM2 0.0002
+///   (the same arithmetic: met); Qwen 0.5B 0.16, Qwen 1.5B 0.34, NOT met: llama.cpp ran its
+///   repacked AVX-512 Q4_K paths, whose accumulation order our per-row K-quant kernels do not
+///   reproduce (see docs/perf.md); their bound guards against regressions.
 /// - teacher-forced argmax agreement >= 97%.
-fn assert_report(name: &str, rep: &ModelReport) {
+fn assert_report(name: &str, rep: &ModelReport, max_top5: f32) {
     assert_eq!(rep.prompts, 24, "{name}: all prompts checked");
     assert_eq!(
         rep.first_token_equal + rep.first_token_near_tie,
@@ -124,8 +129,8 @@ fn assert_report(name: &str, rep: &ModelReport) {
         "{name}: at most one near-tie flip"
     );
     assert!(
-        rep.max_top5_diff <= 0.45,
-        "{name}: top-5 logprobs within 0.45 of llama.cpp's, got {}",
+        rep.max_top5_diff <= max_top5,
+        "{name}: top-5 logprobs within {max_top5} of llama.cpp's, got {}",
         rep.max_top5_diff
     );
     let agree = rep.tf_equal as f64 / rep.tf_total as f64;
@@ -138,17 +143,17 @@ fn assert_report(name: &str, rep: &ModelReport) {
 #[test]
 fn smollm2_matches_llamacpp() {
     let rep = check_model("smollm2-135m-instruct", "llamacpp-smollm2.jsonl");
-    assert_report("smollm2", &rep);
+    assert_report("smollm2", &rep, 0.1);
 }
 
 #[test]
 fn qwen_0_5b_matches_llamacpp() {
     let rep = check_model("qwen2.5-coder-0.5b-instruct", "llamacpp-qwen2.5-coder-0.5b.jsonl");
-    assert_report("qwen0.5b", &rep);
+    assert_report("qwen0.5b", &rep, 0.45);
 }
 
 #[test]
 fn qwen_1_5b_matches_llamacpp() {
     let rep = check_model("qwen2.5-coder-1.5b-instruct", "llamacpp-qwen2.5-coder-1.5b.jsonl");
-    assert_report("qwen1.5b", &rep);
+    assert_report("qwen1.5b", &rep, 0.45);
 }

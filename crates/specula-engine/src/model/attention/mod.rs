@@ -51,14 +51,37 @@ pub enum AttnMode {
     Tiled,
 }
 
-/// The attention mode of this process: `SPECULA_ATTN=tiled` or the default
-/// [`AttnMode::OneChunk`].
+/// The attention mode of this thread: the one [`with_mode`] set, else the process's
+/// (`SPECULA_ATTN=tiled` or the default [`AttnMode::OneChunk`]).
 pub fn mode() -> AttnMode {
     static M: std::sync::OnceLock<AttnMode> = std::sync::OnceLock::new();
+    if let Some(m) = MODE_OVERRIDE.with(|c| c.get()) {
+        return m;
+    }
     *M.get_or_init(|| match std::env::var("SPECULA_ATTN").as_deref() {
         Ok("tiled") => AttnMode::Tiled,
         _ => AttnMode::OneChunk,
     })
+}
+
+thread_local! {
+    static MODE_OVERRIDE: std::cell::Cell<Option<AttnMode>> = const { std::cell::Cell::new(None) };
+}
+
+/// Run `f` with every attention call of this thread in mode `m` (the forward pass attends on
+/// its calling thread). For reproducing llama.cpp's own evaluation, which picks the mode by
+/// the number of rows in a micro-batch ([`crate::engine::Engine::logits_as_llamacpp`]); serving
+/// keeps one mode for every row count, as batch invariance requires.
+pub fn with_mode<R>(m: AttnMode, f: impl FnOnce() -> R) -> R {
+    let prev = MODE_OVERRIDE.with(|c| c.replace(Some(m)));
+    struct Restore(Option<AttnMode>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            MODE_OVERRIDE.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(prev);
+    f()
 }
 
 /// Round to the nearest f16 value (ties to even), returned as f32: ggml's
@@ -387,18 +410,7 @@ mod simd {
 /// Are AVX2, FMA and F16C available (the fast paths of [`simd`])?
 fn fast() -> bool {
     static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *F.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    *F.get_or_init(crate::kernels::qmatmul::has_avx2)
 }
 
 /// `q`: `[rows, num_heads, head_dim]`; `keys`, `values`: `[positions, num_kv_heads, head_dim]`
