@@ -15,7 +15,7 @@
 //! overflow → `inf`, underflow → 0 or the smallest subnormal, NaN → NaN).
 //!
 //! `tests::matches_libm_exhaustively` (ignored: ~1 minute) compares every f32 against the C
-//! library; it passed against glibc 2.36 (Debian 12), the CI image.
+//! library; it passed against glibc 2.36 (Debian 12) on the development machine.
 
 /// `tab[i] = bits(2^(i/32)) - (i << 47)`: 2^(i/32) rounded to f64, with `i/32` taken back out
 /// of the exponent field so that adding `k << 47` for any integer `k` gives `2^(k/32)`.
