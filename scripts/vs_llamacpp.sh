@@ -8,9 +8,19 @@
 # LLAMA_BENCH is a llama.cpp `llama-bench` built with -DGGML_NATIVE=ON (not part of this
 # repository); weights are read into memory (`-lm none`), as Specula loads them.
 set -euo pipefail
-LB=${1:?llama-bench path}; SP=${2:?specula path}; M=${3:?GGUF file}
-ROUNDS=${4:-4}; T=${5:-2}
+usage() {
+  echo "usage: $0 LLAMA_BENCH SPECULA MODEL.gguf [ROUNDS=4] [THREADS=2]" >&2
+  echo "  LLAMA_BENCH: llama.cpp's llama-bench (build it yourself); SPECULA: target/release/specula" >&2
+  exit 2
+}
+[ $# -ge 3 ] && [ "$1" != "-h" ] && [ "$1" != "--help" ] || usage
+LB=$1; SP=$2; M=$3; ROUNDS=${4:-4}; T=${5:-2}
+for exe in "$LB" "$SP"; do
+  [ -x "$exe" ] || { echo "$0: $exe is not an executable" >&2; usage; }
+done
+[ -f "$M" ] || { echo "$0: no model file $M" >&2; usage; }
 tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
 for r in $(seq "$ROUNDS"); do
   "$LB" -m "$M" -t "$T" -p 512 -n 128 -r 3 -lm none -o json 2>/dev/null \
     | python3 -c 'import json,sys
@@ -32,4 +42,3 @@ for k, name in (("pp", "prefill pp512"), ("tg", "decode tg128")):
     l, s = med("llama", k), med("specula", k)
     print(f"{name}: llama.cpp {l:.1f} tok/s, specula {s:.1f} tok/s, ratio {s / l:.2f}x")
 PY
-rm -rf "$tmp"

@@ -85,13 +85,24 @@ impl<'a> Body<'a> {
         self.0.get(key).filter(|v| !v.is_null())
     }
 
+    /// A number that fits an f32 (a finite JSON number past f32's range, like `1e308`, is an
+    /// error naming it, not an infinity).
     pub fn f32(&self, key: &str) -> Result<Option<f32>, ApiError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(|f| Some(f as f32))
-                .ok_or_else(|| bad_type(key, "a number", v)),
+            Some(v) => {
+                let f = v.as_f64().ok_or_else(|| bad_type(key, "a number", v))?;
+                if (f as f32).is_infinite() {
+                    return Err(bad_value(
+                        key,
+                        format!(
+                            "'{key}' is out of range ({f:e}; the largest accepted magnitude is {:e})",
+                            f32::MAX
+                        ),
+                    ));
+                }
+                Ok(Some(f as f32))
+            }
         }
     }
 

@@ -441,6 +441,13 @@ async fn bad_requests_get_openai_errors() {
         ),
         (
             chat,
+            json!({"messages": msgs, "temperature": 1e308}),
+            StatusCode::BAD_REQUEST,
+            Some("temperature"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
             json!({"messages": msgs, "top_p": 1.5}),
             StatusCode::BAD_REQUEST,
             Some("top_p"),
