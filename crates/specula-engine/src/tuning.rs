@@ -57,11 +57,7 @@ impl Machine {
             })
             .unwrap_or_else(|| "unknown".to_string());
         let logical_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        let threads = std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .and_then(|s| s.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(logical_cores);
+        let threads = crate::kernels::pool::configured_threads();
         Self {
             cpu,
             logical_cores,

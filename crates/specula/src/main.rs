@@ -188,9 +188,16 @@ struct PlacementArgs {
 }
 
 impl PlacementArgs {
-    /// `--ctx-size` in tokens, for the memory preflight's KV estimate.
-    fn kv_context(&self) -> Option<usize> {
-        self.ctx_size.map(|n| n as usize)
+    /// Before loading: check that `--device` is usable, then run the memory preflight of `model`
+    /// (and `draft`) with the KV cache estimated for `--ctx-size` tokens.
+    fn preflight(
+        &self,
+        model: &str,
+        draft: Option<&str>,
+        check: preflight::MemoryCheckArg,
+    ) -> Result<Option<specula_engine::inspect::BundleReport>> {
+        check_device(&self.device)?;
+        preflight::for_args(model, draft, check, self.ctx_size.map(|n| n as usize))
     }
 
     /// After loading: cap the context (with a warning when `--ctx-size` is above the model's
@@ -522,13 +529,9 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
-    check_device(&a.placement.device)?;
-    let report = preflight::for_args(
-        &a.model,
-        a.spec.draft_model.as_deref(),
-        a.memory_check,
-        a.placement.kv_context(),
-    )?;
+    let report = a
+        .placement
+        .preflight(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let t = std::time::Instant::now();
     let opts = LoadOptions {
         prefix_cache_bytes: a.prefix_cache_mb.saturating_mul(1 << 20),
@@ -592,13 +595,9 @@ fn serve(a: ServeArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    check_device(&a.placement.device)?;
-    let report = preflight::for_args(
-        &a.model,
-        a.spec.draft_model.as_deref(),
-        a.memory_check,
-        a.placement.kv_context(),
-    )?;
+    let report = a
+        .placement
+        .preflight(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;
     let mut engine = load(&a.model, None)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
     a.placement.apply(&mut engine, model_path.as_deref(), 1)?;
@@ -865,10 +864,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         prefill.push(pp_rate);
         decode.push(tg_rate);
     }
-    let threads = std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|s| s.parse::<usize>().ok())
-        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let threads = specula_engine::kernels::pool::configured_threads();
     let (pp, tg) = (median(prefill), median(decode));
     let verify = match a.verify_rows {
         Some(n) => verify_costs(&engine, &prompt, n, a.runs)?,

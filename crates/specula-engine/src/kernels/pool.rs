@@ -59,13 +59,8 @@ thread_local! {
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
-        // As many threads as the rayon pool the forward pass runs in (`--threads`,
-        // `RAYON_NUM_THREADS`, else one per core), the caller included.
-        let threads = std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&t| t > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        // The caller included.
+        let threads = configured_threads();
         let shared: &'static Shared = Box::leak(Box::new(Shared {
             next: AtomicU64::new(0),
             job: AtomicUsize::new(0),
@@ -90,6 +85,16 @@ fn pool() -> &'static Pool {
             threads: started,
         }
     })
+}
+
+/// The worker threads configured for the kernels: `RAYON_NUM_THREADS` (set by `--threads`),
+/// else one per logical core. Reading it starts no thread.
+pub fn configured_threads() -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// Threads a [`for_each`] call can use (the caller and the helpers).

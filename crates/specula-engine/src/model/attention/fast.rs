@@ -126,7 +126,6 @@ unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
                 *e = 1.0;
             }
         }
-        st.m[i] = m;
     }
 
     // 3. Values and the sums, up to 4 (d = 64) or 2 (d >= 128) queries at a time.
