@@ -505,6 +505,7 @@ impl Engine {
     ///
     /// Errors: as [`crate::model::Model::forward`]; `prompt_len` past `tokens.len()`.
     pub fn logits_as_llamacpp(&mut self, tokens: &[u32], prompt_len: usize) -> Result<Tensor> {
+        use crate::kernels::kquants::with_llamacpp_batches;
         use crate::model::attention::{with_mode, AttnMode};
         anyhow::ensure!(
             prompt_len <= tokens.len(),
@@ -528,7 +529,12 @@ impl Engine {
             };
             let model = &self.bundle.model;
             let kv = &mut self.kv;
-            let out = with_mode(mode, || model.forward(piece, kv, LogitsRows::All, &[]));
+            // Prompt micro-batches in llama.cpp's batch arithmetic for Q4_K; the completion
+            // rows were one-row decode steps.
+            let batch = done < prompt_len;
+            let out = with_mode(mode, || {
+                with_llamacpp_batches(batch, || model.forward(piece, kv, LogitsRows::All, &[]))
+            });
             match out {
                 Ok(o) => parts.push(o.logits),
                 Err(e) => {

@@ -9,8 +9,11 @@
 //! nearest_int(iscale * x))` (round half to even), `d = 1 / iscale` (f32), and `bsums` = the i16
 //! sums of each 16 quants.
 //!
-//! Arithmetic per output element follows ggml's x86 AVX2 dot products
-//! `ggml_vec_dot_q{2,3,4,5,6}_K_q8_K` (`ggml/src/ggml-cpu/arch/x86/quants.c`). Per super-block,
+//! Arithmetic per output element is what llama.cpp's x86 CPU backend computes for one row
+//! (decode): ggml's AVX2 dot products `ggml_vec_dot_q{2,3,5,6}_K_q8_K`
+//! (`ggml/src/ggml-cpu/arch/x86/quants.c`), and for Q4_K, which llama.cpp repacks into 8-row
+//! interleaved blocks on every AVX2 CPU, its `ggml_gemv_q4_K_8x8_q8_K`
+//! (`ggml/src/ggml-cpu/arch/x86/repack.cpp`). Per super-block,
 //! the weights are expanded to 256 small integers `w` and 16 integer scales `sc` (one per 16
 //! values), and eight exact i32 lane sums are formed: lane `l` holds
 //! `sum over the eight 32-value chunks c of sc[2c + l/4] * sum_{t<4} w[32c+4l+t] * q8[32c+4l+t]`
@@ -18,9 +21,9 @@
 //!
 //! - Q6_K: lane `l` minus `32 * (bsums[2l] sc[2l] + bsums[2l+1] sc[2l+1])` (the weights are
 //!   expanded unsigned, 0..63), then `acc = fma(d, lanes, acc)`.
-//! - Q4_K: `acc_m[v] = fma(dmin, m[2v] s[2v] + m[2v+1] s[2v+1], acc_m[v])` over 4 lanes, with
-//!   `s[u]` the sum of the 32 quants of sub-block `u`; then `acc = fma(d, lanes, acc)`; the
-//!   result is `hsum_float_8(acc) + ((acc_m0 + acc_m2) + (acc_m1 + acc_m3))`.
+//! - Q4_K (repacked gemv): `sum = fma(f32(Σ lanes), d_w d_x, sum)` and `summs =
+//!   fma(f32(Σ_u m[u] s[u]), dmin_w d_x, summs)` with `s[u]` the sum of the 32 quants of
+//!   sub-block `u` (both integer totals exact); the result is `sum - summs`.
 //! - Q5_K: `summs = fma(dmin, sum_u m[u] s[u], summs)` (scalar; GCC contracts ggml's
 //!   `summs += dmin * ...` into an FMA under its default `-ffp-contract=fast`), then
 //!   `acc = fma(d, lanes, acc)`; the result is `hsum_float_8(acc) + summs`.
@@ -39,7 +42,8 @@
 //! performs the same float operations in the same order, so all paths agree bitwise (tested
 //! here). Checked once against ggml's own functions (`quantize_row_q8_K_ref` and the five AVX2
 //! `ggml_vec_dot_q*_K_q8_K`, ggml built with GCC 12 at `-O2 -mavx2 -mfma` and at
-//! `-O3 -march=native`) on random and on real Qwen2.5 Q4_K/Q6_K tensors: bitwise equal.
+//! `-O3 -march=native`) on random and on real Qwen2.5 Q4_K/Q6_K tensors: bitwise equal; Q4_K
+//! and Q6_K are also tested in CI against recorded llama.cpp products.
 //!
 //! Where AVX-512 VNNI is available, products of 2 or more rows of Q4_K/Q5_K/Q6_K run on tiles of
 //! two weight rows × up to [`vnni_rows`] activation rows (`avx2_impl::tile`): `vpdpbusd` sums of
@@ -48,6 +52,14 @@
 //! rows, and the float steps of the two weight rows in one 512-bit register. One-row products
 //! (decode) stay on the row kernels, which stream the weights from memory faster.
 //! `SPECULA_KERNELS=avx2` forces the row kernels, `SPECULA_KERNELS=portable` the reference.
+//!
+//! **llama.cpp's batch arithmetic.** llama.cpp computes a multi-row product differently: Q4_K
+//! rows in groups of four through the repacked gemm (one FMA per 64 values instead of 256), Q6_K
+//! products of 8 rows or more through its tiled kernel (`ggml/src/ggml-cpu/tiled/`: per
+//! super-block `acc = fma(f32(isum) * d_w, d_x, acc)`). [`with_llamacpp_batches`] reproduces
+//! both, for the reference comparison only; both were checked bit for bit against llama.cpp's
+//! own products (`matches_llamacpp_recorded_products`, recorded by
+//! `scripts/llamacpp_kquant_dump.cpp`).
 //!
 //! **Batch invariance.** Every output element is computed by the same function of one weight row
 //! and one activation row, whatever the number of rows `m`: the multi-row micro-kernel only
@@ -216,8 +228,17 @@ impl KWeight {
         );
         let rows: Vec<Q8KRow> = x.chunks_exact(self.k).map(quantize_row_q8k).collect();
         let refs: Vec<&Q8KRow> = rows.iter().collect();
+        // Rows `..gemm_rows` in llama.cpp's batch arithmetic (its emulation only): Q4_K's
+        // repacked gemm, Q6_K's tiled kernel.
+        let gemm_rows = match self.kind {
+            _ if !LLAMACPP_BATCHES.get() => 0,
+            KKind::Q4K => m - m % 4,
+            KKind::Q6K if m >= 8 => m,
+            _ => 0,
+        };
         #[cfg(target_arch = "x86_64")]
         if path == super::KernelPath::Best
+            && gemm_rows == 0
             && m > 1
             && super::has_avx512_vnni()
             && matches!(self.kind, KKind::Q4K | KKind::Q5K | KKind::Q6K)
@@ -236,17 +257,50 @@ impl KWeight {
         let wide = avx2 && has_avx512();
         run_tiles(self.n, self.k, m, &groups, 1, |j0, nw, gi, out| {
             let (i0, g) = groups[gi];
+            // The group's rows in the repacked-gemm arithmetic, then the rest.
+            let cut = gemm_rows.clamp(i0, i0 + g) - i0;
             for w in 0..nw {
-                vec_dot_rows_with(
-                    self.row(j0 + w),
-                    &refs[i0..i0 + g],
-                    &mut out[w * g..(w + 1) * g],
-                    avx2,
-                    wide,
-                );
+                let o = &mut out[w * g..(w + 1) * g];
+                let (o1, o2) = o.split_at_mut(cut);
+                let w = self.row(j0 + w);
+                if cut > 0 {
+                    vec_dot_rows_with(w, &refs[i0..i0 + cut], o1, avx2, wide, true);
+                }
+                if cut < g {
+                    vec_dot_rows_with(w, &refs[i0 + cut..i0 + g], o2, avx2, wide, false);
+                }
             }
         })
     }
+}
+
+thread_local! {
+    /// See [`with_llamacpp_batches`].
+    static LLAMACPP_BATCHES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Run `f` with Q4_K products computed as llama.cpp's x86 CPU backend computes a batch (`on`),
+/// or with the one arithmetic of serving (`!on`, the default), on this thread.
+///
+/// llama.cpp repacks Q4_K weights into 8-row interleaved blocks on any AVX2 CPU
+/// (`ggml/src/ggml-cpu/repack.cpp`, `q4_K_8x8_q8_K`) and multiplies a batch of `m` rows with two
+/// kernels (`arch/x86/repack.cpp`): rows `0 .. m - m % 4` in groups of four with
+/// `ggml_gemm_q4_K_8x8_q8_K`, which adds `isum * (d_w * d_x)` to its accumulator with one FMA
+/// per 64 values, and the last `m % 4` rows with `ggml_gemv_q4_K_8x8_q8_K`, one FMA per
+/// 256 values. A row's bits thus depend on the batch around it. Serving always uses the gemv
+/// arithmetic (llama.cpp's decode arithmetic), so it is batch-invariant; this switch reproduces
+/// llama.cpp's prefill for the reference comparison (`Engine::logits_as_llamacpp`). With it on,
+/// Q4_K products run on the row kernels (the VNNI tiles are skipped).
+pub fn with_llamacpp_batches<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    let prev = LLAMACPP_BATCHES.replace(on);
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LLAMACPP_BATCHES.set(self.0);
+        }
+    }
+    let _restore = Restore(prev);
+    f()
 }
 
 /// AVX-512 F and BW available at run time, along with the AVX2 set (the 512-bit row kernels).
@@ -452,10 +506,12 @@ fn unpack(kind: KKind, blk: &[u8], u: &mut Unpacked) {
 
 /// The float accumulators of one (weight row, activation row) product.
 struct Acc {
+    /// ggml's eight `acc` lanes (every type but Q4_K).
     acc: [f32; 8],
-    /// Q4_K's four min lanes.
-    acc_m: [f32; 4],
-    /// Q5_K's scalar min sum.
+    /// Q4_K's one accumulator of `isum * (d_w * d_x)` per super-block.
+    sum: f32,
+    /// Q5_K's scalar min sum (added at the end); Q4_K's `isum_min * (dmin_w * d_x)` accumulator
+    /// (subtracted at the end).
     summs: f32,
 }
 
@@ -463,21 +519,19 @@ impl Acc {
     fn new() -> Self {
         Self {
             acc: [0.0; 8],
-            acc_m: [0.0; 4],
+            sum: 0.0,
             summs: 0.0,
         }
     }
 
-    /// The final reduction (ggml's `hsum_float_8`, plus the min terms of Q4_K / Q5_K).
-    fn finish(&self, kind: KKind) -> f32 {
-        let h = hsum8(&self.acc);
+    /// The final reduction: ggml's `hsum_float_8` (plus Q5_K's min sum); Q4_K's repacked
+    /// kernels store `sum - summs`; Q6_K in llama.cpp's tiled batch arithmetic (`batch`) `sum`.
+    fn finish(&self, kind: KKind, batch: bool) -> f32 {
         match kind {
-            KKind::Q4K => {
-                let m = &self.acc_m;
-                h + ((m[0] + m[2]) + (m[1] + m[3]))
-            }
-            KKind::Q5K => h + self.summs,
-            _ => h,
+            KKind::Q4K => self.sum - self.summs,
+            KKind::Q6K if batch => self.sum,
+            KKind::Q5K => hsum8(&self.acc) + self.summs,
+            _ => hsum8(&self.acc),
         }
     }
 }
@@ -498,13 +552,13 @@ fn min_terms(kind: KKind, u: &Unpacked, bs: &[i16], yd: f32, lanes: &mut [i32; 8
             }
         }
         KKind::Q4K => {
-            let dmin = -yd * u.dmin;
-            for (v, a) in st.acc_m.iter_mut().enumerate() {
+            let mut p = 0i32;
+            for v in 0..4 {
                 let s0 = b(4 * v) + b(4 * v + 1);
                 let s1 = b(4 * v + 2) + b(4 * v + 3);
-                let p = mn(2 * v) * s0 + mn(2 * v + 1) * s1;
-                *a = dmin.mul_add(p as f32, *a);
+                p += mn(2 * v) * s0 + mn(2 * v + 1) * s1;
             }
+            st.summs = (p as f32).mul_add(u.dmin * yd, st.summs);
         }
         KKind::Q5K => {
             let dmin = -yd * u.dmin;
@@ -528,8 +582,25 @@ fn min_terms(kind: KKind, u: &Unpacked, bs: &[i16], yd: f32, lanes: &mut [i32; 8
 }
 
 /// Portable: one super-block of one activation row (`q8`: 256 quants, `bs`: 16 sums, `yd`: scale).
+/// `sb`: Q4_K with the float steps per 64 values (ggml's repacked gemm, see
+/// [`with_llamacpp_batches`]).
 #[inline(always)]
-fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32, st: &mut Acc) {
+fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32, st: &mut Acc, sb: bool) {
+    if sb && kind == KKind::Q4K {
+        let b = |i: usize| bs[i] as i32;
+        for j in 0..4 {
+            let mut isum = 0i32;
+            for c in [2 * j, 2 * j + 1] {
+                let dot: i32 = (32 * c..32 * c + 32).map(|i| u.q[i] as i32 * q8[i] as i32).sum();
+                isum += u.sc[2 * c] as i32 * dot;
+            }
+            let m = u.mins[2 * j] as i32 * (b(4 * j) + b(4 * j + 1))
+                + u.mins[2 * j + 1] as i32 * (b(4 * j + 2) + b(4 * j + 3));
+            st.sum = (isum as f32).mul_add(u.d * yd, st.sum);
+            st.summs = (m as f32).mul_add(u.dmin * yd, st.summs);
+        }
+        return;
+    }
     let mut lanes = [0i32; 8];
     let signed = kind.signed();
     for c in 0..8 {
@@ -544,6 +615,16 @@ fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32,
         }
     }
     min_terms(kind, u, bs, yd, &mut lanes, st);
+    if sb && kind == KKind::Q6K {
+        let isum: i32 = lanes.iter().sum();
+        st.sum = (isum as f32 * u.d).mul_add(yd, st.sum);
+        return;
+    }
+    if kind == KKind::Q4K {
+        let isum: i32 = lanes.iter().sum();
+        st.sum = (isum as f32).mul_add(u.d * yd, st.sum);
+        return;
+    }
     let d = yd * u.d;
     for (a, &x) in st.acc.iter_mut().zip(&lanes) {
         *a = d.mul_add(x as f32, *a);
@@ -552,6 +633,11 @@ fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32,
 
 /// The portable reference for one (weight row, activation row) product.
 pub fn vec_dot_portable(w: KRow<'_>, x: &Q8KRow) -> f32 {
+    vec_dot_portable_with(w, x, false)
+}
+
+/// [`vec_dot_portable`]; `sb`: Q4_K in ggml's repacked-gemm arithmetic.
+fn vec_dot_portable_with(w: KRow<'_>, x: &Q8KRow, sb: bool) -> f32 {
     let bb = w.kind.block_bytes();
     let mut u = Unpacked::new();
     let mut st = Acc::new();
@@ -564,9 +650,10 @@ pub fn vec_dot_portable(w: KRow<'_>, x: &Q8KRow) -> f32 {
             &x.bsums[b * 16..(b + 1) * 16],
             x.d[b],
             &mut st,
+            sb,
         );
     }
-    st.finish(w.kind)
+    st.finish(w.kind, sb)
 }
 
 /// Largest group of activation rows one call of the micro-kernel takes.
@@ -586,13 +673,13 @@ pub fn vnni_rows(kind: KKind) -> usize {
 /// (the weights are decoded once for all of them); each value is bitwise
 /// [`vec_dot_portable`]`(w, xs[r])`.
 pub fn vec_dot_rows(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool) {
-    vec_dot_rows_with(w, xs, out, avx2, avx2 && has_avx512());
+    vec_dot_rows_with(w, xs, out, avx2, avx2 && has_avx512(), false);
 }
 
 /// [`vec_dot_rows`] with the SIMD paths chosen: `avx2` (AVX2 + FMA + F16C, required by `wide`)
 /// and `wide` (the 512-bit row kernels for Q4_K/Q5_K/Q6_K, AVX-512 BW). Every choice gives the
-/// same bits.
-fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, wide: bool) {
+/// same bits. `sb`: Q4_K in ggml's repacked-gemm arithmetic ([`with_llamacpp_batches`]).
+fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, wide: bool, sb: bool) {
     assert!(
         xs.len() == out.len() && xs.len() <= MAX_ROWS,
         "vec_dot_rows: {} rows, {} outputs",
@@ -605,14 +692,14 @@ fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, w
         // see `has_avx512`); the rows' lengths are checked inside.
         unsafe {
             match xs.len() {
-                1 => avx2_impl::dot::<1>(w, xs, out, wide),
-                2 => avx2_impl::dot::<2>(w, xs, out, wide),
-                3 => avx2_impl::dot::<3>(w, xs, out, wide),
-                4 => avx2_impl::dot::<4>(w, xs, out, wide),
-                5 => avx2_impl::dot::<5>(w, xs, out, wide),
-                6 => avx2_impl::dot::<6>(w, xs, out, wide),
-                7 => avx2_impl::dot::<7>(w, xs, out, wide),
-                8 => avx2_impl::dot::<8>(w, xs, out, wide),
+                1 => avx2_impl::dot::<1>(w, xs, out, wide, sb),
+                2 => avx2_impl::dot::<2>(w, xs, out, wide, sb),
+                3 => avx2_impl::dot::<3>(w, xs, out, wide, sb),
+                4 => avx2_impl::dot::<4>(w, xs, out, wide, sb),
+                5 => avx2_impl::dot::<5>(w, xs, out, wide, sb),
+                6 => avx2_impl::dot::<6>(w, xs, out, wide, sb),
+                7 => avx2_impl::dot::<7>(w, xs, out, wide, sb),
+                8 => avx2_impl::dot::<8>(w, xs, out, wide, sb),
                 _ => {}
             }
         }
@@ -620,7 +707,7 @@ fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, w
     }
     let _ = (avx2, wide);
     for (o, x) in out.iter_mut().zip(xs) {
-        *o = vec_dot_portable(w, x);
+        *o = vec_dot_portable_with(w, x, sb);
     }
 }
 
@@ -706,11 +793,11 @@ mod avx2_impl {
         out
     }
 
-    /// The float accumulators of `R` rows: ggml's `acc` (8 lanes), Q4_K's `acc_m` (4 lanes) and
-    /// Q5_K's scalar `summs`.
+    /// The float accumulators of `R` rows: ggml's `acc` (8 lanes), Q4_K's scalar `sum` and the
+    /// scalar `summs` (Q4_K's and Q5_K's min sums); the fields of [`Acc`].
     struct State<const R: usize> {
         acc: [__m256; R],
-        acc_m: [__m128; R],
+        sum: [f32; R],
         summs: [f32; R],
     }
 
@@ -719,21 +806,60 @@ mod avx2_impl {
         unsafe fn new() -> Self {
             Self {
                 acc: [_mm256_setzero_ps(); R],
-                acc_m: [_mm_setzero_ps(); R],
+                sum: [0.0; R],
                 summs: [0.0; R],
             }
         }
 
         #[inline(always)]
-        unsafe fn finish(&self, kind: KKind, out: &mut [f32]) {
+        unsafe fn finish(&self, kind: KKind, batch: bool, out: &mut [f32]) {
             for (r, o) in out.iter_mut().enumerate().take(R) {
                 let mut a = Acc::new();
                 _mm256_storeu_ps(a.acc.as_mut_ptr(), self.acc[r]);
-                _mm_storeu_ps(a.acc_m.as_mut_ptr(), self.acc_m[r]);
+                a.sum = self.sum[r];
                 a.summs = self.summs[r];
-                *o = a.finish(kind);
+                *o = a.finish(kind, batch);
             }
         }
+
+        /// Q4_K's float steps of one super-block (ggml's repacked `gemv_q4_K_8x8_q8_K`): the
+        /// exact totals of the 8 integer lanes `sumi` and of the 4 min products `prod`, each
+        /// converted to f32 and added with one FMA.
+        #[inline(always)]
+        unsafe fn q4k_step(&mut self, r: usize, sumi: __m256i, prod: __m128i, d: f32, dmin: f32) {
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(sumi), _mm256_extracti128_si256::<1>(sumi));
+            self.sum[r] = (hsum4_epi32(s4) as f32).mul_add(d, self.sum[r]);
+            self.summs[r] = (hsum4_epi32(prod) as f32).mul_add(dmin, self.summs[r]);
+        }
+    }
+
+    impl<const R: usize> State<R> {
+        /// Q4_K's float steps of one super-block in ggml's repacked gemm arithmetic
+        /// (`gemm_q4_K_8x8_q8_K`): one FMA per 64 values, `isums[j]` the exact integer total of
+        /// values `64j .. 64j + 64`, lane `j` of `prod` their min products.
+        #[inline(always)]
+        unsafe fn q4k_sb_steps(&mut self, r: usize, isums: &[i32; 4], prod: __m128i, d: f32, dmin: f32) {
+            let mut m = [0i32; 4];
+            _mm_storeu_si128(m.as_mut_ptr() as *mut __m128i, prod);
+            for j in 0..4 {
+                self.sum[r] = (isums[j] as f32).mul_add(d, self.sum[r]);
+                self.summs[r] = (m[j] as f32).mul_add(dmin, self.summs[r]);
+            }
+        }
+    }
+
+    /// The exact (wrapping) sum of eight i32 lanes.
+    #[inline(always)]
+    unsafe fn hsum8_epi32(v: __m256i) -> i32 {
+        hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v)))
+    }
+
+    /// The exact (wrapping) sum of four i32 lanes.
+    #[inline(always)]
+    unsafe fn hsum4_epi32(v: __m128i) -> i32 {
+        let t = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let t = _mm_add_epi32(t, _mm_shuffle_epi32::<0b10_11_00_01>(t));
+        _mm_cvtsi128_si32(t)
     }
 
     /// The Q8_K quants of row `x`, super-block `b`, from value `off`.
@@ -755,7 +881,7 @@ mod avx2_impl {
 
     /// `out[r]` = weight row `w` (`k` = 256 × blocks) times `xs[r]`, for `R` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot<const R: usize>(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], wide: bool) {
+    pub unsafe fn dot<const R: usize>(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], wide: bool, sb: bool) {
         let Ok(x) = <[&Q8KRow; R]>::try_from(xs) else {
             return;
         };
@@ -769,14 +895,18 @@ mod avx2_impl {
         let st = match w.kind {
             KKind::Q2K => q2k::<R>(w.data, x),
             KKind::Q3K => q3k::<R>(w.data, x),
-            KKind::Q4K if wide => q4k_wide::<R>(w.data, x),
-            KKind::Q4K => q4k::<R>(w.data, x),
+            KKind::Q4K if wide && sb => q4k_wide::<R, true>(w.data, x),
+            KKind::Q4K if wide => q4k_wide::<R, false>(w.data, x),
+            KKind::Q4K if sb => q4k::<R, true>(w.data, x),
+            KKind::Q4K => q4k::<R, false>(w.data, x),
             KKind::Q5K if wide => q5k_wide::<R>(w.data, x),
             KKind::Q5K => q5k::<R>(w.data, x),
-            KKind::Q6K if wide => q6k_wide::<R>(w.data, x),
-            KKind::Q6K => q6k::<R>(w.data, x),
+            KKind::Q6K if wide && sb => q6k_wide::<R, true>(w.data, x),
+            KKind::Q6K if wide => q6k_wide::<R, false>(w.data, x),
+            KKind::Q6K if sb => q6k::<R, true>(w.data, x),
+            KKind::Q6K => q6k::<R, false>(w.data, x),
         };
-        st.finish(w.kind, out);
+        st.finish(w.kind, sb, out);
     }
 
     /// Per row and super-block, the 8 sums of each 32 quants (`bsums[2g] + bsums[2g + 1]`, i16
@@ -993,7 +1123,7 @@ mod avx2_impl {
             _ => 210,
         };
         let mut acc = [_mm512_setzero_ps(); R];
-        // Q4_K's `acc_m` (lanes 0..4: row a, 4..8: row b); Q5_K's `summs` (lanes 0 and 4).
+        // Min sums (lanes 0..4: row a, 4..8: row b; the total in every lane): Q4_K's `summs`, Q5_K's `summs`.
         let mut acc_m = [_mm256_setzero_ps(); R];
         // The next tile's weight rows (two rows on): the pair's interleaved reads restart the
         // hardware prefetchers' streams at every row, which stalls on short rows.
@@ -1100,14 +1230,22 @@ mod avx2_impl {
                     lanes = _mm512_sub_epi32(lanes, _mm512_slli_epi32::<5>(_mm512_madd_epi16(bsv, sc16_2)));
                 } else {
                     let q8 = _mm256_broadcastsi128_si256(ld128(ps[r].add(b * 8) as *const u8));
-                    let mut prod = _mm256_madd_epi16(mins2, q8);
-                    if K == Q5K {
-                        // Q5_K's scalar min sum: the four products' integer total in lanes 0 and 4.
-                        let t = _mm256_add_epi32(prod, _mm256_shuffle_epi32::<0b01_00_11_10>(prod));
-                        prod = _mm256_add_epi32(t, _mm256_shuffle_epi32::<0b10_11_00_01>(t));
+                    let prod = _mm256_madd_epi16(mins2, q8);
+                    // The scalar min sum of each weight row: the four products' integer total
+                    // in every lane of its half.
+                    let t = _mm256_add_epi32(prod, _mm256_shuffle_epi32::<0b01_00_11_10>(prod));
+                    let prod = _mm256_cvtepi32_ps(_mm256_add_epi32(t, _mm256_shuffle_epi32::<0b10_11_00_01>(t)));
+                    // Q5_K adds `-dmin * ...` (ggml's vec_dot), Q4_K subtracts `dmin * ...` at
+                    // the end (ggml's repacked gemv/gemm).
+                    let dy = _mm256_set1_ps(if K == Q5K { -yd } else { yd });
+                    acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin2, dy), prod, acc_m[r]);
+                    if K == Q4K {
+                        // One exact integer total per weight row and super-block, in every lane
+                        // of its half.
+                        let t = _mm512_add_epi32(lanes, _mm512_shuffle_epi32::<0b01_00_11_10>(lanes));
+                        let t = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b10_11_00_01>(t));
+                        lanes = _mm512_add_epi32(t, _mm512_shuffle_i64x2::<0b10_11_00_01>(t, t));
                     }
-                    let prod = _mm256_cvtepi32_ps(prod);
-                    acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin2, _mm256_set1_ps(-yd)), prod, acc_m[r]);
                 }
                 acc[r] = _mm512_fmadd_ps(
                     _mm512_mul_ps(dw2, _mm512_set1_ps(yd)),
@@ -1117,17 +1255,22 @@ mod avx2_impl {
             }
         }
         for r in 0..R {
-            let (ha, hb) = crate::kernels::qmatmul::vnni_impl::hsum_halves(acc[r]);
+            let (ha, hb) = if K == Q4K {
+                let mut a = [0f32; 16];
+                _mm512_storeu_ps(a.as_mut_ptr(), acc[r]);
+                (a[0], a[8])
+            } else {
+                crate::kernels::qmatmul::vnni_impl::hsum_halves(acc[r])
+            };
             let mut m = [0f32; 8];
             _mm256_storeu_ps(m.as_mut_ptr(), acc_m[r]);
             for (h, v) in [(0, ha), (1, hb)] {
                 if h == 1 && !two {
                     continue;
                 }
-                let mm = &m[4 * h..4 * h + 4];
                 out[h * R + r] = match K {
-                    Q4K => v + ((mm[0] + mm[2]) + (mm[1] + mm[3])),
-                    Q5K => v + mm[0],
+                    Q4K => v - m[4 * h],
+                    Q5K => v + m[4 * h],
                     _ => v,
                 };
             }
@@ -1209,9 +1352,10 @@ mod avx2_impl {
     /// [`q4k`] with two 32-value chunks per 512-bit operation (AVX-512 BW): the same exact
     /// integer lanes, the same float operations.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn q4k_wide<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q4k_wide<const R: usize, const SB: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m4 = _mm256_set1_epi8(0xF);
         let mut st = State::<R>::new();
+        let mut isums = [[0i32; 4]; R];
         for (b, blk) in data.chunks_exact(144).enumerate() {
             let p = blk.as_ptr();
             let dw = h2f(blk[0], blk[1]);
@@ -1233,7 +1377,12 @@ mod avx2_impl {
                 );
                 for r in 0..R {
                     let y = _mm512_loadu_si512(x[r].qs.as_ptr().add(b * QK_K + 64 * j) as *const _);
-                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_madd_epi16(s, _mm512_maddubs_epi16(w, y)));
+                    let t = _mm512_madd_epi16(s, _mm512_maddubs_epi16(w, y));
+                    if SB {
+                        isums[r][j] = hsum8_epi32(fold(t));
+                    } else {
+                        sumi[r] = _mm512_add_epi32(sumi[r], t);
+                    }
                 }
             }
             for r in 0..R {
@@ -1241,8 +1390,11 @@ mod avx2_impl {
                 let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
                 let prod = _mm_madd_epi16(mins, q8s);
                 let yd = x[r].d[b];
-                st.acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * dminw), _mm_cvtepi32_ps(prod), st.acc_m[r]);
-                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(fold(sumi[r])), st.acc[r]);
+                if SB {
+                    st.q4k_sb_steps(r, &isums[r], prod, dw * yd, dminw * yd);
+                } else {
+                    st.q4k_step(r, fold(sumi[r]), prod, dw * yd, dminw * yd);
+                }
             }
         }
         st
@@ -1299,7 +1451,7 @@ mod avx2_impl {
 
     /// [`q6k`] with two 32-value chunks per 512-bit operation (AVX-512 BW).
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn q6k_wide<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q6k_wide<const R: usize, const T: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m3 = _mm256_set1_epi8(3);
         let m15 = _mm256_set1_epi8(15);
         let mut st = State::<R>::new();
@@ -1339,7 +1491,11 @@ mod avx2_impl {
             for r in 0..R {
                 let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums(x[r], b), sc16));
                 let lanes = _mm256_sub_epi32(fold(sumi[r]), corr);
-                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);
+                if T {
+                    st.sum[r] = (hsum8_epi32(lanes) as f32 * dw).mul_add(x[r].d[b], st.sum[r]);
+                } else {
+                    st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);
+                }
             }
         }
         st
@@ -1347,9 +1503,10 @@ mod avx2_impl {
 
     /// ggml `ggml_vec_dot_q4_K_q8_K` (AVX2) for `R` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4k<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q4k<const R: usize, const SB: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m4 = _mm256_set1_epi8(0xF);
         let mut st = State::<R>::new();
+        let mut isums = [[0i32; 4]; R];
         for (b, blk) in data.chunks_exact(144).enumerate() {
             let p = blk.as_ptr();
             let dw = h2f(blk[0], blk[1]);
@@ -1369,7 +1526,11 @@ mod avx2_impl {
                 for r in 0..R {
                     let pl = chunk(lo, q8(x[r], b, 64 * j), sl);
                     let ph = chunk(hi, q8(x[r], b, 64 * j + 32), sh);
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                    if SB {
+                        isums[r][j] = hsum8_epi32(_mm256_add_epi32(pl, ph));
+                    } else {
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                    }
                 }
             }
             for r in 0..R {
@@ -1377,8 +1538,11 @@ mod avx2_impl {
                 let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
                 let prod = _mm_madd_epi16(mins, q8s);
                 let yd = x[r].d[b];
-                st.acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-yd * dminw), _mm_cvtepi32_ps(prod), st.acc_m[r]);
-                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(yd * dw), _mm256_cvtepi32_ps(sumi[r]), st.acc[r]);
+                if SB {
+                    st.q4k_sb_steps(r, &isums[r], prod, dw * yd, dminw * yd);
+                } else {
+                    st.q4k_step(r, sumi[r], prod, dw * yd, dminw * yd);
+                }
             }
         }
         st
@@ -1434,7 +1598,7 @@ mod avx2_impl {
 
     /// ggml `ggml_vec_dot_q6_K_q8_K` (AVX2) for `R` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q6k<const R: usize>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q6k<const R: usize, const T: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m3 = _mm256_set1_epi8(3);
         let m15 = _mm256_set1_epi8(15);
         let mut st = State::<R>::new();
@@ -1470,7 +1634,11 @@ mod avx2_impl {
             for r in 0..R {
                 let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums(x[r], b), sc16));
                 let lanes = _mm256_sub_epi32(sumi[r], corr);
-                st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);
+                if T {
+                    st.sum[r] = (hsum8_epi32(lanes) as f32 * dw).mul_add(x[r].d[b], st.sum[r]);
+                } else {
+                    st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);
+                }
             }
         }
         st
@@ -1674,7 +1842,7 @@ mod tests {
                 for wide in [false, avx2 && has_avx512()] {
                     for g in 1..=MAX_ROWS {
                         let mut out = vec![0f32; g];
-                        vec_dot_rows_with(w.row(j), &refs[..g], &mut out, avx2, wide);
+                        vec_dot_rows_with(w.row(j), &refs[..g], &mut out, avx2, wide, false);
                         let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
                         assert_eq!(
                             got,
@@ -1781,6 +1949,92 @@ mod tests {
                                 f32::from_bits(want[at])
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// llama.cpp's batch arithmetic (`with_llamacpp_batches`): Q4_K rows `..m - m % 4` and all
+    /// Q6_K rows of an `m >= 8` product as the portable batch reference, the rest as the serving
+    /// reference, on every path; and the arithmetics really differ (else the switch would test
+    /// nothing).
+    #[test]
+    fn llamacpp_batches_match_portable_bitwise() {
+        use super::super::KernelPath;
+        let (n, nb) = (5usize, 3usize);
+        let k = nb * QK_K;
+        for kind in [KKind::Q4K, KKind::Q6K] {
+            let w = raw_weight(kind, n, k, 11);
+            let mut differ = 0;
+            for m in 1..=13usize {
+                let cut = match kind {
+                    KKind::Q4K => m - m % 4,
+                    _ if m >= 8 => m,
+                    _ => 0,
+                };
+                let x = raw_rows(m, k, 300 + m as u64);
+                let want: Vec<u32> = x
+                    .chunks_exact(k)
+                    .enumerate()
+                    .flat_map(|(i, xr)| {
+                        let q = quantize_row_q8k(xr);
+                        (0..n).map(move |j| (i, j, q.clone()))
+                    })
+                    .map(|(i, j, q)| vec_dot_portable_with(w.row(j), &q, i < cut).to_bits())
+                    .collect();
+                let serving: Vec<u32> = w.matmul_on(&x, m, KernelPath::Best).iter().map(|v| v.to_bits()).collect();
+                differ += want.iter().zip(&serving).filter(|(a, b)| a != b).count();
+                for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
+                    let got: Vec<u32> = with_llamacpp_batches(true, || w.matmul_on(&x, m, path))
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    assert_eq!(got, want, "{kind:?} m={m} {path:?}");
+                }
+            }
+            assert!(differ > 0, "{kind:?}: the batch and serving arithmetics gave the same bits everywhere");
+        }
+    }
+
+    /// llama.cpp's own products, recorded (`scripts/llamacpp_kquant_dump.cpp`, files in
+    /// `tests/fixtures/llamacpp-kquant/`): Q4_K from its repack buffer (gemv for 1 row, gemm for
+    /// each 4 rows and gemv for the rest), Q6_K from the plain buffer (`vec_dot` below 8 rows,
+    /// the tiled kernel from 8). A one-row product in serving's arithmetic, and every product
+    /// under `with_llamacpp_batches`, must equal llama.cpp's bit for bit, on every path.
+    #[test]
+    fn matches_llamacpp_recorded_products() {
+        use super::super::KernelPath;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/llamacpp-kquant");
+        for (name, kind) in [("q4k", KKind::Q4K), ("q6k", KKind::Q6K)] {
+            for m in [1usize, 6, 9] {
+                let path = dir.join(format!("{name}-m{m}.bin"));
+                let b = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let int = |i: usize| i32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]) as usize;
+                let (n, k) = (int(0), int(1));
+                assert_eq!(int(2), m, "{name}-m{m}: rows");
+                let wl = n * k / QK_K * kind.block_bytes();
+                let floats = |off: usize, cnt: usize| -> Vec<f32> {
+                    b[off..off + 4 * cnt]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect()
+                };
+                assert_eq!(b.len(), 12 + wl + 4 * m * k + 4 * m * n, "{name}-m{m}: file size");
+                let w = KWeight {
+                    kind,
+                    n,
+                    k,
+                    data: b[12..12 + wl].to_vec(),
+                };
+                let x = floats(12 + wl, m * k);
+                let want: Vec<u32> = floats(12 + wl + 4 * m * k, m * n).iter().map(|v| v.to_bits()).collect();
+                let bits = |v: Vec<f32>| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+                for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
+                    let got = bits(with_llamacpp_batches(true, || w.matmul_on(&x, m, path)));
+                    assert_eq!(got, want, "{name}-m{m} {path:?}: llama.cpp's batch arithmetic");
+                    if m == 1 {
+                        assert_eq!(bits(w.matmul_on(&x, m, path)), want, "{name}-m1 {path:?}: serving arithmetic");
                     }
                 }
             }
@@ -1962,3 +2216,4 @@ mod tests {
         assert!(q.d[0] < 0.0);
     }
 }
+

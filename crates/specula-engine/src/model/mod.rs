@@ -496,9 +496,19 @@ impl Model {
             let attn = self.attention(block, li, &h, segs)?;
             x = (x + attn)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let g = block.gate.forward(&h)?;
-            let u = block.up.forward(&h)?;
-            let m = block.down.forward(&swiglu(&g, &u)?)?;
+            let mlp = || -> Result<Tensor> {
+                let g = block.gate.forward(&h)?;
+                let u = block.up.forward(&h)?;
+                Ok(block.down.forward(&swiglu(&g, &u)?)?)
+            };
+            let m = if li + 1 == self.blocks.len() {
+                // llama.cpp runs the last block's MLP on the output rows alone (one row for a
+                // prompt), which matters only to its batch arithmetic (see
+                // `with_llamacpp_batches`); serving's arithmetic is per row.
+                crate::kernels::kquants::with_llamacpp_batches(false, mlp)?
+            } else {
+                mlp()?
+            };
             x = (x + m)?;
             for (slot, &t) in hidden.iter_mut().zip(taps) {
                 if t == li {
@@ -532,7 +542,9 @@ impl Model {
             None
         } else {
             let idx = Tensor::new(pick.as_slice(), &self.device)?;
-            Some(self.lm_head.forward(&normed.index_select(&idx, 0)?)?)
+            let rows = normed.index_select(&idx, 0)?;
+            // llama.cpp runs its LM head on the output rows alone (see the last MLP above).
+            Some(crate::kernels::kquants::with_llamacpp_batches(false, || self.lm_head.forward(&rows))?)
         };
         let mut outs = Vec::with_capacity(segs.len());
         let (mut off, mut lrow) = (0, 0);
