@@ -91,7 +91,10 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
         rep.max_top5_diff = rep.max_top5_diff.max(diff);
         if std::env::var_os("SPECULA_REFERENCE_VERBOSE").is_some() {
             let ours: Vec<(u32, f32)> = ref_top5.iter().map(|&(t, _)| (t, lp[t as usize])).collect();
-            eprintln!("{name} {id}: {} prompt tokens, top-5 max |diff| {diff:.5}, ours {ours:?}", want.len());
+            eprintln!(
+                "{name} {id}: {} prompt tokens, top-5 max |diff| {diff:.5}, ours {ours:?}",
+                want.len()
+            );
         }
         for (i, &t) in completion.iter().enumerate() {
             let row = &rows[want.len() - 1 + i];

@@ -851,7 +851,10 @@ mod avx2_impl {
     /// The exact (wrapping) sum of eight i32 lanes.
     #[inline(always)]
     unsafe fn hsum8_epi32(v: __m256i) -> i32 {
-        hsum4_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v)))
+        hsum4_epi32(_mm_add_epi32(
+            _mm256_castsi256_si128(v),
+            _mm256_extracti128_si256::<1>(v),
+        ))
     }
 
     /// The exact (wrapping) sum of four i32 lanes.
@@ -1983,7 +1986,11 @@ mod tests {
                     })
                     .map(|(i, j, q)| vec_dot_portable_with(w.row(j), &q, i < cut).to_bits())
                     .collect();
-                let serving: Vec<u32> = w.matmul_on(&x, m, KernelPath::Best).iter().map(|v| v.to_bits()).collect();
+                let serving: Vec<u32> = w
+                    .matmul_on(&x, m, KernelPath::Best)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
                 differ += want.iter().zip(&serving).filter(|(a, b)| a != b).count();
                 for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
                     let got: Vec<u32> = with_llamacpp_batches(true, || w.matmul_on(&x, m, path))
@@ -1993,7 +2000,10 @@ mod tests {
                     assert_eq!(got, want, "{kind:?} m={m} {path:?}");
                 }
             }
-            assert!(differ > 0, "{kind:?}: the batch and serving arithmetics gave the same bits everywhere");
+            assert!(
+                differ > 0,
+                "{kind:?}: the batch and serving arithmetics gave the same bits everywhere"
+            );
         }
     }
 
@@ -2034,7 +2044,11 @@ mod tests {
                     let got = bits(with_llamacpp_batches(true, || w.matmul_on(&x, m, path)));
                     assert_eq!(got, want, "{name}-m{m} {path:?}: llama.cpp's batch arithmetic");
                     if m == 1 {
-                        assert_eq!(bits(w.matmul_on(&x, m, path)), want, "{name}-m1 {path:?}: serving arithmetic");
+                        assert_eq!(
+                            bits(w.matmul_on(&x, m, path)),
+                            want,
+                            "{name}-m1 {path:?}: serving arithmetic"
+                        );
                     }
                 }
             }
@@ -2216,4 +2230,3 @@ mod tests {
         assert!(q.d[0] < 0.0);
     }
 }
-

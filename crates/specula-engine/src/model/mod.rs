@@ -544,7 +544,9 @@ impl Model {
             let idx = Tensor::new(pick.as_slice(), &self.device)?;
             let rows = normed.index_select(&idx, 0)?;
             // llama.cpp runs its LM head on the output rows alone (see the last MLP above).
-            Some(crate::kernels::kquants::with_llamacpp_batches(false, || self.lm_head.forward(&rows))?)
+            Some(crate::kernels::kquants::with_llamacpp_batches(false, || {
+                self.lm_head.forward(&rows)
+            })?)
         };
         let mut outs = Vec::with_capacity(segs.len());
         let (mut off, mut lrow) = (0, 0);
