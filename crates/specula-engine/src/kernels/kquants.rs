@@ -1126,8 +1126,10 @@ mod avx2_impl {
             _ => 210,
         };
         let mut acc = [_mm512_setzero_ps(); R];
-        // Min sums (lanes 0..4: row a, 4..8: row b; the total in every lane): Q4_K's `summs`, Q5_K's `summs`.
+        // Q5_K's `summs` (lanes 0 and 4: rows a and b, the total in every lane of a half).
         let mut acc_m = [_mm256_setzero_ps(); R];
+        // Q4_K's `sum` and `summs` of all pairs, in the lane order of `reduce_q4k`.
+        let (mut acc4, mut acc4m) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         // The next tile's weight rows (two rows on): the pair's interleaved reads restart the
         // hardware prefetchers' streams at every row, which stalls on short rows.
         // Prefetch the weights of a tile ~8 KiB on (the same block of a later row pair): the
@@ -1225,6 +1227,32 @@ mod avx2_impl {
                     }
                 }
             }
+            if K == Q4K {
+                // ggml's repacked gemv: per weight row, activation row and super-block, one
+                // FMA of the exact integer total (and one of the min products' total). The
+                // totals of all 2 × 8 (weight row, activation row) pairs come out of one
+                // transposing reduction, in the lane order of `reduce_q4k`.
+                let mut l = [_mm512_setzero_si512(); 8];
+                let mut pm = [_mm256_setzero_si256(); 8];
+                let mut ys = [0f32; 8];
+                for r in 0..R {
+                    l[r] = fold2(sumi[r][0], sumi[r][1]);
+                    let q8 = _mm256_broadcastsi128_si256(ld128(ps[r].add(b * 8) as *const u8));
+                    pm[r] = _mm256_madd_epi16(mins2, q8);
+                    ys[r] = *x[r].d.get_unchecked(b);
+                }
+                let (z, zm) = reduce_q4k(&l, &pm);
+                let y = _mm512_permutexvar_ps(
+                    _mm512_loadu_si512(Q4K_Y.as_ptr() as *const _),
+                    _mm512_castps256_ps512(_mm256_loadu_ps(ys.as_ptr())),
+                );
+                let dq = _mm512_permutexvar_ps(_mm512_loadu_si512(Q4K_D.as_ptr() as *const _), dw2);
+                let dm = _mm256_castps_pd(dmin2);
+                let dmq = _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(dm), dm));
+                acc4 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(dq, y), acc4);
+                acc4m = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zm), _mm512_mul_ps(dmq, y), acc4m);
+                continue;
+            }
             for r in 0..R {
                 let yd = *x[r].d.get_unchecked(b);
                 let mut lanes = fold2(sumi[r][0], sumi[r][1]);
@@ -1234,21 +1262,11 @@ mod avx2_impl {
                 } else {
                     let q8 = _mm256_broadcastsi128_si256(ld128(ps[r].add(b * 8) as *const u8));
                     let prod = _mm256_madd_epi16(mins2, q8);
-                    // The scalar min sum of each weight row: the four products' integer total
-                    // in every lane of its half.
+                    // Q5_K's scalar min sum of each weight row: the four products' integer
+                    // total in every lane of its half.
                     let t = _mm256_add_epi32(prod, _mm256_shuffle_epi32::<0b01_00_11_10>(prod));
                     let prod = _mm256_cvtepi32_ps(_mm256_add_epi32(t, _mm256_shuffle_epi32::<0b10_11_00_01>(t)));
-                    // Q5_K adds `-dmin * ...` (ggml's vec_dot), Q4_K subtracts `dmin * ...` at
-                    // the end (ggml's repacked gemv/gemm).
-                    let dy = _mm256_set1_ps(if K == Q5K { -yd } else { yd });
-                    acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin2, dy), prod, acc_m[r]);
-                    if K == Q4K {
-                        // One exact integer total per weight row and super-block, in every lane
-                        // of its half.
-                        let t = _mm512_add_epi32(lanes, _mm512_shuffle_epi32::<0b01_00_11_10>(lanes));
-                        let t = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b10_11_00_01>(t));
-                        lanes = _mm512_add_epi32(t, _mm512_shuffle_i64x2::<0b10_11_00_01>(t, t));
-                    }
+                    acc_m[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin2, _mm256_set1_ps(-yd)), prod, acc_m[r]);
                 }
                 acc[r] = _mm512_fmadd_ps(
                     _mm512_mul_ps(dw2, _mm512_set1_ps(yd)),
@@ -1257,14 +1275,19 @@ mod avx2_impl {
                 );
             }
         }
+        if K == Q4K {
+            let mut v = [0f32; 16];
+            _mm512_storeu_ps(v.as_mut_ptr(), _mm512_sub_ps(acc4, acc4m));
+            for (i, &vi) in v.iter().enumerate() {
+                let (h, r) = ((i / 4) % 2, i % 4 + 4 * (i / 8));
+                if r < R && (h == 0 || two) {
+                    out[h * R + r] = vi;
+                }
+            }
+            return;
+        }
         for r in 0..R {
-            let (ha, hb) = if K == Q4K {
-                let mut a = [0f32; 16];
-                _mm512_storeu_ps(a.as_mut_ptr(), acc[r]);
-                (a[0], a[8])
-            } else {
-                crate::kernels::qmatmul::vnni_impl::hsum_halves(acc[r])
-            };
+            let (ha, hb) = crate::kernels::qmatmul::vnni_impl::hsum_halves(acc[r]);
             let mut m = [0f32; 8];
             _mm256_storeu_ps(m.as_mut_ptr(), acc_m[r]);
             for (h, v) in [(0, ha), (1, hb)] {
@@ -1272,12 +1295,38 @@ mod avx2_impl {
                     continue;
                 }
                 out[h * R + r] = match K {
-                    Q4K => v - m[4 * h],
                     Q5K => v + m[4 * h],
                     _ => v,
                 };
             }
         }
+    }
+
+    /// `vpermps` controls of the Q4_K tile's lane order (see [`reduce_q4k`]): each lane's
+    /// activation row scale (from 8 row scales) and weight row scale (from `[a × 8 | b × 8]`).
+    static Q4K_Y: [i32; 16] = [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7];
+    static Q4K_D: [i32; 16] = [0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8];
+
+    /// The exact integer totals of the Q4_K tile's 2 × 8 (weight row, activation row) pairs:
+    /// from `l[r]` (activation row `r`: weight row a's 8 lanes, then b's) and `pm[r]` (the min
+    /// products, a's 4 then b's), a transposing tree of i32 adds. Lane `i` of both results
+    /// belongs to weight row `(i / 4) % 2` and activation row `i % 4 + 4 * (i / 8)`.
+    #[inline(always)]
+    unsafe fn reduce_q4k(l: &[__m512i; 8], pm: &[__m256i; 8]) -> (__m512i, __m512i) {
+        // Per 128-bit lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3].
+        let u = |x: __m512i, y: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y));
+        // Per 128-bit lane: the 4-lane totals of the four vectors behind `x` and `y`.
+        let v = |x: __m512i, y: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
+        let lo = v(u(l[0], l[1]), u(l[2], l[3])); // 128-bit lanes [a0-3, a4-7, b0-3, b4-7] of rows 0..4
+        let hi = v(u(l[4], l[5]), u(l[6], l[7]));
+        let x = _mm512_shuffle_i64x2::<0b10_00_10_00>(lo, hi);
+        let y = _mm512_shuffle_i64x2::<0b11_01_11_01>(lo, hi);
+        let z = _mm512_add_epi32(x, y);
+        let u2 = |x: __m256i, y: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+        let v2 = |x: __m256i, y: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y));
+        let mlo = v2(u2(pm[0], pm[1]), u2(pm[2], pm[3])); // [a rows 0..4 | b rows 0..4]
+        let mhi = v2(u2(pm[4], pm[5]), u2(pm[6], pm[7]));
+        (z, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(mlo), mhi))
     }
 
     /// [`tile`] for the row count.
