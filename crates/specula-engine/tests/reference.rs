@@ -128,6 +128,7 @@ fn check_model(name: &str, reference: &str) -> ModelReport {
 ///   (`kernels::kquants::with_llamacpp_batches`). What remains is a uniform shift of all five
 ///   values (llama-server's log-softmax normalisation), under 0.001.
 /// - teacher-forced argmax agreement >= 97%. Measured: 99.89%, 99.81%, 99.92%.
+///
 /// `SPECULA_REFERENCE_VERBOSE=1` prints each prompt's difference and our top-5.
 fn assert_report(name: &str, rep: &ModelReport, max_top5: f32) {
     assert_eq!(rep.prompts, 24, "{name}: all prompts checked");

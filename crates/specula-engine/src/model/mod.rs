@@ -499,7 +499,7 @@ impl Model {
             let mlp = || -> Result<Tensor> {
                 let g = block.gate.forward(&h)?;
                 let u = block.up.forward(&h)?;
-                Ok(block.down.forward(&swiglu(&g, &u)?)?)
+                block.down.forward(&swiglu(&g, &u)?)
             };
             let m = if li + 1 == self.blocks.len() {
                 // llama.cpp runs the last block's MLP on the output rows alone (one row for a
