@@ -499,9 +499,11 @@ impl Engine {
     /// llama.cpp's CPU backend evaluates a prompt of `prompt_len` tokens and then decodes the
     /// rest: the prompt in micro-batches of 512 rows (llama.cpp's default `-ub`), each with the
     /// attention path llama.cpp picks for its row count (`flash_attn_ext`'s tiled path from 64
-    /// rows, the one-chunk path below), then the remaining rows as one-chunk decode steps. This
-    /// reproduces the reference files made with `llama-server` (`tests/reference.rs`); serving
-    /// keeps one attention path for every row count, which batch invariance needs.
+    /// rows, the one-chunk path below) and its batch arithmetic for Q4_K and Q6_K products
+    /// ([`crate::kernels::kquants::with_llamacpp_batches`]), then the remaining rows as
+    /// one-row decode steps. This reproduces the reference files made with `llama-server`
+    /// (`tests/reference.rs`); serving keeps one arithmetic for every row count (llama.cpp's
+    /// one-row arithmetic), which batch invariance needs.
     ///
     /// Errors: as [`crate::model::Model::forward`]; `prompt_len` past `tokens.len()`.
     pub fn logits_as_llamacpp(&mut self, tokens: &[u32], prompt_len: usize) -> Result<Tensor> {
@@ -529,8 +531,8 @@ impl Engine {
             };
             let model = &self.bundle.model;
             let kv = &mut self.kv;
-            // Prompt micro-batches in llama.cpp's batch arithmetic for Q4_K; the completion
-            // rows were one-row decode steps.
+            // Prompt micro-batches in llama.cpp's batch arithmetic for Q4_K and Q6_K; the
+            // completion rows were one-row decode steps.
             let batch = done < prompt_len;
             let out = with_mode(mode, || {
                 with_llamacpp_batches(batch, || model.forward(piece, kv, LogitsRows::All, &[]))
