@@ -655,9 +655,16 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// The median of `v` (non-empty): the middle value, or the mean of the two middle values for an
+/// even count.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n.is_multiple_of(2) {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 /// `specula bench --engine`: for each mode (plain, n-gram) and each --streams level N, N greedy
@@ -1021,4 +1028,15 @@ fn bench_gpu(a: &BenchArgs) -> Result<()> {
         "this specula was built without CUDA: build with `cargo build --release --features cuda` (docs/gpu.md) for --device {}",
         a.device
     )
+}
+
+#[cfg(test)]
+mod median_tests {
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(super::median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(super::median(vec![4.0, 1.0]), 2.5);
+        assert_eq!(super::median(vec![5.0]), 5.0);
+        assert_eq!(super::median(vec![1.0, 9.0, 3.0, 7.0]), 5.0);
+    }
 }
