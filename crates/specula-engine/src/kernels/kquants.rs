@@ -228,9 +228,9 @@ impl KWeight {
         );
         let rows: Vec<Q8KRow> = x.chunks_exact(self.k).map(quantize_row_q8k).collect();
         let refs: Vec<&Q8KRow> = rows.iter().collect();
-        // Rows `..gemm_rows` in llama.cpp's batch arithmetic (its emulation only): Q4_K's
+        // Rows `..batch_rows` in llama.cpp's batch arithmetic (its emulation only): Q4_K's
         // repacked gemm, Q6_K's tiled kernel.
-        let gemm_rows = match self.kind {
+        let batch_rows = match self.kind {
             _ if !LLAMACPP_BATCHES.get() => 0,
             KKind::Q4K => m - m % 4,
             KKind::Q6K if m >= 8 => m,
@@ -238,7 +238,7 @@ impl KWeight {
         };
         #[cfg(target_arch = "x86_64")]
         if path == super::KernelPath::Best
-            && gemm_rows == 0
+            && batch_rows == 0
             && m > 1
             && super::has_avx512_vnni()
             && matches!(self.kind, KKind::Q4K | KKind::Q5K | KKind::Q6K)
@@ -257,8 +257,8 @@ impl KWeight {
         let wide = avx2 && has_avx512();
         run_tiles(self.n, self.k, m, &groups, 1, |j0, nw, gi, out| {
             let (i0, g) = groups[gi];
-            // The group's rows in the repacked-gemm arithmetic, then the rest.
-            let cut = gemm_rows.clamp(i0, i0 + g) - i0;
+            // The group's rows in llama.cpp's batch arithmetic, then the rest.
+            let cut = batch_rows.clamp(i0, i0 + g) - i0;
             for w in 0..nw {
                 let o = &mut out[w * g..(w + 1) * g];
                 let (o1, o2) = o.split_at_mut(cut);
@@ -279,28 +279,23 @@ thread_local! {
     static LLAMACPP_BATCHES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Run `f` with Q4_K products computed as llama.cpp's x86 CPU backend computes a batch (`on`),
-/// or with the one arithmetic of serving (`!on`, the default), on this thread.
+/// Run `f` with Q4_K and Q6_K products computed as llama.cpp's x86 CPU backend computes a batch
+/// (`on`), or with the one arithmetic of serving (`!on`, the default), on this thread.
 ///
-/// llama.cpp repacks Q4_K weights into 8-row interleaved blocks on any AVX2 CPU
-/// (`ggml/src/ggml-cpu/repack.cpp`, `q4_K_8x8_q8_K`) and multiplies a batch of `m` rows with two
-/// kernels (`arch/x86/repack.cpp`): rows `0 .. m - m % 4` in groups of four with
-/// `ggml_gemm_q4_K_8x8_q8_K`, which adds `isum * (d_w * d_x)` to its accumulator with one FMA
-/// per 64 values, and the last `m % 4` rows with `ggml_gemv_q4_K_8x8_q8_K`, one FMA per
-/// 256 values. A row's bits thus depend on the batch around it. Serving always uses the gemv
-/// arithmetic (llama.cpp's decode arithmetic), so it is batch-invariant; this switch reproduces
-/// llama.cpp's prefill for the reference comparison (`Engine::logits_as_llamacpp`). With it on,
-/// Q4_K products run on the row kernels (the VNNI tiles are skipped).
+/// - Q4_K: llama.cpp repacks the weights into 8-row interleaved blocks on any AVX2 CPU
+///   (`ggml/src/ggml-cpu/repack.cpp`, `q4_K_8x8_q8_K`) and multiplies a batch of `m` rows with two
+///   kernels (`arch/x86/repack.cpp`): rows `0 .. m - m % 4` in groups of four with
+///   `ggml_gemm_q4_K_8x8_q8_K`, which adds `isum * (d_w * d_x)` to its accumulator with one FMA
+///   per 64 values, and the last `m % 4` rows with `ggml_gemv_q4_K_8x8_q8_K`, one FMA per 256.
+/// - Q6_K: products of 8 rows or more take ggml's tiled kernel (`ggml/src/ggml-cpu/tiled/`), per
+///   super-block `acc = fma(f32(isum) * d_w, d_x, acc)`; fewer rows take `vec_dot`.
+///
+/// A row's bits thus depend on the batch around it. Serving always uses the one-row arithmetic
+/// (llama.cpp's decode arithmetic), so it is batch-invariant; this switch reproduces llama.cpp's
+/// prefill for the reference comparison (`Engine::logits_as_llamacpp`). With it on, these
+/// products run on the row kernels (the VNNI tiles are skipped).
 pub fn with_llamacpp_batches<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    let prev = LLAMACPP_BATCHES.replace(on);
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            LLAMACPP_BATCHES.set(self.0);
-        }
-    }
-    let _restore = Restore(prev);
-    f()
+    super::with_thread_local(&LLAMACPP_BATCHES, on, f)
 }
 
 /// AVX-512 F and BW available at run time, along with the AVX2 set (the 512-bit row kernels).
@@ -582,11 +577,11 @@ fn min_terms(kind: KKind, u: &Unpacked, bs: &[i16], yd: f32, lanes: &mut [i32; 8
 }
 
 /// Portable: one super-block of one activation row (`q8`: 256 quants, `bs`: 16 sums, `yd`: scale).
-/// `sb`: Q4_K with the float steps per 64 values (ggml's repacked gemm, see
-/// [`with_llamacpp_batches`]).
+/// `batch`: llama.cpp's batch arithmetic ([`with_llamacpp_batches`]): Q4_K's float steps per 64
+/// values (its repacked gemm), Q6_K's tiled kernel.
 #[inline(always)]
-fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32, st: &mut Acc, sb: bool) {
-    if sb && kind == KKind::Q4K {
+fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32, st: &mut Acc, batch: bool) {
+    if batch && kind == KKind::Q4K {
         let b = |i: usize| bs[i] as i32;
         for j in 0..4 {
             let mut isum = 0i32;
@@ -615,7 +610,7 @@ fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32,
         }
     }
     min_terms(kind, u, bs, yd, &mut lanes, st);
-    if sb && kind == KKind::Q6K {
+    if batch && kind == KKind::Q6K {
         let isum: i32 = lanes.iter().sum();
         st.sum = (isum as f32 * u.d).mul_add(yd, st.sum);
         return;
@@ -636,8 +631,8 @@ pub fn vec_dot_portable(w: KRow<'_>, x: &Q8KRow) -> f32 {
     vec_dot_portable_with(w, x, false)
 }
 
-/// [`vec_dot_portable`]; `sb`: Q4_K in ggml's repacked-gemm arithmetic.
-fn vec_dot_portable_with(w: KRow<'_>, x: &Q8KRow, sb: bool) -> f32 {
+/// [`vec_dot_portable`]; `batch`: llama.cpp's batch arithmetic ([`with_llamacpp_batches`]).
+fn vec_dot_portable_with(w: KRow<'_>, x: &Q8KRow, batch: bool) -> f32 {
     let bb = w.kind.block_bytes();
     let mut u = Unpacked::new();
     let mut st = Acc::new();
@@ -650,10 +645,10 @@ fn vec_dot_portable_with(w: KRow<'_>, x: &Q8KRow, sb: bool) -> f32 {
             &x.bsums[b * 16..(b + 1) * 16],
             x.d[b],
             &mut st,
-            sb,
+            batch,
         );
     }
-    st.finish(w.kind, sb)
+    st.finish(w.kind, batch)
 }
 
 /// Largest group of activation rows one call of the micro-kernel takes.
@@ -678,8 +673,8 @@ pub fn vec_dot_rows(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool) {
 
 /// [`vec_dot_rows`] with the SIMD paths chosen: `avx2` (AVX2 + FMA + F16C, required by `wide`)
 /// and `wide` (the 512-bit row kernels for Q4_K/Q5_K/Q6_K, AVX-512 BW). Every choice gives the
-/// same bits. `sb`: Q4_K in ggml's repacked-gemm arithmetic ([`with_llamacpp_batches`]).
-fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, wide: bool, sb: bool) {
+/// same bits. `batch`: llama.cpp's batch arithmetic ([`with_llamacpp_batches`]).
+fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, wide: bool, batch: bool) {
     assert!(
         xs.len() == out.len() && xs.len() <= MAX_ROWS,
         "vec_dot_rows: {} rows, {} outputs",
@@ -692,14 +687,14 @@ fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, w
         // see `has_avx512`); the rows' lengths are checked inside.
         unsafe {
             match xs.len() {
-                1 => avx2_impl::dot::<1>(w, xs, out, wide, sb),
-                2 => avx2_impl::dot::<2>(w, xs, out, wide, sb),
-                3 => avx2_impl::dot::<3>(w, xs, out, wide, sb),
-                4 => avx2_impl::dot::<4>(w, xs, out, wide, sb),
-                5 => avx2_impl::dot::<5>(w, xs, out, wide, sb),
-                6 => avx2_impl::dot::<6>(w, xs, out, wide, sb),
-                7 => avx2_impl::dot::<7>(w, xs, out, wide, sb),
-                8 => avx2_impl::dot::<8>(w, xs, out, wide, sb),
+                1 => avx2_impl::dot::<1>(w, xs, out, wide, batch),
+                2 => avx2_impl::dot::<2>(w, xs, out, wide, batch),
+                3 => avx2_impl::dot::<3>(w, xs, out, wide, batch),
+                4 => avx2_impl::dot::<4>(w, xs, out, wide, batch),
+                5 => avx2_impl::dot::<5>(w, xs, out, wide, batch),
+                6 => avx2_impl::dot::<6>(w, xs, out, wide, batch),
+                7 => avx2_impl::dot::<7>(w, xs, out, wide, batch),
+                8 => avx2_impl::dot::<8>(w, xs, out, wide, batch),
                 _ => {}
             }
         }
@@ -707,7 +702,7 @@ fn vec_dot_rows_with(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool, w
     }
     let _ = (avx2, wide);
     for (o, x) in out.iter_mut().zip(xs) {
-        *o = vec_dot_portable_with(w, x, sb);
+        *o = vec_dot_portable_with(w, x, batch);
     }
 }
 
@@ -827,13 +822,10 @@ mod avx2_impl {
         /// converted to f32 and added with one FMA.
         #[inline(always)]
         unsafe fn q4k_step(&mut self, r: usize, sumi: __m256i, prod: __m128i, d: f32, dmin: f32) {
-            let s4 = _mm_add_epi32(_mm256_castsi256_si128(sumi), _mm256_extracti128_si256::<1>(sumi));
-            self.sum[r] = (hsum4_epi32(s4) as f32).mul_add(d, self.sum[r]);
+            self.sum[r] = (hsum8_epi32(sumi) as f32).mul_add(d, self.sum[r]);
             self.summs[r] = (hsum4_epi32(prod) as f32).mul_add(dmin, self.summs[r]);
         }
-    }
 
-    impl<const R: usize> State<R> {
         /// Q4_K's float steps of one super-block in ggml's repacked gemm arithmetic
         /// (`gemm_q4_K_8x8_q8_K`): one FMA per 64 values, `isums[j]` the exact integer total of
         /// values `64j .. 64j + 64`, lane `j` of `prod` their min products.
@@ -884,7 +876,7 @@ mod avx2_impl {
 
     /// `out[r]` = weight row `w` (`k` = 256 × blocks) times `xs[r]`, for `R` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot<const R: usize>(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], wide: bool, sb: bool) {
+    pub unsafe fn dot<const R: usize>(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], wide: bool, batch: bool) {
         let Ok(x) = <[&Q8KRow; R]>::try_from(xs) else {
             return;
         };
@@ -898,18 +890,18 @@ mod avx2_impl {
         let st = match w.kind {
             KKind::Q2K => q2k::<R>(w.data, x),
             KKind::Q3K => q3k::<R>(w.data, x),
-            KKind::Q4K if wide && sb => q4k_wide::<R, true>(w.data, x),
+            KKind::Q4K if wide && batch => q4k_wide::<R, true>(w.data, x),
             KKind::Q4K if wide => q4k_wide::<R, false>(w.data, x),
-            KKind::Q4K if sb => q4k::<R, true>(w.data, x),
+            KKind::Q4K if batch => q4k::<R, true>(w.data, x),
             KKind::Q4K => q4k::<R, false>(w.data, x),
             KKind::Q5K if wide => q5k_wide::<R>(w.data, x),
             KKind::Q5K => q5k::<R>(w.data, x),
-            KKind::Q6K if wide && sb => q6k_wide::<R, true>(w.data, x),
+            KKind::Q6K if wide && batch => q6k_wide::<R, true>(w.data, x),
             KKind::Q6K if wide => q6k_wide::<R, false>(w.data, x),
-            KKind::Q6K if sb => q6k::<R, true>(w.data, x),
+            KKind::Q6K if batch => q6k::<R, true>(w.data, x),
             KKind::Q6K => q6k::<R, false>(w.data, x),
         };
-        st.finish(w.kind, sb, out);
+        st.finish(w.kind, batch, out);
     }
 
     /// Per row and super-block, the 8 sums of each 32 quants (`bsums[2g] + bsums[2g + 1]`, i16
@@ -1404,7 +1396,7 @@ mod avx2_impl {
     /// [`q4k`] with two 32-value chunks per 512-bit operation (AVX-512 BW): the same exact
     /// integer lanes, the same float operations.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn q4k_wide<const R: usize, const SB: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q4k_wide<const R: usize, const BATCH: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m4 = _mm256_set1_epi8(0xF);
         let mut st = State::<R>::new();
         let mut isums = [[0i32; 4]; R];
@@ -1430,7 +1422,7 @@ mod avx2_impl {
                 for r in 0..R {
                     let y = _mm512_loadu_si512(x[r].qs.as_ptr().add(b * QK_K + 64 * j) as *const _);
                     let t = _mm512_madd_epi16(s, _mm512_maddubs_epi16(w, y));
-                    if SB {
+                    if BATCH {
                         isums[r][j] = hsum8_epi32(fold(t));
                     } else {
                         sumi[r] = _mm512_add_epi32(sumi[r], t);
@@ -1442,7 +1434,7 @@ mod avx2_impl {
                 let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
                 let prod = _mm_madd_epi16(mins, q8s);
                 let yd = x[r].d[b];
-                if SB {
+                if BATCH {
                     st.q4k_sb_steps(r, &isums[r], prod, dw * yd, dminw * yd);
                 } else {
                     st.q4k_step(r, fold(sumi[r]), prod, dw * yd, dminw * yd);
@@ -1503,7 +1495,7 @@ mod avx2_impl {
 
     /// [`q6k`] with two 32-value chunks per 512-bit operation (AVX-512 BW).
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn q6k_wide<const R: usize, const T: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q6k_wide<const R: usize, const BATCH: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m3 = _mm256_set1_epi8(3);
         let m15 = _mm256_set1_epi8(15);
         let mut st = State::<R>::new();
@@ -1543,7 +1535,7 @@ mod avx2_impl {
             for r in 0..R {
                 let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums(x[r], b), sc16));
                 let lanes = _mm256_sub_epi32(fold(sumi[r]), corr);
-                if T {
+                if BATCH {
                     st.sum[r] = (hsum8_epi32(lanes) as f32 * dw).mul_add(x[r].d[b], st.sum[r]);
                 } else {
                     st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);
@@ -1553,9 +1545,10 @@ mod avx2_impl {
         st
     }
 
-    /// ggml `ggml_vec_dot_q4_K_q8_K` (AVX2) for `R` rows.
+    /// Q4_K for `R` rows: ggml's `ggml_vec_dot_q4_K_q8_K` (AVX2) integer lanes, with the float
+    /// steps of its repacked gemv (or, `BATCH`, gemm).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4k<const R: usize, const SB: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q4k<const R: usize, const BATCH: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m4 = _mm256_set1_epi8(0xF);
         let mut st = State::<R>::new();
         let mut isums = [[0i32; 4]; R];
@@ -1578,7 +1571,7 @@ mod avx2_impl {
                 for r in 0..R {
                     let pl = chunk(lo, q8(x[r], b, 64 * j), sl);
                     let ph = chunk(hi, q8(x[r], b, 64 * j + 32), sh);
-                    if SB {
+                    if BATCH {
                         isums[r][j] = hsum8_epi32(_mm256_add_epi32(pl, ph));
                     } else {
                         sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
@@ -1590,7 +1583,7 @@ mod avx2_impl {
                 let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256::<1>(bs));
                 let prod = _mm_madd_epi16(mins, q8s);
                 let yd = x[r].d[b];
-                if SB {
+                if BATCH {
                     st.q4k_sb_steps(r, &isums[r], prod, dw * yd, dminw * yd);
                 } else {
                     st.q4k_step(r, sumi[r], prod, dw * yd, dminw * yd);
@@ -1650,7 +1643,7 @@ mod avx2_impl {
 
     /// ggml `ggml_vec_dot_q6_K_q8_K` (AVX2) for `R` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q6k<const R: usize, const T: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
+    unsafe fn q6k<const R: usize, const BATCH: bool>(data: &[u8], x: [&Q8KRow; R]) -> State<R> {
         let m3 = _mm256_set1_epi8(3);
         let m15 = _mm256_set1_epi8(15);
         let mut st = State::<R>::new();
@@ -1686,7 +1679,7 @@ mod avx2_impl {
             for r in 0..R {
                 let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums(x[r], b), sc16));
                 let lanes = _mm256_sub_epi32(sumi[r], corr);
-                if T {
+                if BATCH {
                     st.sum[r] = (hsum8_epi32(lanes) as f32 * dw).mul_add(x[r].d[b], st.sum[r]);
                 } else {
                     st.acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r].d[b] * dw), _mm256_cvtepi32_ps(lanes), st.acc[r]);

@@ -48,6 +48,24 @@ pub fn has_avx512_vnni() -> bool {
     }
 }
 
+/// Run `f` with the thread-local `key` set to `value`, restoring the previous value afterwards
+/// (also on unwind): the scoped overrides of the llama.cpp emulation
+/// ([`kquants::with_llamacpp_batches`], `model::attention::with_mode`).
+pub(crate) fn with_thread_local<T: Copy + 'static, R>(
+    key: &'static std::thread::LocalKey<std::cell::Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Restore<T: Copy + 'static>(&'static std::thread::LocalKey<std::cell::Cell<T>>, T);
+    impl<T: Copy + 'static> Drop for Restore<T> {
+        fn drop(&mut self) {
+            self.0.with(|c| c.set(self.1));
+        }
+    }
+    let _restore = Restore(key, key.with(|c| c.replace(value)));
+    f()
+}
+
 /// Split `m` activation rows into `ceil(m / max)` groups of near-equal size (the larger ones
 /// first): `(first row, rows)` pairs. Which group a row lands in never changes its arithmetic.
 pub(crate) fn row_groups(m: usize, max: usize) -> Vec<(usize, usize)> {

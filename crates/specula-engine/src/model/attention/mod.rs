@@ -73,15 +73,7 @@ thread_local! {
 /// the number of rows in a micro-batch ([`crate::engine::Engine::logits_as_llamacpp`]); serving
 /// keeps one mode for every row count, as batch invariance requires.
 pub fn with_mode<R>(m: AttnMode, f: impl FnOnce() -> R) -> R {
-    let prev = MODE_OVERRIDE.with(|c| c.replace(Some(m)));
-    struct Restore(Option<AttnMode>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            MODE_OVERRIDE.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(prev);
-    f()
+    crate::kernels::with_thread_local(&MODE_OVERRIDE, Some(m), f)
 }
 
 /// Round to the nearest f16 value (ties to even), returned as f32: ggml's
