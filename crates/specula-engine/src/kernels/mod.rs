@@ -48,6 +48,31 @@ pub fn has_avx512_vnni() -> bool {
     }
 }
 
+/// The CPU executes 512-bit vector operations as two 256-bit halves (AMD Zen 4 and earlier:
+/// vendor `AuthenticAMD`, family below 1Ah), which changes which kernel streams a large matrix
+/// fastest (see [`qmatmul::QWeight::matmul`]). Speed only: every kernel gives the same bits.
+pub fn splits_512bit_ops() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            let (v, f) = (std::arch::x86_64::__cpuid(0), std::arch::x86_64::__cpuid(1));
+            let amd = (v.ebx, v.edx, v.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
+            let family = ((f.eax >> 8) & 0xf)
+                + if (f.eax >> 8) & 0xf == 0xf {
+                    (f.eax >> 20) & 0xff
+                } else {
+                    0
+                };
+            amd && family < 0x1a
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Run `f` with the thread-local `key` set to `value`, restoring the previous value afterwards
 /// (also on unwind): the scoped overrides of the llama.cpp emulation
 /// ([`kquants::with_llamacpp_batches`], `model::attention::with_mode`).
@@ -117,19 +142,21 @@ pub(crate) fn run_tiles(
     let wtile = wtile.max(1);
     let gmax = groups.iter().map(|g| g.1).max().unwrap_or(1);
     const PANEL: usize = 16;
-    let threads = pool::threads();
-    let per_chunk = n
-        .div_ceil(threads * CHUNKS_PER_THREAD)
-        .next_multiple_of(PANEL)
-        .max(PANEL);
-    let chunks = n.div_ceil(per_chunk);
+    // Chunks of whole units (a panel, or one tile when there is a single row group and so no
+    // panel to keep in cache), as even as the units allow, larger ones first: the last chunks
+    // claimed are the short ones, so the threads finish close together.
+    let unit = if groups.len() == 1 { wtile } else { PANEL };
+    let units = n.div_ceil(unit);
+    let chunks = units.min(pool::threads() * CHUNKS_PER_THREAD);
+    let chunk_start = |c: usize| (c * (units / chunks) + c.min(units % chunks)) * unit;
     let dst = OutPtr(out.as_mut_ptr());
     let work = |c: usize| {
-        let j0 = c * per_chunk;
-        let j1 = (j0 + per_chunk).min(n);
+        let j0 = chunk_start(c);
+        let j1 = chunk_start(c + 1).min(n);
         let mut buf = vec![0f32; wtile * gmax];
-        for t0 in (j0..j1).step_by(PANEL) {
-            let t1 = (t0 + PANEL).min(j1);
+        let panel = if groups.len() == 1 { unit } else { PANEL };
+        for t0 in (j0..j1).step_by(panel) {
+            let t1 = (t0 + panel).min(j1);
             for (gi, &(i0, g)) in groups.iter().enumerate() {
                 for j in (t0..t1).step_by(wtile) {
                     let nw = wtile.min(t1 - j);

@@ -238,12 +238,15 @@ impl QWeight {
         );
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
         #[cfg(target_arch = "x86_64")]
-        // One row of a large Q8_0 / Q5_0 matrix (an LM head) streams faster from memory row by row
-        // through the AVX2 kernel than eight rows at a time through the tile (`speed_streamed`:
-        // Q8_0 38 vs 31 GB/s, Q5_0 30 vs 19 on the 2-core VM; Q4_1 the other way, 16 vs 30), while
-        // a cache-resident one is 3x faster in the tile (`speed`). Same bits either way.
+        // On AMD Zen 4 and earlier (512-bit operations split in two), one row of a large Q8_0 /
+        // Q5_0 matrix (an LM head) streams faster from memory row by row through the AVX2 kernel
+        // than eight rows at a time through the tile (`speed_streamed`: Q8_0 38 vs 31 GB/s, Q5_0
+        // 30 vs 19 on the 2-core EPYC VM; Q4_1 the other way, 16 vs 30), while a cache-resident
+        // one is 3x faster in the tile (`speed`). On the Intel Xeon (Sapphire Rapids) VM the
+        // tile wins there too (Q8_0 at 2 threads: 2.8-3.7 vs 3.9-6.5 ms). Same bits either way.
         let bytes = self.qs.len() + 2 * self.d.len();
-        let row_by_row = m == 1 && bytes >= 8 << 20 && matches!(self.kind, QKind::Q8_0 | QKind::Q5_0);
+        let row_by_row =
+            m == 1 && bytes >= 8 << 20 && matches!(self.kind, QKind::Q8_0 | QKind::Q5_0) && super::splits_512bit_ops();
         if path == super::KernelPath::Best && super::has_avx512_vnni() && !row_by_row {
             return self.matmul_vnni(&rows);
         }

@@ -460,14 +460,17 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
         );
     }
     let group = num_heads / num_kv_heads;
-    // Tasks: (item, row block, KV head), and when that is fewer than the threads, the query
-    // heads of each group split over several tasks (fewer heads per task means less overlap of
-    // their dependency chains, so only as much as needed). Each (row, head) is computed alike
-    // whatever the split.
+    // Tasks: (item, row block, KV head), with the query heads of each group split over several
+    // tasks when that evens out the threads' shares: the split with the fewest heads on the
+    // busiest thread, the smallest such (fewer heads per task means less overlap of their
+    // dependency chains). Three KV heads on two threads: three heads per task leave one thread
+    // six heads to the other's three, one head per task five to four. Each (row, head) is
+    // computed alike whatever the split.
     let blocks: usize = items.iter().map(|it| it.shape.rows.div_ceil(ROW_BLOCK)).sum();
     let threads = crate::kernels::pool::threads();
     let splits = (1..=group)
-        .find(|sp| group % sp == 0 && blocks * num_kv_heads * sp >= threads)
+        .filter(|sp| group % sp == 0)
+        .min_by_key(|&sp| (blocks * num_kv_heads * sp).div_ceil(threads) * (group / sp))
         .unwrap_or(group);
     let nh = group / splits;
     // (item, first row, first query head, KV head) per task, and where its output goes.
