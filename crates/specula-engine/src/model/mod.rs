@@ -33,32 +33,34 @@ use crate::kv_cache::KvCache;
 /// RMSNorm as ggml's CPU `rms_norm` followed by `mul` computes it: the sum of squares (each
 /// square rounded to f32) accumulated in f64 in order, `mean` rounded to f32,
 /// `scale = 1 / sqrtf(mean + eps)` in f32, then `(x * scale) * w`. Row by row, so
-/// batch-invariant. `x`: `[n, h]`, `w`: `[h]`.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
-    let (n, h) = x.dims2()?;
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
-    let ws = w.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let mut out = vec![0f32; xs.len()];
-    for (row, o) in xs.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+/// batch-invariant. `x`: rows of `w.len()` values, row-major; returns the same shape.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let h = w.len();
+    let mut out = vec![0f32; x.len()];
+    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
         let mut sum = 0f64;
         for &v in row {
             sum += (v * v) as f64;
         }
         let mean = (sum / h as f64) as f32;
         let scale = 1.0f32 / (mean + eps).sqrt();
-        for ((o, &v), &wv) in o.iter_mut().zip(row).zip(&ws) {
+        for ((o, &v), &wv) in o.iter_mut().zip(row).zip(w) {
             *o = v * scale * wv;
         }
     }
-    Ok(Tensor::from_vec(out, (n, h), x.device())?)
+    out
 }
 
-/// SwiGLU as ggml's `swiglu` computes it ([`attention::silu_mul`]): `silu(g) * u`.
-fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    let dims = g.dims2()?;
-    let gs = g.flatten_all()?.to_vec1::<f32>()?;
-    let us = u.flatten_all()?.to_vec1::<f32>()?;
-    Ok(Tensor::from_vec(attention::silu_mul(&gs, &us), dims, g.device())?)
+/// `x += y`, element by element (the residual adds).
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// A tensor's values as f32, flattened.
+fn f32_values(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// The architecture families this file implements.
@@ -141,6 +143,8 @@ fn kquants_on_candle() -> bool {
 pub struct Linear {
     weight: Weight,
     bias: Option<Tensor>,
+    /// `bias` as f32 values, for [`Linear::forward_rows`].
+    bias_values: Option<Vec<f32>>,
 }
 
 impl Linear {
@@ -159,15 +163,22 @@ impl Linear {
         } else {
             Weight::Candle(QMatMul::from_arc(w)?)
         };
-        Ok(Self { weight, bias })
+        Self::with_bias(weight, bias)
+    }
+
+    fn with_bias(weight: Weight, bias: Option<Tensor>) -> Result<Self> {
+        let bias = bias.map(|b| b.to_dtype(DType::F32)).transpose()?;
+        let bias_values = bias.as_ref().map(f32_values).transpose()?;
+        Ok(Self {
+            weight,
+            bias,
+            bias_values,
+        })
     }
 
     /// From a dense `[out, in]` tensor (converted to f32).
     pub fn from_dense(w: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Self {
-            weight: Weight::Candle(QMatMul::Tensor(w.to_dtype(DType::F32)?)),
-            bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
-        })
+        Self::with_bias(Weight::Candle(QMatMul::Tensor(w.to_dtype(DType::F32)?)), bias)
     }
 
     /// Is row i of an n-row product bitwise equal to the 1-row product? True for our own
@@ -188,12 +199,9 @@ impl Linear {
                 return Ok(self.forward(&t)?.flatten_all()?.to_vec1::<f32>()?);
             }
         };
-        if let Some(b) = &self.bias {
-            let b = b.to_vec1::<f32>()?;
+        if let Some(b) = &self.bias_values {
             for row in y.chunks_exact_mut(b.len()) {
-                for (o, &bv) in row.iter_mut().zip(&b) {
-                    *o += bv;
-                }
+                add_assign(row, b);
             }
         }
         Ok(y)
@@ -305,6 +313,18 @@ pub struct Model {
     lm_head_table: Option<Embedding>,
     /// The KV blocks every cache of this model draws from ([`Model::new_kv_cache`]).
     kv_pool: std::sync::Arc<crate::kv_cache::KvPool>,
+    /// The norm weights of every block, and the output norm's, as f32 values.
+    norms: Vec<BlockNorms>,
+    output_norm_values: Vec<f32>,
+}
+
+/// One block's RMSNorm weights as f32 values (`[hidden]`; q/k: `[head_dim]`).
+#[derive(Debug)]
+struct BlockNorms {
+    attn: Vec<f32>,
+    ffn: Vec<f32>,
+    q: Option<Vec<f32>>,
+    k: Option<Vec<f32>>,
 }
 
 impl Model {
@@ -353,7 +373,40 @@ impl Model {
                 theta *= theta_scale;
             }
         }
+        let norms = blocks
+            .iter()
+            .map(|b| {
+                Ok(BlockNorms {
+                    attn: f32_values(&b.attn_norm)?,
+                    ffn: f32_values(&b.ffn_norm)?,
+                    q: b.q_norm.as_ref().map(f32_values).transpose()?,
+                    k: b.k_norm.as_ref().map(f32_values).transpose()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (i, n) in norms.iter().enumerate() {
+            let qk_ok = [&n.q, &n.k]
+                .iter()
+                .all(|w| w.as_ref().is_none_or(|w| w.len() == config.head_dim));
+            if n.attn.len() != config.hidden_size || n.ffn.len() != config.hidden_size || !qk_ok {
+                bail!(
+                    "block {i}: a norm weight does not match hidden_size {} / head_dim {}",
+                    config.hidden_size,
+                    config.head_dim
+                );
+            }
+        }
+        let output_norm_values = f32_values(&output_norm)?;
+        if output_norm_values.len() != config.hidden_size {
+            bail!(
+                "the output norm has {} values, hidden_size is {}",
+                output_norm_values.len(),
+                config.hidden_size
+            );
+        }
         Ok(Self {
+            norms,
+            output_norm_values,
             config,
             embedding,
             blocks,
@@ -488,18 +541,26 @@ impl Model {
             bail!("hidden-state tap {bad} is out of range (0..={})", cfg.num_layers);
         }
         let eps = cfg.rms_norm_eps as f32;
+        let hs = cfg.hidden_size;
         let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let mut x = self.embedding.forward(&tokens, &self.device)?;
-        let mut hidden = vec![None; taps.len()];
-        for (li, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let attn = self.attention(block, li, &h, segs)?;
-            x = (x + attn)?;
-            let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let mlp = || -> Result<Tensor> {
-                let g = block.gate.forward(&h)?;
-                let u = block.up.forward(&h)?;
-                block.down.forward(&swiglu(&g, &u)?)
+        let total = tokens.len();
+        // The residual stream, `[total, hidden]`: plain buffers through the blocks (a decode
+        // step is ~200 small products; tensor round trips between them cost allocations and
+        // copies on the one thread the kernel pool's helpers wait for).
+        let mut x = f32_values(&self.embedding.forward(&tokens, &self.device)?)?;
+        if x.len() != total * hs {
+            bail!("the embedding returned {} values for {total} tokens of {hs}", x.len());
+        }
+        let mut hidden: Vec<Option<Vec<f32>>> = vec![None; taps.len()];
+        for (li, (block, norms)) in self.blocks.iter().zip(&self.norms).enumerate() {
+            let h = rms_norm(&x, &norms.attn, eps);
+            let attn = self.attention(block, norms, li, &h, segs)?;
+            add_assign(&mut x, &attn);
+            let h = rms_norm(&x, &norms.ffn, eps);
+            let mlp = || -> Result<Vec<f32>> {
+                let g = block.gate.forward_rows(&h, total)?;
+                let u = block.up.forward_rows(&h, total)?;
+                block.down.forward_rows(&attention::silu_mul(&g, &u), total)
             };
             let m = if li + 1 == self.blocks.len() {
                 // llama.cpp runs the last block's MLP on the output rows alone (one row for a
@@ -509,7 +570,7 @@ impl Model {
             } else {
                 mlp()?
             };
-            x = (x + m)?;
+            add_assign(&mut x, &m);
             for (slot, &t) in hidden.iter_mut().zip(taps) {
                 if t == li {
                     *slot = Some(x.clone());
@@ -519,34 +580,37 @@ impl Model {
         for s in segs.iter_mut() {
             s.kv.advance(s.tokens.len())?;
         }
-        let normed = rms_norm(&x, &self.output_norm, eps)?;
+        let normed = rms_norm(&x, &self.output_norm_values, eps);
         for (slot, &t) in hidden.iter_mut().zip(taps) {
             if t == cfg.num_layers {
                 *slot = Some(normed.clone());
             }
         }
-        let hidden: Vec<Tensor> = hidden.into_iter().flatten().collect();
+        let hidden: Vec<Tensor> = hidden
+            .into_iter()
+            .flatten()
+            .map(|h| Tensor::from_vec(h, (total, hs), &self.device))
+            .collect::<candle_core::Result<_>>()?;
         // The rows that need logits, through the LM head in one product.
-        let mut pick = Vec::new();
+        let mut rows = Vec::new();
         let mut off = 0;
         for s in segs.iter() {
             let n = s.tokens.len();
-            match s.rows {
-                LogitsRows::All => pick.extend((off..off + n).map(|r| r as u32)),
-                LogitsRows::Last => pick.push((off + n - 1) as u32),
-                LogitsRows::None => {}
-            }
+            let picked = match s.rows {
+                LogitsRows::All => off..off + n,
+                LogitsRows::Last => off + n - 1..off + n,
+                LogitsRows::None => off..off,
+            };
+            rows.extend_from_slice(&normed[picked.start * hs..picked.end * hs]);
             off += n;
         }
-        let logits = if pick.is_empty() {
+        let logits = if rows.is_empty() {
             None
         } else {
-            let idx = Tensor::new(pick.as_slice(), &self.device)?;
-            let rows = normed.index_select(&idx, 0)?;
+            let m = rows.len() / hs;
             // llama.cpp runs its LM head on the output rows alone (see the last MLP above).
-            Some(crate::kernels::kquants::with_llamacpp_batches(false, || {
-                self.lm_head.forward(&rows)
-            })?)
+            let l = crate::kernels::kquants::with_llamacpp_batches(false, || self.lm_head.forward_rows(&rows, m))?;
+            Some(Tensor::from_vec(l, (m, cfg.vocab_size), &self.device)?)
         };
         let mut outs = Vec::with_capacity(segs.len());
         let (mut off, mut lrow) = (0, 0);
@@ -577,57 +641,60 @@ impl Model {
 
     /// Grouped-query attention of block `li` for `h` (`[rows of all segments, hidden]`): each
     /// segment's rows at its positions `kv.len() .. kv.len() + n` over its own cache; appends K
-    /// and V to each cache.
-    fn attention(&self, block: &Block, li: usize, h: &Tensor, segs: &mut [Segment<'_>]) -> Result<Tensor> {
+    /// and V to each cache. Returns `[rows, hidden]` (after the output projection).
+    fn attention(
+        &self,
+        block: &Block,
+        norms: &BlockNorms,
+        li: usize,
+        h: &[f32],
+        segs: &mut [Segment<'_>],
+    ) -> Result<Vec<f32>> {
         let cfg = &self.config;
-        let total = h.dim(0)?;
+        let total = h.len() / cfg.hidden_size;
         let d = cfg.head_dim;
         let eps = cfg.rms_norm_eps as f32;
-        let mut q = block.q.forward(h)?;
-        let mut k = block.k.forward(h)?;
-        let v = block.v.forward(h)?;
-        if let (Some(qn), Some(kn)) = (&block.q_norm, &block.k_norm) {
-            q = rms_norm(&q.reshape((total * cfg.num_heads, d))?, qn, eps)?;
-            k = rms_norm(&k.reshape((total * cfg.num_kv_heads, d))?, kn, eps)?;
+        let mut q = block.q.forward_rows(h, total)?;
+        let mut k = block.k.forward_rows(h, total)?;
+        let mut v = block.v.forward_rows(h, total)?;
+        if let (Some(qn), Some(kn)) = (&norms.q, &norms.k) {
+            q = rms_norm(&q, qn, eps);
+            k = rms_norm(&k, kn, eps);
         }
-        let q_all = q.flatten_all()?.to_vec1::<f32>()?;
-        let k_all = k.flatten_all()?.to_vec1::<f32>()?;
-        let v_all = v.flatten_all()?.to_vec1::<f32>()?;
         let (qw, kw) = (cfg.num_heads * d, cfg.num_kv_heads * d);
-        let mut qs = Vec::with_capacity(segs.len());
+        // Per segment: RoPE at its positions, and K and V into its cache (rounded to f16,
+        // llama.cpp's default cache type).
+        let mut spans = Vec::with_capacity(segs.len());
         let mut off = 0;
         for s in segs.iter_mut() {
             let n = s.tokens.len();
             let start = s.kv.len();
-            let mut q = q_all[off * qw..(off + n) * qw].to_vec();
-            let mut k = k_all[off * kw..(off + n) * kw].to_vec();
-            self.apply_rope(&mut q, cfg.num_heads, start);
-            self.apply_rope(&mut k, cfg.num_kv_heads, start);
-            // The cache holds K and V rounded to f16 (llama.cpp's default cache type).
-            let k: Vec<f32> = k.iter().map(|&x| attention::round_f16(x)).collect();
-            let v: Vec<f32> = v_all[off * kw..(off + n) * kw]
-                .iter()
-                .map(|&x| attention::round_f16(x))
-                .collect();
-            s.kv.append(li, &k, &v)?;
-            qs.push((q, start, n));
+            self.apply_rope(&mut q[off * qw..(off + n) * qw], cfg.num_heads, start);
+            let ks = &mut k[off * kw..(off + n) * kw];
+            self.apply_rope(ks, cfg.num_kv_heads, start);
+            let vs = &mut v[off * kw..(off + n) * kw];
+            for x in ks.iter_mut().chain(vs.iter_mut()) {
+                *x = attention::round_f16(*x);
+            }
+            s.kv.append(li, ks, vs)?;
+            spans.push((off, start, n));
             off += n;
         }
         // Every segment's attention in one parallel pass.
         let rows: Vec<_> = segs
             .iter()
-            .zip(&qs)
+            .zip(&spans)
             .map(|(s, &(_, start, n))| s.kv.rows(li, start + n))
             .collect();
-        let items: Vec<attention::AttnItem<'_>> = qs
+        let items: Vec<attention::AttnItem<'_>> = spans
             .iter()
             .zip(&rows)
-            .map(|((q, start, n), kv)| attention::AttnItem {
-                q,
+            .map(|(&(off, start, n), kv)| attention::AttnItem {
+                q: &q[off * qw..(off + n) * qw],
                 kv,
                 shape: attention::AttnShape {
-                    rows: *n,
-                    start: *start,
+                    rows: n,
+                    start,
                     num_heads: cfg.num_heads,
                     num_kv_heads: cfg.num_kv_heads,
                     head_dim: d,
@@ -635,8 +702,7 @@ impl Model {
             })
             .collect();
         let out = attention::attend_batch(&items);
-        let out = Tensor::from_vec(out, (total, qw), &self.device)?;
-        block.o.forward(&out)
+        block.o.forward_rows(&out, total)
     }
 
     /// Rotate `x` (`[n, heads, head_dim]`, row r at position `start + r`) in place, as ggml's
