@@ -70,7 +70,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
 use super::qmatmul::{hsum8, nearest_int};
-use super::{fixed_groups, row_groups, run_tiles};
+use super::{fixed_groups, row_groups};
 
 /// Weights per super-block.
 pub const QK_K: usize = 256;
@@ -219,6 +219,18 @@ impl KWeight {
 
     /// [`matmul`](Self::matmul) on the given path (falling back to what the CPU supports).
     pub(crate) fn matmul_on(&self, x: &[f32], m: usize, path: super::KernelPath) -> Vec<f32> {
+        super::run_jobs(&[self.job_on(x, m, path)]).pop().unwrap_or_default()
+    }
+
+    /// The product with `x` (`[m, k]` row-major f32), ready to run with others in one parallel
+    /// pass ([`super::run_jobs`]): the activation rows quantized here, on the calling thread,
+    /// and the llama.cpp batch arithmetic ([`with_llamacpp_batches`]) as set on it. Panics if
+    /// `x` is not `m * k` long.
+    pub(crate) fn job(&self, x: &[f32], m: usize) -> super::TileJob<'_> {
+        self.job_on(x, m, super::kernel_path())
+    }
+
+    fn job_on(&self, x: &[f32], m: usize, path: super::KernelPath) -> super::TileJob<'_> {
         assert_eq!(
             x.len(),
             m * self.k,
@@ -227,7 +239,11 @@ impl KWeight {
             self.k
         );
         let rows: Vec<Q8KRow> = x.chunks_exact(self.k).map(quantize_row_q8k).collect();
-        let refs: Vec<&Q8KRow> = rows.iter().collect();
+        // The activation rows of a group as the kernels take them (a group has at most
+        // `MAX_ROWS` rows).
+        fn refs(rows: &[Q8KRow], i0: usize, g: usize) -> [&Q8KRow; MAX_ROWS] {
+            std::array::from_fn(|r| &rows[i0 + r.min(g - 1)])
+        }
         // Rows `..batch_rows` in llama.cpp's batch arithmetic (its emulation only): Q4_K's
         // repacked gemm, Q6_K's tiled kernel.
         let batch_rows = match self.kind {
@@ -245,18 +261,22 @@ impl KWeight {
         {
             let groups = row_groups(m, vnni_rows(self.kind));
             let q8s = avx2_impl::pair_sums(&rows, self.k / QK_K);
-            return run_tiles(self.n, self.k, m, &groups, 2, |j0, nw, gi, out| {
-                let (i0, g) = groups[gi];
+            let gs = groups.clone();
+            return super::TileJob::new(self.n, self.k, m, groups, 2, move |j0, nw, gi, out| {
+                let (i0, g) = gs[gi];
+                let xs = refs(&rows, i0, g);
                 // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
                 // (`has_avx512_vnni`); ranges are checked inside.
-                unsafe { avx2_impl::tile_dispatch(self, &refs[i0..i0 + g], &q8s[i0..i0 + g], j0, nw, out) }
+                unsafe { avx2_impl::tile_dispatch(self, &xs[..g], &q8s[i0..i0 + g], j0, nw, out) }
             });
         }
         let groups = fixed_groups(m, MAX_ROWS);
         let avx2 = super::qmatmul::has_avx2() && path != super::KernelPath::Portable;
         let wide = avx2 && has_avx512();
-        run_tiles(self.n, self.k, m, &groups, 1, |j0, nw, gi, out| {
-            let (i0, g) = groups[gi];
+        let gs = groups.clone();
+        super::TileJob::new(self.n, self.k, m, groups, 1, move |j0, nw, gi, out| {
+            let (i0, g) = gs[gi];
+            let xs = refs(&rows, i0, g);
             // The group's rows in llama.cpp's batch arithmetic, then the rest.
             let cut = batch_rows.clamp(i0, i0 + g) - i0;
             for w in 0..nw {
@@ -264,10 +284,10 @@ impl KWeight {
                 let (o1, o2) = o.split_at_mut(cut);
                 let w = self.row(j0 + w);
                 if cut > 0 {
-                    vec_dot_rows_with(w, &refs[i0..i0 + cut], o1, avx2, wide, true);
+                    vec_dot_rows_with(w, &xs[..cut], o1, avx2, wide, true);
                 }
                 if cut < g {
-                    vec_dot_rows_with(w, &refs[i0 + cut..i0 + g], o2, avx2, wide, false);
+                    vec_dot_rows_with(w, &xs[cut..g], o2, avx2, wide, false);
                 }
             }
         })

@@ -113,58 +113,101 @@ pub(crate) fn fixed_groups(m: usize, max: usize) -> Vec<(usize, usize)> {
     (0..m).step_by(max).map(|i| (i, max.min(m - i))).collect()
 }
 
-/// Chunks of output columns per thread in [`run_tiles`]: claimed dynamically, so more chunks
-/// means less waiting on the last one, at one atomic claim each.
-const CHUNKS_PER_THREAD: usize = 4;
-
-/// Schedule a row-wise product `y[i, j] = f(weight row j, activation row i)` for `n` weight rows
-/// (of `k` inputs each) and `m` activation rows split into `groups` ([`row_groups`]); returns `y`
-/// as `[m, n]` row-major.
+/// One row-wise product `y[i, j] = f(weight row j, activation row i)` ready to run: `n` weight
+/// rows of `k` inputs, `m` activation rows split into `groups` ([`row_groups`]), and the tile
+/// kernel.
 ///
 /// `kern(j0, nw, gi, out)` computes the tile of weight rows `j0 .. j0 + nw` (`nw` ≤ `wtile`) and
 /// the rows of group `gi` (`g` rows): `out[w * g + r] = f(j0 + w, first + r)`. It must give
 /// bitwise the same value for an element whatever tile it is computed in, which is what makes the
-/// product batch-invariant (the tiling depends on `m`). Weight rows are split into chunks over
-/// the kernel pool ([`pool`]); inside a chunk, panels of 16 weight rows stay in cache across all activation
-/// row groups.
-pub(crate) fn run_tiles(
+/// product batch-invariant (the tiling depends on `m`).
+pub(crate) struct TileJob<'a> {
     n: usize,
     k: usize,
     m: usize,
-    groups: &[(usize, usize)],
+    groups: Vec<(usize, usize)>,
     wtile: usize,
-    kern: impl Fn(usize, usize, usize, &mut [f32]) + Sync,
-) -> Vec<f32> {
-    let mut out = vec![0f32; m * n];
-    if m == 0 || n == 0 {
-        return out;
+    #[allow(clippy::type_complexity)]
+    kern: Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 'a>,
+}
+
+impl<'a> TileJob<'a> {
+    pub(crate) fn new(
+        n: usize,
+        k: usize,
+        m: usize,
+        groups: Vec<(usize, usize)>,
+        wtile: usize,
+        kern: impl Fn(usize, usize, usize, &mut [f32]) + Sync + 'a,
+    ) -> Self {
+        Self {
+            n,
+            k,
+            m,
+            groups,
+            wtile: wtile.max(1),
+            kern: Box::new(kern),
+        }
     }
-    let wtile = wtile.max(1);
-    let gmax = groups.iter().map(|g| g.1).max().unwrap_or(1);
-    const PANEL: usize = 16;
-    // Chunks of whole units (a panel, or one tile when there is a single row group and so no
-    // panel to keep in cache), as even as the units allow, larger ones first: the last chunks
-    // claimed are the short ones, so the threads finish close together.
-    let unit = if groups.len() == 1 { wtile } else { PANEL };
-    let units = n.div_ceil(unit);
-    let chunks = units.min(pool::threads() * CHUNKS_PER_THREAD);
-    let chunk_start = |c: usize| (c * (units / chunks) + c.min(units % chunks)) * unit;
-    let dst = OutPtr(out.as_mut_ptr());
+}
+
+/// Chunks of output columns per thread in [`run_jobs`]: claimed dynamically, so more chunks
+/// means less waiting on the last one, at one atomic claim each.
+const CHUNKS_PER_THREAD: usize = 4;
+
+/// Weight rows whose tiles run across all row groups before the next ones (they stay in cache).
+const PANEL: usize = 16;
+
+/// Run several products in one parallel pass over the kernel pool ([`pool`]) and return each
+/// one's `y` as `[m, n]` row-major, in order. Products of the same input (a layer's q, k and v,
+/// or its gate and up) share one fork-join instead of one each. Every element is computed by its
+/// product's kernel alike however the work is split, so the bits are those of each product run
+/// alone.
+///
+/// Each product's weight rows are split into chunks of whole units (a panel of [`PANEL`] rows,
+/// or one tile when there is a single row group and so no panel to keep in cache), as even as
+/// the units allow; all chunks are claimed largest first, so the threads finish close together.
+pub(crate) fn run_jobs(jobs: &[TileJob<'_>]) -> Vec<Vec<f32>> {
+    let mut outs: Vec<Vec<f32>> = jobs.iter().map(|j| vec![0f32; j.m * j.n]).collect();
+    let threads = pool::threads();
+    // (job, first weight row, end)
+    let mut chunks = Vec::new();
+    for (ji, job) in jobs.iter().enumerate() {
+        if job.m == 0 || job.n == 0 {
+            continue;
+        }
+        let unit = if job.groups.len() == 1 { job.wtile } else { PANEL };
+        let units = job.n.div_ceil(unit);
+        let nc = units.min(threads * CHUNKS_PER_THREAD);
+        let start = |c: usize| ((c * (units / nc) + c.min(units % nc)) * unit).min(job.n);
+        chunks.extend((0..nc).map(|c| (ji, start(c), start(c + 1))));
+    }
+    chunks.sort_by_key(|&(_, j0, j1)| std::cmp::Reverse(j1 - j0));
+    let dsts: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     let work = |c: usize| {
-        let j0 = chunk_start(c);
-        let j1 = chunk_start(c + 1).min(n);
-        let mut buf = vec![0f32; wtile * gmax];
-        let panel = if groups.len() == 1 { unit } else { PANEL };
+        let (ji, j0, j1) = chunks[c];
+        let job = &jobs[ji];
+        let (n, dst) = (job.n, dsts[ji]);
+        let gmax = job.groups.iter().map(|g| g.1).max().unwrap_or(1);
+        let mut stack = [0f32; 256];
+        let mut heap = Vec::new();
+        let buf: &mut [f32] = if job.wtile * gmax <= stack.len() {
+            &mut stack
+        } else {
+            heap.resize(job.wtile * gmax, 0f32);
+            &mut heap
+        };
+        let panel = if job.groups.len() == 1 { job.wtile } else { PANEL };
         for t0 in (j0..j1).step_by(panel) {
             let t1 = (t0 + panel).min(j1);
-            for (gi, &(i0, g)) in groups.iter().enumerate() {
-                for j in (t0..t1).step_by(wtile) {
-                    let nw = wtile.min(t1 - j);
-                    kern(j, nw, gi, &mut buf[..nw * g]);
+            for (gi, &(i0, g)) in job.groups.iter().enumerate() {
+                for j in (t0..t1).step_by(job.wtile) {
+                    let nw = job.wtile.min(t1 - j);
+                    (job.kern)(j, nw, gi, &mut buf[..nw * g]);
                     for w in 0..nw {
                         for r in 0..g {
-                            // SAFETY: `(i0 + r, j + w)` is inside the `[m, n]` output, and this
-                            // chunk is the only writer of columns `j0 .. j1`.
+                            // SAFETY: `(i0 + r, j + w)` is inside the job's `[m, n]` output, and
+                            // this chunk is the only writer of its columns `j0 .. j1`.
                             unsafe { dst.write((i0 + r) * n + j + w, buf[w * g + r]) };
                         }
                     }
@@ -172,15 +215,16 @@ pub(crate) fn run_tiles(
             }
         }
     };
-    if n * k * m >= 1 << 15 {
-        pool::for_each(chunks, &work);
+    let work_size: usize = jobs.iter().map(|j| j.n * j.k * j.m).sum();
+    if work_size >= 1 << 15 {
+        pool::for_each(chunks.len(), &work);
     } else {
-        (0..chunks).for_each(work);
+        (0..chunks.len()).for_each(work);
     }
-    out
+    outs
 }
 
-/// The output buffer of [`run_tiles`], shared by the chunks (each writes its own columns).
+/// An output buffer of [`run_jobs`], shared by the chunks (each writes its own columns).
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
 
@@ -252,28 +296,48 @@ mod tests {
     }
 
     #[test]
-    fn run_tiles_places_every_element() {
-        for (n, m, wtile, gmax) in [
+    fn run_jobs_places_every_element() {
+        let shapes = [
             (37, 1, 8, 8),
             (40, 9, 4, 8),
             (16, 33, 2, 8),
             (5, 3, 1, 2),
             (100, 2, 3, 1),
-        ] {
+        ];
+        let make = |ji: usize, (n, m, wtile, gmax): (usize, usize, usize, usize)| {
             let groups = row_groups(m, gmax);
-            let y = run_tiles(n, 1 << 14, m, &groups, wtile, |j0, nw, gi, out| {
-                let (i0, g) = groups[gi];
+            let g = groups.clone();
+            TileJob::new(n, 1 << 14, m, groups, wtile, move |j0, nw, gi, out| {
+                let (i0, g) = g[gi];
                 for w in 0..nw {
                     for r in 0..g {
-                        out[w * g + r] = ((j0 + w) * 1000 + i0 + r) as f32;
+                        out[w * g + r] = (ji * 1_000_000 + (j0 + w) * 1000 + i0 + r) as f32;
                     }
                 }
-            });
+            })
+        };
+        let check = |ji: usize, (n, m, _, _): (usize, usize, usize, usize), y: &[f32]| {
+            assert_eq!(y.len(), m * n);
             for i in 0..m {
                 for j in 0..n {
-                    assert_eq!(y[i * n + j], (j * 1000 + i) as f32, "n={n} m={m} [{i},{j}]");
+                    assert_eq!(
+                        y[i * n + j],
+                        (ji * 1_000_000 + j * 1000 + i) as f32,
+                        "job {ji} n={n} m={m} [{i},{j}]"
+                    );
                 }
             }
+        };
+        // Each product alone, then all of them in one pass.
+        for (ji, &sh) in shapes.iter().enumerate() {
+            let y = run_jobs(&[make(ji, sh)]);
+            check(ji, sh, &y[0]);
+        }
+        let jobs: Vec<TileJob<'_>> = shapes.iter().enumerate().map(|(ji, &sh)| make(ji, sh)).collect();
+        let ys = run_jobs(&jobs);
+        assert_eq!(ys.len(), shapes.len());
+        for (ji, (&sh, y)) in shapes.iter().zip(&ys).enumerate() {
+            check(ji, sh, y);
         }
     }
 }

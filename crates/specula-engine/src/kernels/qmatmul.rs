@@ -229,6 +229,17 @@ impl QWeight {
 
     /// [`matmul`](Self::matmul) on the given path (falling back to what the CPU supports).
     pub(crate) fn matmul_on(&self, x: &[f32], m: usize, path: super::KernelPath) -> Vec<f32> {
+        super::run_jobs(&[self.job_on(x, m, path)]).pop().unwrap_or_default()
+    }
+
+    /// The product with `x` (`[m, k]` row-major f32), ready to run with others in one parallel
+    /// pass ([`super::run_jobs`]): the activation rows quantized here, on the calling thread.
+    /// Panics if `x` is not `m * k` long.
+    pub(crate) fn job(&self, x: &[f32], m: usize) -> super::TileJob<'_> {
+        self.job_on(x, m, super::kernel_path())
+    }
+
+    fn job_on(&self, x: &[f32], m: usize, path: super::KernelPath) -> super::TileJob<'_> {
         assert_eq!(
             x.len(),
             m * self.k,
@@ -244,17 +255,22 @@ impl QWeight {
         // 30 vs 19 on the 2-core EPYC VM; Q4_1 the other way, 16 vs 30), while a cache-resident
         // one is 3x faster in the tile (`speed`). On the Intel Xeon (Sapphire Rapids) VM the
         // tile wins there too (Q8_0 at 2 threads: 2.8-3.7 vs 3.9-6.5 ms). Same bits either way.
-        let bytes = self.qs.len() + 2 * self.d.len();
-        let row_by_row =
-            m == 1 && bytes >= 8 << 20 && matches!(self.kind, QKind::Q8_0 | QKind::Q5_0) && super::splits_512bit_ops();
-        if path == super::KernelPath::Best && super::has_avx512_vnni() && !row_by_row {
-            return self.matmul_vnni(&rows);
+        {
+            let bytes = self.qs.len() + 2 * self.d.len();
+            let row_by_row = m == 1
+                && bytes >= 8 << 20
+                && matches!(self.kind, QKind::Q8_0 | QKind::Q5_0)
+                && super::splits_512bit_ops();
+            if path == super::KernelPath::Best && super::has_avx512_vnni() && !row_by_row {
+                return self.job_vnni(rows);
+            }
         }
         let avx2 = has_avx2() && path != super::KernelPath::Portable;
         let groups = super::fixed_groups(m, 4);
-        super::run_tiles(self.n, self.k, m, &groups, 1, |j, _, gi, out| {
-            let (i0, g) = groups[gi];
-            let xs = &rows[i0..i0 + g];
+        let g = groups.clone();
+        super::TileJob::new(self.n, self.k, m, groups, 1, move |j, _, gi, out| {
+            let (i0, n) = g[gi];
+            let xs = &rows[i0..i0 + n];
             if let Ok(x4) = <&[QuantRow; 4]>::try_from(xs) {
                 out.copy_from_slice(&vec_dot4(self.row(j), [&x4[0], &x4[1], &x4[2], &x4[3]], avx2));
             } else {
@@ -265,15 +281,15 @@ impl QWeight {
         })
     }
 
-    /// [`matmul`](Self::matmul) on the AVX-512 VNNI tile kernel ([`vnni_impl::tile`]): tiles of 2
-    /// to 8 weight rows × up to [`VNNI_ROWS`] activation rows.
+    /// The product on the AVX-512 VNNI tile kernel ([`vnni_impl::tile`]): tiles of 2 to 8 weight
+    /// rows × up to [`VNNI_ROWS`] activation rows.
     #[cfg(target_arch = "x86_64")]
-    fn matmul_vnni(&self, rows: &[QuantRow]) -> Vec<f32> {
+    fn job_vnni(&self, rows: Vec<QuantRow>) -> super::TileJob<'_> {
         let m = rows.len();
         let groups = super::row_groups(m, VNNI_ROWS);
-        let acts = Acts::new(self.kind, rows, &groups, self.k / QK);
+        let acts = Acts::new(self.kind, rows, groups.clone(), self.k / QK);
         let wtile = if m == 1 { 8 } else { 2 * vnni_impl::WIDE };
-        super::run_tiles(self.n, self.k, m, &groups, wtile, |j0, nw, gi, out| {
+        super::TileJob::new(self.n, self.k, m, groups, wtile, move |j0, nw, gi, out| {
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
             // (`has_avx512_vnni`); the tile's rows and blocks are in range (checked inside).
             unsafe { vnni_impl::tile_dispatch(self, &acts, j0, nw, gi, out) }
@@ -288,9 +304,9 @@ pub const VNNI_ROWS: usize = 8;
 /// exact integer correction of the unsigned weight encoding (`-bias * sum of quants 4l..4l+3`
 /// in lane `l`: the kernel multiplies `w + bias` ≥ 0, as `vpdpbusd` needs), and per row group the
 /// Q8_1 sums `s` transposed to `[block][row]`.
-struct Acts<'a> {
-    rows: &'a [QuantRow],
-    groups: &'a [(usize, usize)],
+struct Acts {
+    rows: Vec<QuantRow>,
+    groups: Vec<(usize, usize)>,
     nb: usize,
     /// `[row][block][lane]` (empty for the `_1` kinds, whose weights are unsigned already).
     corr: Vec<i32>,
@@ -298,8 +314,8 @@ struct Acts<'a> {
     s_t: Vec<f32>,
 }
 
-impl<'a> Acts<'a> {
-    fn new(kind: QKind, rows: &'a [QuantRow], groups: &'a [(usize, usize)], nb: usize) -> Self {
+impl Acts {
+    fn new(kind: QKind, rows: Vec<QuantRow>, groups: Vec<(usize, usize)>, nb: usize) -> Self {
         let bias = match kind {
             QKind::Q4_0 => 8,
             QKind::Q5_0 => 16,
@@ -309,7 +325,7 @@ impl<'a> Acts<'a> {
         let mut corr = Vec::new();
         if bias != 0 {
             corr.reserve(rows.len() * nb * 8);
-            for x in rows {
+            for x in &rows {
                 for q in x.qs.chunks_exact(4) {
                     let s: i32 = q.iter().map(|&v| v as i32).sum();
                     corr.push(-bias * s);
@@ -674,7 +690,7 @@ pub(crate) mod vnni_impl {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn tile<const K: u8, const WP: usize, const R: usize>(
         w: &QWeight,
-        a: &Acts<'_>,
+        a: &Acts,
         j0: usize,
         nw: usize,
         i0: usize,
@@ -760,15 +776,7 @@ pub(crate) mod vnni_impl {
     /// rounding of the same two floats, so every output bit is unchanged.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile1<const K: u8>(
-        w: &QWeight,
-        a: &Acts<'_>,
-        j0: usize,
-        nw: usize,
-        i0: usize,
-        gi: usize,
-        out: &mut [f32],
-    ) {
+    unsafe fn tile1<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, i0: usize, gi: usize, out: &mut [f32]) {
         const WP: usize = 4;
         const CH: usize = 16;
         const PREFETCH: usize = 256;
@@ -856,7 +864,7 @@ pub(crate) mod vnni_impl {
 
     /// [`tile`] for the kind and the group's row count.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile_rows<const K: u8>(w: &QWeight, a: &Acts<'_>, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+    unsafe fn tile_rows<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
         let (i0, g) = a.groups[gi];
         match g {
             1 => tile1::<K>(w, a, j0, nw, i0, gi, out),
@@ -877,7 +885,7 @@ pub(crate) mod vnni_impl {
     /// One tile of the product (see [`QWeight::matmul`]): weight rows `j0 .. j0 + nw`, the rows
     /// of group `gi`, `out[w * g + r]`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn tile_dispatch(w: &QWeight, a: &Acts<'_>, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+    pub(super) unsafe fn tile_dispatch(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
         let nb = a.nb;
         let (i0, g) = a.groups[gi];
         let wp = if g == 1 { 4 } else { WIDE };

@@ -199,12 +199,40 @@ impl Linear {
                 return Ok(self.forward(&t)?.flatten_all()?.to_vec1::<f32>()?);
             }
         };
+        self.add_bias(&mut y);
+        Ok(y)
+    }
+
+    /// [`Linear::forward_rows`] of several layers on the same input (a block's q, k and v, or
+    /// its gate and up): `x` is `m` rows of their common input width; returns each layer's `m`
+    /// rows of its outputs, in order. The products on our kernels share one parallel pass
+    /// (one fork-join of the kernel pool instead of one each); the bits are each layer's own.
+    pub fn forward_rows_many(layers: &[&Linear], x: &[f32], m: usize) -> Result<Vec<Vec<f32>>> {
+        let own = |l: &&Linear| matches!(l.weight, Weight::Own(_) | Weight::OwnK(_));
+        if !layers.iter().all(own) {
+            return layers.iter().map(|l| l.forward_rows(x, m)).collect();
+        }
+        let jobs: Vec<_> = layers
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Own(q) => q.job(x, m),
+                Weight::OwnK(q) => q.job(x, m),
+                Weight::Candle(_) => unreachable!("checked above"),
+            })
+            .collect();
+        let mut ys = crate::kernels::run_jobs(&jobs);
+        for (y, l) in ys.iter_mut().zip(layers) {
+            l.add_bias(y);
+        }
+        Ok(ys)
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias_values {
             for row in y.chunks_exact_mut(b.len()) {
                 add_assign(row, b);
             }
         }
-        Ok(y)
     }
 
     /// `x`: `[n, in]` f32 → `[n, out]` f32.
@@ -558,8 +586,9 @@ impl Model {
             add_assign(&mut x, &attn);
             let h = rms_norm(&x, &norms.ffn, eps);
             let mlp = || -> Result<Vec<f32>> {
-                let g = block.gate.forward_rows(&h, total)?;
-                let u = block.up.forward_rows(&h, total)?;
+                let [g, u]: [Vec<f32>; 2] = Linear::forward_rows_many(&[&block.gate, &block.up], &h, total)?
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("gate and up: expected two products"))?;
                 block.down.forward_rows(&attention::silu_mul(&g, &u), total)
             };
             let m = if li + 1 == self.blocks.len() {
@@ -654,9 +683,10 @@ impl Model {
         let total = h.len() / cfg.hidden_size;
         let d = cfg.head_dim;
         let eps = cfg.rms_norm_eps as f32;
-        let mut q = block.q.forward_rows(h, total)?;
-        let mut k = block.k.forward_rows(h, total)?;
-        let mut v = block.v.forward_rows(h, total)?;
+        let [mut q, mut k, mut v]: [Vec<f32>; 3] =
+            Linear::forward_rows_many(&[&block.q, &block.k, &block.v], h, total)?
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("q, k and v: expected three products"))?;
         if let (Some(qn), Some(kn)) = (&norms.q, &norms.k) {
             q = rms_norm(&q, qn, eps);
             k = rms_norm(&k, kn, eps);
