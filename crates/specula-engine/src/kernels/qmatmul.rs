@@ -779,7 +779,8 @@ pub(crate) mod vnni_impl {
     unsafe fn tile1<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, i0: usize, gi: usize, out: &mut [f32]) {
         const WP: usize = 4;
         const CH: usize = 16;
-        const PREFETCH: usize = 256;
+        // Tiles ahead to prefetch (1 and 2 measured alike, 3 and 4 slower).
+        const PREFETCH_TILES: usize = 2;
         let nb = a.nb;
         let has_min = K == Q4_1 || K == Q5_1;
         let base: [usize; 2 * WP] = std::array::from_fn(|t| (j0 + t.min(nw - 1)) * nb);
@@ -815,11 +816,31 @@ pub(crate) mod vnni_impl {
             }
             for c in 0..nc {
                 let b = b0 + c;
-                // Eight weight rows are eight streams: fetch each a few lines ahead (a prefetch
-                // past the end of the matrix is harmless: it never faults).
+                // Prefetch the tile two on (its rows follow this tile's in memory, so the
+                // quants are one contiguous run of `8 * nb` blocks): at block `b`, that tile's
+                // bytes of blocks `8b .. 8b + 8` of the run, and at the first block its scales
+                // (and mins, and Q5's high bits). A row is only a few hundred bytes, so prefetching within the
+                // tile's own eight rows ran barely ahead of the loads; this took SmolLM2's
+                // 2-thread decode from 100-115 to 142-166 tok/s (docs/perf.md). A prefetch past
+                // the end of the matrix is harmless: it never faults.
                 let qbytes = if K == Q8_0 { 32 } else { 16 };
-                for &r in &base {
-                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add((r + b) * qbytes + PREFETCH) as *const i8);
+                let ahead = base[0] + PREFETCH_TILES * 8 * nb;
+                let pq = qs.wrapping_add((ahead + b * 8) * qbytes);
+                for l in (0..8 * qbytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(l) as *const i8);
+                }
+                if b == 0 {
+                    for l in (0..8 * nb * 2).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>((wd.wrapping_add(ahead) as *const i8).wrapping_add(l));
+                        if has_min {
+                            _mm_prefetch::<_MM_HINT_T0>((wm.wrapping_add(ahead) as *const i8).wrapping_add(l));
+                        }
+                    }
+                    if K == Q5_0 || K == Q5_1 {
+                        for l in (0..8 * nb * 4).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>((qh.wrapping_add(ahead) as *const i8).wrapping_add(l));
+                        }
+                    }
                 }
                 let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(yq.add(b * QK) as *const __m256i));
                 let corr = if has_min {
