@@ -270,11 +270,13 @@ impl KWeight {
                 unsafe { avx2_impl::tile_dispatch(self, &xs[..g], &q8s[i0..i0 + g], j0, nw, out) }
             });
         }
+        // Weight rows per call of the row kernels' tile (one call's set-up for several rows).
+        const ROW_TILE: usize = 8;
         let groups = fixed_groups(m, MAX_ROWS);
         let avx2 = super::qmatmul::has_avx2() && path != super::KernelPath::Portable;
         let wide = avx2 && has_avx512();
         let gs = groups.clone();
-        super::TileJob::new(self.n, self.k, m, groups, 1, move |j0, nw, gi, out| {
+        super::TileJob::new(self.n, self.k, m, groups, ROW_TILE, move |j0, nw, gi, out| {
             let (i0, g) = gs[gi];
             let xs = refs(&rows, i0, g);
             // The group's rows in llama.cpp's batch arithmetic, then the rest.
@@ -777,6 +779,20 @@ mod avx2_impl {
         }
         t
     };
+
+    /// Bytes ahead of the super-block being read that the row kernels prefetch: a chunk's
+    /// rows lie one after another, so this runs a few rows ahead (1.5B decode: 1 KiB 0.95x,
+    /// 2 KiB 1.0, 4 KiB 1.04x, 8 KiB 0.97x; none 0.71x).
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// Prefetch the `bb` bytes of the super-block [`PREFETCH_BYTES`] past `p` (a prefetch past
+    /// the end of the matrix is harmless: it never faults).
+    #[inline(always)]
+    unsafe fn prefetch_ahead(p: *const u8, bb: usize) {
+        for off in (0..bb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + off) as *const i8);
+        }
+    }
 
     /// f16 bits (little-endian bytes) → f32 with F16C (exact, like `half`).
     #[inline(always)]
@@ -1422,6 +1438,7 @@ mod avx2_impl {
         let mut isums = [[0i32; 4]; R];
         for (b, blk) in data.chunks_exact(144).enumerate() {
             let p = blk.as_ptr();
+            prefetch_ahead(p, 144);
             let dw = h2f(blk[0], blk[1]);
             let dminw = h2f(blk[2], blk[3]);
             let sm = scales_mins_k4(&blk[4..16]);
@@ -1472,6 +1489,7 @@ mod avx2_impl {
         let mut st = State::<R>::new();
         for (b, blk) in data.chunks_exact(176).enumerate() {
             let p = blk.as_ptr();
+            prefetch_ahead(p, 176);
             let dw = h2f(blk[0], blk[1]);
             let dminw = h2f(blk[2], blk[3]);
             let sm = scales_mins_k4(&blk[4..16]);
@@ -1521,6 +1539,7 @@ mod avx2_impl {
         let mut st = State::<R>::new();
         for (b, blk) in data.chunks_exact(210).enumerate() {
             let p = blk.as_ptr();
+            prefetch_ahead(p, 210);
             let dw = h2f(blk[208], blk[209]);
             let sc16 = _mm256_cvtepi8_epi16(ld128(p.add(192)));
             let scv = pair_scales(sc16);
@@ -1574,6 +1593,7 @@ mod avx2_impl {
         let mut isums = [[0i32; 4]; R];
         for (b, blk) in data.chunks_exact(144).enumerate() {
             let p = blk.as_ptr();
+            prefetch_ahead(p, 144);
             let dw = h2f(blk[0], blk[1]);
             let dminw = h2f(blk[2], blk[3]);
             let sm = scales_mins_k4(&blk[4..16]);
@@ -1621,6 +1641,7 @@ mod avx2_impl {
         let mut st = State::<R>::new();
         for (b, blk) in data.chunks_exact(176).enumerate() {
             let p = blk.as_ptr();
+            prefetch_ahead(p, 176);
             let dw = h2f(blk[0], blk[1]);
             let dminw = h2f(blk[2], blk[3]);
             let sm = scales_mins_k4(&blk[4..16]);
@@ -1669,6 +1690,7 @@ mod avx2_impl {
         let mut st = State::<R>::new();
         for (b, blk) in data.chunks_exact(210).enumerate() {
             let p = blk.as_ptr();
+            prefetch_ahead(p, 210);
             let dw = h2f(blk[208], blk[209]);
             let sc16 = _mm256_cvtepi8_epi16(ld128(p.add(192)));
             let scv = pair_scales(sc16);
