@@ -683,6 +683,43 @@ pub(crate) mod vnni_impl {
         (l[0], l[8])
     }
 
+    /// Tiles ahead that the tiles prefetch (one-row tile: 1 and 2 measured alike, 3 and 4
+    /// slower).
+    const PREFETCH_TILES: usize = 2;
+
+    /// Prefetch, at block `b` of a tile, part of a later tile of `rows` weight rows starting at
+    /// block `ahead` (`(first row) * nb`). A tile's rows follow each other in memory, so its
+    /// quants are one contiguous run of `rows * nb` blocks: at block `b` this fetches that run's
+    /// blocks `rows * b .. rows * (b + 1)`, and at the first block the tile's scales (and mins,
+    /// and Q5's high bits). A row is only a few hundred bytes, so the earlier prefetch, 256 bytes
+    /// ahead within each of the tile's own rows, ran barely ahead of the loads and every tile
+    /// started cold; this took SmolLM2's 2-thread decode from 100-115 to 142-166 tok/s
+    /// (docs/perf.md). A prefetch past the end of the matrix is harmless: it never faults.
+    #[inline(always)]
+    unsafe fn prefetch_run<const K: u8>(w: &QWeight, ahead: usize, rows: usize, b: usize, nb: usize) {
+        let has_min = K == Q4_1 || K == Q5_1;
+        let qbytes = if K == Q8_0 { 32 } else { 16 };
+        let pq = w.qs.as_ptr().wrapping_add((ahead + b * rows) * qbytes);
+        for l in (0..rows * qbytes).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(l) as *const i8);
+        }
+        if b == 0 {
+            let (wd, wm) = (w.d.as_ptr().wrapping_add(ahead), w.m.as_ptr().wrapping_add(ahead));
+            for l in (0..rows * nb * 2).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>((wd as *const i8).wrapping_add(l));
+                if has_min {
+                    _mm_prefetch::<_MM_HINT_T0>((wm as *const i8).wrapping_add(l));
+                }
+            }
+            if K == Q5_0 || K == Q5_1 {
+                let qh = w.qh.as_ptr().wrapping_add(ahead) as *const i8;
+                for l in (0..rows * nb * 4).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(qh.wrapping_add(l));
+                }
+            }
+        }
+    }
+
     /// One tile: weight rows `j0 .. j0 + nw` (`nw` ≤ `2 * WP`; missing rows of the last pair
     /// repeat the last row, their results dropped) × the `R` rows of group `gi` (from row `i0`);
     /// `out[w * R + r]`.
@@ -719,10 +756,17 @@ pub(crate) mod vnni_impl {
         let (qs, qh, wd, wm) = (w.qs.as_ptr(), w.qh.as_ptr(), w.d.as_ptr(), w.m.as_ptr());
         let mut acc = [[_mm512_setzero_ps(); R]; WP];
         let mut summs = [_mm512_setzero_ps(); WP];
+        // With one row group (a verify block of up to eight rows) the tiles run through the
+        // chunk's weight rows in order, as the one-row tile's do: prefetch the tile two on.
+        // With several, each panel of weight rows is read once per group and stays in cache.
+        let single_group = a.groups.len() == 1;
         for b in 0..nb {
             let mut wv = [_mm512_setzero_si512(); WP];
             let mut dw = [_mm512_setzero_ps(); WP];
             let mut mw = [_mm512_setzero_ps(); WP];
+            if single_group {
+                prefetch_run::<K>(w, (j0 + PREFETCH_TILES * 2 * WP) * nb, 2 * WP, b, nb);
+            }
             for p in 0..WP {
                 let (ba, bb) = (row_a[p] + b, row_b[p] + b);
                 wv[p] = weights2::<K>(qs, qh, ba, bb);
@@ -779,8 +823,6 @@ pub(crate) mod vnni_impl {
     unsafe fn tile1<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, i0: usize, gi: usize, out: &mut [f32]) {
         const WP: usize = 4;
         const CH: usize = 16;
-        // Tiles ahead to prefetch (1 and 2 measured alike, 3 and 4 slower).
-        const PREFETCH_TILES: usize = 2;
         let nb = a.nb;
         let has_min = K == Q4_1 || K == Q5_1;
         let base: [usize; 2 * WP] = std::array::from_fn(|t| (j0 + t.min(nw - 1)) * nb);
@@ -816,32 +858,7 @@ pub(crate) mod vnni_impl {
             }
             for c in 0..nc {
                 let b = b0 + c;
-                // Prefetch the tile two on (its rows follow this tile's in memory, so the
-                // quants are one contiguous run of `8 * nb` blocks): at block `b`, that tile's
-                // bytes of blocks `8b .. 8b + 8` of the run, and at the first block its scales
-                // (and mins, and Q5's high bits). A row is only a few hundred bytes, so prefetching within the
-                // tile's own eight rows ran barely ahead of the loads; this took SmolLM2's
-                // 2-thread decode from 100-115 to 142-166 tok/s (docs/perf.md). A prefetch past
-                // the end of the matrix is harmless: it never faults.
-                let qbytes = if K == Q8_0 { 32 } else { 16 };
-                let ahead = base[0] + PREFETCH_TILES * 8 * nb;
-                let pq = qs.wrapping_add((ahead + b * 8) * qbytes);
-                for l in (0..8 * qbytes).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(l) as *const i8);
-                }
-                if b == 0 {
-                    for l in (0..8 * nb * 2).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>((wd.wrapping_add(ahead) as *const i8).wrapping_add(l));
-                        if has_min {
-                            _mm_prefetch::<_MM_HINT_T0>((wm.wrapping_add(ahead) as *const i8).wrapping_add(l));
-                        }
-                    }
-                    if K == Q5_0 || K == Q5_1 {
-                        for l in (0..8 * nb * 4).step_by(64) {
-                            _mm_prefetch::<_MM_HINT_T0>((qh.wrapping_add(ahead) as *const i8).wrapping_add(l));
-                        }
-                    }
-                }
+                prefetch_run::<K>(w, base[0] + PREFETCH_TILES * 8 * nb, 8, b, nb);
                 let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(yq.add(b * QK) as *const __m256i));
                 let corr = if has_min {
                     _mm512_setzero_si512()
