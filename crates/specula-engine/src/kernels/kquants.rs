@@ -261,9 +261,7 @@ impl KWeight {
         {
             let groups = row_groups(m, vnni_rows(self.kind));
             let q8s = avx2_impl::pair_sums(&rows, self.k / QK_K);
-            let gs = groups.clone();
-            return super::TileJob::new(self.n, self.k, m, groups, 2, move |j0, nw, gi, out| {
-                let (i0, g) = gs[gi];
+            return super::TileJob::new(self.n, self.k, m, groups, 2, move |j0, nw, (_, i0, g), out| {
                 let xs = refs(&rows, i0, g);
                 // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
                 // (`has_avx512_vnni`); ranges are checked inside.
@@ -275,9 +273,7 @@ impl KWeight {
         let groups = fixed_groups(m, MAX_ROWS);
         let avx2 = super::qmatmul::has_avx2() && path != super::KernelPath::Portable;
         let wide = avx2 && has_avx512();
-        let gs = groups.clone();
-        super::TileJob::new(self.n, self.k, m, groups, ROW_TILE, move |j0, nw, gi, out| {
-            let (i0, g) = gs[gi];
+        super::TileJob::new(self.n, self.k, m, groups, ROW_TILE, move |j0, nw, (_, i0, g), out| {
             let xs = refs(&rows, i0, g);
             // The group's rows in llama.cpp's batch arithmetic, then the rest.
             let cut = batch_rows.clamp(i0, i0 + g) - i0;

@@ -117,8 +117,8 @@ pub(crate) fn fixed_groups(m: usize, max: usize) -> Vec<(usize, usize)> {
 /// rows of `k` inputs, `m` activation rows split into `groups` ([`row_groups`]), and the tile
 /// kernel.
 ///
-/// `kern(j0, nw, gi, out)` computes the tile of weight rows `j0 .. j0 + nw` (`nw` ≤ `wtile`) and
-/// the rows of group `gi` (`g` rows): `out[w * g + r] = f(j0 + w, first + r)`. It must give
+/// `kern(j0, nw, (gi, first, g), out)` computes the tile of weight rows `j0 .. j0 + nw` (`nw` ≤
+/// `wtile`) and group `gi`, the `g` rows from `first`: `out[w * g + r] = f(j0 + w, first + r)`. It must give
 /// bitwise the same value for an element whatever tile it is computed in, which is what makes the
 /// product batch-invariant (the tiling depends on `m`).
 pub(crate) struct TileJob<'a> {
@@ -128,7 +128,7 @@ pub(crate) struct TileJob<'a> {
     groups: Vec<(usize, usize)>,
     wtile: usize,
     #[allow(clippy::type_complexity)]
-    kern: Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 'a>,
+    kern: Box<dyn Fn(usize, usize, (usize, usize, usize), &mut [f32]) + Sync + 'a>,
 }
 
 impl<'a> TileJob<'a> {
@@ -138,7 +138,7 @@ impl<'a> TileJob<'a> {
         m: usize,
         groups: Vec<(usize, usize)>,
         wtile: usize,
-        kern: impl Fn(usize, usize, usize, &mut [f32]) + Sync + 'a,
+        kern: impl Fn(usize, usize, (usize, usize, usize), &mut [f32]) + Sync + 'a,
     ) -> Self {
         Self {
             n,
@@ -203,7 +203,7 @@ pub(crate) fn run_jobs(jobs: &[TileJob<'_>]) -> Vec<Vec<f32>> {
             for (gi, &(i0, g)) in job.groups.iter().enumerate() {
                 for j in (t0..t1).step_by(job.wtile) {
                     let nw = job.wtile.min(t1 - j);
-                    (job.kern)(j, nw, gi, &mut buf[..nw * g]);
+                    (job.kern)(j, nw, (gi, i0, g), &mut buf[..nw * g]);
                     for w in 0..nw {
                         for r in 0..g {
                             // SAFETY: `(i0 + r, j + w)` is inside the job's `[m, n]` output, and
@@ -306,9 +306,7 @@ mod tests {
         ];
         let make = |ji: usize, (n, m, wtile, gmax): (usize, usize, usize, usize)| {
             let groups = row_groups(m, gmax);
-            let g = groups.clone();
-            TileJob::new(n, 1 << 14, m, groups, wtile, move |j0, nw, gi, out| {
-                let (i0, g) = g[gi];
+            TileJob::new(n, 1 << 14, m, groups, wtile, move |j0, nw, (_, i0, g), out| {
                 for w in 0..nw {
                     for r in 0..g {
                         out[w * g + r] = (ji * 1_000_000 + (j0 + w) * 1000 + i0 + r) as f32;

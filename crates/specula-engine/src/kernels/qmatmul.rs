@@ -267,10 +267,8 @@ impl QWeight {
         }
         let avx2 = has_avx2() && path != super::KernelPath::Portable;
         let groups = super::fixed_groups(m, 4);
-        let g = groups.clone();
-        super::TileJob::new(self.n, self.k, m, groups, 1, move |j, _, gi, out| {
-            let (i0, n) = g[gi];
-            let xs = &rows[i0..i0 + n];
+        super::TileJob::new(self.n, self.k, m, groups, 1, move |j, _, (_, i0, g), out| {
+            let xs = &rows[i0..i0 + g];
             if let Ok(x4) = <&[QuantRow; 4]>::try_from(xs) {
                 out.copy_from_slice(&vec_dot4(self.row(j), [&x4[0], &x4[1], &x4[2], &x4[3]], avx2));
             } else {
@@ -289,7 +287,7 @@ impl QWeight {
         let groups = super::row_groups(m, VNNI_ROWS);
         let acts = Acts::new(self.kind, rows, groups.clone(), self.k / QK);
         let wtile = if m == 1 { 8 } else { 2 * vnni_impl::WIDE };
-        super::TileJob::new(self.n, self.k, m, groups, wtile, move |j0, nw, gi, out| {
+        super::TileJob::new(self.n, self.k, m, groups, wtile, move |j0, nw, (gi, _, _), out| {
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
             // (`has_avx512_vnni`); the tile's rows and blocks are in range (checked inside).
             unsafe { vnni_impl::tile_dispatch(self, &acts, j0, nw, gi, out) }
