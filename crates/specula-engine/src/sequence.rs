@@ -201,7 +201,9 @@ impl Sequence {
                 None => "ar (no block drafter attached)".into(),
             },
             (Some(_), _) => {
-                drafter = Some(Box::new(NgramDrafter::default()));
+                drafter = Some(Box::new(
+                    NgramDrafter::default().with_number_classes(env.tokenizer.number_classes()),
+                ));
                 "ngram".into()
             }
         };

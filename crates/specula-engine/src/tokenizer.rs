@@ -52,6 +52,34 @@ pub struct Tokenizer {
     pub eos_token: Option<(u32, String)>,
     /// Prepend BOS when encoding a prompt (`tokenizer.ggml.add_bos_token` / `add_bos_token`).
     pub add_bos: bool,
+    /// Per token id: [`NUMBER_NONE`], [`NUMBER_DIGITS`] or [`NUMBER_SPACE_DIGITS`] (see
+    /// [`Tokenizer::number_classes`]).
+    number_classes: std::sync::Arc<[u8]>,
+}
+
+/// Not a number token.
+pub const NUMBER_NONE: u8 = 0;
+/// A token of ASCII digits only (`7`, `42`).
+pub const NUMBER_DIGITS: u8 = 1;
+/// A space followed by ASCII digits only (` 42`).
+pub const NUMBER_SPACE_DIGITS: u8 = 2;
+
+/// The number class of every id of `inner`'s vocabulary (added tokens included), from the
+/// vocabulary strings: byte-level BPE writes a leading space as `Ġ`, SentencePiece as `▁`.
+fn number_classes(inner: &tokenizers::Tokenizer) -> std::sync::Arc<[u8]> {
+    let vocab = inner.get_vocab(true);
+    let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+    let mut classes = vec![NUMBER_NONE; n];
+    for (text, id) in vocab {
+        let (spaced, rest) = match text.strip_prefix('Ġ').or_else(|| text.strip_prefix('▁')) {
+            Some(rest) => (true, rest),
+            None => (false, text.as_str()),
+        };
+        if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
+            classes[id as usize] = if spaced { NUMBER_SPACE_DIGITS } else { NUMBER_DIGITS };
+        }
+    }
+    classes.into()
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -158,6 +186,7 @@ impl Tokenizer {
         inner.add_special_tokens(&added);
         let tok = |key: &str| meta_u32(md, key).and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())));
         Ok(Self {
+            number_classes: number_classes(&inner),
             inner: inner.into(),
             bos_token: tok("tokenizer.ggml.bos_token_id"),
             eos_token: tok("tokenizer.ggml.eos_token_id"),
@@ -177,6 +206,7 @@ impl Tokenizer {
             bos_token: lookup(bos),
             eos_token: lookup(eos),
             add_bos,
+            number_classes: number_classes(&inner),
             inner: inner.into(),
         })
     }
@@ -222,6 +252,13 @@ impl Tokenizer {
     /// The vocabulary string of an id.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The number class of every token id (index = id; ids past the end are
+    /// [`NUMBER_NONE`]): which tokens spell a number, for the n-gram drafter's structural
+    /// matches ([`crate::spec::ngram::NgramDrafter`]).
+    pub fn number_classes(&self) -> std::sync::Arc<[u8]> {
+        self.number_classes.clone()
     }
 
     /// The underlying `tokenizers` object.
@@ -290,6 +327,26 @@ mod tests {
             V::Array(types.iter().map(|&t| V::I32(t)).collect()),
         );
         Tokenizer::from_gguf(&md).expect("tokenizer")
+    }
+
+    #[test]
+    fn number_classes_mark_digit_tokens() {
+        let (mut tokens, mut merges, mut types) = crate::testing::tiny_vocab();
+        let sp = tokens[b' ' as usize].clone();
+        merges.extend([format!("{sp} 4"), "4 2".to_string()]);
+        tokens.extend([format!("{sp}4"), "42".to_string(), format!("{sp}x4")]);
+        types.extend([1, 1, 1]);
+        let t = tokenizer(&tokens, &merges, &types);
+        let c = t.number_classes();
+        assert_eq!(c.len(), tokens.len());
+        for (id, text) in tokens.iter().enumerate() {
+            let want = match text.as_str() {
+                "0" | "1" | "2" | "3" | "4" | "5" | "6" | "7" | "8" | "9" | "42" => NUMBER_DIGITS,
+                s if s == format!("{sp}4") => NUMBER_SPACE_DIGITS,
+                _ => NUMBER_NONE,
+            };
+            assert_eq!(c[id], want, "token {id} {text:?}");
+        }
     }
 
     #[test]

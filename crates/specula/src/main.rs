@@ -159,7 +159,7 @@ struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Print one JSON object (text, token ids, finish reason, usage, timings) instead of the text.
+    /// Print one JSON object (text, token ids, prompt token ids, finish reason, usage, timings) instead of the text.
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -608,6 +608,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     } else {
         engine.tokenize(&a.prompt)?
     };
+    let prompt_token_ids = prompt_tokens.clone();
     let req = GenerateRequest {
         prompt_tokens,
         sampling: a.sampling.params(),
@@ -631,6 +632,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         let v = serde_json::json!({
             "text": out.text,
             "token_ids": out.token_ids,
+            "prompt_token_ids": prompt_token_ids,
             "finish_reason": out.finish_reason.as_str(),
             "device": engine.device_name().unwrap_or("cpu"),
             "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens},
