@@ -156,7 +156,7 @@ impl<'a> TileJob<'a> {
 const CHUNKS_PER_THREAD: usize = 4;
 
 /// Weight rows whose tiles run across all row groups before the next ones (they stay in cache).
-const PANEL: usize = 16;
+pub(crate) const PANEL: usize = 16;
 
 /// Run several products in one parallel pass over the kernel pool ([`pool`]) and return each
 /// one's `y` as `[m, n]` row-major, in order. Products of the same input (a layer's q, k and v,

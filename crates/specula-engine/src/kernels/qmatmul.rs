@@ -756,14 +756,20 @@ pub(crate) mod vnni_impl {
         let mut summs = [_mm512_setzero_ps(); WP];
         // With one row group (a verify block of up to eight rows) the tiles run through the
         // chunk's weight rows in order, as the one-row tile's do: prefetch the tile two on.
-        // With several, each panel of weight rows is read once per group and stays in cache.
-        let single_group = a.groups.len() == 1;
+        // With several, each panel of weight rows is read from memory by the first group and
+        // from cache by the others: the first group's tiles prefetch their rows of the next
+        // panel, which the other groups' tiles give time to arrive.
+        let ahead = match (a.groups.len(), gi) {
+            (1, _) => Some(j0 + PREFETCH_TILES * 2 * WP),
+            (_, 0) => Some(j0 + crate::kernels::PANEL),
+            _ => None,
+        };
         for b in 0..nb {
             let mut wv = [_mm512_setzero_si512(); WP];
             let mut dw = [_mm512_setzero_ps(); WP];
             let mut mw = [_mm512_setzero_ps(); WP];
-            if single_group {
-                prefetch_run::<K>(w, (j0 + PREFETCH_TILES * 2 * WP) * nb, 2 * WP, b, nb);
+            if let Some(j) = ahead {
+                prefetch_run::<K>(w, j * nb, 2 * WP, b, nb);
             }
             for p in 0..WP {
                 let (ba, bb) = (row_a[p] + b, row_b[p] + b);
