@@ -405,8 +405,19 @@ impl Engine {
         }
     }
 
-    /// Tokenize a prompt (special-token text is parsed).
+    /// Tokenize a prompt (special-token text is parsed). A text too long for the context
+    /// window whatever its tokens ([`RequestError::PromptTooLongBytes`]) is refused before
+    /// tokenizing, so a huge request costs no tokenizer time.
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        let ctx = self.context_length();
+        let min_tokens = text.len() / self.bundle.tokenizer.max_token_bytes();
+        if min_tokens >= ctx {
+            return Err(RequestError::PromptTooLongBytes {
+                bytes: text.len(),
+                min_tokens,
+                context: ctx,
+            });
+        }
         self.bundle
             .tokenizer
             .encode(text)

@@ -55,6 +55,8 @@ pub struct Tokenizer {
     /// Per token id: [`NUMBER_NONE`], [`NUMBER_DIGITS`] or [`NUMBER_SPACE_DIGITS`] (see
     /// [`Tokenizer::number_classes`]).
     number_classes: std::sync::Arc<[u8]>,
+    /// The most UTF-8 bytes any vocabulary string has (at least 1).
+    max_token_bytes: usize,
 }
 
 /// Not a number token.
@@ -63,6 +65,14 @@ pub const NUMBER_NONE: u8 = 0;
 pub const NUMBER_DIGITS: u8 = 1;
 /// A space followed by ASCII digits only (` 42`).
 pub const NUMBER_SPACE_DIGITS: u8 = 2;
+
+/// The most UTF-8 bytes of any string of `inner`'s vocabulary (added tokens included), at least
+/// 1. A vocabulary string spells at least as many bytes of text as its token stands for
+/// (byte-level BPE writes one text byte as one or two; SentencePiece's `▁` is three for one
+/// space), so no token covers more text than this.
+fn max_token_bytes(inner: &tokenizers::Tokenizer) -> usize {
+    inner.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1).max(1)
+}
 
 /// The number class of every id of `inner`'s vocabulary (added tokens included), from the
 /// vocabulary strings: byte-level BPE writes a leading space as `Ġ`, SentencePiece as `▁`.
@@ -187,6 +197,7 @@ impl Tokenizer {
         let tok = |key: &str| meta_u32(md, key).and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())));
         Ok(Self {
             number_classes: number_classes(&inner),
+            max_token_bytes: max_token_bytes(&inner),
             inner: inner.into(),
             bos_token: tok("tokenizer.ggml.bos_token_id"),
             eos_token: tok("tokenizer.ggml.eos_token_id"),
@@ -207,6 +218,7 @@ impl Tokenizer {
             eos_token: lookup(eos),
             add_bos,
             number_classes: number_classes(&inner),
+            max_token_bytes: max_token_bytes(&inner),
             inner: inner.into(),
         })
     }
@@ -259,6 +271,12 @@ impl Tokenizer {
     /// matches ([`crate::spec::ngram::NgramDrafter`]).
     pub fn number_classes(&self) -> std::sync::Arc<[u8]> {
         self.number_classes.clone()
+    }
+
+    /// The most text bytes one token covers (an upper bound: the longest vocabulary string in
+    /// UTF-8 bytes). A text of `n` bytes encodes to at least `n / max_token_bytes()` tokens.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     /// The underlying `tokenizers` object.

@@ -117,6 +117,16 @@ pub enum RequestError {
         "the prompt has {prompt} tokens, but the context window is {context} tokens and must leave room for at least one output token"
     )]
     PromptTooLong { prompt: usize, context: usize },
+    /// Found before tokenizing: no token spells more than `max_token_bytes` bytes, so a prompt
+    /// of `bytes` bytes has at least `bytes / max_token_bytes` tokens.
+    #[error(
+        "the prompt is {bytes} bytes, so at least {min_tokens} tokens, but the context window is {context} tokens and must leave room for at least one output token"
+    )]
+    PromptTooLongBytes {
+        bytes: usize,
+        min_tokens: usize,
+        context: usize,
+    },
     #[error("prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the context window of {context} tokens")]
     MaxTokensTooLarge {
         prompt: usize,

@@ -377,6 +377,31 @@ fn streamed_deltas_concatenate_to_the_text_and_cancel_stops() {
 }
 
 #[test]
+fn a_prompt_longer_than_the_context_in_bytes_is_refused_before_tokenizing() {
+    let (_d, e) = engine(Family::Llama);
+    let ctx = e.context_length();
+    let per = e.tokenizer().max_token_bytes();
+    assert!(per >= 1);
+    // Exactly the bound: at least `ctx` tokens, refused without tokenizing.
+    let text = "t".repeat(ctx * per);
+    match e.tokenize(&text) {
+        Err(specula_engine::RequestError::PromptTooLongBytes {
+            bytes,
+            min_tokens,
+            context,
+        }) => assert_eq!((bytes, min_tokens, context), (ctx * per, ctx, ctx)),
+        other => panic!("{other:?}"),
+    }
+    // One byte per token below the bound it is tokenized (and is then measured in tokens).
+    let text = "t".repeat(ctx * per - 1);
+    let tokens = e.tokenize(&text).expect("tokenized");
+    assert!(
+        tokens.len() * per >= text.len(),
+        "no token covers more than {per} bytes"
+    );
+}
+
+#[test]
 fn request_validation_errors() {
     let (_d, mut e) = engine(Family::Llama);
     let ctx = e.context_length();

@@ -97,7 +97,7 @@ impl ApiError {
     pub fn from_request_error(e: &RequestError, prompt_param: &str) -> Self {
         let message = e.to_string();
         match e {
-            RequestError::PromptTooLong { .. } => {
+            RequestError::PromptTooLong { .. } | RequestError::PromptTooLongBytes { .. } => {
                 Self::invalid(message, Some(prompt_param)).with_code("context_length_exceeded")
             }
             RequestError::MaxTokensTooLarge { .. } => {
