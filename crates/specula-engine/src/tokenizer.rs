@@ -66,9 +66,9 @@ pub const NUMBER_DIGITS: u8 = 1;
 /// A space followed by ASCII digits only (` 42`).
 pub const NUMBER_SPACE_DIGITS: u8 = 2;
 
-/// The most UTF-8 bytes of any string of `inner`'s vocabulary (added tokens included), at least
-/// 1. A vocabulary string spells at least as many bytes of text as its token stands for
-/// (byte-level BPE writes one text byte as one or two; SentencePiece's `▁` is three for one
+/// The most UTF-8 bytes of any string of `inner`'s vocabulary (added tokens included; never
+/// below one). A vocabulary string spells at least as many bytes of text as its token stands
+/// for (byte-level BPE writes one text byte as one or two; SentencePiece's `▁` is three for one
 /// space), so no token covers more text than this.
 fn max_token_bytes(inner: &tokenizers::Tokenizer) -> usize {
     inner.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1).max(1)
