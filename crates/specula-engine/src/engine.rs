@@ -405,10 +405,19 @@ impl Engine {
         }
     }
 
-    /// Tokenize a prompt (special-token text is parsed). A text too long for the context
-    /// window whatever its tokens ([`RequestError::PromptTooLongBytes`]) is refused before
-    /// tokenizing, so a huge request costs no tokenizer time.
+    /// Tokenize text (special-token text is parsed), whatever its length.
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        self.bundle
+            .tokenizer
+            .encode(text)
+            .map_err(|e| RequestError::InvalidParameter(e.to_string()))
+    }
+
+    /// Tokenize a prompt (special-token text is parsed). A text too long for the context
+    /// window whatever its tokens ([`RequestError::PromptTooLongBytes`]: its bytes divided by
+    /// the most bytes one token covers reach the context length) is refused before tokenizing,
+    /// so a huge request costs no tokenizer time.
+    pub fn tokenize_prompt(&self, text: &str) -> Result<Vec<u32>, RequestError> {
         let ctx = self.context_length();
         let min_tokens = text.len() / self.bundle.tokenizer.max_token_bytes();
         if min_tokens >= ctx {
@@ -418,16 +427,13 @@ impl Engine {
                 context: ctx,
             });
         }
-        self.bundle
-            .tokenizer
-            .encode(text)
-            .map_err(|e| RequestError::InvalidParameter(e.to_string()))
+        self.tokenize(text)
     }
 
-    /// Render and tokenize a chat prompt.
+    /// Render and tokenize a chat prompt ([`Engine::tokenize_prompt`]).
     pub fn chat_prompt_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, RequestError> {
         let text = self.render_chat(messages, true)?;
-        self.tokenize(&text)
+        self.tokenize_prompt(&text)
     }
 
     /// Check a request against the model before any work is done.

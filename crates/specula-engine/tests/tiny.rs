@@ -384,7 +384,7 @@ fn a_prompt_longer_than_the_context_in_bytes_is_refused_before_tokenizing() {
     assert!(per >= 1);
     // Exactly the bound: at least `ctx` tokens, refused without tokenizing.
     let text = "t".repeat(ctx * per);
-    match e.tokenize(&text) {
+    match e.tokenize_prompt(&text) {
         Err(specula_engine::RequestError::PromptTooLongBytes {
             bytes,
             min_tokens,
@@ -394,7 +394,10 @@ fn a_prompt_longer_than_the_context_in_bytes_is_refused_before_tokenizing() {
     }
     // One byte per token below the bound it is tokenized (and is then measured in tokens).
     let text = "t".repeat(ctx * per - 1);
-    let tokens = e.tokenize(&text).expect("tokenized");
+    let tokens = e.tokenize_prompt(&text).expect("tokenized");
+    // Plain tokenizing has no limit (distillation data files are long).
+    let long = e.tokenize(&"t".repeat(ctx * per)).expect("tokenized");
+    assert!(long.len() >= ctx);
     assert!(
         tokens.len() * per >= text.len(),
         "no token covers more than {per} bytes"

@@ -52,7 +52,7 @@ pub fn render_tokens(engine: &Engine, p: &ChatPrompt) -> Result<(Vec<u32>, Strin
         }
         None => engine.render_chat(&p.messages, true)?,
     };
-    let tokens = engine.tokenize(&text)?;
+    let tokens = engine.tokenize_prompt(&text)?;
     Ok((tokens, tail(&text)))
 }
 

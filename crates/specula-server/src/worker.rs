@@ -753,7 +753,7 @@ fn start_job(
             prompt_tail = tail;
             tokens
         }
-        Prompt::Text(text) => engine.tokenize(text)?,
+        Prompt::Text(text) => engine.tokenize_prompt(text)?,
         Prompt::Tokens(ids) => ids.clone(),
     };
     let mut req = sub.request.clone();

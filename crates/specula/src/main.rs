@@ -606,7 +606,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let prompt_tokens = if a.chat {
         engine.chat_prompt_tokens(&[ChatMessage::new("user", &a.prompt)])?
     } else {
-        engine.tokenize(&a.prompt)?
+        engine.tokenize_prompt(&a.prompt)?
     };
     let prompt_token_ids = prompt_tokens.clone();
     let req = GenerateRequest {
