@@ -66,21 +66,22 @@ pub const NUMBER_DIGITS: u8 = 1;
 /// A space followed by ASCII digits only (` 42`).
 pub const NUMBER_SPACE_DIGITS: u8 = 2;
 
-/// The most UTF-8 bytes of any string of `inner`'s vocabulary (added tokens included; never
-/// below one). A vocabulary string spells at least as many bytes of text as its token stands
-/// for (byte-level BPE writes one text byte as one or two; SentencePiece's `▁` is three for one
-/// space), so no token covers more text than this.
-fn max_token_bytes(inner: &tokenizers::Tokenizer) -> usize {
-    inner.get_vocab(true).keys().map(|t| t.len()).max().unwrap_or(1).max(1)
-}
-
-/// The number class of every id of `inner`'s vocabulary (added tokens included), from the
-/// vocabulary strings: byte-level BPE writes a leading space as `Ġ`, SentencePiece as `▁`.
-fn number_classes(inner: &tokenizers::Tokenizer) -> std::sync::Arc<[u8]> {
+/// What the n-gram drafter and the prompt-length check need from `inner`'s vocabulary (added
+/// tokens included), from one pass over it:
+///
+/// - the number class of every id, from the vocabulary strings (byte-level BPE writes a leading
+///   space as `Ġ`, SentencePiece as `▁`);
+/// - the most UTF-8 bytes of any vocabulary string (never below one). A vocabulary string spells
+///   at least as many bytes of text as its token stands for (byte-level BPE writes one text byte
+///   as one or two; SentencePiece's `▁` is three for one space), so no token covers more text
+///   than this.
+fn vocab_facts(inner: &tokenizers::Tokenizer) -> (std::sync::Arc<[u8]>, usize) {
     let vocab = inner.get_vocab(true);
     let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
     let mut classes = vec![NUMBER_NONE; n];
+    let mut max_bytes = 1;
     for (text, id) in vocab {
+        max_bytes = max_bytes.max(text.len());
         let (spaced, rest) = match text.strip_prefix('Ġ').or_else(|| text.strip_prefix('▁')) {
             Some(rest) => (true, rest),
             None => (false, text.as_str()),
@@ -89,7 +90,7 @@ fn number_classes(inner: &tokenizers::Tokenizer) -> std::sync::Arc<[u8]> {
             classes[id as usize] = if spaced { NUMBER_SPACE_DIGITS } else { NUMBER_DIGITS };
         }
     }
-    classes.into()
+    (classes.into(), max_bytes)
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -195,9 +196,10 @@ impl Tokenizer {
         }
         inner.add_special_tokens(&added);
         let tok = |key: &str| meta_u32(md, key).and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())));
+        let (number_classes, max_token_bytes) = vocab_facts(&inner);
         Ok(Self {
-            number_classes: number_classes(&inner),
-            max_token_bytes: max_token_bytes(&inner),
+            number_classes,
+            max_token_bytes,
             inner: inner.into(),
             bos_token: tok("tokenizer.ggml.bos_token_id"),
             eos_token: tok("tokenizer.ggml.eos_token_id"),
@@ -213,12 +215,13 @@ impl Tokenizer {
     pub fn from_hf_file(path: &Path, bos: Option<String>, eos: Option<String>, add_bos: bool) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         let lookup = |s: Option<String>| s.and_then(|s| inner.token_to_id(&s).map(|id| (id, s)));
+        let (number_classes, max_token_bytes) = vocab_facts(&inner);
         Ok(Self {
             bos_token: lookup(bos),
             eos_token: lookup(eos),
             add_bos,
-            number_classes: number_classes(&inner),
-            max_token_bytes: max_token_bytes(&inner),
+            number_classes,
+            max_token_bytes,
             inner: inner.into(),
         })
     }

@@ -101,7 +101,8 @@ impl NgramDrafter {
                 let mut s = j;
                 while s < reach && {
                     let (a, b) = (context[end - s], context[last - s]);
-                    a == b || (self.class(a) != NUMBER_NONE && self.class(a) == self.class(b))
+                    let ca = self.class(a);
+                    a == b || (ca != NUMBER_NONE && ca == self.class(b))
                 } {
                     s += 1;
                 }
