@@ -534,8 +534,8 @@ impl Sequence {
                 let p = d.propose(&self.context, k)?;
                 let secs = td.elapsed().as_secs_f64();
                 self.stats.spec.draft_s += secs;
-                // Catch-up after a pause is paid once, not per draft token.
-                self.k_ctl.observe_draft(p.len(), (secs - d.last_catch_up_s()).max(0.0));
+                // Catch-up after a pause is paid once per probe, not per draft token.
+                self.k_ctl.observe_draft(p.len(), secs, d.last_catch_up_s());
                 p
             }
             _ => Proposal::default(),

@@ -17,6 +17,13 @@
 //! timings the engine reports; a `V(r)` not yet measured is interpolated linearly between
 //! measured row counts (prior slope: 10% of `V(1)` per extra row, the weights being read once).
 //! Timing noise changes only k, never the committed tokens.
+//!
+//! A drafter that must catch up after a pause (a draft model feeds the tokens committed while it
+//! was paused) pays that once per probe, not per draft token. The controller prices it as part
+//! of drafting, spread over the draft tokens of recent steps (decayed sums of probe catch-up
+//! seconds and of draft tokens): where runs of drafting are long (code), a catch-up is spread
+//! thin; where drafting hovers at break-even and every few steps end in a pause (prose), the
+//! catch-ups add up, drafting stops paying, and the pauses grow instead of resetting.
 
 /// Longest pause (in target steps) between probes when drafts keep failing.
 pub const MAX_PAUSE: usize = 32;
@@ -28,6 +35,9 @@ const TIME_ALPHA: f64 = 0.25;
 const PRIOR_ROW_SLOPE: f64 = 0.1;
 /// Drafting steps between two one-row (no draft) steps that re-measure the unit of every cost.
 const RECALIBRATE_EVERY: usize = 32;
+
+/// Decay of the probe catch-up and draft-token sums, per drafting step.
+const CATCH_UP_DECAY: f64 = 0.97;
 
 /// Weight of the older steps in the [`BatchCost`] fit, per step.
 const BATCH_DECAY: f64 = 0.97;
@@ -113,6 +123,9 @@ pub struct DraftLength {
     forward_s: Vec<Option<f64>>,
     /// Moving average of the drafter's seconds per proposed token.
     draft_token_s: Option<f64>,
+    /// Decayed sums of the catch-up seconds probes paid and of the tokens drafted.
+    catch_up_s: f64,
+    drafted: f64,
     pause: usize,
     backoff: usize,
     probing: bool,
@@ -136,6 +149,8 @@ impl DraftLength {
             tested: 2.0,
             forward_s: vec![None; max + 1],
             draft_token_s: None,
+            catch_up_s: 0.0,
+            drafted: 0.0,
             pause: 0,
             backoff: 1,
             probing: false,
@@ -159,6 +174,8 @@ impl DraftLength {
             *mine = *theirs;
         }
         self.draft_token_s = prior.draft_token_s;
+        self.catch_up_s = prior.catch_up_s;
+        self.drafted = prior.drafted;
         if self.forward_s[0].is_some() && self.best().1 < 1.0 {
             self.pause = self.max_pause;
             self.backoff = self.max_pause;
@@ -206,11 +223,21 @@ impl DraftLength {
         below.1 + slope.max(0.0) * (rows - below.0) as f64
     }
 
-    /// Drafter cost per token, relative to a one-row target forward (0 until measured).
+    /// Drafter cost per token, relative to a one-row target forward (0 until measured): its
+    /// seconds per draft token plus the probes' catch-up spread over the recent draft tokens.
     pub fn relative_draft_cost(&self) -> f64 {
         match (self.draft_token_s, self.forward_s.first().copied().flatten()) {
-            (Some(d), Some(t1)) if t1 > 0.0 => d / t1,
+            (Some(d), Some(t1)) if t1 > 0.0 => (d + self.catch_up_per_token()) / t1,
             _ => 0.0,
+        }
+    }
+
+    /// Probe catch-up seconds per recent draft token.
+    fn catch_up_per_token(&self) -> f64 {
+        if self.drafted > 0.0 {
+            self.catch_up_s / self.drafted
+        } else {
+            0.0
         }
     }
 
@@ -230,7 +257,7 @@ impl DraftLength {
     /// decoding's seconds per token at this concurrency and `b` the marginal seconds of a row.
     pub fn predicted_speedup(&self, k: usize) -> f64 {
         if let Some(l) = self.load {
-            let d = self.draft_token_s.unwrap_or(0.0);
+            let d = self.draft_token_s.unwrap_or(0.0) + self.catch_up_per_token();
             return self.expected_tokens(k) * l.token_s / (l.token_s + k as f64 * (l.row_s + d));
         }
         let cost = self.relative_forward_cost(k + 1) + k as f64 * self.relative_draft_cost();
@@ -309,12 +336,18 @@ impl DraftLength {
         *e = Some(e.map_or(seconds, |m| m + TIME_ALPHA * (seconds - m)));
     }
 
-    /// Feed the seconds the drafter took to propose `tokens` tokens.
-    pub fn observe_draft(&mut self, tokens: usize, seconds: f64) {
+    /// Feed the seconds the drafter took to propose `tokens` tokens, `catch_up` of which it spent
+    /// feeding context it had not seen (see [`super::Drafter::last_catch_up_s`]). The catch-up
+    /// of a probe (the step after a pause) is priced over the recent draft tokens; a catch-up at
+    /// any other step (the prompt, before the first draft) is not a cost of pausing.
+    pub fn observe_draft(&mut self, tokens: usize, seconds: f64, catch_up: f64) {
         if tokens == 0 {
             return;
         }
-        let per = seconds / tokens as f64;
+        let catch_up = catch_up.clamp(0.0, seconds);
+        self.catch_up_s = CATCH_UP_DECAY * self.catch_up_s + if self.probing { catch_up } else { 0.0 };
+        self.drafted = CATCH_UP_DECAY * self.drafted + tokens as f64;
+        let per = (seconds - catch_up) / tokens as f64;
         self.draft_token_s = Some(self.draft_token_s.map_or(per, |m| m + TIME_ALPHA * (per - m)));
     }
 }
@@ -329,7 +362,7 @@ mod tests {
         for r in 1..=max + 1 {
             c.observe_forward(r, 0.01 * (1.0 + slope * (r - 1) as f64));
         }
-        c.observe_draft(1, 0.01 * d);
+        c.observe_draft(1, 0.01 * d, 0.0);
         c
     }
 
@@ -435,6 +468,50 @@ mod tests {
     }
 
     #[test]
+    fn probe_catch_ups_are_priced_over_recent_draft_tokens() {
+        // One-row forward 10 ms; a draft token 4 ms (0.4 of a step).
+        let mut c = measured(4, 0.3, 0.4);
+        assert!((c.relative_draft_cost() - 0.4).abs() < 1e-9);
+        // A catch-up outside a probe (the prompt, before the first draft) is not priced.
+        c.observe_draft(1, 0.004 + 0.050, 0.050);
+        assert!(
+            (c.relative_draft_cost() - 0.4).abs() < 1e-9,
+            "{}",
+            c.relative_draft_cost()
+        );
+        // Acceptance where drafting one token just pays without catch-ups: 1.75 / (1.3 + 0.4).
+        for _ in 0..30 {
+            c.update(1, 0);
+            c.update(1, 1);
+            c.update(1, 1);
+            c.update(1, 1);
+        }
+        assert!(c.predicted_speedup(1) > 0.99, "{}", c.predicted_speedup(1));
+        // Drafting at break-even: one draft in four is rejected, and a rejection tips the
+        // estimate below 1, so a pause follows; each probe then feeds what the pause left unseen
+        // (10 ms of catch-up, one target step). Priced over the recent draft tokens, the
+        // catch-ups make drafting not pay, and the pauses grow instead of resetting.
+        let mut pauses = Vec::new();
+        let mut n = 0;
+        for step in 0..400 {
+            let k = c.next_k();
+            if k == 0 {
+                n += 1;
+                continue;
+            }
+            let catch_up = if n > 0 { 0.010 } else { 0.0 };
+            if n > 0 {
+                pauses.push(n);
+                n = 0;
+            }
+            c.observe_draft(k, 0.004 * k as f64 + catch_up, catch_up);
+            c.update(k, usize::from(step % 4 != 0).min(k));
+        }
+        assert!(c.relative_draft_cost() > 0.45, "{}", c.relative_draft_cost());
+        assert!(pauses.len() >= 3 && *pauses.last().unwrap() >= 32, "{pauses:?}");
+    }
+
+    #[test]
     fn unmeasured_row_counts_are_interpolated() {
         let mut c = DraftLength::new(8, true);
         c.observe_forward(1, 0.010);
@@ -454,7 +531,7 @@ mod tests {
         assert!(c.next_k() > 0, "optimistic start");
         for _ in 0..3 {
             c.observe_forward(5, 0.030);
-            c.observe_draft(4, 0.024);
+            c.observe_draft(4, 0.024, 0.0);
             c.update(4, 3);
         }
         assert_eq!(c.next_k(), 0, "a one-row step to measure the unit");
@@ -474,7 +551,7 @@ mod tests {
                 c.observe_forward(1, 0.010);
             } else {
                 c.observe_forward(k + 1, 0.010 * (1.0 + 0.2 * k as f64));
-                c.observe_draft(k, 0.0001 * k as f64);
+                c.observe_draft(k, 0.0001 * k as f64, 0.0);
                 c.update(k, k);
             }
         }

@@ -27,6 +27,9 @@ use crate::sampling::{argmax, Sampler, SamplingParams};
 pub const RESEED_GAP: usize = 96;
 /// Tokens of context a re-seed feeds.
 pub const RESEED_WINDOW: usize = 64;
+/// Tokens a drafting step feeds when no pause came before it: the last accepted draft (after a
+/// full accept) and the target's token. Feeding more is catch-up ([`Drafter::last_catch_up_s`]).
+const STEADY_FEED: usize = 2;
 /// Longest pause between the controller's probes for a draft model: a probe costs a re-seed
 /// (about 10 target steps on the Qwen pair), so probing every [`super::controller::MAX_PAUSE`]
 /// steps would cost ~30% of the paused time; every 256 steps costs ~5%.
@@ -118,11 +121,12 @@ impl Drafter for DraftModelDrafter {
         }
         let started = std::time::Instant::now();
         let mut logits = self.feed(&view[shared..])?;
-        // Feeding the one token whose row gives the first draft's logits is part of drafting;
-        // the rest was catch-up.
+        // A step that drafts without a pause before it feeds one or two tokens: the target's own
+        // token, after the last draft when every draft was accepted (that draft was never fed).
+        // Feeding those is part of drafting; only what a pause left unseen is catch-up.
         let fed = view.len() - shared;
-        self.catch_up_s = if fed > 1 {
-            started.elapsed().as_secs_f64() * (fed - 1) as f64 / fed as f64
+        self.catch_up_s = if fed > STEADY_FEED {
+            started.elapsed().as_secs_f64() * (fed - STEADY_FEED) as f64 / fed as f64
         } else {
             0.0
         };
