@@ -229,6 +229,27 @@ impl Engine {
         Ok(())
     }
 
+    /// Reduce the attached draft model's LM head to a draft vocabulary (FR-Spec): the `n` token
+    /// ids [`crate::spec::draft_model::draft_vocab_ids`] picks from `ranked` (ids by frequency
+    /// in this target's text), with this target's end-of-generation ids. The draft model then
+    /// proposes only those tokens, at the cost of that share of its LM head; the target still
+    /// verifies over the full vocabulary, so output is unchanged. Errors: no draft model
+    /// attached, or one already in use by a request, or whose LM head is not on our kernels.
+    pub fn reduce_draft_vocab(&mut self, ranked: &[u32], n: usize) -> Result<usize> {
+        let eos = self.bundle.eos_ids.clone();
+        let Some(d) = self.draft.as_mut() else {
+            anyhow::bail!("a draft vocabulary needs a draft model (--draft-model)");
+        };
+        let Some(model) = Arc::get_mut(&mut d.model) else {
+            anyhow::bail!("the draft model is in use: its vocabulary can only be reduced before the first request");
+        };
+        let ids = crate::spec::draft_model::draft_vocab_ids(ranked, n, model.config.vocab_size, &eos);
+        model
+            .restrict_logits(&ids)
+            .map_err(|e| anyhow::anyhow!("draft model {}: {e}", d.id))?;
+        Ok(ids.len())
+    }
+
     /// Load an MTP head (a directory with config.json and safetensors, or one safetensors file)
     /// for this engine's model and attach it: `SpecMode::Mtp` drafts with it, and `Default` /
     /// `On` use it when no draft model is attached. Errors: the head does not load or does not

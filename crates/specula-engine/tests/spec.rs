@@ -582,3 +582,88 @@ fn smollm2_trained_full_matrix() {
 fn smollm2_ngram_full_matrix() {
     smollm2_gate(&[], &[(1, false), (2, false), (4, false), (8, false), (8, true)]);
 }
+
+#[test]
+fn a_reduced_logit_set_keeps_the_full_heads_bits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = write_tiny(
+        dir.path(),
+        "m.gguf",
+        TinySpec {
+            dtype: GgmlDType::Q8_0,
+            ..TinySpec::new(Family::Qwen2)
+        },
+    );
+    let full = specula_engine::bundle::load(&path, &candle_core::Device::Cpu)
+        .expect("load")
+        .model;
+    let mut part = specula_engine::bundle::load(&path, &candle_core::Device::Cpu)
+        .expect("load")
+        .model;
+    let vocab = full.config.vocab_size;
+    let keep: Vec<u32> = (0..vocab as u32).filter(|t| t % 3 == 1).collect();
+    part.restrict_logits(&keep).expect("restrict");
+    let tokens = [5u32, 9, 2, 7];
+    let logits = |m: &specula_engine::model::Model| {
+        let mut kv = m.new_kv_cache();
+        let out = m
+            .forward(&tokens, &mut kv, specula_engine::model::LogitsRows::All, &[])
+            .expect("forward");
+        out.logits
+            .flatten_all()
+            .expect("flatten")
+            .to_vec1::<f32>()
+            .expect("values")
+    };
+    let (a, b) = (logits(&full), logits(&part));
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        if (i % vocab) % 3 == 1 {
+            assert_eq!(x.to_bits(), y.to_bits(), "logit {i}");
+        } else {
+            assert_eq!(*y, f32::NEG_INFINITY, "logit {i}");
+        }
+    }
+    let e = part.restrict_logits(&[vocab as u32]).unwrap_err().to_string();
+    assert!(e.contains("outside the vocabulary"), "{e}");
+}
+
+#[test]
+fn a_reduced_draft_vocabulary_keeps_greedy_output() {
+    // The draft model has the target's weights, so it agrees with every target token it can
+    // propose; one token of the output is left out of its vocabulary, so drafts fail there.
+    let (_d, mut e) = tiny_pair(Draft::Same);
+    let prompt = e.tokenize("the then the thin").expect("tokenize");
+    let req = greedy_req(prompt, 90);
+    let ar = assert_same(&mut e, &req, mode(SpecMode::Draft, 4, false), "full vocabulary");
+    assert_eq!(ar.stats.spec.accepted, ar.stats.spec.drafted);
+    let mut seen = Vec::new();
+    for &t in &ar.token_ids {
+        if !seen.contains(&t) && !e.eos_ids().contains(&t) {
+            seen.push(t);
+        }
+    }
+    assert!(seen.len() > 2, "{seen:?}");
+    // Leave out the most frequent token of the output.
+    let count = |t: u32| ar.token_ids.iter().filter(|&&x| x == t).count();
+    let (i, _) = seen.iter().enumerate().max_by_key(|(_, &t)| count(t)).expect("tokens");
+    let left_out = seen.remove(i);
+    let n = e.reduce_draft_vocab(&seen, seen.len()).expect("reduce");
+    assert_eq!(n, seen.len() + e.eos_ids().iter().filter(|t| !seen.contains(t)).count());
+    let (mut drafted, mut accepted) = (0, 0);
+    for (k, adaptive) in [(1, false), (4, false), (4, true)] {
+        let out = assert_same(
+            &mut e,
+            &req,
+            mode(SpecMode::Draft, k, adaptive),
+            &format!("reduced k={k}"),
+        );
+        drafted += out.stats.spec.drafted;
+        accepted += out.stats.spec.accepted;
+    }
+    assert!(drafted > 0);
+    assert!(
+        accepted < drafted,
+        "token {left_out} cannot be drafted, so some drafts fail"
+    );
+}

@@ -17,7 +17,9 @@ pub struct DistillArgs {
     #[arg(long, default_value = DEFAULT_MODEL)]
     target: String,
     /// What to train: `mtp` (a multi-token-prediction head, DeepSeek-V3 §2.2) or `block` (a
-    /// block drafter, DFlash).
+    /// block drafter, DFlash); or `vocab`: no training, only the draft vocabulary of a draft
+    /// model for this target (its training text's token ids ranked by count, written to
+    /// OUT/draft_vocab.json for `--draft-vocab`).
     #[arg(long, value_enum, default_value = "mtp")]
     kind: Kind,
     /// Block drafter: tokens per block (it drafts block_size - 1 per pass).
@@ -98,6 +100,7 @@ pub struct DistillArgs {
 enum Kind {
     Mtp,
     Block,
+    Vocab,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
@@ -203,6 +206,25 @@ pub fn run(a: DistillArgs) -> Result<()> {
     let kind = match a.kind {
         Kind::Mtp => distill::HeadKind::Mtp,
         Kind::Block => distill::HeadKind::Block,
+        Kind::Vocab => {
+            let r = distill::draft_vocab(&mut engine, &opts, &mut on_progress)?;
+            if let Some(b) = bar.take() {
+                b.finish();
+            }
+            eprintln!(
+                "{} token ids ranked over {} tokens; written to {}",
+                r.distinct,
+                r.tokens,
+                r.path.display()
+            );
+            eprintln!(
+                "use it: specula serve {} --draft-model DRAFT --draft-vocab {}",
+                a.target,
+                r.path.display()
+            );
+            println!("{}", serde_json::to_string(&r)?);
+            return Ok(());
+        }
     };
     let report = distill::run(&mut engine, &path, a.init.as_deref(), kind, &opts, &mut on_progress)?;
     if let Some(b) = bar.take() {
@@ -226,6 +248,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
             match a.kind {
                 Kind::Mtp => "mtp",
                 Kind::Block => "block",
+                Kind::Vocab => unreachable!("returned above"),
             }
         );
     } else {

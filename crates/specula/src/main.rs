@@ -231,6 +231,16 @@ struct SpecArgs {
     /// A draft model (GGUF file, bundle directory or catalog name) with the target's tokenizer.
     #[arg(long)]
     draft_model: Option<String>,
+    /// The draft model's vocabulary (FR-Spec): a `draft_vocab.json` written by `specula distill
+    /// --kind vocab` (token ids ranked by frequency in the target's text). The draft model then
+    /// computes logits for --draft-vocab-size tokens only, which makes each draft token cheaper
+    /// and drafts outside that set impossible; the target verifies over the full vocabulary, so
+    /// output is unchanged. Default: the full vocabulary.
+    #[arg(long)]
+    draft_vocab: Option<String>,
+    /// Tokens in the draft model's vocabulary (with --draft-vocab).
+    #[arg(long, default_value_t = specula_engine::spec::draft_model::DRAFT_VOCAB_SIZE)]
+    draft_vocab_size: usize,
     /// A native drafter for this model: an MTP head (a directory with config.json and
     /// safetensors, or one safetensors file) or a block drafter (a folder whose config.json has
     /// block_size), e.g. written by `specula distill`. Without it, native drafters beside the
@@ -274,6 +284,18 @@ impl SpecArgs {
         }
     }
 
+    /// Apply --draft-vocab to the attached draft model.
+    fn reduce_draft_vocab(&self, engine: &mut Engine) -> Result<()> {
+        let Some(file) = self.draft_vocab.as_deref() else {
+            return Ok(());
+        };
+        let text = std::fs::read_to_string(file).with_context(|| format!("reading --draft-vocab {file}"))?;
+        let ranked = specula_engine::spec::draft_model::parse_draft_vocab(&text, file)?;
+        let n = engine.reduce_draft_vocab(&ranked, self.draft_vocab_size)?;
+        tracing::info!(tokens = n, file, "draft model vocabulary reduced");
+        Ok(())
+    }
+
     /// Attach the draft model and the MTP head, if given (or found beside `model_path`);
     /// `--spec draft` / `--spec mtp` without one is an error.
     fn attach(&self, engine: &mut Engine, model_path: Option<&std::path::Path>) -> Result<()> {
@@ -285,8 +307,10 @@ impl SpecArgs {
                     .attach_draft_model(&path, m)
                     .with_context(|| format!("loading draft model {}", path.display()))?;
                 tracing::info!(draft_model = %m, "draft model loaded in {:.2}s", t.elapsed().as_secs_f64());
+                self.reduce_draft_vocab(engine)?;
             }
             None if matches!(self.spec, SpecArg::Draft) => bail!("--spec draft needs --draft-model"),
+            None if self.draft_vocab.is_some() => bail!("--draft-vocab needs --draft-model"),
             None => {}
         }
         let drafters: Vec<PathBuf> = match &self.drafter {

@@ -138,6 +138,55 @@ pub fn run_mtp(
     run(engine, model_path, init, HeadKind::Mtp, opts, progress)
 }
 
+/// What [`draft_vocab`] measured and wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VocabReport {
+    /// The file written (`draft_vocab.json` in the output directory).
+    pub path: PathBuf,
+    /// Tokens counted, and how many distinct token ids occurred.
+    pub tokens: usize,
+    pub distinct: usize,
+}
+
+/// The draft vocabulary of a draft model for this target (FR-Spec, Zhao et al. 2025): the
+/// target's training text of `opts` (its greedy answers to the built-in prompts and/or `--data`
+/// files, [`data::sequences`]) tokenized, and every token id that occurs ranked by count (ties
+/// by id). Written to `opts.out/draft_vocab.json` as `{"model", "sources", "tokens",
+/// "ranked_ids"}`; `--draft-vocab FILE` on `serve` / `generate` reads it
+/// ([`crate::spec::draft_model::draft_vocab_ids`]).
+pub fn draft_vocab(
+    engine: &mut crate::Engine,
+    opts: &DistillOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> anyhow::Result<VocabReport> {
+    std::fs::create_dir_all(&opts.out)?;
+    let seqs = data::sequences(engine, opts, progress)?;
+    let vocab = engine.config().vocab_size;
+    let mut count = vec![0u64; vocab];
+    let mut tokens = 0;
+    for &t in seqs.sequences.iter().flatten() {
+        if let Some(c) = count.get_mut(t as usize) {
+            *c += 1;
+            tokens += 1;
+        }
+    }
+    let mut ranked: Vec<u32> = (0..vocab as u32).filter(|&t| count[t as usize] > 0).collect();
+    ranked.sort_by(|&a, &b| count[b as usize].cmp(&count[a as usize]).then(a.cmp(&b)));
+    let path = opts.out.join("draft_vocab.json");
+    let doc = serde_json::json!({
+        "model": engine.model_id(),
+        "sources": seqs.sources,
+        "tokens": tokens,
+        "ranked_ids": ranked,
+    });
+    std::fs::write(&path, serde_json::to_string(&doc)?)?;
+    Ok(VocabReport {
+        path,
+        tokens,
+        distinct: ranked.len(),
+    })
+}
+
 /// The target layers a block drafter reads by default: three, spread from a third of the depth
 /// to the last block.
 pub fn default_block_taps(num_layers: usize) -> Vec<usize> {

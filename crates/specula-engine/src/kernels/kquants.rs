@@ -196,6 +196,23 @@ impl KWeight {
         self.kind
     }
 
+    /// The weight rows `ids`, in that order, as a new `[ids.len(), k]` weight (super-blocks
+    /// copied unchanged: each output is bitwise what the full product gives at that row).
+    /// Panics if an id is not below `n`.
+    pub fn select_rows(&self, ids: &[u32]) -> Self {
+        let rb = self.k / QK_K * self.kind.block_bytes();
+        Self {
+            kind: self.kind,
+            n: ids.len(),
+            k: self.k,
+            data: ids
+                .iter()
+                .flat_map(|&j| &self.data[j as usize * rb..][..rb])
+                .copied()
+                .collect(),
+        }
+    }
+
     /// `(n, k)`: output features, input features.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)

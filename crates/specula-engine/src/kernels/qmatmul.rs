@@ -195,6 +195,43 @@ impl QWeight {
         self.kind
     }
 
+    /// The weight rows `ids`, in that order, as a new `[ids.len(), k]` weight (the blocks copied
+    /// unchanged, so each output is bitwise what the full product gives at that row). Panics if
+    /// an id is not below `n`.
+    pub fn select_rows(&self, ids: &[u32]) -> Self {
+        let per = self.k / QK;
+        let qs_len = self.kind.qs_bytes();
+        let pick = |v: &[u16]| -> Vec<u16> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            ids.iter()
+                .flat_map(|&j| &v[j as usize * per..][..per])
+                .copied()
+                .collect()
+        };
+        Self {
+            kind: self.kind,
+            n: ids.len(),
+            k: self.k,
+            d: pick(&self.d),
+            m: pick(&self.m),
+            qs: ids
+                .iter()
+                .flat_map(|&j| &self.qs[j as usize * per * qs_len..][..per * qs_len])
+                .copied()
+                .collect(),
+            qh: if self.qh.is_empty() {
+                Vec::new()
+            } else {
+                ids.iter()
+                    .flat_map(|&j| &self.qh[j as usize * per..][..per])
+                    .copied()
+                    .collect()
+            },
+        }
+    }
+
     /// `(n, k)`: output features, input features.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)

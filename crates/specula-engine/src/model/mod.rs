@@ -181,6 +181,29 @@ impl Linear {
         Self::with_bias(Weight::Candle(QMatMul::Tensor(w.to_dtype(DType::F32)?)), bias)
     }
 
+    /// The output features `ids` (rows of `W`, in that order) as a new layer: each output is
+    /// bitwise what this layer gives at that feature. None for weights on candle's path.
+    pub fn select_rows(&self, ids: &[u32]) -> Option<Self> {
+        let weight = match &self.weight {
+            Weight::Own(q) => Weight::Own(q.select_rows(ids)),
+            Weight::OwnK(q) => Weight::OwnK(q.select_rows(ids)),
+            Weight::Candle(_) => return None,
+        };
+        let bias_values = self
+            .bias_values
+            .as_ref()
+            .map(|b| ids.iter().map(|&j| b[j as usize]).collect::<Vec<f32>>());
+        let bias = match &bias_values {
+            Some(b) => Some(Tensor::from_slice(b, b.len(), &Device::Cpu).ok()?),
+            None => None,
+        };
+        Some(Self {
+            weight,
+            bias,
+            bias_values,
+        })
+    }
+
     /// Is row i of an n-row product bitwise equal to the 1-row product? True for our own
     /// kernels; false for candle's dense path (see DESIGN.md).
     pub fn is_batch_invariant(&self) -> bool {
@@ -344,6 +367,9 @@ pub struct Model {
     /// The norm weights of every block, and the output norm's, as f32 values.
     norms: Vec<BlockNorms>,
     output_norm_values: Vec<f32>,
+    /// When set ([`Model::restrict_logits`]): the LM head rows of a token subset and their ids;
+    /// logits are computed for those tokens only, every other token's is -inf.
+    logit_subset: Option<(Linear, Vec<u32>)>,
 }
 
 /// One block's RMSNorm weights as f32 values (`[hidden]`; q/k: `[head_dim]`).
@@ -444,8 +470,30 @@ impl Model {
             rope_sin,
             device,
             lm_head_table: None,
+            logit_subset: None,
             kv_pool: crate::kv_cache::KvPool::new(config_stride),
         })
+    }
+
+    /// Compute logits for the tokens `ids` only (every other token's logit is -inf): a drafter's
+    /// reduced vocabulary (FR-Spec: Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary
+    /// Language Models via Frequency-Ranked Speculative Sampling"), which makes its LM head
+    /// cheaper by the share of rows left out. The logits kept are bitwise the full head's. Only
+    /// for a model that drafts: its proposals are verified by the target over the full
+    /// vocabulary, so what is left out costs acceptance, never exactness. Errors: an id outside
+    /// the vocabulary, or an LM head on candle's path.
+    pub fn restrict_logits(&mut self, ids: &[u32]) -> Result<()> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            bail!(
+                "token id {bad} is outside the vocabulary ({} tokens)",
+                self.config.vocab_size
+            );
+        }
+        let Some(head) = self.lm_head.select_rows(ids) else {
+            bail!("this model's LM head does not run on Specula's kernels: its vocabulary cannot be reduced");
+        };
+        self.logit_subset = Some((head, ids.to_vec()));
+        Ok(())
     }
 
     /// Keep the LM head's weight table (the GGUF tensor behind [`Model::lm_head`]) so that
@@ -638,7 +686,19 @@ impl Model {
         } else {
             let m = rows.len() / hs;
             // llama.cpp runs its LM head on the output rows alone (see the last MLP above).
-            let l = crate::kernels::kquants::with_llamacpp_batches(false, || self.lm_head.forward_rows(&rows, m))?;
+            let l = match &self.logit_subset {
+                None => crate::kernels::kquants::with_llamacpp_batches(false, || self.lm_head.forward_rows(&rows, m))?,
+                Some((head, ids)) => {
+                    let part = crate::kernels::kquants::with_llamacpp_batches(false, || head.forward_rows(&rows, m))?;
+                    let mut l = vec![f32::NEG_INFINITY; m * cfg.vocab_size];
+                    for (dst, src) in l.chunks_exact_mut(cfg.vocab_size).zip(part.chunks_exact(ids.len())) {
+                        for (&id, &v) in ids.iter().zip(src) {
+                            dst[id as usize] = v;
+                        }
+                    }
+                    l
+                }
+            };
             Some(Tensor::from_vec(l, (m, cfg.vocab_size), &self.device)?)
         };
         let mut outs = Vec::with_capacity(segs.len());

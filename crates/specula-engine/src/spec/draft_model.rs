@@ -35,6 +35,65 @@ const STEADY_FEED: usize = 2;
 /// steps would cost ~30% of the paused time; every 256 steps costs ~5%.
 pub const MAX_PAUSE: usize = 256;
 
+/// Draft vocabulary size used when a ranked list is given without a size: a quarter or less of
+/// a 150k vocabulary, which keeps the tokens of nearly every answer (the ranked list covers what
+/// the target says; the rest is filled in id order, the tokenizer's merge order).
+pub const DRAFT_VOCAB_SIZE: usize = 32_768;
+
+/// The token ids a draft model's reduced LM head covers (FR-Spec, Zhao et al. 2025): the first
+/// `n` of `ranked` (token ids by frequency in the target's text, as `specula distill --kind
+/// vocab` writes them), then the lowest ids not yet taken until there are `n`, plus the
+/// end-of-generation ids `eos`. Ids outside `0..vocab` are skipped. Sorted ascending.
+pub fn draft_vocab_ids(ranked: &[u32], n: usize, vocab: usize, eos: &[u32]) -> Vec<u32> {
+    let n = n.min(vocab);
+    let mut taken = vec![false; vocab];
+    let mut ids = Vec::with_capacity(n + eos.len());
+    let mut take = |t: u32, ids: &mut Vec<u32>| {
+        if let Some(seen) = taken.get_mut(t as usize) {
+            if !*seen {
+                *seen = true;
+                ids.push(t);
+            }
+        }
+    };
+    for &t in ranked {
+        if ids.len() >= n {
+            break;
+        }
+        take(t, &mut ids);
+    }
+    let mut next = 0u32;
+    while ids.len() < n && (next as usize) < vocab {
+        take(next, &mut ids);
+        next += 1;
+    }
+    for &e in eos {
+        take(e, &mut ids);
+    }
+    ids.sort_unstable();
+    ids
+}
+
+/// The ranked token ids of a draft vocabulary file (`draft_vocab.json` from `specula distill
+/// --kind vocab`: an object whose `ranked_ids` is an array of token ids). Errors name the file
+/// and the field.
+pub fn parse_draft_vocab(text: &str, file: &str) -> Result<Vec<u32>> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| anyhow!("{file}: not a draft vocabulary file (JSON: {e})"))?;
+    let arr = v
+        .get("ranked_ids")
+        .and_then(|a| a.as_array())
+        .ok_or_else(|| anyhow!("{file}: field 'ranked_ids' (an array of token ids) is missing"))?;
+    arr.iter()
+        .enumerate()
+        .map(|(i, x)| {
+            x.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| anyhow!("{file}: ranked_ids[{i}] is not a token id: {x}"))
+        })
+        .collect()
+}
+
 /// A draft model's per-request state.
 pub struct DraftModelDrafter {
     model: Arc<Model>,
@@ -180,6 +239,32 @@ mod tests {
             .expect("load")
             .model;
         (dir, Arc::new(model))
+    }
+
+    #[test]
+    fn draft_vocab_takes_the_ranked_ids_then_fills_in_id_order() {
+        // Ranked: 9, 3, 9 (a repeat), 42 (outside a vocabulary of 12), 7; n = 5, EOS 11.
+        let ids = draft_vocab_ids(&[9, 3, 9, 42, 7, 1], 5, 12, &[11]);
+        assert_eq!(ids, vec![0, 1, 3, 7, 9, 11]);
+        // n past the vocabulary: everything once.
+        assert_eq!(draft_vocab_ids(&[2], 50, 4, &[3]), vec![0, 1, 2, 3]);
+        // n smaller than the ranked list: its head only.
+        assert_eq!(draft_vocab_ids(&[5, 4, 3], 2, 8, &[]), vec![4, 5]);
+    }
+
+    #[test]
+    fn draft_vocab_files_are_checked() {
+        assert_eq!(parse_draft_vocab(r#"{"ranked_ids": [5, 2]}"#, "f").unwrap(), vec![5, 2]);
+        let e = parse_draft_vocab(r#"{"ids": []}"#, "dv.json").unwrap_err().to_string();
+        assert!(e.contains("dv.json") && e.contains("ranked_ids"), "{e}");
+        let e = parse_draft_vocab(r#"{"ranked_ids": [1, -3]}"#, "dv.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ranked_ids[1]"), "{e}");
+        assert!(parse_draft_vocab("not json", "dv.json")
+            .unwrap_err()
+            .to_string()
+            .contains("dv.json"));
     }
 
     #[test]
