@@ -537,15 +537,18 @@ impl Engine {
     /// llama.cpp's CPU backend evaluates a prompt of `prompt_len` tokens and then decodes the
     /// rest: the prompt in micro-batches of 512 rows (llama.cpp's default `-ub`), each with the
     /// attention path llama.cpp picks for its row count (`flash_attn_ext`'s tiled path from 64
-    /// rows, the one-chunk path below) and its batch arithmetic for Q4_K and Q6_K products
-    /// ([`crate::kernels::kquants::with_llamacpp_batches`]), then the remaining rows as
-    /// one-row decode steps. This reproduces the reference files made with `llama-server`
-    /// (`tests/reference.rs`); serving keeps one arithmetic for every row count (llama.cpp's
-    /// one-row arithmetic), which batch invariance needs.
+    /// rows, the one-chunk path below), its batch arithmetic for Q4_K and Q6_K products
+    /// ([`crate::kernels::kquants::with_llamacpp_batches`]) and its dot-product arithmetic for
+    /// the 32-wide block types ([`crate::kernels::qmatmul::with_ggml_arithmetic`]), then the
+    /// remaining rows as one-row decode steps. This reproduces the reference files made with
+    /// `llama-server` (`tests/reference.rs`); serving keeps one arithmetic for every row count,
+    /// which batch invariance needs (llama.cpp's one-row arithmetic for the K-quants, one float
+    /// chain per output for the 32-wide types: `kernels/qmatmul.rs`).
     ///
     /// Errors: as [`crate::model::Model::forward`]; `prompt_len` past `tokens.len()`.
     pub fn logits_as_llamacpp(&mut self, tokens: &[u32], prompt_len: usize) -> Result<Tensor> {
         use crate::kernels::kquants::with_llamacpp_batches;
+        use crate::kernels::qmatmul::with_ggml_arithmetic;
         use crate::model::attention::{with_mode, AttnMode};
         anyhow::ensure!(
             prompt_len <= tokens.len(),
@@ -573,7 +576,9 @@ impl Engine {
             // completion rows were one-row decode steps.
             let batch = done < prompt_len;
             let out = with_mode(mode, || {
-                with_llamacpp_batches(batch, || model.forward(piece, kv, LogitsRows::All, &[]))
+                with_ggml_arithmetic(true, || {
+                    with_llamacpp_batches(batch, || model.forward(piece, kv, LogitsRows::All, &[]))
+                })
             });
             match out {
                 Ok(o) => parts.push(o.logits),

@@ -48,34 +48,10 @@ pub fn has_avx512_vnni() -> bool {
     }
 }
 
-/// The CPU executes 512-bit vector operations as two 256-bit halves (AMD Zen 4 and earlier:
-/// vendor `AuthenticAMD`, family below 1Ah), which changes which kernel streams a large matrix
-/// fastest (see [`qmatmul::QWeight::matmul`]). Speed only: every kernel gives the same bits.
-pub fn splits_512bit_ops() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| {
-            let (v, f) = (std::arch::x86_64::__cpuid(0), std::arch::x86_64::__cpuid(1));
-            let amd = (v.ebx, v.edx, v.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
-            let family = ((f.eax >> 8) & 0xf)
-                + if (f.eax >> 8) & 0xf == 0xf {
-                    (f.eax >> 20) & 0xff
-                } else {
-                    0
-                };
-            amd && family < 0x1a
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Run `f` with the thread-local `key` set to `value`, restoring the previous value afterwards
 /// (also on unwind): the scoped overrides of the llama.cpp emulation
-/// ([`kquants::with_llamacpp_batches`], `model::attention::with_mode`).
+/// ([`qmatmul::with_ggml_arithmetic`], [`kquants::with_llamacpp_batches`],
+/// `model::attention::with_mode`).
 pub(crate) fn with_thread_local<T: Copy + 'static, R>(
     key: &'static std::thread::LocalKey<std::cell::Cell<T>>,
     value: T,

@@ -1,38 +1,55 @@
 //! Batch-invariant quantized matrix multiplication for the ggml block types Q4_0, Q4_1, Q5_0,
 //! Q5_1 and Q8_0 (32 weights per block).
 //!
-//! `y = x W^T` with `W` stored as ggml blocks (`ggml/src/ggml-common.h` layouts) and the
+//! `y = x W^T` with `W` read from ggml blocks (`ggml/src/ggml-common.h` layouts) and the
 //! activations `x` quantized per row to Q8_0 (for Q4_0, Q5_0, Q8_0) or Q8_1 (for Q4_1, Q5_1),
 //! as ggml does (`quantize_row_q8_0/q8_1`: scale `amax / 127`, values rounded to nearest-even
 //! after multiplying by `127 / amax`, scales stored as f16).
 //!
-//! Arithmetic per output element follows ggml's x86 AVX2 dot products (`ggml_vec_dot_q*_q8_*`
-//! in `ggml-cpu/arch/x86/quants.c`): per block, eight exact integer partial sums (lane `l` holds
-//! the products of values `4l..4l+3`), converted to f32 and accumulated lane-wise with one fused
-//! multiply-add by `d_w * d_x`; after the last block the lanes are summed in ggml's
-//! `hsum_float_8` order, and for the `_1` types the `m_w * s_x` terms (accumulated separately)
-//! are added.
+//! **Arithmetic** (one output element, weight row `j`, activation row `i`): per block `b`, in
+//! block order, starting from `acc = 0`,
 //!
-//! **Paths.** The portable path ([`vec_dot_portable`]) is the reference; the AVX2 path is ggml's
-//! loop (`maddubs` + `madd`), sharing each weight block's unpacking between 4 activation rows
-//! ([`vec_dot4`]). Where AVX-512 VNNI is available, every product runs on a tile kernel
-//! (`vnni_impl`): two weight rows per 512-bit register times up to [`VNNI_ROWS`] activation rows
-//! (8 weight rows × 1 for decode), the integer lanes by one `vpdpbusd` per (weight row pair, row,
-//! block) over the weights encoded unsigned (`w + bias`, the exact `-bias * sum(q)` of each lane
-//! precomputed per activation row as the accumulator's start), the float steps of both weight rows
-//! in one register. `SPECULA_KERNELS=avx2` / `=portable` force the other paths.
+//! ```text
+//! isum = sum over the block's 32 values of q_w * q_x          (exact i32)
+//! acc  = fma(f32(isum), d_w * d_x, acc)                        (d_w * d_x rounded to f32 once)
+//! acc  = fma(m_w, s_x, acc)                                    (Q4_1 / Q5_1 only)
+//! ```
+//!
+//! and `y = acc`. `q_w` is the signed weight value (Q4_0: nibble - 8, Q5_0: 5-bit - 16, Q8_0:
+//! the byte; Q4_1 / Q5_1: the unsigned value, with the minimum `m_w` carried by the second FMA).
+//! The integer sum of a block is exact however it is computed, so every kernel is free in how it
+//! forms it; the float steps are one chain per output in block order. This differs from ggml's
+//! AVX2 dot products, which keep eight float lanes per output (one FMA per lane and block, then
+//! `hsum_float_8`) and a separate `m * s` sum: that is eight times the float work per output, the
+//! cost that kept the multi-row tile slow. Against llama.cpp the results differ only by rounding
+//! (`tests/reference.rs` measures it on the real models).
+//!
+//! **Layout.** [`QWeight`] keeps the weights interleaved by [`GROUP`] rows: per group of 16 rows
+//! and block, the quants as `[dword][row][4 bytes]` (dword `t` of a row holds its quant bytes
+//! `4t .. 4t + 3`), then the 16 rows' scales (and minimums, and Q5's high-bit words). One 512-bit
+//! load is then one dword of all 16 rows, and a `vpdpbusd` against the matching 4 activation bytes
+//! broadcast adds 4 products to each row's block sum: lanes are output features, so the float
+//! steps run once per (16 features, activation row, block) instead of per feature. A group and its
+//! blocks are one contiguous stream for the decode step.
+//!
+//! **Paths.** The portable path ([`QWeight::dot_portable`]) is the definition; the AVX2 path runs
+//! 8 weight rows per register (`maddubs` + `madd` block sums); the AVX-512 VNNI path
+//! (`vnni_impl`) runs 16 weight rows per register times up to [`VNNI_ROWS`] activation rows (32
+//! weight rows for one row). `SPECULA_KERNELS=avx2` / `=portable` force the other paths.
 //!
 //! **Batch invariance.** Every output element is computed by the same function of one weight row
 //! and one activation row, whatever the number of rows `m`: a row of an m-row product is bitwise
-//! equal to the 1-row product. All paths compute the same exact integer lane sums (the Q8 quants
-//! are in -127..=127, so no `maddubs` pair saturates) and the same float operations in the same
-//! order, so they agree bitwise too (tested).
+//! equal to the 1-row product. All paths compute the same exact block sums and the same float
+//! operations in the same order, so they agree bitwise too (tested).
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
 /// Weights per block for every type here.
 pub const QK: usize = 32;
+
+/// Weight rows per interleaved group of [`QWeight`] (the lanes of one 512-bit register).
+pub const GROUP: usize = 16;
 
 /// The block types this kernel handles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +74,7 @@ impl QKind {
         })
     }
 
-    /// Bytes per block.
+    /// Bytes per ggml block.
     pub fn block_bytes(&self) -> usize {
         match self {
             QKind::Q4_0 => 18,
@@ -80,6 +97,23 @@ impl QKind {
     /// Does the block carry a minimum `m` (the `_1` types, dotted with Q8_1 activations)?
     fn has_min(&self) -> bool {
         matches!(self, QKind::Q4_1 | QKind::Q5_1)
+    }
+
+    /// Do the blocks carry a fifth bit per value?
+    fn has_qh(&self) -> bool {
+        matches!(self, QKind::Q5_0 | QKind::Q5_1)
+    }
+
+    /// What the kernels add to a weight value to make it unsigned (`vpdpbusd` multiplies
+    /// unsigned weight bytes by signed activation bytes); the block sum is corrected by
+    /// `-bias * sum(q_x)`, exactly.
+    fn bias(&self) -> i32 {
+        match self {
+            QKind::Q4_0 => 8,
+            QKind::Q5_0 => 16,
+            QKind::Q8_0 => 128,
+            QKind::Q4_1 | QKind::Q5_1 => 0,
+        }
     }
 }
 
@@ -123,33 +157,99 @@ pub(crate) fn nearest_int(v: f32) -> i32 {
     (t.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
-/// A weight matrix `[n, k]` in one of the [`QKind`] block formats, in owned memory.
+/// A weight matrix `[n, k]` in one of the [`QKind`] block formats, in owned memory, interleaved
+/// by [`GROUP`] rows (module docs). Rows past `n` in the last group are zero.
 #[derive(Debug, Clone)]
 pub struct QWeight {
     kind: QKind,
     n: usize,
     k: usize,
-    /// Per block, the scale `d` (f16 bits, as stored), `[n * k / 32]`.
+    /// Blocks per row, `k / 32`.
+    nb: usize,
+    /// Groups of [`GROUP`] rows, `ceil(n / 16)`.
+    groups: usize,
+    /// Scales `d` (f16 bits, as stored), `[group][block][GROUP]`.
     d: Vec<u16>,
-    /// Per block, the minimum `m` for the `_1` types (f16 bits; else empty).
+    /// Minimums `m` of the `_1` types (f16 bits), `[group][block][GROUP]`; else empty.
     m: Vec<u16>,
-    /// Per block, the packed quants: 16 bytes of nibbles (4/5-bit types) or 32 signed bytes (Q8_0).
+    /// Quants, `[group][block][dword][GROUP][4]`: 16 bytes of nibbles per row and block (4/5-bit
+    /// types: byte `p` holds value `p` in its low nibble and `p + 16` in its high one) or 32
+    /// signed bytes (Q8_0).
     qs: Vec<u8>,
-    /// Per block, the fifth bits of the 5-bit types (else empty).
+    /// The fifth bits of the 5-bit types (bit `t` of a word: value `t`), `[group][block][GROUP]`;
+    /// else empty.
     qh: Vec<u32>,
 }
 
-/// A view of one weight row.
-#[derive(Clone, Copy)]
-pub struct RowRef<'a> {
-    kind: QKind,
-    d: &'a [u16],
-    m: &'a [u16],
-    qs: &'a [u8],
-    qh: &'a [u32],
-}
-
 impl QWeight {
+    /// An all-zero `[n, k]` weight of `kind`.
+    fn zeros(kind: QKind, n: usize, k: usize) -> Self {
+        let nb = k / QK;
+        let groups = n.div_ceil(GROUP);
+        let slots = groups * nb * GROUP;
+        Self {
+            kind,
+            n,
+            k,
+            nb,
+            groups,
+            d: vec![0; slots],
+            m: if kind.has_min() { vec![0; slots] } else { Vec::new() },
+            qs: vec![0; slots * kind.qs_bytes()],
+            qh: if kind.has_qh() { vec![0; slots] } else { Vec::new() },
+        }
+    }
+
+    /// Index of (row `j`, block `b`) among the per-row slots (`d`, `m`, `qh`).
+    #[inline]
+    fn slot(&self, j: usize, b: usize) -> usize {
+        ((j / GROUP) * self.nb + b) * GROUP + j % GROUP
+    }
+
+    /// Offset in `qs` of quant byte `p` of (row `j`, block `b`).
+    #[inline]
+    fn qs_at(&self, j: usize, b: usize, p: usize) -> usize {
+        let ql = self.kind.qs_bytes();
+        ((j / GROUP) * self.nb + b) * GROUP * ql + (p / 4) * GROUP * 4 + (j % GROUP) * 4 + p % 4
+    }
+
+    /// Store one ggml block (its bytes as in the file: `d`, [`m`], [`qh`], quants) at (row `j`,
+    /// block `b`).
+    fn put_block(&mut self, j: usize, b: usize, blk: &[u8]) {
+        let s = self.slot(j, b);
+        self.d[s] = u16::from_le_bytes([blk[0], blk[1]]);
+        let mut at = 2;
+        if self.kind.has_min() {
+            self.m[s] = u16::from_le_bytes([blk[2], blk[3]]);
+            at = 4;
+        }
+        if self.kind.has_qh() {
+            self.qh[s] = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+            at += 4;
+        }
+        for p in 0..self.kind.qs_bytes() {
+            let o = self.qs_at(j, b, p);
+            self.qs[o] = blk[at + p];
+        }
+    }
+
+    /// The ggml block at (row `j`, block `b`), as [`put_block`](Self::put_block) takes it.
+    fn get_block(&self, j: usize, b: usize) -> Vec<u8> {
+        let s = self.slot(j, b);
+        let mut blk = Vec::with_capacity(self.kind.block_bytes());
+        blk.extend_from_slice(&self.d[s].to_le_bytes());
+        if self.kind.has_min() {
+            blk.extend_from_slice(&self.m[s].to_le_bytes());
+        }
+        if self.kind.has_qh() {
+            blk.extend_from_slice(&self.qh[s].to_le_bytes());
+        }
+        for p in 0..self.kind.qs_bytes() {
+            blk.push(self.qs[self.qs_at(j, b, p)]);
+        }
+        blk
+    }
+
     /// Take a candle quantized tensor of shape `[n, k]`; `None` if its type is not handled here.
     pub fn from_qtensor(t: &QTensor) -> candle_core::Result<Option<Self>> {
         let Some(kind) = QKind::from_ggml(t.dtype()) else {
@@ -160,33 +260,14 @@ impl QWeight {
             return Ok(None);
         }
         let data = t.data()?;
-        let nblocks = n * (k / QK);
+        let nb = k / QK;
         let bb = kind.block_bytes();
-        if data.len() != nblocks * bb {
-            candle_core::bail!("quantized tensor holds {} bytes, expected {}", data.len(), nblocks * bb);
+        if data.len() != n * nb * bb {
+            candle_core::bail!("quantized tensor holds {} bytes, expected {}", data.len(), n * nb * bb);
         }
-        let qs_len = kind.qs_bytes();
-        let mut w = Self {
-            kind,
-            n,
-            k,
-            d: Vec::with_capacity(nblocks),
-            m: Vec::new(),
-            qs: Vec::with_capacity(nblocks * qs_len),
-            qh: Vec::new(),
-        };
-        for b in data.chunks_exact(bb) {
-            w.d.push(u16::from_le_bytes([b[0], b[1]]));
-            let mut at = 2;
-            if kind.has_min() {
-                w.m.push(u16::from_le_bytes([b[2], b[3]]));
-                at = 4;
-            }
-            if matches!(kind, QKind::Q5_0 | QKind::Q5_1) {
-                w.qh.push(u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]));
-                at += 4;
-            }
-            w.qs.extend_from_slice(&b[at..at + qs_len]);
+        let mut w = Self::zeros(kind, n, k);
+        for (i, blk) in data.chunks_exact(bb).enumerate() {
+            w.put_block(i / nb, i % nb, blk);
         }
         Ok(Some(w))
     }
@@ -199,37 +280,14 @@ impl QWeight {
     /// unchanged, so each output is bitwise what the full product gives at that row). Panics if
     /// an id is not below `n`.
     pub fn select_rows(&self, ids: &[u32]) -> Self {
-        let per = self.k / QK;
-        let qs_len = self.kind.qs_bytes();
-        let pick = |v: &[u16]| -> Vec<u16> {
-            if v.is_empty() {
-                return Vec::new();
+        let mut w = Self::zeros(self.kind, ids.len(), self.k);
+        for (r, &j) in ids.iter().enumerate() {
+            assert!((j as usize) < self.n, "select_rows: row {j} of {}", self.n);
+            for b in 0..self.nb {
+                w.put_block(r, b, &self.get_block(j as usize, b));
             }
-            ids.iter()
-                .flat_map(|&j| &v[j as usize * per..][..per])
-                .copied()
-                .collect()
-        };
-        Self {
-            kind: self.kind,
-            n: ids.len(),
-            k: self.k,
-            d: pick(&self.d),
-            m: pick(&self.m),
-            qs: ids
-                .iter()
-                .flat_map(|&j| &self.qs[j as usize * per * qs_len..][..per * qs_len])
-                .copied()
-                .collect(),
-            qh: if self.qh.is_empty() {
-                Vec::new()
-            } else {
-                ids.iter()
-                    .flat_map(|&j| &self.qh[j as usize * per..][..per])
-                    .copied()
-                    .collect()
-            },
         }
+        w
     }
 
     /// `(n, k)`: output features, input features.
@@ -237,25 +295,48 @@ impl QWeight {
         (self.n, self.k)
     }
 
-    /// Weight row `j`.
-    pub fn row(&self, j: usize) -> RowRef<'_> {
-        let nb = self.k / QK;
-        let ql = self.kind.qs_bytes();
-        RowRef {
-            kind: self.kind,
-            d: &self.d[j * nb..(j + 1) * nb],
-            m: if self.m.is_empty() {
-                &[]
-            } else {
-                &self.m[j * nb..(j + 1) * nb]
-            },
-            qs: &self.qs[j * nb * ql..(j + 1) * nb * ql],
-            qh: if self.qh.is_empty() {
-                &[]
-            } else {
-                &self.qh[j * nb..(j + 1) * nb]
-            },
+    /// The 32 signed values of (row `j`, block `b`) (value index = position in the block).
+    fn block_values(&self, j: usize, b: usize) -> [i32; QK] {
+        let mut v = [0i32; QK];
+        let byte = |p: usize| self.qs[self.qs_at(j, b, p)];
+        match self.kind {
+            QKind::Q8_0 => {
+                for (p, x) in v.iter_mut().enumerate() {
+                    *x = byte(p) as i8 as i32;
+                }
+            }
+            kind => {
+                let qh = if kind.has_qh() { self.qh[self.slot(j, b)] } else { 0 };
+                for p in 0..16 {
+                    let q = byte(p);
+                    let h0 = ((qh >> p) & 1) as i32;
+                    let h1 = ((qh >> (p + 16)) & 1) as i32;
+                    v[p] = ((q & 0x0F) as i32 | (h0 << 4)) - kind.bias();
+                    v[p + 16] = ((q >> 4) as i32 | (h1 << 4)) - kind.bias();
+                }
+            }
         }
+        v
+    }
+
+    /// The definition of one output element (module docs): weight row `j` against the quantized
+    /// activation row `x`. Every path returns these bits.
+    pub fn dot_portable(&self, j: usize, x: &QuantRow) -> f32 {
+        let mut acc = 0f32;
+        for b in 0..self.nb {
+            let v = self.block_values(j, b);
+            let isum: i32 = v
+                .iter()
+                .zip(&x.qs[b * QK..(b + 1) * QK])
+                .map(|(&w, &q)| w * q as i32)
+                .sum();
+            let s = self.slot(j, b);
+            acc = (isum as f32).mul_add(f16::from_bits(self.d[s]).to_f32() * x.d[b], acc);
+            if self.kind.has_min() {
+                acc = f16::from_bits(self.m[s]).to_f32().mul_add(x.s[b], acc);
+            }
+        }
+        acc
     }
 
     /// `x`: `[m, k]` row-major f32 → `[m, n]` row-major f32. Row `i` of the result is bitwise
@@ -285,106 +366,101 @@ impl QWeight {
             self.k
         );
         let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
+        if GGML_LANES.with(|c| c.get()) && path != super::KernelPath::Portable {
+            let groups = super::fixed_groups(m, 4);
+            return super::TileJob::new(self.n, self.k, m, groups, 1, move |j, _, (_, i0, g), out| {
+                ggml::dots(self, j, &rows[i0..i0 + g], out)
+            });
+        }
         #[cfg(target_arch = "x86_64")]
-        // On AMD Zen 4 and earlier (512-bit operations split in two), one row of a large Q8_0 /
-        // Q5_0 matrix (an LM head) streams faster from memory row by row through the AVX2 kernel
-        // than eight rows at a time through the tile (`speed_streamed`: Q8_0 38 vs 31 GB/s, Q5_0
-        // 30 vs 19 on the 2-core EPYC VM; Q4_1 the other way, 16 vs 30), while a cache-resident
-        // one is 3x faster in the tile (`speed`). On the Intel Xeon (Sapphire Rapids) VM the
-        // tile wins there too (Q8_0 at 2 threads: 2.8-3.7 vs 3.9-6.5 ms). Same bits either way.
         {
-            let bytes = self.qs.len() + 2 * self.d.len();
-            let row_by_row = m == 1
-                && bytes >= 8 << 20
-                && matches!(self.kind, QKind::Q8_0 | QKind::Q5_0)
-                && super::splits_512bit_ops();
-            if path == super::KernelPath::Best && super::has_avx512_vnni() && !row_by_row {
-                return self.job_vnni(rows);
+            let vnni = super::has_avx512_vnni() && (!self.kind.has_qh() || has_avx512_vbmi());
+            if path == super::KernelPath::Best && vnni {
+                let groups = super::row_groups(m, VNNI_ROWS);
+                let acts = Acts::new(self.kind, rows, groups.clone(), self.nb);
+                let wtile = if m == 1 { 2 * GROUP } else { GROUP };
+                return super::TileJob::new(self.n, self.k, m, groups, wtile, move |j0, nw, (gi, _, _), out| {
+                    // SAFETY: AVX-512 F/BW/VL/VNNI (and VBMI for the 5-bit kinds), AVX2, FMA and
+                    // F16C were detected at run time; the tile is checked inside.
+                    unsafe { vnni_impl::tile_dispatch(self, &acts, j0, nw, gi, out) }
+                });
+            }
+            if path != super::KernelPath::Portable && has_avx2() {
+                let groups = super::row_groups(m, AVX2_ROWS);
+                let acts = Acts::new(self.kind, rows, groups.clone(), self.nb);
+                return super::TileJob::new(self.n, self.k, m, groups, GROUP, move |j0, nw, (gi, _, _), out| {
+                    // SAFETY: AVX2, FMA and F16C were detected at run time; the tile is checked
+                    // inside.
+                    unsafe { avx2_impl::tile_dispatch(self, &acts, j0, nw, gi, out) }
+                });
             }
         }
-        let avx2 = has_avx2() && path != super::KernelPath::Portable;
+        let _ = path;
+        let ggml = GGML_LANES.with(|c| c.get());
         let groups = super::fixed_groups(m, 4);
         super::TileJob::new(self.n, self.k, m, groups, 1, move |j, _, (_, i0, g), out| {
-            let xs = &rows[i0..i0 + g];
-            if let Ok(x4) = <&[QuantRow; 4]>::try_from(xs) {
-                out.copy_from_slice(&vec_dot4(self.row(j), [&x4[0], &x4[1], &x4[2], &x4[3]], avx2));
-            } else {
-                for (o, x) in out.iter_mut().zip(xs) {
-                    *o = vec_dot(self.row(j), x, avx2);
-                }
+            for (o, x) in out.iter_mut().zip(&rows[i0..i0 + g]) {
+                *o = if ggml {
+                    ggml::dot_portable(self, j, x)
+                } else {
+                    self.dot_portable(j, x)
+                };
             }
         })
     }
 
-    /// The product on the AVX-512 VNNI tile kernel ([`vnni_impl::tile`]): tiles of 2 to 8 weight
-    /// rows × up to [`VNNI_ROWS`] activation rows.
-    #[cfg(target_arch = "x86_64")]
-    fn job_vnni(&self, rows: Vec<QuantRow>) -> super::TileJob<'_> {
-        let m = rows.len();
-        let groups = super::row_groups(m, VNNI_ROWS);
-        let acts = Acts::new(self.kind, rows, groups.clone(), self.k / QK);
-        let wtile = if m == 1 { 8 } else { 2 * vnni_impl::WIDE };
-        super::TileJob::new(self.n, self.k, m, groups, wtile, move |j0, nw, (gi, _, _), out| {
-            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
-            // (`has_avx512_vnni`); the tile's rows and blocks are in range (checked inside).
-            unsafe { vnni_impl::tile_dispatch(self, &acts, j0, nw, gi, out) }
-        })
+    /// Checks shared by the SIMD tiles: the tile starts a group, fits the matrix and `out`, and
+    /// the activation rows are as long as the weights.
+    fn check_tile(&self, a: &Acts, j0: usize, nw: usize, gi: usize, max_rows: usize, out: &[f32]) {
+        let (i0, g) = a.groups[gi];
+        assert!(
+            j0.is_multiple_of(GROUP)
+                && nw >= 1
+                && nw <= max_rows
+                && j0 + nw <= self.n
+                && a.nb == self.nb
+                && out.len() >= nw * g,
+            "tile out of range"
+        );
+        for x in &a.rows[i0..i0 + g] {
+            assert!(
+                x.qs.len() >= self.nb * QK && x.d.len() >= self.nb && x.s.len() >= self.nb,
+                "activation row shorter than the weights"
+            );
+        }
     }
 }
 
 /// Largest activation row group of the VNNI tile kernel.
 pub const VNNI_ROWS: usize = 8;
 
-/// Activation rows prepared for the VNNI kernel: the quantized rows, and per row and block the
-/// exact integer correction of the unsigned weight encoding (`-bias * sum of quants 4l..4l+3`
-/// in lane `l`: the kernel multiplies `w + bias` ≥ 0, as `vpdpbusd` needs), and per row group the
-/// Q8_1 sums `s` transposed to `[block][row]`.
+/// Largest activation row group of the AVX2 tile kernel.
+const AVX2_ROWS: usize = 4;
+
+/// Activation rows prepared for the tile kernels: the quantized rows, their groups, and per row
+/// and block the exact integer correction of the unsigned weight encoding (`-bias * sum(q_x)`).
 struct Acts {
     rows: Vec<QuantRow>,
     groups: Vec<(usize, usize)>,
     nb: usize,
-    /// `[row][block][lane]` (empty for the `_1` kinds, whose weights are unsigned already).
+    /// `[row][block]` (empty for the `_1` kinds, whose weights are unsigned already).
     corr: Vec<i32>,
-    /// `[group][block][VNNI_ROWS]`, zero-padded (empty unless the kind has a min).
-    s_t: Vec<f32>,
 }
 
 impl Acts {
     fn new(kind: QKind, rows: Vec<QuantRow>, groups: Vec<(usize, usize)>, nb: usize) -> Self {
-        let bias = match kind {
-            QKind::Q4_0 => 8,
-            QKind::Q5_0 => 16,
-            QKind::Q8_0 => 128,
-            QKind::Q4_1 | QKind::Q5_1 => 0,
+        let bias = kind.bias();
+        let corr = if bias == 0 {
+            Vec::new()
+        } else {
+            rows.iter()
+                .flat_map(|x| {
+                    x.qs.chunks_exact(QK)
+                        .map(|q| -bias * q.iter().map(|&v| v as i32).sum::<i32>())
+                })
+                .collect()
         };
-        let mut corr = Vec::new();
-        if bias != 0 {
-            corr.reserve(rows.len() * nb * 8);
-            for x in &rows {
-                for q in x.qs.chunks_exact(4) {
-                    let s: i32 = q.iter().map(|&v| v as i32).sum();
-                    corr.push(-bias * s);
-                }
-            }
-        }
-        let mut s_t = Vec::new();
-        if kind.has_min() {
-            s_t = vec![0f32; groups.len() * nb * VNNI_ROWS];
-            for (gi, &(i0, g)) in groups.iter().enumerate() {
-                for r in 0..g {
-                    for b in 0..nb {
-                        s_t[(gi * nb + b) * VNNI_ROWS + r] = rows[i0 + r].s[b];
-                    }
-                }
-            }
-        }
-        Self {
-            rows,
-            groups,
-            nb,
-            corr,
-            s_t,
-        }
+        Self { rows, groups, nb, corr }
     }
 }
 
@@ -402,7 +478,20 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
-/// ggml's `hsum_float_8`: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+/// AVX-512 VBMI available at run time (`vpmultishiftqb`, the 5-bit kinds' high bits in the VNNI
+/// kernel).
+fn has_avx512_vbmi() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512vbmi")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// ggml's `hsum_float_8`: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) (the K-quant kernels' final sum).
 #[inline]
 pub(crate) fn hsum8(a: &[f32; 8]) -> f32 {
     let r = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
@@ -411,245 +500,309 @@ pub(crate) fn hsum8(a: &[f32; 8]) -> f32 {
     r0 + r1
 }
 
-/// Expand block `b` of a row to 32 integer values (value index = position in the block).
-#[inline]
-fn expand_block(w: &RowRef<'_>, b: usize, v: &mut [i32; 32]) {
-    match w.kind {
-        QKind::Q4_0 | QKind::Q4_1 => {
-            let bias = if w.kind == QKind::Q4_0 { 8 } else { 0 };
-            for j in 0..16 {
-                let q = w.qs[b * 16 + j];
-                v[j] = (q & 0x0F) as i32 - bias;
-                v[j + 16] = (q >> 4) as i32 - bias;
-            }
-        }
-        QKind::Q5_0 | QKind::Q5_1 => {
-            let bias = if w.kind == QKind::Q5_0 { 16 } else { 0 };
-            let qh = w.qh[b];
-            for j in 0..16 {
-                let q = w.qs[b * 16 + j];
-                let h0 = ((qh >> j) & 1) as i32;
-                let h1 = ((qh >> (j + 16)) & 1) as i32;
-                v[j] = ((q & 0x0F) as i32 | (h0 << 4)) - bias;
-                v[j + 16] = ((q >> 4) as i32 | (h1 << 4)) - bias;
-            }
-        }
-        QKind::Q8_0 => {
-            for (j, x) in v.iter_mut().enumerate() {
-                *x = w.qs[b * 32 + j] as i8 as i32;
-            }
-        }
-    }
+thread_local! {
+    static GGML_LANES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Dot product of one weight row with one quantized activation row.
-#[inline]
-pub fn vec_dot(w: RowRef<'_>, x: &QuantRow, avx2: bool) -> f32 {
+/// Run `f` with the products of this module in ggml's own arithmetic (see [`ggml`]) on this
+/// thread: the reference comparison with llama.cpp (`Engine::logits_as_llamacpp`) only. Serving
+/// never uses it; it is slower (row kernels, no VNNI tile) and gives other bits.
+pub fn with_ggml_arithmetic<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    super::with_thread_local(&GGML_LANES, on, f)
+}
+
+pub mod ggml {
+    //! ggml's x86 dot products (`ggml_vec_dot_q*_q8_*` in `ggml-cpu/arch/x86/quants.c`), the
+    //! arithmetic llama.cpp multiplies these block types with: per block, eight exact integer
+    //! partial sums (lane `l` holds the products of values `4l .. 4l + 3`), converted to f32 and
+    //! accumulated lane-wise with one FMA by `d_w * d_x`; after the last block the lanes are
+    //! summed in ggml's `hsum_float_8` order, and for the `_1` types the `m_w * s_x` terms
+    //! (accumulated separately by FMA) are added. Reproduced for the reference comparison only
+    //! ([`with_ggml_arithmetic`](super::with_ggml_arithmetic)).
+
+    use super::*;
+
+    /// One output in ggml's arithmetic, portable.
+    pub fn dot_portable(w: &QWeight, j: usize, x: &QuantRow) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut summs = 0f32;
+        for b in 0..w.nb {
+            let v = w.block_values(j, b);
+            let qx = &x.qs[b * QK..(b + 1) * QK];
+            let s = w.slot(j, b);
+            let d = f16::from_bits(w.d[s]).to_f32() * x.d[b];
+            if w.kind.has_min() {
+                summs = f16::from_bits(w.m[s]).to_f32().mul_add(x.s[b], summs);
+            }
+            for (l, a) in acc.iter_mut().enumerate() {
+                let s: i32 = (0..4).map(|t| v[4 * l + t] * qx[4 * l + t] as i32).sum();
+                *a = (s as f32).mul_add(d, *a);
+            }
+        }
+        hsum8(&acc) + summs
+    }
+
+    /// Weight row `j` against up to four activation rows (`out[r]` for `xs[r]`), on AVX2 where
+    /// the CPU has it: bitwise [`dot_portable`].
+    pub(super) fn dots(w: &QWeight, j: usize, xs: &[QuantRow], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: AVX2, FMA and F16C were detected at run time.
+            unsafe { avx2::dots(w, j, xs, out) };
+            return;
+        }
+        for (o, x) in out.iter_mut().zip(xs) {
+            *o = dot_portable(w, j, x);
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: AVX2, FMA and F16C were detected at run time.
-        return unsafe { avx2_impl::vec_dot(w, x) };
-    }
-    let _ = avx2;
-    vec_dot_portable(w, x)
-}
+    mod avx2 {
+        use super::*;
+        use std::arch::x86_64::*;
 
-/// Four activation rows against one weight row; each result is bitwise [`vec_dot`]'s.
-#[inline]
-pub fn vec_dot4(w: RowRef<'_>, x: [&QuantRow; 4], avx2: bool) -> [f32; 4] {
-    #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: AVX2, FMA and F16C were detected at run time.
-        return unsafe { avx2_impl::vec_dot4(w, x) };
-    }
-    let _ = avx2;
-    x.map(|xr| vec_dot_portable(w, xr))
-}
-
-/// The portable reference: the same integer lane sums and float operations as the AVX2 path.
-pub fn vec_dot_portable(w: RowRef<'_>, x: &QuantRow) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut summs = 0f32;
-    let mut v = [0i32; 32];
-    for b in 0..w.d.len() {
-        expand_block(&w, b, &mut v);
-        let qx = &x.qs[b * QK..(b + 1) * QK];
-        let d = f16::from_bits(w.d[b]).to_f32() * x.d[b];
-        if w.kind.has_min() {
-            summs = f16::from_bits(w.m[b]).to_f32().mul_add(x.s[b], summs);
-        }
-        for (l, a) in acc.iter_mut().enumerate() {
-            let mut s = 0i32;
-            for t in 0..4 {
-                s += v[4 * l + t] * qx[4 * l + t] as i32;
+        /// The 32 values of (row `j`, block `b`) as signed bytes (value index = byte index).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn load_block(w: &QWeight, j: usize, b: usize) -> __m256i {
+            let word = |p: usize| (w.qs.as_ptr().add(w.qs_at(j, b, p)) as *const i32).read_unaligned();
+            if w.kind == QKind::Q8_0 {
+                return _mm256_setr_epi32(
+                    word(0),
+                    word(4),
+                    word(8),
+                    word(12),
+                    word(16),
+                    word(20),
+                    word(24),
+                    word(28),
+                );
             }
-            *a = (s as f32).mul_add(d, *a);
+            let raw = _mm_setr_epi32(word(0), word(4), word(8), word(12));
+            let nib = _mm256_and_si256(
+                _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)),
+                _mm256_set1_epi8(0x0F),
+            );
+            let v = if w.kind.has_qh() {
+                let qh = w.qh[w.slot(j, b)];
+                let shuf = _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303);
+                let r = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), shuf);
+                let r = _mm256_or_si256(r, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64));
+                let on = _mm256_cmpeq_epi8(r, _mm256_set1_epi64x(-1));
+                _mm256_or_si256(nib, _mm256_and_si256(on, _mm256_set1_epi8(0x10)))
+            } else {
+                nib
+            };
+            _mm256_sub_epi8(v, _mm256_set1_epi8(w.kind.bias() as i8))
+        }
+
+        /// ggml's lane sums of `a` times `b` (both signed, |a| ≤ 128), as 8 × f32 (exact).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn lanes(a: __m256i, b: __m256i) -> __m256 {
+            let dot16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)))
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn dots(w: &QWeight, j: usize, xs: &[QuantRow], out: &mut [f32]) {
+            let h2f = |h: u16| _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)));
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut summs = [0f32; 4];
+            let n = xs.len().min(4);
+            for b in 0..w.nb {
+                let qw = load_block(w, j, b);
+                let s = w.slot(j, b);
+                let dw = h2f(w.d[s]);
+                let mw = if w.kind.has_min() { h2f(w.m[s]) } else { 0.0 };
+                for r in 0..n {
+                    let x = &xs[r];
+                    let qx = _mm256_loadu_si256(x.qs.as_ptr().add(b * QK) as *const __m256i);
+                    if w.kind.has_min() {
+                        summs[r] = mw.mul_add(x.s[b], summs[r]);
+                    }
+                    acc[r] = _mm256_fmadd_ps(lanes(qw, qx), _mm256_set1_ps(dw * x.d[b]), acc[r]);
+                }
+            }
+            for r in 0..n {
+                let mut l = [0f32; 8];
+                _mm256_storeu_ps(l.as_mut_ptr(), acc[r]);
+                out[r] = hsum8(&l) + summs[r];
+            }
         }
     }
-    hsum8(&acc) + summs
+}
+
+/// [`QKind`] as a const generic parameter of the SIMD kernels.
+#[cfg(target_arch = "x86_64")]
+mod kinds {
+    pub const Q4_0: u8 = 0;
+    pub const Q4_1: u8 = 1;
+    pub const Q5_0: u8 = 2;
+    pub const Q5_1: u8 = 3;
+    pub const Q8_0: u8 = 4;
+
+    pub fn of(k: super::QKind) -> u8 {
+        match k {
+            super::QKind::Q4_0 => Q4_0,
+            super::QKind::Q4_1 => Q4_1,
+            super::QKind::Q5_0 => Q5_0,
+            super::QKind::Q5_1 => Q5_1,
+            super::QKind::Q8_0 => Q8_0,
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2_impl {
+    //! The AVX2 tile: 8 weight rows per 256-bit register (half a group) times up to
+    //! [`AVX2_ROWS`] activation rows. Block sums by `maddubs` + `madd` (exact: the unsigned
+    //! 4/5-bit values times a Q8 byte never saturate a pair, and Q8_0 goes through the `sign`
+    //! trick, |w| ≤ 128), then the float steps of [`QWeight::dot_portable`] per lane.
+
+    use super::kinds::*;
     use super::*;
     use std::arch::x86_64::*;
 
-    /// 32 bytes: the low nibbles of `qs[0..16]`, then the high nibbles.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn nibbles(qs: *const u8) -> __m256i {
-        let tmp = _mm_loadu_si128(qs as *const __m128i);
-        let hi = _mm_srli_epi16(tmp, 4);
-        let both = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), hi, 1);
-        _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
-    }
-
-    /// 32 bytes, byte j = 0xFF if bit j of `qh` is set (ggml's `bytes_from_bits_32`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn bits(qh: u32) -> __m256i {
-        let shuf = _mm256_setr_epi64x(
-            0x0000000000000000,
-            0x0101010101010101,
-            0x0202020202020202,
-            0x0303030303030303,
+    /// For each 32-bit lane of `qh`, the bits `shift .. shift + 4` as bit 4 of the lane's four
+    /// bytes (0x10 or 0).
+    #[inline(always)]
+    unsafe fn high_bits(qh: __m256i, shift: i32) -> __m256i {
+        let v = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(shift));
+        let v = _mm256_shuffle_epi8(
+            v,
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+            ),
         );
-        let r = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), shuf);
-        let mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe_u64 as i64);
-        let r = _mm256_or_si256(r, mask);
-        _mm256_cmpeq_epi8(r, _mm256_set1_epi64x(-1))
-    }
-
-    /// Lane sums of unsigned `a` (0..=255) times signed `b`, as 8 × f32 (exact).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn us8_pairs(a: __m256i, b: __m256i) -> __m256 {
-        let dot16 = _mm256_maddubs_epi16(a, b);
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)))
-    }
-
-    /// Lane sums of signed `a` times signed `b`, as 8 × f32 (exact).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn i8_pairs(a: __m256i, b: __m256i) -> __m256 {
-        let ax = _mm256_sign_epi8(a, a);
-        let sy = _mm256_sign_epi8(b, a);
-        us8_pairs(ax, sy)
-    }
-
-    /// f16 bits → f32 with F16C (exact, like `half`).
-    #[inline]
-    #[target_feature(enable = "f16c")]
-    unsafe fn h2f(h: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-    }
-
-    /// The weight block's 32 values as bytes for the integer product, and whether they are
-    /// signed (`i8_pairs`) or unsigned (`us8_pairs`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load_block(w: &RowRef<'_>, b: usize) -> (__m256i, bool) {
-        let qs = w.qs.as_ptr();
-        match w.kind {
-            QKind::Q4_0 => (_mm256_sub_epi8(nibbles(qs.add(b * 16)), _mm256_set1_epi8(8)), true),
-            QKind::Q4_1 => (nibbles(qs.add(b * 16)), false),
-            QKind::Q5_0 => {
-                let hi = _mm256_andnot_si256(bits(*w.qh.get_unchecked(b)), _mm256_set1_epi8(0xF0u8 as i8));
-                (_mm256_or_si256(nibbles(qs.add(b * 16)), hi), true)
-            }
-            QKind::Q5_1 => {
-                let hi = _mm256_and_si256(bits(*w.qh.get_unchecked(b)), _mm256_set1_epi8(0x10));
-                (_mm256_or_si256(nibbles(qs.add(b * 16)), hi), false)
-            }
-            QKind::Q8_0 => (_mm256_loadu_si256(qs.add(b * 32) as *const __m256i), true),
-        }
-    }
-
-    /// Four activation rows against one weight row: per (row, block) exactly the operations of
-    /// [`vec_dot`], with the weight block unpacked once.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn vec_dot4(w: RowRef<'_>, x: [&QuantRow; 4]) -> [f32; 4] {
-        let nb = w.d.len();
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut summs = [0f32; 4];
-        let has_min = w.kind.has_min();
-        for b in 0..nb {
-            let (qx, signed) = load_block(&w, b);
-            let dw = h2f(*w.d.get_unchecked(b));
-            let mw = if has_min { h2f(*w.m.get_unchecked(b)) } else { 0.0 };
-            for r in 0..4 {
-                let xr = x[r];
-                let qy = _mm256_loadu_si256(xr.qs.as_ptr().add(b * QK) as *const __m256i);
-                let d = _mm256_set1_ps(dw * *xr.d.get_unchecked(b));
-                if has_min {
-                    summs[r] = mw.mul_add(*xr.s.get_unchecked(b), summs[r]);
-                }
-                let q = if signed { i8_pairs(qx, qy) } else { us8_pairs(qx, qy) };
-                acc[r] = _mm256_fmadd_ps(q, d, acc[r]);
-            }
-        }
-        let mut out = [0f32; 4];
-        for r in 0..4 {
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
-            out[r] = hsum8(&lanes) + summs[r];
-        }
-        out
+        let sel = _mm256_set1_epi32(0x0804_0201);
+        let on = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+        _mm256_and_si256(on, _mm256_set1_epi8(0x10))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn vec_dot(w: RowRef<'_>, x: &QuantRow) -> f32 {
-        let nb = w.d.len();
-        let mut acc = _mm256_setzero_ps();
-        let mut summs = 0f32;
-        let qs = w.qs.as_ptr();
-        let xq = x.qs.as_ptr();
-        for b in 0..nb {
-            let qy = _mm256_loadu_si256(xq.add(b * QK) as *const __m256i);
-            let d = _mm256_set1_ps(h2f(*w.d.get_unchecked(b)) * *x.d.get_unchecked(b));
-            let q = match w.kind {
-                QKind::Q4_0 => {
-                    let qx = _mm256_sub_epi8(nibbles(qs.add(b * 16)), _mm256_set1_epi8(8));
-                    i8_pairs(qx, qy)
+    unsafe fn tile<const K: u8, const R: usize>(
+        w: &QWeight,
+        a: &Acts,
+        j0: usize,
+        nw: usize,
+        i0: usize,
+        out: &mut [f32],
+    ) {
+        let nb = w.nb;
+        let has_min = K == Q4_1 || K == Q5_1;
+        let biased = K == Q4_0 || K == Q5_0;
+        let qb = if K == Q8_0 { 32 } else { 16 };
+        let g = j0 / GROUP;
+        let ones = _mm256_set1_epi16(1);
+        let nibble = _mm256_set1_epi8(0x0F);
+        for h in 0..2 {
+            if 8 * h >= nw {
+                break;
+            }
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let base = g * nb + b;
+                let pq = w.qs.as_ptr().add(base * GROUP * qb + 32 * h);
+                let mut wv = [_mm256_setzero_si256(); 8];
+                if K == Q8_0 {
+                    for (t, v) in wv.iter_mut().enumerate() {
+                        *v = _mm256_loadu_si256(pq.add(t * 64) as *const __m256i);
+                    }
+                } else {
+                    for t in 0..4 {
+                        let raw = _mm256_loadu_si256(pq.add(t * 64) as *const __m256i);
+                        wv[t] = _mm256_and_si256(raw, nibble);
+                        wv[4 + t] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nibble);
+                    }
+                    if K == Q5_0 || K == Q5_1 {
+                        let qh = _mm256_loadu_si256(w.qh.as_ptr().add(base * GROUP + 8 * h) as *const __m256i);
+                        for t in 0..4 {
+                            wv[t] = _mm256_or_si256(wv[t], high_bits(qh, 4 * t as i32));
+                            wv[4 + t] = _mm256_or_si256(wv[4 + t], high_bits(qh, 16 + 4 * t as i32));
+                        }
+                    }
                 }
-                QKind::Q4_1 => {
-                    summs = h2f(*w.m.get_unchecked(b)).mul_add(*x.s.get_unchecked(b), summs);
-                    us8_pairs(nibbles(qs.add(b * 16)), qy)
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr().add(base * GROUP + 8 * h) as *const __m128i));
+                let mw = if has_min {
+                    _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr().add(base * GROUP + 8 * h) as *const __m128i))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = &a.rows[i0 + r];
+                    let xq = x.qs.as_ptr().add(b * QK) as *const i32;
+                    let mut isum = if biased {
+                        _mm256_set1_epi32(*a.corr.get_unchecked((i0 + r) * nb + b))
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    for (t, &v) in wv.iter().enumerate() {
+                        let xb = _mm256_set1_epi32(xq.add(t).read_unaligned());
+                        let p = if K == Q8_0 {
+                            _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xb, v))
+                        } else {
+                            _mm256_maddubs_epi16(v, xb)
+                        };
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                    }
+                    let dd = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, *acc);
+                    if has_min {
+                        *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*x.s.get_unchecked(b)), *acc);
+                    }
                 }
-                QKind::Q5_0 => {
-                    let hi = _mm256_andnot_si256(bits(*w.qh.get_unchecked(b)), _mm256_set1_epi8(0xF0u8 as i8));
-                    let qx = _mm256_or_si256(nibbles(qs.add(b * 16)), hi);
-                    i8_pairs(qx, qy)
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                let mut v = [0f32; 8];
+                _mm256_storeu_ps(v.as_mut_ptr(), *acc);
+                for (l, &y) in v.iter().enumerate() {
+                    let t = 8 * h + l;
+                    if t < nw {
+                        out[t * R + r] = y;
+                    }
                 }
-                QKind::Q5_1 => {
-                    summs = h2f(*w.m.get_unchecked(b)).mul_add(*x.s.get_unchecked(b), summs);
-                    let hi = _mm256_and_si256(bits(*w.qh.get_unchecked(b)), _mm256_set1_epi8(0x10));
-                    let qx = _mm256_or_si256(nibbles(qs.add(b * 16)), hi);
-                    us8_pairs(qx, qy)
-                }
-                QKind::Q8_0 => {
-                    let qx = _mm256_loadu_si256(qs.add(b * 32) as *const __m256i);
-                    i8_pairs(qx, qy)
-                }
-            };
-            acc = _mm256_fmadd_ps(q, d, acc);
+            }
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        hsum8(&lanes) + summs
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_rows<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+        let (i0, g) = a.groups[gi];
+        match g {
+            1 => tile::<K, 1>(w, a, j0, nw, i0, out),
+            2 => tile::<K, 2>(w, a, j0, nw, i0, out),
+            3 => tile::<K, 3>(w, a, j0, nw, i0, out),
+            4 => tile::<K, 4>(w, a, j0, nw, i0, out),
+            _ => panic!("group of {g} rows"),
+        }
+    }
+
+    /// One tile of the product: weight rows `j0 .. j0 + nw` (`j0` a multiple of [`GROUP`], `nw`
+    /// ≤ 16), the rows of group `gi`, `out[w * g + r]`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_dispatch(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+        w.check_tile(a, j0, nw, gi, GROUP, out);
+        match kinds::of(w.kind) {
+            Q4_0 => tile_rows::<Q4_0>(w, a, j0, nw, gi, out),
+            Q4_1 => tile_rows::<Q4_1>(w, a, j0, nw, gi, out),
+            Q5_0 => tile_rows::<Q5_0>(w, a, j0, nw, gi, out),
+            Q5_1 => tile_rows::<Q5_1>(w, a, j0, nw, gi, out),
+            _ => tile_rows::<Q8_0>(w, a, j0, nw, gi, out),
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod vnni_impl {
-    //! The AVX-512 VNNI tile kernel: 2 weight rows per 512-bit register (row `a` in the low 256
-    //! bits, row `b` in the high), times 1..=8 activation rows broadcast to both halves. Per
-    //! (weight row, activation row, block) the eight i32 lanes are the exact integer sums of
-    //! ggml's lanes (`vpdpbusd` over the weights encoded unsigned, started from the exact
-    //! correction of that encoding), converted and accumulated with one FMA by `d_w * d_x`, in
-    //! block order; the final reduction is `hsum_float_8` plus the `m_w * s_x` sum: the float
-    //! operations of [`vec_dot`](super::vec_dot), lane for lane.
+    //! The AVX-512 VNNI tile: one group of 16 weight rows per 512-bit register (lane = weight
+    //! row) times 1..=8 activation rows, or two groups times one row (a decode step). Per (group,
+    //! activation row, block) the 16 block sums come from eight `vpdpbusd` (each one dword of
+    //! the 16 rows against the matching 4 activation bytes broadcast), started from the exact
+    //! correction of the unsigned encoding, then one convert, one `d_w · d_x` multiply and one or
+    //! two FMAs for all 16 rows: the float steps of [`QWeight::dot_portable`], lane for lane.
 
+    use super::kinds::*;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -661,50 +814,9 @@ pub(crate) mod vnni_impl {
         _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
     }
 
-    /// The nibbles of two blocks' 16 packed bytes `qa`, `qb`: `[qa & 15, qa >> 4, qb & 15,
-    /// qb >> 4]` (16 bytes each: values 0..16 then 16..32 of each block).
-    #[inline(always)]
-    unsafe fn nib2(qa: *const u8, qb: *const u8) -> __m512i {
-        let t = _mm256_inserti128_si256::<1>(
-            _mm256_castsi128_si256(_mm_loadu_si128(qa as *const __m128i)),
-            _mm_loadu_si128(qb as *const __m128i),
-        );
-        let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(t), _mm256_srli_epi16::<4>(t));
-        let z = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
-        _mm512_and_si512(z, _mm512_set1_epi8(0x0F))
-    }
-
-    /// [`QKind`] as a const generic parameter.
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q5_0: u8 = 2;
-    const Q5_1: u8 = 3;
-    const Q8_0: u8 = 4;
-
-    /// Block `b` of two weight rows (`ba`, `bb`: the blocks' indices in the whole matrix) in the
-    /// low and high halves, as unsigned bytes `w + bias` (`bias` 0 for the `_1` kinds, 8 / 16 /
-    /// 128 for Q4_0 / Q5_0 / Q8_0).
-    #[inline(always)]
-    unsafe fn weights2<const K: u8>(qs: *const u8, qh: *const u32, ba: usize, bb: usize) -> __m512i {
-        match K {
-            Q4_0 | Q4_1 => nib2(qs.add(ba * 16), qs.add(bb * 16)),
-            Q5_0 | Q5_1 => {
-                let z = nib2(qs.add(ba * 16), qs.add(bb * 16));
-                let h = *qh.add(ba) as u64 | (*qh.add(bb) as u64) << 32;
-                _mm512_mask_add_epi8(z, _cvtu64_mask64(h), z, _mm512_set1_epi8(16))
-            }
-            _ => {
-                let lo = _mm256_loadu_si256(qs.add(ba * 32) as *const __m256i);
-                let hi = _mm256_loadu_si256(qs.add(bb * 32) as *const __m256i);
-                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                _mm512_xor_si512(z, _mm512_set1_epi8(0x80u8 as i8))
-            }
-        }
-    }
-
     /// ggml's `hsum_float_8`, `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`, of each 256-bit half,
     /// as the two values (low half, high half): the same additions in the same order, four lanes
-    /// at a time.
+    /// at a time (the K-quant kernels' final sum).
     #[inline(always)]
     pub(crate) unsafe fn hsum_halves(v: __m512) -> (f32, f32) {
         // Lane i (i < 4) of each half: a_i + a_{i+4}.
@@ -718,272 +830,203 @@ pub(crate) mod vnni_impl {
         (l[0], l[8])
     }
 
-    /// Tiles ahead that the tiles prefetch (one-row tile: 1 and 2 measured alike, 3 and 4
-    /// slower).
+    /// `vpmultishiftqb` controls that bring the fifth bits of the 16 rows' values to bit 4 of the
+    /// bytes of weight vector `t` (`t < 4`: the low nibbles of dword `t`, values `4t .. 4t + 3`;
+    /// `t ≥ 4`: the high nibbles of dword `t - 4`, values `16 + 4(t - 4) ..`). A qword holds two
+    /// rows' `qh` words; byte `e` of row `h` (0, 1) of the qword takes the 8 bits from
+    /// `32h + value - 4` (mod 64), whose bit 4 is the value's fifth bit.
+    const fn qh_ctrl(t: usize) -> [u8; 64] {
+        let first = if t < 4 { 4 * t } else { 16 + 4 * (t - 4) };
+        let mut c = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            let (h, e) = ((i % 8) / 4, i % 4);
+            c[i] = ((32 * h + first + e + 60) % 64) as u8;
+            i += 1;
+        }
+        c
+    }
+
+    static QH_CTRL: [[u8; 64]; 8] = [
+        qh_ctrl(0),
+        qh_ctrl(1),
+        qh_ctrl(2),
+        qh_ctrl(3),
+        qh_ctrl(4),
+        qh_ctrl(5),
+        qh_ctrl(6),
+        qh_ctrl(7),
+    ];
+
+    /// Tiles ahead that a single row group's tiles prefetch.
     const PREFETCH_TILES: usize = 2;
 
-    /// Prefetch, at block `b` of a tile, part of a later tile of `rows` weight rows starting at
-    /// block `ahead` (`(first row) * nb`). A tile's rows follow each other in memory, so its
-    /// quants are one contiguous run of `rows * nb` blocks: at block `b` this fetches that run's
-    /// blocks `rows * b .. rows * (b + 1)`, and at the first block the tile's scales (and mins,
-    /// and Q5's high bits). A row is only a few hundred bytes, so the earlier prefetch, 256 bytes
-    /// ahead within each of the tile's own rows, ran barely ahead of the loads and every tile
-    /// started cold; this took SmolLM2's 2-thread decode from 100-115 to 142-166 tok/s
-    /// (docs/perf.md). A prefetch past the end of the matrix is harmless: it never faults.
+    /// Prefetch block `b` of group `g` (quants, scales, minimums, high bits). A prefetch past the
+    /// end of the matrix is harmless: it never faults.
     #[inline(always)]
-    unsafe fn prefetch_run<const K: u8>(w: &QWeight, ahead: usize, rows: usize, b: usize, nb: usize) {
-        let has_min = K == Q4_1 || K == Q5_1;
-        let qbytes = if K == Q8_0 { 32 } else { 16 };
-        let pq = w.qs.as_ptr().wrapping_add((ahead + b * rows) * qbytes);
-        for l in (0..rows * qbytes).step_by(64) {
+    unsafe fn prefetch_group<const K: u8>(w: &QWeight, g: usize, b: usize) {
+        let qb = if K == Q8_0 { 32 } else { 16 };
+        let base = g * w.nb + b;
+        let pq = w.qs.as_ptr().wrapping_add(base * GROUP * qb);
+        for l in (0..GROUP * qb).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(l) as *const i8);
         }
-        if b == 0 {
-            let (wd, wm) = (w.d.as_ptr().wrapping_add(ahead), w.m.as_ptr().wrapping_add(ahead));
-            for l in (0..rows * nb * 2).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>((wd as *const i8).wrapping_add(l));
-                if has_min {
-                    _mm_prefetch::<_MM_HINT_T0>((wm as *const i8).wrapping_add(l));
-                }
-            }
-            if K == Q5_0 || K == Q5_1 {
-                let qh = w.qh.as_ptr().wrapping_add(ahead) as *const i8;
-                for l in (0..rows * nb * 4).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(qh.wrapping_add(l));
-                }
-            }
+        _mm_prefetch::<_MM_HINT_T0>(w.d.as_ptr().wrapping_add(base * GROUP) as *const i8);
+        if K == Q4_1 || K == Q5_1 {
+            _mm_prefetch::<_MM_HINT_T0>(w.m.as_ptr().wrapping_add(base * GROUP) as *const i8);
+        }
+        if K == Q5_0 || K == Q5_1 {
+            _mm_prefetch::<_MM_HINT_T0>(w.qh.as_ptr().wrapping_add(base * GROUP) as *const i8);
         }
     }
 
-    /// One tile: weight rows `j0 .. j0 + nw` (`nw` ≤ `2 * WP`; missing rows of the last pair
-    /// repeat the last row, their results dropped) × the `R` rows of group `gi` (from row `i0`);
-    /// `out[w * R + r]`.
+    /// One tile: the `G` groups from weight row `j0` (rows `j0 .. j0 + nw`; a group past the
+    /// last is computed as the last and dropped) × the `R` activation rows from `i0`;
+    /// `out[w * R + r]`. `ahead`: the first of `G` groups to prefetch.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile<const K: u8, const WP: usize, const R: usize>(
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    unsafe fn tile<const K: u8, const G: usize, const R: usize>(
         w: &QWeight,
         a: &Acts,
         j0: usize,
         nw: usize,
         i0: usize,
-        gi: usize,
+        ahead: Option<usize>,
         out: &mut [f32],
     ) {
-        let nb = a.nb;
+        let nb = w.nb;
         let has_min = K == Q4_1 || K == Q5_1;
-        let jr = |t: usize| (j0 + t.min(nw - 1)) * nb;
-        let row_a: [usize; WP] = std::array::from_fn(|p| jr(2 * p));
-        let row_b: [usize; WP] = std::array::from_fn(|p| jr(2 * p + 1));
+        let qb = if K == Q8_0 { 32 } else { 16 };
+        let gs: [usize; G] = std::array::from_fn(|i| (j0 / GROUP + i).min(w.groups - 1));
         let yq: [*const i8; R] = std::array::from_fn(|r| a.rows[i0 + r].qs.as_ptr());
         let yd: [*const f32; R] = std::array::from_fn(|r| a.rows[i0 + r].d.as_ptr());
+        let ys: [*const f32; R] = std::array::from_fn(|r| a.rows[i0 + r].s.as_ptr());
         let cq: [*const i32; R] = std::array::from_fn(|r| {
             if has_min {
                 std::ptr::null()
             } else {
-                a.corr.as_ptr().add((i0 + r) * nb * 8)
+                a.corr.as_ptr().add((i0 + r) * nb)
             }
         });
-        let st = if has_min {
-            a.s_t.as_ptr().add(gi * nb * VNNI_ROWS)
-        } else {
-            std::ptr::null()
-        };
-        let (qs, qh, wd, wm) = (w.qs.as_ptr(), w.qh.as_ptr(), w.d.as_ptr(), w.m.as_ptr());
-        let mut acc = [[_mm512_setzero_ps(); R]; WP];
-        let mut summs = [_mm512_setzero_ps(); WP];
-        // With one row group (a verify block of up to eight rows) the tiles run through the
-        // chunk's weight rows in order, as the one-row tile's do: prefetch the tile two on.
-        // With several, each panel of weight rows is read from memory by the first group and
-        // from cache by the others: the first group's tiles prefetch their rows of the next
-        // panel, which the other groups' tiles give time to arrive.
-        let ahead = match (a.groups.len(), gi) {
-            (1, _) => Some(j0 + PREFETCH_TILES * 2 * WP),
-            (_, 0) => Some(j0 + crate::kernels::PANEL),
-            _ => None,
-        };
+        let nibble = _mm512_set1_epi8(0x0F);
+        let mut acc = [[_mm512_setzero_ps(); R]; G];
         for b in 0..nb {
-            let mut wv = [_mm512_setzero_si512(); WP];
-            let mut dw = [_mm512_setzero_ps(); WP];
-            let mut mw = [_mm512_setzero_ps(); WP];
-            if let Some(j) = ahead {
-                prefetch_run::<K>(w, j * nb, 2 * WP, b, nb);
-            }
-            for p in 0..WP {
-                let (ba, bb) = (row_a[p] + b, row_b[p] + b);
-                wv[p] = weights2::<K>(qs, qh, ba, bb);
-                dw[p] = f16_pair(*wd.add(ba), *wd.add(bb));
-                if has_min {
-                    mw[p] = f16_pair(*wm.add(ba), *wm.add(bb));
+            if let Some(ga) = ahead {
+                for g in 0..G {
+                    prefetch_group::<K>(w, ga + g, b);
                 }
             }
-            for r in 0..R {
-                let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(yq[r].add(b * QK) as *const __m256i));
-                let c = if has_min {
-                    _mm512_setzero_si512()
+            for (gi, acc) in acc.iter_mut().enumerate() {
+                let base = gs[gi] * nb + b;
+                let pq = w.qs.as_ptr().add(base * GROUP * qb);
+                let mut wv = [_mm512_setzero_si512(); 8];
+                if K == Q8_0 {
+                    for (t, v) in wv.iter_mut().enumerate() {
+                        let raw = _mm512_loadu_si512(pq.add(64 * t) as *const __m512i);
+                        *v = _mm512_xor_si512(raw, _mm512_set1_epi8(0x80u8 as i8));
+                    }
                 } else {
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(cq[r].add(b * 8) as *const __m256i))
-                };
-                let dx = _mm512_set1_ps(*yd[r].add(b));
-                for p in 0..WP {
-                    let lanes = _mm512_dpbusd_epi32(c, wv[p], y);
-                    acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(dw[p], dx), acc[p][r]);
+                    for t in 0..4 {
+                        let raw = _mm512_loadu_si512(pq.add(64 * t) as *const __m512i);
+                        wv[t] = _mm512_and_si512(raw, nibble);
+                        wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nibble);
+                    }
+                    if K == Q5_0 || K == Q5_1 {
+                        let qh = _mm512_loadu_si512(w.qh.as_ptr().add(base * GROUP) as *const __m512i);
+                        for (t, v) in wv.iter_mut().enumerate() {
+                            let ctrl = _mm512_loadu_si512(QH_CTRL[t].as_ptr() as *const __m512i);
+                            let hb = _mm512_multishift_epi64_epi8(ctrl, qh);
+                            *v = _mm512_ternarylogic_epi32::<0xF8>(*v, hb, _mm512_set1_epi8(0x10));
+                        }
+                    }
                 }
-            }
-            if has_min {
-                let s = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
-                    st.add(b * VNNI_ROWS) as *const f64
-                )));
-                for p in 0..WP {
-                    summs[p] = _mm512_fmadd_ps(mw[p], s, summs[p]);
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(base * GROUP) as *const __m256i));
+                let mw = if has_min {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(base * GROUP) as *const __m256i))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let xq = yq[r].add(b * QK) as *const i32;
+                    let mut s0 = if has_min {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_set1_epi32(*cq[r].add(b))
+                    };
+                    let mut s1 = _mm512_setzero_si512();
+                    for t in (0..8).step_by(2) {
+                        s0 = _mm512_dpbusd_epi32(s0, wv[t], _mm512_set1_epi32(xq.add(t).read_unaligned()));
+                        s1 = _mm512_dpbusd_epi32(s1, wv[t + 1], _mm512_set1_epi32(xq.add(t + 1).read_unaligned()));
+                    }
+                    let isum = _mm512_add_epi32(s0, s1);
+                    let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*yd[r].add(b)));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, *acc);
+                    if has_min {
+                        *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*ys[r].add(b)), *acc);
+                    }
                 }
             }
         }
-        for p in 0..WP {
-            let mut sm = [0f32; 16];
-            _mm512_storeu_ps(sm.as_mut_ptr(), summs[p]);
-            for r in 0..R {
-                let (ha, hb) = hsum_halves(acc[p][r]);
-                for (h, v) in [(0, ha), (1, hb)] {
-                    let t = 2 * p + h;
+        for (gi, acc) in acc.iter().enumerate() {
+            for (r, acc) in acc.iter().enumerate() {
+                let mut v = [0f32; GROUP];
+                _mm512_storeu_ps(v.as_mut_ptr(), *acc);
+                for (l, &y) in v.iter().enumerate() {
+                    let t = gi * GROUP + l;
                     if t < nw {
-                        out[t * R + r] = v + sm[8 * h + r];
+                        out[t * R + r] = y;
                     }
-                }
-            }
-        }
-    }
-
-    /// [`tile`] for one activation row and 8 weight rows (a decode step), with the scales
-    /// converted 16 blocks at a time: each weight row's f16 `d` (and `m`) of 16 consecutive
-    /// blocks in one `vcvtph2ps`, `d_w · d_x` for the 16 blocks in one multiply, instead of per
-    /// block and row pair. At one row the per-block scale work was half the instructions of the
-    /// tile. The products, sums and their order are [`tile`]'s: `d_w · d_x` is the same single
-    /// rounding of the same two floats, so every output bit is unchanged.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile1<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, i0: usize, gi: usize, out: &mut [f32]) {
-        const WP: usize = 4;
-        const CH: usize = 16;
-        let nb = a.nb;
-        let has_min = K == Q4_1 || K == Q5_1;
-        let base: [usize; 2 * WP] = std::array::from_fn(|t| (j0 + t.min(nw - 1)) * nb);
-        let yq = a.rows[i0].qs.as_ptr();
-        let yd = a.rows[i0].d.as_ptr();
-        let cq = if has_min {
-            std::ptr::null()
-        } else {
-            a.corr.as_ptr().add(i0 * nb * 8)
-        };
-        let st = if has_min {
-            a.s_t.as_ptr().add(gi * nb * VNNI_ROWS)
-        } else {
-            std::ptr::null()
-        };
-        let (qs, qh, wd, wm) = (w.qs.as_ptr(), w.qh.as_ptr(), w.d.as_ptr(), w.m.as_ptr());
-        let mut acc = [_mm512_setzero_ps(); WP];
-        let mut summs = [_mm512_setzero_ps(); WP];
-        // Per weight row, for the blocks of the chunk: `d_w · d_x` and `m_w`.
-        let mut ds = [[0f32; CH]; 2 * WP];
-        let mut ms = [[0f32; CH]; 2 * WP];
-        for b0 in (0..nb).step_by(CH) {
-            let nc = CH.min(nb - b0);
-            let mask = (1u32 << nc) - 1;
-            let dx = _mm512_maskz_loadu_ps(mask as u16, yd.add(b0));
-            for t in 0..2 * WP {
-                let h = _mm256_maskz_loadu_epi16(mask as u16, wd.add(base[t] + b0) as *const i16);
-                _mm512_storeu_ps(ds[t].as_mut_ptr(), _mm512_mul_ps(_mm512_cvtph_ps(h), dx));
-                if has_min {
-                    let h = _mm256_maskz_loadu_epi16(mask as u16, wm.add(base[t] + b0) as *const i16);
-                    _mm512_storeu_ps(ms[t].as_mut_ptr(), _mm512_cvtph_ps(h));
-                }
-            }
-            for c in 0..nc {
-                let b = b0 + c;
-                prefetch_run::<K>(w, base[0] + PREFETCH_TILES * 8 * nb, 8, b, nb);
-                let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(yq.add(b * QK) as *const __m256i));
-                let corr = if has_min {
-                    _mm512_setzero_si512()
-                } else {
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(cq.add(b * 8) as *const __m256i))
-                };
-                for p in 0..WP {
-                    let wv = weights2::<K>(qs, qh, base[2 * p] + b, base[2 * p + 1] + b);
-                    let sc =
-                        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(ds[2 * p][c]), _mm512_set1_ps(ds[2 * p + 1][c]));
-                    let lanes = _mm512_dpbusd_epi32(corr, wv, y);
-                    acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), sc, acc[p]);
-                }
-                if has_min {
-                    let sv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(
-                        st.add(b * VNNI_ROWS) as *const f64
-                    )));
-                    for p in 0..WP {
-                        let mw = _mm512_mask_blend_ps(
-                            0xff00,
-                            _mm512_set1_ps(ms[2 * p][c]),
-                            _mm512_set1_ps(ms[2 * p + 1][c]),
-                        );
-                        summs[p] = _mm512_fmadd_ps(mw, sv, summs[p]);
-                    }
-                }
-            }
-        }
-        for p in 0..WP {
-            let mut sm = [0f32; 16];
-            _mm512_storeu_ps(sm.as_mut_ptr(), summs[p]);
-            let (ha, hb) = hsum_halves(acc[p]);
-            for (h, v) in [(0, ha), (1, hb)] {
-                let t = 2 * p + h;
-                if t < nw {
-                    out[t] = v + sm[8 * h];
                 }
             }
         }
     }
 
     /// [`tile`] for the kind and the group's row count.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile_rows<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    unsafe fn tile_rows<const K: u8>(
+        w: &QWeight,
+        a: &Acts,
+        j0: usize,
+        nw: usize,
+        gi: usize,
+        ahead: Option<usize>,
+        out: &mut [f32],
+    ) {
         let (i0, g) = a.groups[gi];
         match g {
-            1 => tile1::<K>(w, a, j0, nw, i0, gi, out),
-            2 => tile::<K, WIDE, 2>(w, a, j0, nw, i0, gi, out),
-            3 => tile::<K, WIDE, 3>(w, a, j0, nw, i0, gi, out),
-            4 => tile::<K, WIDE, 4>(w, a, j0, nw, i0, gi, out),
-            5 => tile::<K, WIDE, 5>(w, a, j0, nw, i0, gi, out),
-            6 => tile::<K, WIDE, 6>(w, a, j0, nw, i0, gi, out),
-            7 => tile::<K, WIDE, 7>(w, a, j0, nw, i0, gi, out),
-            8 => tile::<K, WIDE, 8>(w, a, j0, nw, i0, gi, out),
+            1 => tile::<K, 2, 1>(w, a, j0, nw, i0, ahead, out),
+            2 => tile::<K, 1, 2>(w, a, j0, nw, i0, ahead, out),
+            3 => tile::<K, 1, 3>(w, a, j0, nw, i0, ahead, out),
+            4 => tile::<K, 1, 4>(w, a, j0, nw, i0, ahead, out),
+            5 => tile::<K, 1, 5>(w, a, j0, nw, i0, ahead, out),
+            6 => tile::<K, 1, 6>(w, a, j0, nw, i0, ahead, out),
+            7 => tile::<K, 1, 7>(w, a, j0, nw, i0, ahead, out),
+            8 => tile::<K, 1, 8>(w, a, j0, nw, i0, ahead, out),
             _ => panic!("group of {g} rows"),
         }
     }
 
-    /// Weight row pairs per tile for groups of 2..=8 rows.
-    pub(super) const WIDE: usize = 2;
-
-    /// One tile of the product (see [`QWeight::matmul`]): weight rows `j0 .. j0 + nw`, the rows
-    /// of group `gi`, `out[w * g + r]`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    /// One tile of the product (see [`QWeight::matmul`]): weight rows `j0 .. j0 + nw` (`j0` a
+    /// multiple of [`GROUP`]; `nw` ≤ 32 for a one-row group, else ≤ 16), the rows of group `gi`,
+    /// `out[w * g + r]`. With one row group the tiles run through the chunk's weight rows in
+    /// order and prefetch the tile two on; with several, each panel of 16 weight rows is read
+    /// from memory by the first group's tile, which prefetches the next panel, and from cache by
+    /// the others.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     pub(super) unsafe fn tile_dispatch(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
-        let nb = a.nb;
-        let (i0, g) = a.groups[gi];
-        let wp = if g == 1 { 4 } else { WIDE };
-        assert!(
-            nw >= 1 && nw <= 2 * wp && j0 + nw <= w.n && nb * QK == w.k && out.len() >= nw * g,
-            "tile out of range"
-        );
-        for x in &a.rows[i0..i0 + g] {
-            assert!(
-                x.qs.len() >= nb * QK && x.d.len() >= nb,
-                "activation row shorter than the weights"
-            );
-        }
-        match w.kind {
-            QKind::Q4_0 => tile_rows::<Q4_0>(w, a, j0, nw, gi, out),
-            QKind::Q4_1 => tile_rows::<Q4_1>(w, a, j0, nw, gi, out),
-            QKind::Q5_0 => tile_rows::<Q5_0>(w, a, j0, nw, gi, out),
-            QKind::Q5_1 => tile_rows::<Q5_1>(w, a, j0, nw, gi, out),
-            QKind::Q8_0 => tile_rows::<Q8_0>(w, a, j0, nw, gi, out),
+        let per = if a.groups[gi].1 == 1 { 2 } else { 1 };
+        w.check_tile(a, j0, nw, gi, per * GROUP, out);
+        let ahead = match (a.groups.len(), gi) {
+            (1, _) => Some(j0 / GROUP + PREFETCH_TILES * per),
+            (_, 0) => Some(j0 / GROUP + 1),
+            _ => None,
+        };
+        match kinds::of(w.kind) {
+            Q4_0 => tile_rows::<Q4_0>(w, a, j0, nw, gi, ahead, out),
+            Q4_1 => tile_rows::<Q4_1>(w, a, j0, nw, gi, ahead, out),
+            Q5_0 => tile_rows::<Q5_0>(w, a, j0, nw, gi, ahead, out),
+            Q5_1 => tile_rows::<Q5_1>(w, a, j0, nw, gi, ahead, out),
+            _ => tile_rows::<Q8_0>(w, a, j0, nw, gi, ahead, out),
         }
     }
 }
@@ -1048,8 +1091,40 @@ mod tests {
         }
     }
 
+    /// The interleaved layout keeps every block: each one read back is the file's, and the
+    /// values of a block are ggml's dequantization divided by its scale (and minimum).
     #[test]
-    fn rows_are_batch_invariant_and_paths_agree() {
+    fn layout_round_trips_the_file_blocks() {
+        for dt in KINDS {
+            let (n, k) = (37, 96);
+            let (q, deq) = weight(dt, n, k);
+            let w = QWeight::from_qtensor(&q).unwrap().unwrap();
+            let data = q.data().unwrap();
+            let bb = w.kind.block_bytes();
+            for (i, blk) in data.chunks_exact(bb).enumerate() {
+                let (j, b) = (i / w.nb, i % w.nb);
+                assert_eq!(w.get_block(j, b), blk, "{dt:?} row {j} block {b}");
+                let v = w.block_values(j, b);
+                let s = w.slot(j, b);
+                let d = f16::from_bits(w.d[s]).to_f32();
+                let m = if w.kind.has_min() {
+                    f16::from_bits(w.m[s]).to_f32()
+                } else {
+                    0.0
+                };
+                for t in 0..QK {
+                    let want = deq[j * k + b * QK + t];
+                    assert!(
+                        (d * v[t] as f32 + m - want).abs() <= 1e-6 * want.abs().max(1.0),
+                        "{dt:?} value {t}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_are_batch_invariant() {
         let (n, k) = (48, 128);
         for dt in KINDS {
             let (q, _) = weight(dt, n, k);
@@ -1064,15 +1139,30 @@ mod tests {
                     assert_eq!(a, b, "{dt:?} m={m} row {i}");
                 }
             }
-            let qr = quantize_row(&pseudo(k, 77));
-            for j in 0..n {
-                let p = vec_dot_portable(w.row(j), &qr);
-                let f = vec_dot(w.row(j), &qr, has_avx2());
-                assert_eq!(
-                    p.to_bits(),
-                    f.to_bits(),
-                    "{dt:?} row {j}: portable and SIMD paths differ"
-                );
+        }
+    }
+
+    /// A subset of rows gives each row's bits of the full product.
+    #[test]
+    fn selected_rows_are_the_full_products_rows() {
+        let (n, k) = (70, 64);
+        for dt in KINDS {
+            let w = QWeight::from_qtensor(&weight(dt, n, k).0).unwrap().unwrap();
+            let ids = [69u32, 0, 17, 16, 33, 5, 5, 40];
+            let sub = w.select_rows(&ids);
+            for m in [1usize, 3, 9] {
+                let x = pseudo(m * k, 40 + m as u64);
+                let full = w.matmul(&x, m);
+                let part = sub.matmul(&x, m);
+                for i in 0..m {
+                    for (c, &j) in ids.iter().enumerate() {
+                        assert_eq!(
+                            part[i * ids.len() + c].to_bits(),
+                            full[i * n + j as usize].to_bits(),
+                            "{dt:?} m={m} row {i} id {j}"
+                        );
+                    }
+                }
             }
         }
     }
@@ -1080,7 +1170,7 @@ mod tests {
     /// A weight matrix with random blocks, some blocks at the extremes of the encoding (all
     /// quants minimal / maximal, all high bits set), and random f16 scales and mins.
     fn raw_weight(kind: QKind, n: usize, k: usize, seed: u64) -> QWeight {
-        let nb_all = n * k / QK;
+        let nb = k / QK;
         let mut st = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
         let mut next = move || {
             st ^= st << 13;
@@ -1088,25 +1178,28 @@ mod tests {
             st ^= st << 17;
             st
         };
-        let ql = kind.qs_bytes();
-        let mut w = QWeight {
-            kind,
-            n,
-            k,
-            d: Vec::new(),
-            m: Vec::new(),
-            qs: Vec::new(),
-            qh: Vec::new(),
-        };
-        for blk in 0..nb_all {
+        let mut w = QWeight::zeros(kind, n, k);
+        for blk in 0..n * nb {
             let mode = blk % 5;
             let scale = (next() % 2000) as f32 / 1000.0 * if next() % 2 == 0 { 1.0 } else { -1.0 };
-            w.d.push(f16::from_f32(scale * 0.01).to_bits());
+            let mut bytes = f16::from_f32(scale * 0.01).to_bits().to_le_bytes().to_vec();
             if kind.has_min() {
-                w.m.push(f16::from_f32((next() % 2000) as f32 / 1000.0 - 1.0).to_bits());
+                bytes.extend_from_slice(
+                    &f16::from_f32((next() % 2000) as f32 / 1000.0 - 1.0)
+                        .to_bits()
+                        .to_le_bytes(),
+                );
             }
-            for _ in 0..ql {
-                w.qs.push(match mode {
+            if kind.has_qh() {
+                let qh: u32 = match mode {
+                    0 => 0,
+                    1 => u32::MAX,
+                    _ => next() as u32,
+                };
+                bytes.extend_from_slice(&qh.to_le_bytes());
+            }
+            for _ in 0..kind.qs_bytes() {
+                bytes.push(match mode {
                     0 => 0x00,
                     1 => 0xFF,
                     2 if kind == QKind::Q8_0 => 0x80,
@@ -1114,13 +1207,7 @@ mod tests {
                     _ => next() as u8,
                 });
             }
-            if matches!(kind, QKind::Q5_0 | QKind::Q5_1) {
-                w.qh.push(match mode {
-                    0 => 0,
-                    1 => u32::MAX,
-                    _ => next() as u32,
-                });
-            }
+            w.put_block(blk / nb, blk % nb, &bytes);
         }
         w
     }
@@ -1145,16 +1232,15 @@ mod tests {
         x
     }
 
-    /// Every path (the VNNI tile kernel, the AVX2 kernels, the portable code) against the
-    /// portable per-row reference, bit for bit, for m = 1..=33, odd weight row counts and
-    /// several block counts, on random and extreme weights and activations.
+    /// Every path (the VNNI tile kernel, the AVX2 kernel, the portable code) against the
+    /// portable per-row definition, bit for bit, for m = 1..=33, row counts that end inside a
+    /// group and several block counts, on random and extreme weights and activations.
     #[test]
     fn all_paths_match_portable_bitwise() {
         use super::super::KernelPath;
         let kinds = [QKind::Q4_0, QKind::Q4_1, QKind::Q5_0, QKind::Q5_1, QKind::Q8_0];
         for kind in kinds {
-            // nb past 16 and not a multiple of it: the one-row tile converts scales 16 blocks at a time.
-            for (n, nb) in [(21usize, 1usize), (19, 3), (13, 7), (9, 18), (11, 37)] {
+            for (n, nb) in [(21usize, 1usize), (19, 3), (13, 7), (41, 18), (75, 37)] {
                 let k = nb * QK;
                 let w = raw_weight(kind, n, k, 11 + n as u64);
                 for m in 1..=33usize {
@@ -1165,7 +1251,7 @@ mod tests {
                             let q = quantize_row(xr);
                             (0..n).map(move |j| (j, q.clone()))
                         })
-                        .map(|(j, q)| vec_dot_portable(w.row(j), &q).to_bits())
+                        .map(|(j, q)| w.dot_portable(j, &q).to_bits())
                         .collect();
                     for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
                         let got: Vec<u32> = w.matmul_on(&x, m, path).iter().map(|v| v.to_bits()).collect();
@@ -1185,7 +1271,57 @@ mod tests {
         }
     }
 
-    /// The vector `hsum_float_8` of the VNNI kernel against the scalar one, on values whose
+    /// ggml's arithmetic ([`with_ggml_arithmetic`]): the AVX2 rows against the portable code, bit
+    /// for bit, on random and extreme values; and against the serving arithmetic, which differs
+    /// only by rounding.
+    #[test]
+    fn ggml_arithmetic_paths_agree() {
+        use super::super::KernelPath;
+        for kind in [QKind::Q4_0, QKind::Q4_1, QKind::Q5_0, QKind::Q5_1, QKind::Q8_0] {
+            let (n, nb) = (19usize, 9usize);
+            let k = nb * QK;
+            let w = raw_weight(kind, n, k, 5);
+            for m in [1usize, 4, 7] {
+                let x = raw_rows(m, k, 60 + m as u64);
+                let q: Vec<QuantRow> = x.chunks_exact(k).map(quantize_row).collect();
+                let want: Vec<u32> = q
+                    .iter()
+                    .flat_map(|r| (0..n).map(|j| ggml::dot_portable(&w, j, r).to_bits()))
+                    .collect();
+                let got: Vec<u32> = with_ggml_arithmetic(true, || w.matmul_on(&x, m, KernelPath::Best))
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{kind:?} m={m}");
+            }
+            let xr = pseudo(k, 8);
+            let q = quantize_row(&xr);
+            for j in 0..n {
+                let (a, b) = (ggml::dot_portable(&w, j, &q), w.dot_portable(j, &q));
+                let scale: f32 = (0..nb)
+                    .map(|blk| {
+                        let s = w.slot(j, blk);
+                        let v = w.block_values(j, blk);
+                        let d = (f16::from_bits(w.d[s]).to_f32() * q.d[blk]).abs();
+                        let m = if kind.has_min() {
+                            (f16::from_bits(w.m[s]).to_f32() * q.s[blk]).abs()
+                        } else {
+                            0.0
+                        };
+                        v.iter()
+                            .zip(&q.qs[blk * QK..])
+                            .map(|(&a, &c)| (a * c as i32).unsigned_abs() as f32)
+                            .sum::<f32>()
+                            * d
+                            + m
+                    })
+                    .sum();
+                assert!((a - b).abs() <= 1e-5 * scale.max(1e-30), "{kind:?} row {j}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// The vector `hsum_float_8` of the K-quant kernels against the scalar one, on values whose
     /// sums round differently in another order, signed zeros and infinities.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -1285,7 +1421,7 @@ mod tests {
         ] {
             let w = QWeight::from_qtensor(&weight(dt, n, k).0).unwrap().unwrap();
             let copies: Vec<QWeight> = (0..4).map(|_| w.clone()).collect();
-            let bytes = w.d.len() * dt.type_size();
+            let bytes = n * (k / QK) * dt.type_size();
             for m in [1usize, 2, 8] {
                 let x = pseudo(m * k, 5);
                 for path in [KernelPath::Avx2, KernelPath::Best] {
