@@ -208,7 +208,25 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   return v;
 }
 
-template <int MT, int NT, int U, bool Q8>
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// cp.async of one lane's weight piece (16 bytes of bf16, or 8 of Q8_0 int8) into shared memory,
+// zero-filled when `ok` is false (nothing is read then).
+__device__ __forceinline__ void cp_async_w(void* dst, const void* src, bool ok, bool q8) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if (q8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(ok ? 8 : 0) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+
+// S = 0: each lane holds the weights of its next U chunks in registers (load_w), which caps the
+// bytes in flight by the registers the tile's accumulators leave. S >= 2: the weights stream
+// through an S-stage cp.async ring in dynamic shared memory ([S][U][MT][2][256 lanes] x 16
+// bytes), S - 1 groups of U chunks ahead; each lane reads back only what it copied, so no barrier
+// is needed. Same loads, same fold: the same bits either way.
+template <int MT, int NT, int U, bool Q8, int S = 0>
 __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                           const bf16_t* __restrict__ X, const float* R, float* Y, int M,
                                           int N, int K) {
@@ -315,12 +333,58 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
   // constant), so with programmatic dependent launch the weight stream starts while the
   // previous kernel finishes.
   uint4 wa[U][MT][2];
-  load_w(wa, cbeg);
-  pdl_wait();
-  pdl_launch();
-  for (int c = cbeg; c < cend; c += U) {
-    fold(wa, c);
-    if (c + U < cend) load_w(wa, c + U);
+  if constexpr (S == 0) {
+    load_w(wa, cbeg);
+    pdl_wait();
+    pdl_launch();
+    for (int c = cbeg; c < cend; c += U) {
+      fold(wa, c);
+      if (c + U < cend) load_w(wa, c + U);
+    }
+  } else {
+    extern __shared__ uint4 wsm[];
+    auto slot = [&](int stage, int u, int mt, int h) -> uint4* {
+      return wsm + ((((stage * U + u) * MT + mt) * 2 + h) * 256 + threadIdx.x);
+    };
+    // Copy the weights of chunks c .. c + U - 1 into `stage` (one commit group, maybe empty).
+    auto issue = [&](int stage, int c) {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int k = (c + u) * 32 + tig * 8;
+        const bool ok = c + u < cend && k < K;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            const size_t e = (size_t)wrow[mt][h] * K + k;
+            const void* src = !ok ? Wp
+                              : Q8 ? (const void*)(reinterpret_cast<const signed char*>(Wp) + e)
+                                   : (const void*)(reinterpret_cast<const bf16_t*>(Wp) + e);
+            cp_async_w(slot(stage, u, mt, h), src, ok, Q8);
+          }
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; s++) issue(s, cbeg + s * U);
+    pdl_wait();
+    pdl_launch();
+    int stage = 0;
+    for (int c = cbeg; c < cend; c += U) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
+#pragma unroll
+      for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            const uint4 v = *slot(stage, u, mt, h);
+            wa[u][mt][h] = Q8 ? make_uint4(v.x, v.y, 0, 0) : v;
+          }
+      issue(stage == 0 ? S - 1 : stage - 1, c + (S - 1) * U);
+      fold(wa, c);
+      stage = stage + 1 == S ? 0 : stage + 1;
+    }
   }
 
   // Fold the 8 slice partials in slice order, one n-tile at a time.
@@ -361,6 +425,21 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
 // U / UQ (bf16 / Q8_0 chunks in flight per lane) change speed only. On the H200 at one row,
 // bf16 ran 4% faster with 8 than with 4, and Q8_0 12% slower (docs/perf.md).
 GEMM(1, 1, 8, 4) GEMM(1, 2, 8, 4) GEMM(2, 4, 2, 2) GEMM(2, 8, 2, 2) GEMM(4, 8, 1, 1)
+
+// The 2x8 tile (above 32 rows) with its weights through a 3-stage cp.async ring of two chunks
+// per stage (96 KB of dynamic shared memory): on the H200, qwen3-8b bf16 at 64 rows, its GEMMs
+// took 8.42 ms a step against 8.75 with the weights in registers (kernel by kernel; 64 streams
+// 5,714 vs 5,563 tok/s). One chunk per stage, 4 stages and two blocks per multiprocessor (three
+// times the bytes in flight) was slower: 10.71 ms. So the 64-row GEMM is not short of weight bytes
+// in flight; the X fragments each warp reads from L2 (docs/gpu.md) are the next limit.
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_2x8_pipe(const void* W, const float* Ws, const bf16_t* X,
+                                                                     const float* R, float* Y, int M, int N, int K) {
+  gemm_impl<2, 8, 2, false, 3>(W, Ws, X, R, Y, M, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_q8_2x8_pipe(const void* W, const float* Ws, const bf16_t* X,
+                                                                   const float* R, float* Y, int M, int N, int K) {
+  gemm_impl<2, 8, 2, true, 3>(W, Ws, X, R, Y, M, N, K);
+}
 
 // Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
 // from splitmix64 like fill_uniform_bf16.

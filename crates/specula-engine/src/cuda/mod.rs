@@ -143,6 +143,9 @@ pub struct Gpu {
     gemm_path: std::cell::Cell<GemmPath>,
     /// `SPECULA_CUDA_GEMM_WIDE=4`: 64 features per block (instead of 32) above 32 rows.
     wide_mt: std::cell::Cell<usize>,
+    /// The 2x8 tile streams its weights through a cp.async ring ([`GEMM_PIPE`]); false:
+    /// through registers (`SPECULA_CUDA_GEMM_PIPE=0`, speed only).
+    pipe: std::cell::Cell<bool>,
     /// Launch with programmatic dependent launch (`SPECULA_CUDA_PDL=0` turns it off): a
     /// kernel's prologue (the GEMM's first weight loads) overlaps the previous kernel's tail.
     pdl: bool,
@@ -248,17 +251,28 @@ impl Gpu {
         )?;
         let mut f = HashMap::new();
         let gemms = GEMM_NAMES.iter().flatten().map(|e| e.2);
-        for name in KERNELS.into_iter().chain(gemms) {
+        for name in KERNELS.into_iter().chain(gemms).chain(GEMM_PIPE) {
             let c = CString::new(name)?;
             let mut func = std::ptr::null_mut();
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
             f.insert(name, func);
+        }
+        for name in GEMM_PIPE {
+            let r = unsafe {
+                sys::cuFuncSetAttribute(
+                    f[name],
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    GEMM_PIPE_SMEM as i32,
+                )
+            };
+            ck(r, name)?;
         }
         let gemm_path = match std::env::var("SPECULA_CUDA_GEMM").as_deref() {
             Ok("gemv") => GemmPath::Gemv,
             Ok("mma") | Err(_) => GemmPath::Mma,
             Ok(other) => bail!("SPECULA_CUDA_GEMM={other}: use mma or gemv"),
         };
+        let pipe = std::env::var("SPECULA_CUDA_GEMM_PIPE").map_or(true, |v| v != "0");
         let wide_mt = match std::env::var("SPECULA_CUDA_GEMM_WIDE").as_deref() {
             Ok("4") => 4,
             _ => 2,
@@ -271,6 +285,7 @@ impl Gpu {
             f,
             gemm_path: std::cell::Cell::new(gemm_path),
             wide_mt: std::cell::Cell::new(wide_mt),
+            pipe: std::cell::Cell::new(pipe),
             pdl: std::env::var("SPECULA_CUDA_PDL").map_or(true, |v| v != "0"),
             profile: std::cell::RefCell::new(None),
         })
@@ -365,6 +380,12 @@ impl Gpu {
     }
 
     pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[A]) -> Result<()> {
+        self.launch_smem(name, grid, block, 0, args)
+    }
+
+    /// [`Gpu::launch`] with `smem` bytes of dynamic shared memory (the kernel's limit is raised
+    /// to what it needs when the module loads).
+    pub(crate) fn launch_smem(&self, name: &str, grid: (u32, u32), block: u32, smem: u32, args: &[A]) -> Result<()> {
         let (name, f) = self.func(name)?;
         let profiling = self.profile.borrow().is_some() && !self.capturing.get();
         let ev0 = if profiling { Some(self.record_event()?) } else { None };
@@ -393,7 +414,7 @@ impl Gpu {
                 blockDimX: block,
                 blockDimY: 1,
                 blockDimZ: 1,
-                sharedMemBytes: 0,
+                sharedMemBytes: smem,
                 hStream: self.stream,
                 attrs: &mut attr,
                 numAttrs: 1,
@@ -409,7 +430,7 @@ impl Gpu {
                     block,
                     1,
                     1,
-                    0,
+                    smem,
                     self.stream,
                     ptrs.as_mut_ptr(),
                     std::ptr::null_mut(),
@@ -516,15 +537,22 @@ impl Gpu {
         }
         let q8 = w.1 != 0;
         let (mt, nt) = gemm_tile(rows, self.wide_mt.get());
-        let name = GEMM_NAMES[q8 as usize]
-            .iter()
-            .find(|(m, t, _)| (*m, *t) == (mt, nt))
-            .map(|e| e.2)
-            .ok_or_else(|| anyhow::anyhow!("no GEMM kernel for a {mt}x{nt} tile"))?;
-        self.launch(
+        let (name, smem) = match self.pipe.get() {
+            true if (mt, nt) == (2, 8) => (GEMM_PIPE[q8 as usize], GEMM_PIPE_SMEM),
+            _ => (
+                GEMM_NAMES[q8 as usize]
+                    .iter()
+                    .find(|(m, t, _)| (*m, *t) == (mt, nt))
+                    .map(|e| e.2)
+                    .ok_or_else(|| anyhow::anyhow!("no GEMM kernel for a {mt}x{nt} tile"))?,
+                0,
+            ),
+        };
+        self.launch_smem(
             name,
             (rows.div_ceil(8 * nt) as u32, n.div_ceil(16 * mt) as u32),
             256,
+            smem,
             &[
                 A::P(w.0),
                 A::P(w.1),
@@ -595,6 +623,14 @@ fn gemm_tile(rows: usize, wide_mt: usize) -> (usize, usize) {
         _ => (wide_mt, 8),
     }
 }
+
+/// The 2x8 tile with its weights streamed through a cp.async ring in shared memory
+/// (`gemm_*_2x8_pipe` in kernels.cu; the same bits as `gemm_*_2x8`): bf16, Q8_0.
+const GEMM_PIPE: [&str; 2] = ["gemm_bf16_2x8_pipe", "gemm_q8_2x8_pipe"];
+
+/// Dynamic shared memory of [`GEMM_PIPE`]: 3 stages x 2 chunks x 2 m-tiles x 2 rows x 256 lanes
+/// x 16 bytes.
+const GEMM_PIPE_SMEM: u32 = 3 * 2 * 2 * 2 * 256 * 16;
 
 /// GEMM kernels by (MT, NT): bf16, then Q8_0.
 const GEMM_NAMES: [[(usize, usize, &str); 5]; 2] = [

@@ -149,6 +149,11 @@ pub fn quantize_row(x: &[f32]) -> QuantRow {
     QuantRow { d, s, qs }
 }
 
+/// [`quantize_row`] of each `k`-wide row of `x`.
+pub fn quantize_rows(x: &[f32], k: usize) -> Vec<QuantRow> {
+    x.chunks_exact(k).map(quantize_row).collect()
+}
+
 /// Round half to even for |v| < 2^22, as ggml's `nearest_int` (the 1.5 * 2^23 trick) and
 /// `_mm256_round_ps(_MM_ROUND_NEAREST)` do.
 #[inline]
@@ -357,6 +362,13 @@ impl QWeight {
         self.job_on(x, m, super::kernel_path())
     }
 
+    /// [`job`](Self::job) with the activation rows already quantized ([`quantize_rows`]): the
+    /// products of one input (a layer's q, k and v, or its gate and up) quantize it once. Panics
+    /// if a row is not `k` wide.
+    pub(crate) fn job_quantized<'a>(&'a self, rows: &'a [QuantRow]) -> super::TileJob<'a> {
+        self.job_rows(std::borrow::Cow::Borrowed(rows), super::kernel_path())
+    }
+
     fn job_on(&self, x: &[f32], m: usize, path: super::KernelPath) -> super::TileJob<'_> {
         assert_eq!(
             x.len(),
@@ -365,7 +377,16 @@ impl QWeight {
             x.len(),
             self.k
         );
-        let rows: Vec<QuantRow> = x.chunks_exact(self.k).map(quantize_row).collect();
+        self.job_rows(std::borrow::Cow::Owned(quantize_rows(x, self.k)), path)
+    }
+
+    fn job_rows<'a>(&'a self, rows: std::borrow::Cow<'a, [QuantRow]>, path: super::KernelPath) -> super::TileJob<'a> {
+        let m = rows.len();
+        assert!(
+            rows.iter().all(|r| r.qs.len() == self.k),
+            "matmul: activation rows of another width than {}",
+            self.k
+        );
         if GGML_LANES.with(|c| c.get()) && path != super::KernelPath::Portable {
             let groups = super::fixed_groups(m, 4);
             return super::TileJob::new(self.n, self.k, m, groups, 1, move |j, _, (_, i0, g), out| {
@@ -439,16 +460,16 @@ const AVX2_ROWS: usize = 4;
 
 /// Activation rows prepared for the tile kernels: the quantized rows, their groups, and per row
 /// and block the exact integer correction of the unsigned weight encoding (`-bias * sum(q_x)`).
-struct Acts {
-    rows: Vec<QuantRow>,
+struct Acts<'a> {
+    rows: std::borrow::Cow<'a, [QuantRow]>,
     groups: Vec<(usize, usize)>,
     nb: usize,
     /// `[row][block]` (empty for the `_1` kinds, whose weights are unsigned already).
     corr: Vec<i32>,
 }
 
-impl Acts {
-    fn new(kind: QKind, rows: Vec<QuantRow>, groups: Vec<(usize, usize)>, nb: usize) -> Self {
+impl<'a> Acts<'a> {
+    fn new(kind: QKind, rows: std::borrow::Cow<'a, [QuantRow]>, groups: Vec<(usize, usize)>, nb: usize) -> Self {
         let bias = kind.bias();
         let corr = if bias == 0 {
             Vec::new()

@@ -235,9 +235,17 @@ impl Linear {
         if !layers.iter().all(own) {
             return layers.iter().map(|l| l.forward_rows(x, m)).collect();
         }
+        // The 32-wide products share one quantization of the input.
+        let shared = m > 0 && layers.iter().filter(|l| matches!(l.weight, Weight::Own(_))).count() > 1;
+        let rows = if shared {
+            crate::kernels::qmatmul::quantize_rows(x, x.len() / m.max(1))
+        } else {
+            Vec::new()
+        };
         let jobs: Vec<_> = layers
             .iter()
             .map(|l| match &l.weight {
+                Weight::Own(q) if shared => q.job_quantized(&rows),
                 Weight::Own(q) => q.job(x, m),
                 Weight::OwnK(q) => q.job(x, m),
                 Weight::Candle(_) => unreachable!("checked above"),
