@@ -1,5 +1,7 @@
 //! [`AttnMode::OneChunk`](super::AttnMode::OneChunk) with AVX-512: the same bits as
-//! [`super::one_chunk`], in three passes instead of one walk over the keys.
+//! [`super::one_chunk`], in three passes instead of one walk over the keys; and
+//! [`AttnMode::TwoPass`](super::AttnMode::TwoPass), the same bits as [`super::two_pass`]
+//! (the same scores, then the maximum and the sum 16 lanes at a time and the values in f32).
 //!
 //! The reference walks the keys once and, per (query, key), computes the score, one `expf`,
 //! and the f16 update of the output. Only the last step depends on the previous key, so this
@@ -52,9 +54,11 @@ pub(super) unsafe fn one_chunk(a: &Args<'_>, st: &mut State) {
 /// Keys per score tile.
 const TILE: usize = 16;
 
-/// `NV` 16-lane registers per head (`head_dim = 16 * NV`).
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
+/// Scaled scores of the task's queries, `[nq, stride]` (`stride` = the keys of the block's last
+/// row rounded up to [`TILE`]; entries past a query's keys are unspecified): 16 keys at a time
+/// through [`scores16`].
+#[inline(always)]
+unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
     let Args {
         qs,
         kv,
@@ -67,12 +71,8 @@ unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
     let d = 16 * NV;
     let nq = nr * nh;
     let lmax = s.start + r0 + nr;
-    // Keys visible to query i (row i / nh of the block).
     let len = |i: usize| s.start + r0 + i / nh + 1;
-    let stride = lmax.next_multiple_of(TILE);
     let scale = 1.0 / (d as f32).sqrt();
-
-    // 1. Scores, `[nq, stride]`.
     let mut sc = vec![0f32; nq * stride];
     let zeros = [0f32; 256];
     let mut kp = [zeros.as_ptr(); TILE];
@@ -97,6 +97,160 @@ unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
             );
         }
     }
+    sc
+}
+
+/// [`AttnMode::TwoPass`](super::AttnMode::TwoPass) for one task (see [`super::two_pass`]);
+/// `d` is 64, 128 or 256 ([`usable`]).
+///
+/// # Safety
+/// [`usable`] returned true for `a.s.head_dim`.
+pub(super) unsafe fn two_pass(a: &Args<'_>, st: &mut State) {
+    match a.s.head_dim {
+        64 => two::<4>(a, st),
+        128 => two::<8>(a, st),
+        256 => two::<16>(a, st),
+        d => unreachable!("fast attention for head_dim {d}"),
+    }
+}
+
+/// [`super::expf`] of 16 lanes (two [`expf::expf8`]).
+#[inline(always)]
+unsafe fn expf16(x: __m512) -> __m512 {
+    let lo = expf::expf8(_mm512_castps512_ps256(x));
+    let hi = expf::expf8(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))));
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+        _mm256_castps_pd(hi),
+    ))
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
+    let (s, nh, nr, r0) = (a.s, a.nh, a.nr, a.r0);
+    let d = 16 * NV;
+    let nq = nr * nh;
+    let lmax = s.start + r0 + nr;
+    let len = |i: usize| s.start + r0 + i / nh + 1;
+    let stride = lmax.next_multiple_of(TILE);
+    // 1. Scores, then in place the weights e_j = expf(s_j - M) (zero past the query's keys).
+    let mut e = scores::<NV>(a, stride);
+    for i in 0..nq {
+        let n = len(i);
+        let row = e.as_mut_ptr().add(i * stride);
+        let tiles = n.div_ceil(TILE);
+        let mask = |t: usize| -> __mmask16 {
+            let rem = n - TILE * t;
+            if rem >= TILE {
+                0xffff
+            } else {
+                ((1u32 << rem) - 1) as __mmask16
+            }
+        };
+        // The maximum in 16 lanes by key index, then lane by lane: `x > m ? x : m` throughout.
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut mv = ninf;
+        for t in 0..tiles {
+            let x = _mm512_mask_loadu_ps(ninf, mask(t), row.add(TILE * t));
+            mv = _mm512_max_ps(x, mv);
+        }
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), mv);
+        let m = lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+        let mm = _mm512_set1_ps(m);
+        let mut sv = _mm512_setzero_ps();
+        for t in 0..tiles {
+            let k = mask(t);
+            let x = _mm512_maskz_loadu_ps(k, row.add(TILE * t));
+            let w = _mm512_maskz_mov_ps(k, expf16(_mm512_sub_ps(x, mm)));
+            _mm512_storeu_ps(row.add(TILE * t), w);
+            sv = _mm512_add_ps(sv, w);
+        }
+        _mm512_storeu_ps(lanes.as_mut_ptr(), sv);
+        st.sum[i] = super::reduce16(&lanes);
+    }
+    // 2. Values, up to 4 (d = 64) or 2 (d >= 128) queries at a time over their common keys,
+    // then each query's own last keys.
+    let qc = if NV == 4 { 4 } else { 2 };
+    let mut i0 = 0;
+    while i0 < nq {
+        let n = qc.min(nq - i0);
+        let out = &mut st.out[i0 * d..][..n * d];
+        let common = len(i0);
+        let w = |q: usize| e.as_ptr().add((i0 + q) * stride);
+        match n {
+            4 => values_f32::<NV, 4>(a, out, [w(0), w(1), w(2), w(3)], 0, common),
+            3 => values_f32::<NV, 3>(a, out, [w(0), w(1), w(2)], 0, common),
+            2 => values_f32::<NV, 2>(a, out, [w(0), w(1)], 0, common),
+            _ => values_f32::<NV, 1>(a, out, [w(0)], 0, common),
+        }
+        for q in 0..n {
+            let end = len(i0 + q);
+            if end > common {
+                values_f32::<NV, 1>(a, &mut out[q * d..][..d], [w(q)], common, end);
+            }
+        }
+        i0 += n;
+    }
+}
+
+/// Keys `j0 .. j1` into the f32 accumulators `out` (`[QC, 16 * NV]`, read and written) of `QC`
+/// queries with weights `w`: `acc = fma(v_j, w_j, acc)` in key order.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn values_f32<const NV: usize, const QC: usize>(
+    a: &Args<'_>,
+    out: &mut [f32],
+    w: [*const f32; QC],
+    j0: usize,
+    j1: usize,
+) {
+    let d = 16 * NV;
+    let mut acc = [[_mm512_setzero_ps(); NV]; QC];
+    for (q, regs) in acc.iter_mut().enumerate() {
+        for (c, r) in regs.iter_mut().enumerate() {
+            *r = _mm512_loadu_ps(out.as_ptr().add(q * d + 16 * c));
+        }
+    }
+    let mut j = j0;
+    while j < j1 {
+        let (_, values, end) = a.kv.run(j, j1);
+        let stride = values.len() / (end - j);
+        for (jj, row) in (j..end).zip(values.chunks_exact(stride)) {
+            let vp = row[a.g * d..][..d].as_ptr();
+            let mut v = [_mm512_setzero_ps(); NV];
+            for (c, r) in v.iter_mut().enumerate() {
+                *r = _mm512_loadu_ps(vp.add(16 * c));
+            }
+            for (q, regs) in acc.iter_mut().enumerate() {
+                let wv = _mm512_set1_ps(*w[q].add(jj));
+                for (r, x) in regs.iter_mut().zip(&v) {
+                    *r = _mm512_fmadd_ps(*x, wv, *r);
+                }
+            }
+        }
+        j = end;
+    }
+    for (q, regs) in acc.iter().enumerate() {
+        for (c, r) in regs.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(q * d + 16 * c), *r);
+        }
+    }
+}
+
+/// `NV` 16-lane registers per head (`head_dim = 16 * NV`).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
+    let (s, r0, nr, nh) = (a.s, a.r0, a.nr, a.nh);
+    let d = 16 * NV;
+    let nq = nr * nh;
+    let lmax = s.start + r0 + nr;
+    // Keys visible to query i (row i / nh of the block).
+    let len = |i: usize| s.start + r0 + i / nh + 1;
+    let stride = lmax.next_multiple_of(TILE);
+
+    // 1. Scores, `[nq, stride]`.
+    let mut sc = scores::<NV>(a, stride);
 
     // 2. Weights: `ms` (the rescale of the accumulator) and `vs` (the key's weight) per key.
     let mut ms = vec![1f32; nq * stride];

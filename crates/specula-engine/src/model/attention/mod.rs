@@ -1,18 +1,20 @@
-//! Causal grouped-query attention over an f16 KV cache, computed row by row, with llama.cpp's
-//! CPU arithmetic.
+//! Causal grouped-query attention over an f16 KV cache, computed row by row.
 //!
-//! Each (query row, head) pair is reduced over exactly the keys at positions `0..=pos` in
-//! ascending order, in a fixed order of operations that does not depend on how many rows are
-//! computed together. A verify row at position p therefore gets the bits a one-row decode step
-//! at p gets (the batch-invariance Specula's exactness needs; see DESIGN.md).
+//! Each (query row, head) pair is reduced over exactly the keys at positions `0..=pos`, in a
+//! fixed order of operations that does not depend on how many rows are computed together. A
+//! verify row at position p therefore gets the bits a one-row decode step at p gets (the
+//! batch-invariance Specula's exactness needs; see DESIGN.md).
 //!
-//! The arithmetic is that of llama.cpp's CPU `flash_attn_ext` (its default on CPU), operation
-//! for operation, so that our logits agree with llama.cpp's (docs/perf.md, "Reference
-//! agreement"). llama.cpp has two such paths, picked by the number of rows in a micro-batch:
-//! [`AttnMode::OneChunk`] (fewer than 64 rows: decode steps and short prompts) and
-//! [`AttnMode::Tiled`] (64 rows or more). We cannot switch on the row count without losing
-//! batch invariance, so one mode is used for every row: [`AttnMode::OneChunk`] by default
-//! (`SPECULA_ATTN=tiled` selects the other, for comparisons).
+//! Serving uses [`AttnMode::TwoPass`]: f32 scores, the exact maximum, then the exponentials,
+//! their sum in a fixed lane order and the values accumulated in f32, key by key. The other
+//! two modes are llama.cpp's CPU `flash_attn_ext` arithmetic (its default on CPU), operation for
+//! operation, for the reference comparison with llama.cpp (docs/perf.md, "Reference
+//! agreement"): llama.cpp picks one by the number of rows in a micro-batch, [`AttnMode::OneChunk`]
+//! (fewer than 64 rows: decode steps and short prompts) and [`AttnMode::Tiled`] (64 rows or
+//! more). Its one-chunk form rounds the output accumulator to f16 after every key (an FMA and two
+//! conversions per key and dimension); [`AttnMode::TwoPass`] measured 1.3x its decode speed at a
+//! 1,800-token context and 1.3-1.6x its prefill (docs/perf.md). `SPECULA_ATTN=onechunk` /
+//! `=tiled` select those for serving (comparisons only).
 //!
 //! Keys and values arrive already rounded to f16 (llama.cpp's default cache type), held as f32.
 //! Softmax is the max-subtracted online form (Milakov & Gimelshein 2018; scaled dot-product
@@ -37,10 +39,18 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-/// How the attention of a row is reduced: one of the two CPU paths of llama.cpp's
-/// `flash_attn_ext` with an f16 K/V cache (`ggml-cpu/ops.cpp`).
+/// How the attention of a row is reduced: Specula's serving arithmetic, or one of the two CPU
+/// paths of llama.cpp's `flash_attn_ext` with an f16 K/V cache (`ggml-cpu/ops.cpp`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnMode {
+    /// Specula's serving arithmetic, for query row `q` (f32) over keys `0 .. L`:
+    /// `s_j = dot_f16(q, k_j) * scale` (the tree of [`AttnMode::OneChunk`]'s scores, on the
+    /// unrounded query); `M` = the maximum of the `s_j` (16 lanes by `j mod 16`, then lane by
+    /// lane); `e_j = expf(s_j - M)` (glibc's `expf` bits); `S` = the `e_j` summed in 16 lanes by
+    /// `j mod 16` in key order, then `reduce16`; `out = (sum over j in key order of fma(v_j,
+    /// e_j, .)) * (1 / S)`, all f32 (scaled dot-product attention, Vaswani et al. 2017, with the
+    /// max-subtracted softmax).
+    TwoPass,
     /// `flash_attn_ext_f16_one_chunk`: q rounded to f16, scores by `ggml_vec_dot_f16`, online
     /// softmax key by key with `expf`, V accumulated in f16 (`ggml_vec_mad_f16`), one division
     /// by the sum at the end.
@@ -52,7 +62,7 @@ pub enum AttnMode {
 }
 
 /// The attention mode of this thread: the one [`with_mode`] set, else the process's
-/// (`SPECULA_ATTN=tiled` or the default [`AttnMode::OneChunk`]).
+/// (`SPECULA_ATTN=onechunk` / `=tiled`, or the default [`AttnMode::TwoPass`]).
 pub fn mode() -> AttnMode {
     static M: std::sync::OnceLock<AttnMode> = std::sync::OnceLock::new();
     if let Some(m) = MODE_OVERRIDE.with(|c| c.get()) {
@@ -60,7 +70,8 @@ pub fn mode() -> AttnMode {
     }
     *M.get_or_init(|| match std::env::var("SPECULA_ATTN").as_deref() {
         Ok("tiled") => AttnMode::Tiled,
-        _ => AttnMode::OneChunk,
+        Ok("onechunk") => AttnMode::OneChunk,
+        _ => AttnMode::TwoPass,
     })
 }
 
@@ -488,7 +499,7 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
     }
     let fast = fast();
     #[cfg(target_arch = "x86_64")]
-    let avx512 = avx512 && mode == AttnMode::OneChunk && fast::usable(d);
+    let avx512 = avx512 && matches!(mode, AttnMode::OneChunk | AttnMode::TwoPass) && fast::usable(d);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = avx512;
     let task = |&(ii, r0, h0, g, _): &(usize, usize, usize, usize, usize)| -> Vec<f32> {
@@ -519,6 +530,13 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
             nh,
         };
         match (mode, fast) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `fast::usable` checked AVX-512F, FMA and F16C at run time.
+            (AttnMode::TwoPass, _) if avx512 => unsafe { fast::two_pass(&a, &mut st) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `fast` means AVX2, FMA and F16C were detected at run time.
+            (AttnMode::TwoPass, true) => unsafe { two_pass_x86(&a, &mut st) },
+            (AttnMode::TwoPass, _) => two_pass::<false>(&a, &mut st),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `fast::usable` checked AVX-512F, FMA and F16C at run time.
             (AttnMode::OneChunk, _) if avx512 => unsafe { fast::one_chunk(&a, &mut st) },
@@ -587,6 +605,58 @@ struct Args<'a> {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn one_chunk_x86(a: &Args<'_>, st: &mut State) {
     one_chunk::<true>(a, st)
+}
+
+/// [`two_pass`] compiled with AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn two_pass_x86(a: &Args<'_>, st: &mut State) {
+    two_pass::<true>(a, st)
+}
+
+/// [`AttnMode::TwoPass`] for the rows `r0 .. r0 + nr` of KV head `g`, the definition (the
+/// AVX-512 path, `fast::two_pass`, gives these bits): per (row, head) the scores of its keys,
+/// their maximum and sum in lanes of 16 by key index, then the weighted values in key order.
+/// Leaves the unnormalised output in `st.out` and the sum in `st.sum`.
+#[inline(always)]
+fn two_pass<const FAST: bool>(a: &Args<'_>, st: &mut State) {
+    let Args {
+        qs,
+        kv,
+        s,
+        g,
+        r0,
+        nr,
+        nh: group,
+    } = *a;
+    let d = s.head_dim;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut e = Vec::new();
+    for r in 0..nr {
+        let n = s.start + r0 + r + 1;
+        for hh in 0..group {
+            let i = r * group + hh;
+            let q = &qs[i * d..][..d];
+            e.clear();
+            e.extend((0..n).map(|j| simd::dot_f16(FAST, q, &kv.key(j)[g * d..][..d]) * scale));
+            let mut lanes = [f32::NEG_INFINITY; 16];
+            for (j, &x) in e.iter().enumerate() {
+                let m = &mut lanes[j % 16];
+                *m = if x > *m { x } else { *m };
+            }
+            let m = lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+            let mut sums = [0f32; 16];
+            for (j, x) in e.iter_mut().enumerate() {
+                *x = expf(*x - m);
+                sums[j % 16] += *x;
+            }
+            st.sum[i] = reduce16(&sums);
+            let acc = &mut st.out[i * d..(i + 1) * d];
+            for (j, &w) in e.iter().enumerate() {
+                simd::mad_f32(FAST, acc, &kv.value(j)[g * d..][..d], w);
+            }
+        }
+    }
 }
 
 /// [`tiled`] compiled with AVX2, FMA and F16C.
@@ -752,7 +822,7 @@ mod tests {
             for rows in [9, 37, 100] {
                 let start = pos - rows;
                 let q = pseudo(rows * h * d, 3);
-                for mode in [AttnMode::OneChunk, AttnMode::Tiled] {
+                for mode in [AttnMode::TwoPass, AttnMode::OneChunk, AttnMode::Tiled] {
                     let shape = |rows, start| AttnShape {
                         rows,
                         start,
@@ -821,9 +891,9 @@ mod tests {
         assert_eq!(s1, s2);
     }
 
-    /// The AVX-512 path of OneChunk against the reference walk, bit for bit: head sizes 64 and
-    /// 128, GQA groups of 1..7, one row (decode) to several row blocks (prefill), and scores
-    /// large enough that some weights underflow.
+    /// The AVX-512 paths of OneChunk and TwoPass against their portable definitions, bit for
+    /// bit: head sizes 64 and 128, GQA groups of 1..7, one row (decode) to several row blocks
+    /// (prefill), and scores large enough that some weights underflow.
     #[test]
     fn fast_matches_reference_bitwise() {
         #[cfg(target_arch = "x86_64")]
@@ -851,14 +921,16 @@ mod tests {
                     head_dim: d,
                 };
                 let item = [AttnItem { q: &q, kv: &kv, shape }];
-                let fast = attend_with(&item, AttnMode::OneChunk, true);
-                let reference = attend_with(&item, AttnMode::OneChunk, false);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(
-                    bits(&fast),
-                    bits(&reference),
-                    "d{d} h{h}/{kvh} rows {rows} at {pos} x{amp}"
-                );
+                for mode in [AttnMode::OneChunk, AttnMode::TwoPass] {
+                    let fast = attend_with(&item, mode, true);
+                    let reference = attend_with(&item, mode, false);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&fast),
+                        bits(&reference),
+                        "{mode:?} d{d} h{h}/{kvh} rows {rows} at {pos} x{amp}"
+                    );
+                }
             }
         }
     }
@@ -901,7 +973,7 @@ mod tests {
                 },
             })
             .collect();
-        for mode in [AttnMode::OneChunk, AttnMode::Tiled] {
+        for mode in [AttnMode::TwoPass, AttnMode::OneChunk, AttnMode::Tiled] {
             for avx512 in [true, false] {
                 let all = attend_with(&items, mode, avx512);
                 let mut off = 0;
@@ -919,8 +991,9 @@ mod tests {
         }
     }
 
-    /// ns per (query head, key) of OneChunk, reference walk vs the AVX-512 path, on SmolLM2's
-    /// shape (9 heads, 3 KV heads, d = 64). Run with
+    /// ns per (query head, key) of OneChunk and TwoPass, portable vs the AVX-512 path, on
+    /// SmolLM2's shape (9 heads, 3 KV heads, d = 64), wall time (the kernel pool's threads take
+    /// part above `ATTN_PARALLEL_MIN`). Run with
     /// `cargo test --release -p specula-engine --lib attention::tests::speed -- --ignored --nocapture`.
     #[test]
     #[ignore]
@@ -946,15 +1019,17 @@ mod tests {
             };
             let pairs = (rows * h * (pos - rows / 2)) as f64;
             let mut line = format!("rows {rows:>2} at {pos:>4}:");
-            for (name, fast) in [("reference", false), ("avx512", true)] {
-                let iters = (2e7 / pairs).max(3.0) as usize;
-                let t = std::time::Instant::now();
-                for _ in 0..iters {
-                    let item = [AttnItem { q: &q, kv: &kv, shape }];
-                    std::hint::black_box(attend_with(&item, AttnMode::OneChunk, fast));
+            for mode in [AttnMode::OneChunk, AttnMode::TwoPass] {
+                for (name, fast) in [("reference", false), ("avx512", true)] {
+                    let iters = (2e7 / pairs).max(3.0) as usize;
+                    let t = std::time::Instant::now();
+                    for _ in 0..iters {
+                        let item = [AttnItem { q: &q, kv: &kv, shape }];
+                        std::hint::black_box(attend_with(&item, mode, fast));
+                    }
+                    let ns = t.elapsed().as_nanos() as f64 / iters as f64 / pairs;
+                    line += &format!(" {mode:?} {name} {ns:.2} ns");
                 }
-                let ns = t.elapsed().as_nanos() as f64 / iters as f64 / pairs;
-                line += &format!(" {name} {ns:.2} ns");
             }
             eprintln!("{line}");
         }
@@ -976,7 +1051,7 @@ mod tests {
         let keys = f16s(pseudo(rows * kvh * d, 4));
         let values = f16s(pseudo(rows * kvh * d, 5));
         let q = pseudo(rows * h * d, 6);
-        for mode in [AttnMode::OneChunk, AttnMode::Tiled] {
+        for mode in [AttnMode::TwoPass, AttnMode::OneChunk, AttnMode::Tiled] {
             let out = attend_mode(
                 &q,
                 &KvRows::from_slices(&keys, &values, kvh * d),
