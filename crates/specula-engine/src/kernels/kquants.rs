@@ -10,7 +10,7 @@
 //! sums of each 16 quants.
 //!
 //! Arithmetic per output element is what llama.cpp's x86 CPU backend computes for one row
-//! (decode): ggml's AVX2 dot products `ggml_vec_dot_q{2,3,5,6}_K_q8_K`
+//! (decode), except Q6_K (below): ggml's AVX2 dot products `ggml_vec_dot_q{2,3,5,6}_K_q8_K`
 //! (`ggml/src/ggml-cpu/arch/x86/quants.c`), and for Q4_K, which llama.cpp repacks into 8-row
 //! interleaved blocks on every AVX2 CPU, its `ggml_gemv_q4_K_8x8_q8_K`
 //! (`ggml/src/ggml-cpu/arch/x86/repack.cpp`). Per super-block,
@@ -20,7 +20,12 @@
 //! (the `maddubs` + `madd(scales)` pattern of all five AVX2 kernels). Then, per type:
 //!
 //! - Q6_K: lane `l` minus `32 * (bsums[2l] sc[2l] + bsums[2l+1] sc[2l+1])` (the weights are
-//!   expanded unsigned, 0..63), then `acc = fma(d, lanes, acc)`.
+//!   expanded unsigned, 0..63); serving then takes the exact total `isum` of the lanes and
+//!   `acc = fma(f32(isum) * d_w, d_x, acc)`, one float chain per output: llama.cpp's tiled
+//!   batch kernel (`ggml/src/ggml-cpu/tiled/`, what it runs for 8 rows or more), not its
+//!   `vec_dot`'s `acc = fma(d, lanes, acc)` over eight lanes, which kept the multi-row tile
+//!   slow. The eight-lane form stays for llama.cpp's products of fewer than 8 rows
+//!   ([`with_llamacpp_batches`]).
 //! - Q4_K (repacked gemv): `sum = fma(f32(Σ lanes), d_w d_x, sum)` and `summs =
 //!   fma(f32(Σ_u m[u] s[u]), dmin_w d_x, summs)` with `s[u]` the sum of the 32 quants of
 //!   sub-block `u` (both integer totals exact); the result is `sum - summs`.
@@ -45,11 +50,14 @@
 //! `-O3 -march=native`) on random and on real Qwen2.5 Q4_K/Q6_K tensors: bitwise equal; Q4_K
 //! and Q6_K are also tested in CI against recorded llama.cpp products.
 //!
-//! Where AVX-512 VNNI is available, products of 2 or more rows of Q4_K/Q5_K/Q6_K run on tiles of
+//! Where AVX-512 VNNI is available, Q4_K and Q6_K weights are stored interleaved by 16 rows
+//! ([`KWide`], the same bytes rearranged) and every product of them, one row or many, runs on
+//! its tiles: 16 output features per 512-bit register, the float steps once per (16 features,
+//! activation row, super-block). Products of 2 or more rows of Q5_K run on tiles of
 //! two weight rows × up to [`vnni_rows`] activation rows (`avx2_impl::tile`): `vpdpbusd` sums of
 //! 4 products packed in pairs into one `vpdpwssd` per two chunks (25% fewer multiply
 //! instructions than `maddubs` + `madd`), the decoding of each super-block shared by all the
-//! rows, and the float steps of the two weight rows in one 512-bit register. One-row products
+//! rows, and the float steps of the two weight rows in one 512-bit register. One-row Q5_K products
 //! (decode) stay on the row kernels, which stream the weights from memory faster.
 //! `SPECULA_KERNELS=avx2` forces the row kernels, `SPECULA_KERNELS=portable` the reference.
 //!
@@ -69,6 +77,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
+use super::kwide::KWide;
 use super::qmatmul::{hsum8, nearest_int};
 use super::{fixed_groups, row_groups};
 
@@ -158,14 +167,22 @@ pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
     Q8KRow { d, qs, bsums }
 }
 
-/// A weight matrix `[n, k]` in one of the [`KKind`] formats: the ggml super-blocks as stored,
-/// row-major (`n * k / 256` blocks of [`KKind::block_bytes`] bytes), in owned memory.
+/// A weight matrix `[n, k]` in one of the [`KKind`] formats, in owned memory: the ggml
+/// super-blocks as stored, row-major (`n * k / 256` blocks of [`KKind::block_bytes`] bytes), or,
+/// for Q4_K and Q6_K where AVX-512 VNNI runs the kernels, the same bytes interleaved by 16 rows
+/// ([`KWide`]).
 #[derive(Debug, Clone)]
 pub struct KWeight {
     kind: KKind,
     n: usize,
     k: usize,
+    /// The super-blocks row-major; empty when `wide` holds the weight.
     data: Vec<u8>,
+    wide: Option<KWide>,
+    /// With `wide`: the super-blocks row-major, rebuilt on first use by a path that reads the
+    /// file's layout (llama.cpp's batch arithmetic for the reference comparison, the forced
+    /// AVX2 / portable paths): that doubles the weight's memory, outside serving only.
+    file_rows: std::sync::OnceLock<Vec<u8>>,
 }
 
 impl KWeight {
@@ -184,12 +201,33 @@ impl KWeight {
         if data.len() != want {
             candle_core::bail!("quantized tensor holds {} bytes, expected {want}", data.len());
         }
-        Ok(Some(Self {
+        Ok(Some(Self::from_blocks(kind, n, k, data.into_owned())))
+    }
+
+    /// From the ggml super-blocks of a `[n, k]` weight, row-major. Q4_K and Q6_K take the
+    /// interleaved layout where the VNNI kernels run them (AVX-512 VNNI, and
+    /// `SPECULA_KERNELS` not forcing another path). Panics if `data` is not `n * k / 256` blocks.
+    pub(crate) fn from_blocks(kind: KKind, n: usize, k: usize, data: Vec<u8>) -> Self {
+        assert_eq!(data.len(), n * (k / QK_K) * kind.block_bytes(), "super-block bytes");
+        if KWide::supports(kind) && super::has_avx512_vnni() && super::kernel_path() == super::KernelPath::Best {
+            let wide = KWide::from_ggml(kind, n, k, &data);
+            return Self {
+                kind,
+                n,
+                k,
+                data: Vec::new(),
+                wide: Some(wide),
+                file_rows: Default::default(),
+            };
+        }
+        Self {
             kind,
             n,
             k,
-            data: data.into_owned(),
-        }))
+            data,
+            wide: None,
+            file_rows: Default::default(),
+        }
     }
 
     pub fn kind(&self) -> KKind {
@@ -200,6 +238,16 @@ impl KWeight {
     /// copied unchanged: each output is bitwise what the full product gives at that row).
     /// Panics if an id is not below `n`.
     pub fn select_rows(&self, ids: &[u32]) -> Self {
+        if let Some(w) = &self.wide {
+            return Self {
+                kind: self.kind,
+                n: ids.len(),
+                k: self.k,
+                data: Vec::new(),
+                wide: Some(w.select_rows(ids)),
+                file_rows: Default::default(),
+            };
+        }
         let rb = self.k / QK_K * self.kind.block_bytes();
         Self {
             kind: self.kind,
@@ -210,6 +258,8 @@ impl KWeight {
                 .flat_map(|&j| &self.data[j as usize * rb..][..rb])
                 .copied()
                 .collect(),
+            wide: None,
+            file_rows: Default::default(),
         }
     }
 
@@ -218,12 +268,24 @@ impl KWeight {
         (self.n, self.k)
     }
 
-    /// The super-blocks of weight row `j`.
-    pub fn row(&self, j: usize) -> KRow<'_> {
+    /// The super-blocks of weight row `j`, as in the file (borrowed, or rebuilt from the
+    /// interleaved layout).
+    pub fn row_bytes(&self, j: usize) -> &[u8] {
         let rb = self.k / QK_K * self.kind.block_bytes();
+        let data = match &self.wide {
+            Some(w) => self
+                .file_rows
+                .get_or_init(|| (0..self.n).flat_map(|j| w.row_bytes(j)).collect()),
+            None => &self.data,
+        };
+        &data[j * rb..(j + 1) * rb]
+    }
+
+    /// A row of this weight's kind over `bytes` (from [`row_bytes`](Self::row_bytes)).
+    pub fn row<'a>(&self, bytes: &'a [u8]) -> KRow<'a> {
         KRow {
             kind: self.kind,
-            data: &self.data[j * rb..(j + 1) * rb],
+            data: bytes,
         }
     }
 
@@ -261,20 +323,42 @@ impl KWeight {
         fn refs(rows: &[Q8KRow], i0: usize, g: usize) -> [&Q8KRow; MAX_ROWS] {
             std::array::from_fn(|r| &rows[i0 + r.min(g - 1)])
         }
-        // Rows `..batch_rows` in llama.cpp's batch arithmetic (its emulation only): Q4_K's
-        // repacked gemm, Q6_K's tiled kernel.
+        // Rows `..batch_rows` with the `batch` flag of the portable reference: Q6_K's tiled
+        // arithmetic, which serving uses for every row; in llama.cpp's batch arithmetic (its
+        // emulation only) Q4_K's repacked gemm for the rows in groups of four, and Q6_K's tiled
+        // kernel from 8 rows (its `vec_dot` below).
+        let emulate = LLAMACPP_BATCHES.get();
         let batch_rows = match self.kind {
-            _ if !LLAMACPP_BATCHES.get() => 0,
-            KKind::Q4K => m - m % 4,
-            KKind::Q6K if m >= 8 => m,
+            KKind::Q4K if emulate => m - m % 4,
+            KKind::Q6K if emulate && m < 8 => 0,
+            KKind::Q6K => m,
             _ => 0,
         };
+        #[cfg(target_arch = "x86_64")]
+        if let Some(wide) = &self.wide {
+            if path == super::KernelPath::Best && !emulate && super::has_avx512_vnni() {
+                let groups = row_groups(m, super::kwide::TILE_ROWS);
+                let acts = super::kwide::Acts::new(self.kind, std::borrow::Cow::Owned(rows), groups.clone());
+                return super::TileJob::new(
+                    self.n,
+                    self.k,
+                    m,
+                    groups,
+                    super::kwide::GROUP,
+                    move |j0, nw, (gi, _, _), out| {
+                        // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time;
+                        // the tile is checked inside.
+                        unsafe { super::kwide::vnni::tile_dispatch(wide, &acts, j0, nw, gi, out) }
+                    },
+                );
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         if path == super::KernelPath::Best
             && batch_rows == 0
             && m > 1
             && super::has_avx512_vnni()
-            && matches!(self.kind, KKind::Q4K | KKind::Q5K | KKind::Q6K)
+            && self.kind == KKind::Q5K
         {
             let groups = row_groups(m, vnni_rows(self.kind));
             let q8s = avx2_impl::pair_sums(&rows, self.k / QK_K);
@@ -297,7 +381,7 @@ impl KWeight {
             for w in 0..nw {
                 let o = &mut out[w * g..(w + 1) * g];
                 let (o1, o2) = o.split_at_mut(cut);
-                let w = self.row(j0 + w);
+                let w = self.row(self.row_bytes(j0 + w));
                 if cut > 0 {
                     vec_dot_rows_with(w, &xs[..cut], o1, avx2, wide, true);
                 }
@@ -661,9 +745,10 @@ fn block_row_portable(kind: KKind, u: &Unpacked, q8: &[i8], bs: &[i16], yd: f32,
     }
 }
 
-/// The portable reference for one (weight row, activation row) product.
+/// The portable reference for one (weight row, activation row) product in serving's
+/// arithmetic: ggml's one-row arithmetic, but for Q6_K its tiled batch kernel (one float chain).
 pub fn vec_dot_portable(w: KRow<'_>, x: &Q8KRow) -> f32 {
-    vec_dot_portable_with(w, x, false)
+    vec_dot_portable_with(w, x, w.kind == KKind::Q6K)
 }
 
 /// [`vec_dot_portable`]; `batch`: llama.cpp's batch arithmetic ([`with_llamacpp_batches`]).
@@ -703,7 +788,7 @@ pub fn vnni_rows(kind: KKind) -> usize {
 /// (the weights are decoded once for all of them); each value is bitwise
 /// [`vec_dot_portable`]`(w, xs[r])`.
 pub fn vec_dot_rows(w: KRow<'_>, xs: &[&Q8KRow], out: &mut [f32], avx2: bool) {
-    vec_dot_rows_with(w, xs, out, avx2, avx2 && has_avx512(), false);
+    vec_dot_rows_with(w, xs, out, avx2, avx2 && has_avx512(), w.kind == KKind::Q6K);
 }
 
 /// [`vec_dot_rows`] with the SIMD paths chosen: `avx2` (AVX2 + FMA + F16C, required by `wide`)
@@ -1417,8 +1502,9 @@ mod avx2_impl {
                 "activation row shorter than the weight row"
             );
         }
-        let pa = w.row(j0).data.as_ptr();
-        let pb = w.row(j0 + nw - 1).data.as_ptr();
+        let rb = nb * w.kind.block_bytes();
+        let pa = w.data[j0 * rb..].as_ptr();
+        let pb = w.data[(j0 + nw - 1) * rb..(j0 + nw) * rb].as_ptr();
         let two = nw == 2;
         match w.kind {
             KKind::Q4K => tile_rows::<Q4K>(pa, pb, nb, xs, q8s, out, two),
@@ -1938,11 +2024,12 @@ mod tests {
             let refs: Vec<&Q8KRow> = xs.iter().collect();
             let avx2 = crate::kernels::qmatmul::has_avx2();
             for j in 0..n {
-                let want: Vec<u32> = xs.iter().map(|x| vec_dot_portable(w.row(j), x).to_bits()).collect();
+                let bytes = w.row_bytes(j);
+                let want: Vec<u32> = xs.iter().map(|x| vec_dot_portable(w.row(bytes), x).to_bits()).collect();
                 for wide in [false, avx2 && has_avx512()] {
                     for g in 1..=MAX_ROWS {
                         let mut out = vec![0f32; g];
-                        vec_dot_rows_with(w.row(j), &refs[..g], &mut out, avx2, wide, false);
+                        vec_dot_rows_with(w.row(bytes), &refs[..g], &mut out, avx2, wide, dt == GgmlDType::Q6K);
                         let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
                         assert_eq!(
                             got,
@@ -1994,7 +2081,7 @@ mod tests {
                 KKind::Q6K => b[208..210].copy_from_slice(&d),
             }
         }
-        KWeight { kind, n, k, data }
+        KWeight::from_blocks(kind, n, k, data)
     }
 
     /// Activation rows: random, zero, one huge value, all at ±amax, large and tiny magnitudes.
@@ -2035,7 +2122,7 @@ mod tests {
                             let q = quantize_row_q8k(xr);
                             (0..n).map(move |j| (j, q.clone()))
                         })
-                        .map(|(j, q)| vec_dot_portable(w.row(j), &q).to_bits())
+                        .map(|(j, q)| vec_dot_portable(w.row(w.row_bytes(j)), &q).to_bits())
                         .collect();
                     for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
                         let got: Vec<u32> = w.matmul_on(&x, m, path).iter().map(|v| v.to_bits()).collect();
@@ -2081,7 +2168,7 @@ mod tests {
                         let q = quantize_row_q8k(xr);
                         (0..n).map(move |j| (i, j, q.clone()))
                     })
-                    .map(|(i, j, q)| vec_dot_portable_with(w.row(j), &q, i < cut).to_bits())
+                    .map(|(i, j, q)| vec_dot_portable_with(w.row(w.row_bytes(j)), &q, i < cut).to_bits())
                     .collect();
                 let serving: Vec<u32> = w
                     .matmul_on(&x, m, KernelPath::Best)
@@ -2128,23 +2215,19 @@ mod tests {
                         .collect()
                 };
                 assert_eq!(b.len(), 12 + wl + 4 * m * k + 4 * m * n, "{name}-m{m}: file size");
-                let w = KWeight {
-                    kind,
-                    n,
-                    k,
-                    data: b[12..12 + wl].to_vec(),
-                };
+                let w = KWeight::from_blocks(kind, n, k, b[12..12 + wl].to_vec());
                 let x = floats(12 + wl, m * k);
                 let want: Vec<u32> = floats(12 + wl + 4 * m * k, m * n).iter().map(|v| v.to_bits()).collect();
                 let bits = |v: Vec<f32>| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
                 for path in [KernelPath::Best, KernelPath::Avx2, KernelPath::Portable] {
                     let got = bits(with_llamacpp_batches(true, || w.matmul_on(&x, m, path)));
                     assert_eq!(got, want, "{name}-m{m} {path:?}: llama.cpp's batch arithmetic");
-                    if m == 1 {
+                    // Serving's arithmetic is llama.cpp's one-row Q4_K and its tiled Q6_K.
+                    if (kind == KKind::Q4K && m == 1) || (kind == KKind::Q6K && m == 9) {
                         assert_eq!(
                             bits(w.matmul_on(&x, m, path)),
                             want,
-                            "{name}-m1 {path:?}: serving arithmetic"
+                            "{name}-m{m} {path:?}: serving arithmetic"
                         );
                     }
                 }
@@ -2231,7 +2314,7 @@ mod tests {
                         }
                     }
                     let per = t.elapsed().as_secs_f64() / 20.0;
-                    let gbs = (w.data.len() as f64) / per / 1e9;
+                    let gbs = (n * k / QK_K * w.kind.block_bytes()) as f64 / per / 1e9;
                     eprintln!("{dt:?} {n}x{k} m={m} {path:?}: {:.3} ms ({gbs:.1} GB/s)", per * 1e3);
                 }
             }

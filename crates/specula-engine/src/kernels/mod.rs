@@ -1,6 +1,7 @@
 //! Specula's own CPU kernels: the products whose reduction order the exactness promise depends on.
 
 pub mod kquants;
+pub mod kwide;
 pub mod pool;
 pub mod qmatmul;
 
