@@ -601,19 +601,26 @@ fn unpack(kind: KKind, blk: &[u8], u: &mut Unpacked) {
             for (o, &v) in u.sc.iter_mut().zip(scales) {
                 *o = v as i8 as i16;
             }
-            for j in 0..2 {
-                let ql = &ql[64 * j..64 * j + 64];
-                let qh = &qh[32 * j..32 * j + 32];
-                let q = &mut u.q[128 * j..128 * j + 128];
-                for l in 0..32 {
-                    let h = qh[l];
-                    q[l] = (ql[l] & 0xF) | ((h & 3) << 4);
-                    q[32 + l] = (ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4);
-                    q[64 + l] = (ql[l] >> 4) | (((h >> 4) & 3) << 4);
-                    q[96 + l] = (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4);
-                }
-            }
+            q6k_values(ql, qh, &mut u.q);
             u.d = h2f(dd[0], dd[1]);
+        }
+    }
+}
+
+/// The 256 unsigned 6-bit values of a Q6_K super-block from ggml's `ql` (128 bytes) and `qh`
+/// (64 bytes), value `i` at index `i` (`dequantize_row_q6_K`'s order).
+#[inline(always)]
+pub(crate) fn q6k_values(ql: &[u8], qh: &[u8], v: &mut [u8; QK_K]) {
+    for j in 0..2 {
+        let ql = &ql[64 * j..64 * j + 64];
+        let qh = &qh[32 * j..32 * j + 32];
+        let q = &mut v[128 * j..128 * j + 128];
+        for l in 0..32 {
+            let h = qh[l];
+            q[l] = (ql[l] & 0xF) | ((h & 3) << 4);
+            q[32 + l] = (ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4);
+            q[64 + l] = (ql[l] >> 4) | (((h >> 4) & 3) << 4);
+            q[96 + l] = (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4);
         }
     }
 }

@@ -36,7 +36,7 @@
 //! The conversion from and to ggml's super-blocks is exact (round trip tested), so the weights
 //! take the same memory as in the file.
 
-use super::kquants::{KKind, Q8KRow, QK_K};
+use super::kquants::{q6k_values, KKind, Q8KRow, QK_K};
 
 /// Weight rows per interleaved group (the 16 i32 lanes of a 512-bit register).
 pub const GROUP: usize = 16;
@@ -186,7 +186,8 @@ impl KWide {
                 let (scales, dd) = rest.split_at(16);
                 put.extend((0..2).map(|p| (self.at(j, b, r.d, p, 2), dd[p])));
                 put.extend((0..Q6K_SC).map(|p| (self.at(j, b, r.sc, p, 2), scales[p])));
-                let v = q6k_values(ql, qh);
+                let mut v = [0u8; QK_K];
+                q6k_values(ql, qh, &mut v);
                 put.extend((0..QL).map(|p| (self.at(j, b, r.ql, p, 4), (v[p] & 0xF) | (v[p + 128] & 0xF) << 4)));
                 put.extend((0..QH).map(|p| {
                     let h = (0..4).fold(0u8, |h, i| h | (v[p + 64 * i] >> 4) << (2 * i));
@@ -286,25 +287,6 @@ impl KWide {
             );
         }
     }
-}
-
-/// The 256 unsigned 6-bit values of a Q6_K super-block from ggml's `ql` (128 bytes) and `qh`
-/// (64 bytes), value `i` at index `i` (`dequantize_row_q6_K`'s order).
-fn q6k_values(ql: &[u8], qh: &[u8]) -> [u8; QK_K] {
-    let mut v = [0u8; QK_K];
-    for half in 0..2 {
-        let ql = &ql[64 * half..64 * half + 64];
-        let qh = &qh[32 * half..32 * half + 32];
-        let q = &mut v[128 * half..128 * half + 128];
-        for l in 0..32 {
-            let h = qh[l];
-            q[l] = (ql[l] & 0xF) | ((h & 3) << 4);
-            q[32 + l] = (ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4);
-            q[64 + l] = (ql[l] >> 4) | (((h >> 4) & 3) << 4);
-            q[96 + l] = (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4);
-        }
-    }
-    v
 }
 
 /// Activation rows prepared for the tile: the Q8_K rows, their groups, and for Q4_K per row and
