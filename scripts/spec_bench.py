@@ -35,6 +35,10 @@ def run(a, prompt, max_tokens, mode, k, fixed):
         cmd.append("--fixed-k")
     if a.draft_model and mode != "off":
         cmd += ["--draft-model", a.draft_model]
+    if a.draft_vocab and mode == "draft":
+        cmd += ["--draft-vocab", a.draft_vocab]
+        if a.draft_vocab_size:
+            cmd += ["--draft-vocab-size", str(a.draft_vocab_size)]
     if mode == "mtp" and a.mtp:
         cmd += ["--drafter", a.mtp]
     if mode == "block" and a.block:
@@ -109,6 +113,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft-model")
+    ap.add_argument("--draft-vocab", help="a draft vocabulary file for the draft model (configs draft:K)")
+    ap.add_argument("--draft-vocab-size", type=int)
     ap.add_argument("--mtp", help="an MTP head (for configs mtp:K)")
     ap.add_argument("--block", help="a block drafter folder (for configs block:K)")
     ap.add_argument("--kinds", default="easy_code,long_context,prose")

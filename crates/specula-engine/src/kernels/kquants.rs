@@ -141,30 +141,84 @@ pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
     let mut d = vec![0f32; nb];
     let mut qs = vec![0i8; nb * QK_K];
     let mut bsums = vec![0i16; nb * (QK_K / 16)];
+    #[cfg(target_arch = "x86_64")]
+    let simd = has_avx512();
     for (b, chunk) in x.chunks_exact(QK_K).enumerate() {
-        let mut max = 0f32;
-        let mut amax = 0f32;
-        for &v in chunk {
-            let a = v.abs();
-            if a > amax {
-                amax = a;
-                max = v;
-            }
-        }
-        if amax == 0.0 {
+        let q = &mut qs[b * QK_K..(b + 1) * QK_K];
+        let sums = &mut bsums[b * 16..(b + 1) * 16];
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: AVX-512 F was detected at run time; the slices hold one super-block.
+            d[b] = unsafe { quantize_block_q8k_avx512(chunk, q, sums) };
             continue;
         }
-        let iscale = -127.0f32 / max;
-        let q = &mut qs[b * QK_K..(b + 1) * QK_K];
-        for (o, &v) in q.iter_mut().zip(chunk) {
-            *o = nearest_int(iscale * v).min(127) as i8;
-        }
-        for (g, s) in bsums[b * 16..(b + 1) * 16].iter_mut().enumerate() {
-            *s = q[g * 16..(g + 1) * 16].iter().map(|&v| v as i32).sum::<i32>() as i16;
-        }
-        d[b] = 1.0 / iscale;
+        d[b] = quantize_block_q8k(chunk, q, sums);
     }
     Q8KRow { d, qs, bsums }
+}
+
+/// One super-block of [`quantize_row_q8k`]: quants into `q`, sums into `bsums`, returns `d`
+/// (0 for a block of zeros, whose quants and sums stay 0).
+fn quantize_block_q8k(chunk: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
+    let mut max = 0f32;
+    let mut amax = 0f32;
+    for &v in chunk {
+        let a = v.abs();
+        if a > amax {
+            amax = a;
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        return 0.0;
+    }
+    let iscale = -127.0f32 / max;
+    for (o, &v) in q.iter_mut().zip(chunk) {
+        *o = nearest_int(iscale * v).min(127) as i8;
+    }
+    for (g, s) in bsums.iter_mut().enumerate() {
+        *s = q[g * 16..(g + 1) * 16].iter().map(|&v| v as i32).sum::<i32>() as i16;
+    }
+    1.0 / iscale
+}
+
+/// [`quantize_block_q8k`] 16 lanes at a time, the same bytes: the largest magnitude is exact
+/// in any order, and `max` is the first value (in index order) that has it, as the scalar
+/// scan's strict `>` picks; `vcvtps2dq` rounds half to even (the default MXCSR) as
+/// [`nearest_int`] does; one register is one 16-quant sum.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn quantize_block_q8k_avx512(chunk: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
+    use std::arch::x86_64::*;
+    assert!(chunk.len() == QK_K && q.len() == QK_K && bsums.len() == QK_K / 16);
+    let mut v = [_mm512_setzero_ps(); 16];
+    let mut m = _mm512_setzero_ps();
+    for (t, r) in v.iter_mut().enumerate() {
+        *r = _mm512_loadu_ps(chunk.as_ptr().add(16 * t));
+        m = _mm512_max_ps(m, _mm512_abs_ps(*r));
+    }
+    let amax = _mm512_reduce_max_ps(m);
+    if amax == 0.0 {
+        return 0.0;
+    }
+    let target = _mm512_set1_ps(amax);
+    let mut max = 0f32;
+    for (t, r) in v.iter().enumerate() {
+        let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_abs_ps(*r), target);
+        if hit != 0 {
+            max = chunk[16 * t + hit.trailing_zeros() as usize];
+            break;
+        }
+    }
+    let iscale = -127.0f32 / max;
+    let sv = _mm512_set1_ps(iscale);
+    let top = _mm512_set1_epi32(127);
+    for (t, r) in v.iter().enumerate() {
+        let qi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(sv, *r)), top);
+        _mm_storeu_si128(q.as_mut_ptr().add(16 * t) as *mut __m128i, _mm512_cvtepi32_epi8(qi));
+        bsums[t] = _mm512_reduce_add_epi32(qi) as i16;
+    }
+    1.0 / iscale
 }
 
 /// A weight matrix `[n, k]` in one of the [`KKind`] formats, in owned memory: the ggml
@@ -378,15 +432,18 @@ impl KWeight {
             let xs = refs(&rows, i0, g);
             // The group's rows in llama.cpp's batch arithmetic, then the rest.
             let cut = batch_rows.clamp(i0, i0 + g) - i0;
+            let mut col = [0f32; MAX_ROWS];
             for w in 0..nw {
-                let o = &mut out[w * g..(w + 1) * g];
-                let (o1, o2) = o.split_at_mut(cut);
-                let w = self.row(self.row_bytes(j0 + w));
+                let (o1, o2) = col[..g].split_at_mut(cut);
+                let row = self.row(self.row_bytes(j0 + w));
                 if cut > 0 {
-                    vec_dot_rows_with(w, &xs[..cut], o1, avx2, wide, true);
+                    vec_dot_rows_with(row, &xs[..cut], o1, avx2, wide, true);
                 }
                 if cut < g {
-                    vec_dot_rows_with(w, &xs[cut..g], o2, avx2, wide, false);
+                    vec_dot_rows_with(row, &xs[cut..g], o2, avx2, wide, false);
+                }
+                for (r, &y) in col[..g].iter().enumerate() {
+                    out[r * nw + w] = y;
                 }
             }
         })
@@ -1414,7 +1471,7 @@ mod avx2_impl {
             for (i, &vi) in v.iter().enumerate() {
                 let (h, r) = ((i / 4) % 2, i % 4 + 4 * (i / 8));
                 if r < R && (h == 0 || two) {
-                    out[h * R + r] = vi;
+                    out[r * (1 + usize::from(two)) + h] = vi;
                 }
             }
             return;
@@ -1427,7 +1484,7 @@ mod avx2_impl {
                 if h == 1 && !two {
                     continue;
                 }
-                out[h * R + r] = match K {
+                out[r * (1 + usize::from(two)) + h] = match K {
                     Q5K => v + m[4 * h],
                     _ => v,
                 };
@@ -1487,7 +1544,7 @@ mod avx2_impl {
     }
 
     /// One tile of a Q4_K/Q5_K/Q6_K product on the VNNI kernel: weight rows `j0 .. j0 + nw`
-    /// (`nw` ≤ 2) × the rows `xs` (with their [`pair_sums`] `q8s`), `out[w * g + r]`.
+    /// (`nw` ≤ 2) × the rows `xs` (with their [`pair_sums`] `q8s`), `out[r * nw + w]`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) unsafe fn tile_dispatch(
         w: &KWeight,
@@ -1969,6 +2026,47 @@ mod tests {
         GgmlDType::Q5K,
         GgmlDType::Q6K,
     ];
+
+    /// The AVX-512 Q8_K block quantization gives the scalar definition's quants, sums and
+    /// scale: random blocks at several magnitudes, zeros, ties of the largest magnitude (both
+    /// signs, so the first one decides), exact halves.
+    #[test]
+    fn simd_q8k_quantization_matches_scalar() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !has_avx512() {
+                return;
+            }
+            for case in 0..2000u64 {
+                let scale = [1e-30f32, 1e-3, 1.0, 300.0, 1e20][(case % 5) as usize];
+                let mut x: Vec<f32> = pseudo(QK_K, case + 1).iter().map(|v| v * scale).collect();
+                match case % 6 {
+                    0 => x.iter_mut().for_each(|v| *v = 0.0),
+                    1 => {
+                        let i = (case as usize * 37) % QK_K;
+                        let j = (i + 1 + case as usize % 200) % QK_K;
+                        x[i] = 2.0 * scale;
+                        x[j] = -2.0 * scale;
+                    }
+                    2 => {
+                        x[5] = -127.0;
+                        for (i, v) in x.iter_mut().enumerate().skip(6).take(100) {
+                            *v = (i % 50) as f32 - 24.5;
+                        }
+                    }
+                    _ => {}
+                }
+                let (mut q1, mut q2) = (vec![0i8; QK_K], vec![0i8; QK_K]);
+                let (mut s1, mut s2) = ([0i16; 16], [0i16; 16]);
+                let d1 = quantize_block_q8k(&x, &mut q1, &mut s1);
+                // SAFETY: AVX-512 F is present (checked above).
+                let d2 = unsafe { quantize_block_q8k_avx512(&x, &mut q2, &mut s2) };
+                assert_eq!(q1, q2, "case {case}");
+                assert_eq!(s1, s2, "case {case}");
+                assert_eq!(d1.to_bits(), d2.to_bits(), "case {case}");
+            }
+        }
+    }
 
     /// Against the exact product with the dequantized weights (Q8_K rounding of the activations
     /// is the only difference), and against candle's own K-quant `QMatMul` (same quantization,

@@ -380,15 +380,14 @@ pub(crate) mod vnni {
         }
     }
 
-    /// Write a tile's results: lane `l` of `acc[r]` is weight row `l` of the tile.
+    /// Write a tile's results, row-major `out[r * nw + l]`: lane `l` of `acc[r]` is weight row
+    /// `l` of the tile. `out` holds at least `R * nw` values (`check_tile`).
     #[inline(always)]
     unsafe fn store<const R: usize>(acc: &[__m512; R], nw: usize, out: &mut [f32]) {
+        debug_assert!(out.len() >= R * nw && nw <= GROUP);
+        let mask = ((1u32 << nw) - 1) as __mmask16;
         for (r, acc) in acc.iter().enumerate() {
-            let mut v = [0f32; GROUP];
-            _mm512_storeu_ps(v.as_mut_ptr(), *acc);
-            for (l, &y) in v.iter().take(nw).enumerate() {
-                out[l * R + r] = y;
-            }
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(r * nw), mask, *acc);
         }
     }
 
@@ -597,7 +596,7 @@ pub(crate) mod vnni {
     }
 
     /// One tile of the product: the weight rows `j0 .. j0 + nw` (`j0` a multiple of [`GROUP`],
-    /// `nw` ≤ 16) × the rows of group `gi`, `out[w * g + r]`. With one row group each tile
+    /// `nw` ≤ 16) × the rows of group `gi`, `out[r * nw + w]`. With one row group each tile
     /// prefetches ahead in the record stream (running on into the next tile's); with several,
     /// the first row group's tile of each panel does, and the others read it from cache.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]

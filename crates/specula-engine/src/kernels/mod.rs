@@ -95,7 +95,8 @@ pub(crate) fn fixed_groups(m: usize, max: usize) -> Vec<(usize, usize)> {
 /// kernel.
 ///
 /// `kern(j0, nw, (gi, first, g), out)` computes the tile of weight rows `j0 .. j0 + nw` (`nw` ≤
-/// `wtile`) and group `gi`, the `g` rows from `first`: `out[w * g + r] = f(j0 + w, first + r)`. It must give
+/// `wtile`) and group `gi`, the `g` rows from `first`, row-major: `out[r * nw + w] = f(j0 + w, first + r)`
+/// (so a kernel stores each activation row's outputs as one contiguous run). It must give
 /// bitwise the same value for an element whatever tile it is computed in, which is what makes the
 /// product batch-invariant (the tiling depends on `m`).
 pub(crate) struct TileJob<'a> {
@@ -181,12 +182,10 @@ pub(crate) fn run_jobs(jobs: &[TileJob<'_>]) -> Vec<Vec<f32>> {
                 for j in (t0..t1).step_by(job.wtile) {
                     let nw = job.wtile.min(t1 - j);
                     (job.kern)(j, nw, (gi, i0, g), &mut buf[..nw * g]);
-                    for w in 0..nw {
-                        for r in 0..g {
-                            // SAFETY: `(i0 + r, j + w)` is inside the job's `[m, n]` output, and
-                            // this chunk is the only writer of its columns `j0 .. j1`.
-                            unsafe { dst.write((i0 + r) * n + j + w, buf[w * g + r]) };
-                        }
+                    for (r, src) in buf[..nw * g].chunks_exact(nw).enumerate() {
+                        // SAFETY: `(i0 + r, j .. j + nw)` is inside the job's `[m, n]` output,
+                        // and this chunk is the only writer of its columns `j0 .. j1`.
+                        unsafe { dst.write_run((i0 + r) * n + j, src) };
                     }
                 }
             }
@@ -211,10 +210,12 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
+    /// Copy `src` to elements `at .. at + src.len()`.
+    ///
     /// # Safety
-    /// `at` is in bounds of the buffer and no other thread accesses that element concurrently.
-    unsafe fn write(self, at: usize, v: f32) {
-        *self.0.add(at) = v;
+    /// The range is in bounds of the buffer and no other thread accesses it concurrently.
+    unsafe fn write_run(self, at: usize, src: &[f32]) {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(at), src.len());
     }
 }
 
@@ -286,7 +287,7 @@ mod tests {
             TileJob::new(n, 1 << 14, m, groups, wtile, move |j0, nw, (_, i0, g), out| {
                 for w in 0..nw {
                     for r in 0..g {
-                        out[w * g + r] = (ji * 1_000_000 + (j0 + w) * 1000 + i0 + r) as f32;
+                        out[r * nw + w] = (ji * 1_000_000 + (j0 + w) * 1000 + i0 + r) as f32;
                     }
                 }
             })
