@@ -832,10 +832,10 @@ impl Engine {
         out
     }
 
-    /// Bytes of KV cache one position takes (every layer's K and V rows, f32).
+    /// Bytes of KV cache one position takes (every layer's K and V rows, f16).
     pub fn kv_bytes_per_token(&self) -> usize {
         let c = self.config();
-        c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+        c.num_layers * 2 * c.num_kv_heads * c.head_dim * crate::kv_cache::KV_ELEM_BYTES
     }
 
     /// The prefix cache's counters, when it is on (with a device: its slot reuse, which holds

@@ -1,6 +1,8 @@
 //! Per-sequence KV cache with rollback, in fixed-size blocks from a shared pool (paged).
 //!
-//! Keys and values are f32 in `[position, kv_head, head_dim]` order. A sequence holds, per
+//! Keys and values are f16 (llama.cpp's default cache type: the forward rounds K and V to f16
+//! anyway, so storing them as f16 loses nothing and halves what the attention reads) in
+//! `[position, kv_head, head_dim]` order. A sequence holds, per
 //! layer, a table of blocks of [`KV_BLOCK`] positions each (K rows then V rows); blocks come
 //! from a [`KvPool`] shared by every sequence of a model and go back to it when a sequence
 //! shrinks or ends. All blocks of a pool have one size, so freed blocks are reused as they are
@@ -10,6 +12,7 @@
 //! rejected draft tokens with it, and whole blocks past the new length return to the pool.
 
 use anyhow::{bail, Result};
+use half::f16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -17,14 +20,17 @@ use std::sync::{Arc, Mutex};
 /// blocks).
 pub const KV_BLOCK: usize = 64;
 
+/// Bytes of one stored key or value (f16).
+pub const KV_ELEM_BYTES: usize = 2;
+
 /// Fixed-size KV blocks shared by the sequences of one model: a free list plus counters.
 /// Blocks are allocated on first need and recycled, never returned to the allocator while the
 /// pool lives.
 #[derive(Debug)]
 pub struct KvPool {
-    /// Floats per block: `2 * KV_BLOCK * stride` (K rows, then V rows).
+    /// Values per block: `2 * KV_BLOCK * stride` (K rows, then V rows).
     block_floats: usize,
-    free: Mutex<Vec<Box<[f32]>>>,
+    free: Mutex<Vec<Box<[f16]>>>,
     /// Blocks created so far (in use + free).
     allocated: AtomicUsize,
     in_use: AtomicUsize,
@@ -40,7 +46,7 @@ pub struct KvPoolStats {
 }
 
 impl KvPool {
-    /// A pool of blocks for `stride = kv_heads * head_dim` floats per position.
+    /// A pool of blocks for `stride = kv_heads * head_dim` values per position.
     pub fn new(stride: usize) -> Arc<Self> {
         Arc::new(Self {
             block_floats: 2 * KV_BLOCK * stride,
@@ -50,7 +56,7 @@ impl KvPool {
         })
     }
 
-    fn take(&self) -> Box<[f32]> {
+    fn take(&self) -> Box<[f16]> {
         self.in_use.fetch_add(1, Ordering::Relaxed);
         {
             let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
@@ -60,10 +66,10 @@ impl KvPool {
             // Counted under the lock, so `reserve_bytes` sees every block.
             self.allocated.fetch_add(1, Ordering::Relaxed);
         }
-        vec![0f32; self.block_floats].into_boxed_slice()
+        vec![f16::ZERO; self.block_floats].into_boxed_slice()
     }
 
-    fn give(&self, b: Box<[f32]>) {
+    fn give(&self, b: Box<[f16]>) {
         debug_assert_eq!(b.len(), self.block_floats);
         self.in_use.fetch_sub(1, Ordering::Relaxed);
         self.free.lock().unwrap_or_else(|e| e.into_inner()).push(b);
@@ -73,14 +79,14 @@ impl KvPool {
     /// pool's resident size is reached at start and stays flat (a server with a KV budget).
     /// Returns the number of blocks created.
     pub fn reserve_bytes(&self, bytes: usize) -> usize {
-        let want = bytes / (self.block_floats * 4);
+        let want = bytes / (self.block_floats * KV_ELEM_BYTES);
         let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
         let have = self.allocated.load(Ordering::Relaxed);
         let n = want.saturating_sub(have);
         for _ in 0..n {
             // `resize` writes the zeros (a zeroed allocation would leave the pages untouched).
             let mut v = Vec::with_capacity(self.block_floats);
-            v.resize(self.block_floats, 0f32);
+            v.resize(self.block_floats, f16::ZERO);
             free.push(v.into_boxed_slice());
         }
         self.allocated.fetch_add(n, Ordering::Relaxed);
@@ -89,7 +95,7 @@ impl KvPool {
 
     pub fn stats(&self) -> KvPoolStats {
         KvPoolStats {
-            block_bytes: self.block_floats * 4,
+            block_bytes: self.block_floats * KV_ELEM_BYTES,
             allocated: self.allocated.load(Ordering::Relaxed),
             in_use: self.in_use.load(Ordering::Relaxed),
         }
@@ -97,19 +103,19 @@ impl KvPool {
 }
 
 /// Keys and values of the first `positions` positions of one layer, block by block: what the
-/// attention reads. `key(j)` / `value(j)` are position j's rows (`stride` floats).
+/// attention reads. `key(j)` / `value(j)` are position j's rows (`stride` f16 values).
 #[derive(Debug, Clone)]
 pub struct KvRows<'a> {
-    /// Per block: (K rows, V rows), `KV_BLOCK * stride` floats each (the last may be shorter
+    /// Per block: (K rows, V rows), `KV_BLOCK * stride` values each (the last may be shorter
     /// when built from slices).
-    parts: Vec<(&'a [f32], &'a [f32])>,
+    parts: Vec<(&'a [f16], &'a [f16])>,
     stride: usize,
     positions: usize,
 }
 
 impl<'a> KvRows<'a> {
     /// Rows from contiguous `[positions, stride]` keys and values (tests, references).
-    pub fn from_slices(keys: &'a [f32], values: &'a [f32], stride: usize) -> Self {
+    pub fn from_slices(keys: &'a [f16], values: &'a [f16], stride: usize) -> Self {
         let per = KV_BLOCK * stride;
         Self {
             parts: keys.chunks(per).zip(values.chunks(per)).collect(),
@@ -121,7 +127,7 @@ impl<'a> KvRows<'a> {
     /// Position `j`'s key row. Panics past [`KvRows::positions`] (recycled blocks hold other
     /// sequences' old rows past the end).
     #[inline(always)]
-    pub fn key(&self, j: usize) -> &'a [f32] {
+    pub fn key(&self, j: usize) -> &'a [f16] {
         assert!(j < self.positions, "kv rows: position {j} of {}", self.positions);
         let k = self.parts[j / KV_BLOCK].0;
         &k[(j % KV_BLOCK) * self.stride..][..self.stride]
@@ -129,7 +135,7 @@ impl<'a> KvRows<'a> {
 
     /// Position `j`'s value row. Panics past [`KvRows::positions`].
     #[inline(always)]
-    pub fn value(&self, j: usize) -> &'a [f32] {
+    pub fn value(&self, j: usize) -> &'a [f16] {
         assert!(j < self.positions, "kv rows: position {j} of {}", self.positions);
         let v = self.parts[j / KV_BLOCK].1;
         &v[(j % KV_BLOCK) * self.stride..][..self.stride]
@@ -140,7 +146,7 @@ impl<'a> KvRows<'a> {
     /// positions in runs, with one lookup per block instead of per position. Panics unless
     /// `j0 < j1 <= positions`.
     #[inline]
-    pub fn run(&self, j0: usize, j1: usize) -> (&'a [f32], &'a [f32], usize) {
+    pub fn run(&self, j0: usize, j1: usize) -> (&'a [f16], &'a [f16], usize) {
         assert!(
             j0 < j1 && j1 <= self.positions,
             "kv rows: run {j0}..{j1} of {}",
@@ -158,12 +164,12 @@ impl<'a> KvRows<'a> {
     }
 
     /// Contiguous copies `[positions, stride]` of the keys and values.
-    pub fn to_vecs(&self) -> (Vec<f32>, Vec<f32>) {
+    pub fn to_vecs(&self) -> (Vec<f16>, Vec<f16>) {
         self.copy_range(0..self.positions)
     }
 
     /// Contiguous copies `[range.len(), stride]` of the keys and values of positions `range`.
-    pub fn copy_range(&self, range: std::ops::Range<usize>) -> (Vec<f32>, Vec<f32>) {
+    pub fn copy_range(&self, range: std::ops::Range<usize>) -> (Vec<f16>, Vec<f16>) {
         let mut k = Vec::with_capacity(range.len() * self.stride);
         let mut v = Vec::with_capacity(range.len() * self.stride);
         for j in range {
@@ -177,13 +183,13 @@ impl<'a> KvRows<'a> {
 /// Keys and values of one sequence, for every layer.
 #[derive(Debug)]
 pub struct KvCache {
-    /// `[layer][block]`: blocks of `2 * KV_BLOCK * stride` floats (K rows, then V rows).
-    blocks: Vec<Vec<Box<[f32]>>>,
+    /// `[layer][block]`: blocks of `2 * KV_BLOCK * stride` values (K rows, then V rows).
+    blocks: Vec<Vec<Box<[f16]>>>,
     /// Positions written per layer (committed plus appended by the forward in progress).
     filled: Vec<usize>,
     /// Committed positions (the same for every layer between forwards).
     len: usize,
-    /// `num_kv_heads * head_dim`: floats per position per layer.
+    /// `num_kv_heads * head_dim`: values per position per layer.
     stride: usize,
     capacity: usize,
     pool: Arc<KvPool>,
@@ -261,14 +267,14 @@ impl KvCache {
         self.blocks.len()
     }
 
-    /// Floats per position per layer (`kv_heads * head_dim`).
+    /// Values per position per layer (`kv_heads * head_dim`).
     pub fn stride(&self) -> usize {
         self.stride
     }
 
     /// Bytes of the blocks this sequence holds.
     pub fn bytes(&self) -> usize {
-        self.blocks.iter().map(Vec::len).sum::<usize>() * self.pool.block_floats * 4
+        self.blocks.iter().map(Vec::len).sum::<usize>() * self.pool.block_floats * KV_ELEM_BYTES
     }
 
     /// The pool the blocks come from.
@@ -276,10 +282,22 @@ impl KvCache {
         &self.pool
     }
 
-    /// Append the K and V rows (`[n, kv_heads, head_dim]` each) of layer `layer` for positions
-    /// `len .. len + n`. The new positions count once [`KvCache::advance`] is called after every
-    /// layer has appended.
+    /// Append the K and V rows (`[n, kv_heads, head_dim]` each, f32, stored rounded to the
+    /// nearest f16) of layer `layer` for positions `len .. len + n`. The new positions count
+    /// once [`KvCache::advance`] is called after every layer has appended.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        self.append_with(layer, k, v, |dst, src| {
+            use half::slice::HalfFloatSliceExt;
+            dst.convert_from_f32_slice(src)
+        })
+    }
+
+    /// [`KvCache::append`] of rows already in f16 (a prefix cache's copies).
+    pub fn append_f16(&mut self, layer: usize, k: &[f16], v: &[f16]) -> Result<()> {
+        self.append_with(layer, k, v, |dst, src| dst.copy_from_slice(src))
+    }
+
+    fn append_with<T>(&mut self, layer: usize, k: &[T], v: &[T], put: impl Fn(&mut [f16], &[T])) -> Result<()> {
         let st = self.stride;
         if k.len() != v.len() || !k.len().is_multiple_of(st) {
             bail!("kv append: bad row sizes {} / {} for stride {st}", k.len(), v.len());
@@ -305,9 +323,9 @@ impl KvCache {
             }
             let run = (KV_BLOCK - off).min(n - i);
             let b = &mut self.blocks[layer][bi];
-            b[off * st..(off + run) * st].copy_from_slice(&k[i * st..(i + run) * st]);
+            put(&mut b[off * st..(off + run) * st], &k[i * st..(i + run) * st]);
             let vo = KV_BLOCK * st;
-            b[vo + off * st..vo + (off + run) * st].copy_from_slice(&v[i * st..(i + run) * st]);
+            put(&mut b[vo + off * st..vo + (off + run) * st], &v[i * st..(i + run) * st]);
             pos += run;
             i += run;
         }
@@ -346,7 +364,7 @@ impl KvCache {
     }
 
     /// Contiguous copies of [`KvCache::rows`]: `[positions, stride]` keys and values.
-    pub fn layer_vecs(&self, layer: usize, positions: usize) -> (Vec<f32>, Vec<f32>) {
+    pub fn layer_vecs(&self, layer: usize, positions: usize) -> (Vec<f16>, Vec<f16>) {
         self.rows(layer, positions).to_vecs()
     }
 }
@@ -392,6 +410,10 @@ impl Drop for KvCache {
 mod tests {
     use super::*;
 
+    fn h(x: &[f32]) -> Vec<f16> {
+        x.iter().map(|&v| f16::from_f32(v)).collect()
+    }
+
     #[test]
     fn append_advance_truncate() {
         let mut kv = KvCache::new(2, 1, 2, 8);
@@ -400,10 +422,10 @@ mod tests {
         }
         kv.advance(2).unwrap();
         assert_eq!(kv.len(), 2);
-        assert_eq!(kv.layer_vecs(1, 2).0, vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(kv.layer_vecs(1, 2).0, h(&[1.0, 2.0, 3.0, 4.0]));
         kv.truncate(1);
         assert_eq!(kv.len(), 1);
-        assert_eq!(kv.layer_vecs(0, 1).1, vec![5.0, 6.0]);
+        assert_eq!(kv.layer_vecs(0, 1).1, h(&[5.0, 6.0]));
         // A layer that did not append makes advance fail.
         kv.append(0, &[9.0, 9.0], &[9.0, 9.0]).unwrap();
         assert!(kv.advance(1).is_err());
@@ -436,10 +458,10 @@ mod tests {
         assert_eq!(pool.stats().in_use, 2 * 3);
         let r = kv.rows(1, n);
         for j in [0, 4, 5, KV_BLOCK - 1, KV_BLOCK, n - 1] {
-            assert_eq!(r.key(j), &k[2 * j..2 * j + 2]);
-            assert_eq!(r.value(j), &v[2 * j..2 * j + 2]);
+            assert_eq!(r.key(j), &h(&k[2 * j..2 * j + 2])[..]);
+            assert_eq!(r.value(j), &h(&v[2 * j..2 * j + 2])[..]);
         }
-        assert_eq!(kv.layer_vecs(0, n), (k.clone(), v.clone()));
+        assert_eq!(kv.layer_vecs(0, n), (h(&k), h(&v)));
         kv.truncate(KV_BLOCK);
         assert_eq!(pool.stats().in_use, 2);
         assert_eq!(kv.bytes(), 2 * pool.stats().block_bytes);

@@ -29,14 +29,19 @@ struct Block {
     parent: u64,
     tokens: [u32; BLOCK_TOKENS],
     /// Per layer: K and V rows of the block's positions (`[BLOCK_TOKENS, kv_heads, head_dim]`).
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    keys: Vec<Vec<half::f16>>,
+    values: Vec<Vec<half::f16>>,
     last_used: u64,
 }
 
 impl Block {
     fn bytes(&self) -> usize {
-        self.keys.iter().chain(&self.values).map(|l| l.len() * 4).sum::<usize>() + 64
+        self.keys
+            .iter()
+            .chain(&self.values)
+            .map(|l| l.len() * crate::kv_cache::KV_ELEM_BYTES)
+            .sum::<usize>()
+            + 64
     }
 }
 
@@ -121,7 +126,7 @@ impl PrefixCache {
             }
             b.last_used = self.clock;
             for (layer, (k, v)) in b.keys.iter().zip(&b.values).enumerate() {
-                kv.append(layer, k, v)?;
+                kv.append_f16(layer, k, v)?;
             }
             kv.advance(BLOCK_TOKENS)?;
             n += BLOCK_TOKENS;

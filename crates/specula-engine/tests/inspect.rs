@@ -238,7 +238,8 @@ fn catalog_models_inspect_under_a_second_with_the_right_report() {
             assert_eq!(r.modes.default.drafter, "ngram", "{name}");
         }
         let m = r.memory.as_ref().expect("memory");
-        let kv_tok = 2 * layers as u64 * kv as u64 * hd as u64 * 4;
+        // f16 keys and values.
+        let kv_tok = 2 * layers as u64 * kv as u64 * hd as u64 * 2;
         assert_eq!(m.kv_bytes_per_token, kv_tok);
         assert_eq!(m.kv_bytes, kv_tok * ctx as u64);
         assert!(m.weights_bytes > r.weight_bytes * 9 / 10, "{name}: {m:?}");
@@ -1559,9 +1560,9 @@ fn memory_preflight_advises_or_refuses_with_the_numbers() {
     tiny_gguf(&path, Family::Llama);
     let r = run(&path);
     let m = r.memory.clone().expect("estimate");
-    // KV: 2 × 2 layers × 2 KV heads × 16 dims × 4 bytes per token, over the 256-token context.
-    assert_eq!(m.kv_bytes_per_token, 2 * 2 * 2 * 16 * 4);
-    assert_eq!((m.kv_context, m.kv_bytes), (256, 256 * 512));
+    // KV: 2 × 2 layers × 2 KV heads × 16 dims × 2 bytes (f16) per token, over the 256-token context.
+    assert_eq!(m.kv_bytes_per_token, 2 * 2 * 2 * 16 * 2);
+    assert_eq!((m.kv_context, m.kv_bytes), (256, 256 * 256));
     assert!(m.weights_bytes > 0 && m.scratch_bytes > 0);
     let e = memory::preflight(&m, Some(1000), MemoryCheck::Strict).expect_err("strict refuses");
     let msg = e.to_string();

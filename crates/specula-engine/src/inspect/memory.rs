@@ -6,8 +6,8 @@ use serde::Serialize;
 
 use crate::model::ModelConfig;
 
-/// Bytes per KV cache element: the cache holds f32 keys and values (`kv_cache.rs`).
-pub const KV_DTYPE_BYTES: u64 = 4;
+/// Bytes per KV cache element: the cache holds f16 keys and values (`kv_cache.rs`).
+pub const KV_DTYPE_BYTES: u64 = crate::kv_cache::KV_ELEM_BYTES as u64;
 /// The most rows a verify forward has (`engine::MAX_DRAFT` + 1).
 const MAX_VERIFY_ROWS: u64 = crate::engine::MAX_DRAFT as u64 + 1;
 /// Prompt tokens per prefill forward (`LoadOptions::default().prefill_chunk`).

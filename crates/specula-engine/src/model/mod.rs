@@ -751,17 +751,16 @@ impl Model {
         let total = h.len() / cfg.hidden_size;
         let d = cfg.head_dim;
         let eps = cfg.rms_norm_eps as f32;
-        let [mut q, mut k, mut v]: [Vec<f32>; 3] =
-            Linear::forward_rows_many(&[&block.q, &block.k, &block.v], h, total)?
-                .try_into()
-                .map_err(|_| anyhow::anyhow!("q, k and v: expected three products"))?;
+        let [mut q, mut k, v]: [Vec<f32>; 3] = Linear::forward_rows_many(&[&block.q, &block.k, &block.v], h, total)?
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("q, k and v: expected three products"))?;
         if let (Some(qn), Some(kn)) = (&norms.q, &norms.k) {
             q = rms_norm(&q, qn, eps);
             k = rms_norm(&k, kn, eps);
         }
         let (qw, kw) = (cfg.num_heads * d, cfg.num_kv_heads * d);
-        // Per segment: RoPE at its positions, and K and V into its cache (rounded to f16,
-        // llama.cpp's default cache type).
+        // Per segment: RoPE at its positions, and K and V into its cache (which stores them
+        // rounded to f16, llama.cpp's default cache type).
         let mut spans = Vec::with_capacity(segs.len());
         let mut off = 0;
         for s in segs.iter_mut() {
@@ -770,11 +769,7 @@ impl Model {
             self.apply_rope(&mut q[off * qw..(off + n) * qw], cfg.num_heads, start);
             let ks = &mut k[off * kw..(off + n) * kw];
             self.apply_rope(ks, cfg.num_kv_heads, start);
-            let vs = &mut v[off * kw..(off + n) * kw];
-            for x in ks.iter_mut().chain(vs.iter_mut()) {
-                *x = attention::round_f16(*x);
-            }
-            s.kv.append(li, ks, vs)?;
+            s.kv.append(li, ks, &v[off * kw..(off + n) * kw])?;
             spans.push((off, start, n));
             off += n;
         }

@@ -24,7 +24,14 @@
 #![cfg(target_arch = "x86_64")]
 
 use super::{expf, Args, State};
+use half::f16;
 use std::arch::x86_64::*;
+
+/// 16 cached f16 values at `p` as f32 (exact).
+#[inline(always)]
+unsafe fn load16h(p: *const f16) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+}
 
 /// Can this path run here (AVX-512F with F16C and FMA) for head dimension `d`?
 pub(super) fn usable(d: usize) -> bool {
@@ -74,7 +81,7 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
     let len = |i: usize| s.start + r0 + i / nh + 1;
     let scale = 1.0 / (d as f32).sqrt();
     let mut sc = vec![0f32; nq * stride];
-    let zeros = [0f32; 256];
+    let zeros = [f16::ZERO; 256];
     let mut kp = [zeros.as_ptr(); TILE];
     for j0 in (0..lmax).step_by(TILE) {
         let nk = TILE.min(lmax - j0);
@@ -220,7 +227,7 @@ unsafe fn values_f32<const NV: usize, const QC: usize>(
             let vp = row[a.g * d..][..d].as_ptr();
             let mut v = [_mm512_setzero_ps(); NV];
             for (c, r) in v.iter_mut().enumerate() {
-                *r = _mm512_loadu_ps(vp.add(16 * c));
+                *r = load16h(vp.add(16 * c));
             }
             for (q, regs) in acc.iter_mut().enumerate() {
                 let wv = _mm512_set1_ps(*w[q].add(jj));
@@ -346,7 +353,7 @@ unsafe fn values<const NV: usize, const QC: usize>(
             let vp = row[a.g * d..][..d].as_ptr();
             let mut v = [_mm512_setzero_ps(); NV];
             for (c, r) in v.iter_mut().enumerate() {
-                *r = _mm512_loadu_ps(vp.add(16 * c));
+                *r = load16h(vp.add(16 * c));
             }
             let mut rescale = false;
             for wq in &w {
@@ -381,7 +388,7 @@ unsafe fn values<const NV: usize, const QC: usize>(
 
 /// Unscaled `dot_f16(q, k_t)` for the 16 keys `k` (`head_dim = 16 * NV` floats each), lane t.
 #[inline(always)]
-unsafe fn scores16<const NV: usize>(q: *const f32, k: &[*const f32; TILE]) -> __m512 {
+unsafe fn scores16<const NV: usize>(q: *const f32, k: &[*const f16; TILE]) -> __m512 {
     let mut qv = [_mm512_setzero_ps(); NV];
     for (c, r) in qv.iter_mut().enumerate() {
         *r = _mm512_loadu_ps(q.add(16 * c));
@@ -393,7 +400,7 @@ unsafe fn scores16<const NV: usize>(q: *const f32, k: &[*const f32; TILE]) -> __
         for step in 0..NV / 4 {
             for (j, aj) in acc.iter_mut().enumerate() {
                 let c = 4 * step + j;
-                *aj = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k[t].add(16 * c)), *aj);
+                *aj = _mm512_fmadd_ps(qv[c], load16h(k[t].add(16 * c)), *aj);
             }
         }
         *xt = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));

@@ -632,13 +632,17 @@ fn two_pass<const FAST: bool>(a: &Args<'_>, st: &mut State) {
     let d = s.head_dim;
     let scale = 1.0 / (d as f32).sqrt();
     let mut e = Vec::new();
+    let (mut kb, mut vb) = (vec![0f32; d], vec![0f32; d]);
     for r in 0..nr {
         let n = s.start + r0 + r + 1;
         for hh in 0..group {
             let i = r * group + hh;
             let q = &qs[i * d..][..d];
             e.clear();
-            e.extend((0..n).map(|j| simd::dot_f16(FAST, q, &kv.key(j)[g * d..][..d]) * scale));
+            for j in 0..n {
+                widen(&kv.key(j)[g * d..][..d], &mut kb);
+                e.push(simd::dot_f16(FAST, q, &kb) * scale);
+            }
             let mut lanes = [f32::NEG_INFINITY; 16];
             for (j, &x) in e.iter().enumerate() {
                 let m = &mut lanes[j % 16];
@@ -653,10 +657,18 @@ fn two_pass<const FAST: bool>(a: &Args<'_>, st: &mut State) {
             st.sum[i] = reduce16(&sums);
             let acc = &mut st.out[i * d..(i + 1) * d];
             for (j, &w) in e.iter().enumerate() {
-                simd::mad_f32(FAST, acc, &kv.value(j)[g * d..][..d], w);
+                widen(&kv.value(j)[g * d..][..d], &mut vb);
+                simd::mad_f32(FAST, acc, &vb, w);
             }
         }
     }
+}
+
+/// A cached f16 row into `out` as f32 (exact).
+#[inline(always)]
+fn widen(src: &[half::f16], out: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    src.convert_to_f32_slice(out);
 }
 
 /// [`tiled`] compiled with AVX2, FMA and F16C.
@@ -685,9 +697,11 @@ fn one_chunk<const FAST: bool>(a: &Args<'_>, st: &mut State) {
     let d = s.head_dim;
     let scale = 1.0 / (d as f32).sqrt();
     let len = s.start + r0 + nr; // keys visible to the block's last row
+    let (mut kb, mut vb) = (vec![0f32; d], vec![0f32; d]);
     for j in 0..len {
-        let kj = &kv.key(j)[g * d..][..d];
-        let vj = &kv.value(j)[g * d..][..d];
+        widen(&kv.key(j)[g * d..][..d], &mut kb);
+        widen(&kv.value(j)[g * d..][..d], &mut vb);
+        let (kj, vj) = (&kb[..], &vb[..]);
         for r in 0..nr {
             if j > s.start + r0 + r {
                 continue;
@@ -734,6 +748,7 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
     let scale = 1.0 / (d as f32).sqrt();
     let len = s.start + r0 + nr;
     let mut kt = vec![0f32; d * KV_TILE]; // the tile's keys, transposed: [d][KV_TILE]
+    let mut vb = vec![0f32; d];
     let mut kq = [0f32; KV_TILE];
     for t0 in (0..len).step_by(KV_TILE) {
         let t1 = (t0 + KV_TILE).min(len);
@@ -741,7 +756,7 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
         for tk in 0..t1 - t0 {
             let kj = &kv.key(t0 + tk)[g * d..][..d];
             for (dd, &x) in kj.iter().enumerate() {
-                kt[dd * KV_TILE + tk] = x;
+                kt[dd * KV_TILE + tk] = x.to_f32();
             }
         }
         for r in 0..nr {
@@ -783,8 +798,8 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
                 }
                 st.sum[i] = (st.sum[i] as f64 + tsum) as f32;
                 for (tk, &p) in kq[..visible].iter().enumerate() {
-                    let vj = &kv.value(t0 + tk)[g * d..][..d];
-                    simd::mad_f32(fast, acc, vj, p);
+                    widen(&kv.value(t0 + tk)[g * d..][..d], &mut vb);
+                    simd::mad_f32(fast, acc, &vb, p);
                 }
             }
         }
@@ -807,7 +822,12 @@ mod tests {
             .collect()
     }
 
-    fn f16s(v: Vec<f32>) -> Vec<f32> {
+    fn f16s(v: Vec<f32>) -> Vec<half::f16> {
+        v.into_iter().map(half::f16::from_f32).collect()
+    }
+
+    /// f32 values rounded to f16.
+    fn r16s(v: Vec<f32>) -> Vec<f32> {
         v.into_iter().map(round_f16).collect()
     }
 
@@ -854,14 +874,14 @@ mod tests {
             return;
         }
         let d = 128;
-        let a = f16s(pseudo(d, 7));
-        let b = f16s(pseudo(d, 8));
+        let a = r16s(pseudo(d, 7));
+        let b = r16s(pseudo(d, 8));
         assert_eq!(
             simd::dot_f16(true, &a, &b).to_bits(),
             simd::dot_f16(false, &a, &b).to_bits()
         );
         for w in [0.3f32, 1.0, 1e-3] {
-            let mut x = f16s(pseudo(d, 9));
+            let mut x = r16s(pseudo(d, 9));
             let mut y = x.clone();
             simd::mad_f16(true, &mut x, &a, w);
             simd::mad_f16(false, &mut y, &a, w);
@@ -879,7 +899,7 @@ mod tests {
             o1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             o2.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         );
-        let mut x = f16s(pseudo(d, 13));
+        let mut x = r16s(pseudo(d, 13));
         let mut y = x.clone();
         simd::scale_f16(true, &mut x, 0.37);
         simd::scale_f16(false, &mut y, 0.37);
@@ -941,7 +961,7 @@ mod tests {
     fn batch_matches_separate_calls_bitwise() {
         let (h, kvh, d) = (9, 3, 64);
         let seqs: Vec<(usize, usize)> = vec![(1, 40), (5, 130), (1, 300), (20, 20), (1, 2)];
-        let data: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = seqs
+        let data: Vec<(Vec<f32>, Vec<half::f16>, Vec<half::f16>)> = seqs
             .iter()
             .enumerate()
             .map(|(i, &(rows, pos))| {
@@ -1071,7 +1091,7 @@ mod tests {
                         .map(|j| {
                             qv.iter()
                                 .zip(&keys[j * d..(j + 1) * d])
-                                .map(|(a, b)| (*a * *b) as f64)
+                                .map(|(a, b)| (*a * b.to_f32()) as f64)
                                 .sum::<f64>()
                                 / (d as f64).sqrt()
                         })
@@ -1079,7 +1099,9 @@ mod tests {
                     let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                     let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
                     for i in 0..d {
-                        let want: f64 = (0..=r).map(|j| (sc[j] - m).exp() / z * values[j * d + i] as f64).sum();
+                        let want: f64 = (0..=r)
+                            .map(|j| (sc[j] - m).exp() / z * f64::from(values[j * d + i]))
+                            .sum();
                         let got = out[(r * h + hh) * d + i] as f64;
                         // OneChunk rounds q and the running V sum to f16.
                         assert!((want - got).abs() < 3e-3, "{mode:?} r{r} h{hh} i{i}: {want} vs {got}");
