@@ -765,23 +765,33 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
                     steps += decode_t0.is_some() as usize;
                 }
                 let end = std::time::Instant::now();
+                let (mut drafted, mut accepted) = (0, 0);
                 for s in seqs {
-                    engine.retire(s, true);
+                    let sp = engine.retire(s, true).stats.spec;
+                    drafted += sp.drafted;
+                    accepted += sp.accepted;
                 }
                 let start = decode_t0.unwrap_or(end);
                 let decode_s = (end - start).as_secs_f64();
-                runs.push((tokens as f64 / decode_s.max(1e-9), steps, (start - t0).as_secs_f64()));
+                runs.push((
+                    tokens as f64 / decode_s.max(1e-9),
+                    steps,
+                    (start - t0).as_secs_f64(),
+                    drafted,
+                    accepted,
+                ));
             }
             runs.sort_by(|x, y| x.0.total_cmp(&y.0));
-            let (tok_s, steps, prefill_s) = runs[runs.len() / 2];
+            let (tok_s, steps, prefill_s, drafted, accepted) = runs[runs.len() / 2];
             eprintln!(
-                "{:5} {n:3} streams: aggregate decode {tok_s:8.1} tok/s, {steps} steps, prefill of the burst {:.1} ms",
+                "{:5} {n:3} streams: aggregate decode {tok_s:8.1} tok/s, {steps} steps, prefill of the burst {:.1} ms, drafted {drafted}, accepted {accepted}",
                 mode.as_str(),
                 prefill_s * 1e3
             );
             rows.push(serde_json::json!({
                 "mode": mode.as_str(), "streams": n, "aggregate_decode_tok_s": tok_s,
                 "decode_steps": steps, "burst_prefill_ms": prefill_s * 1e3,
+                "drafted": drafted, "accepted": accepted,
             }));
         }
     }
