@@ -1586,7 +1586,7 @@ fn memory_preflight_advises_or_refuses_with_the_numbers() {
         },
     );
     let s = short.memory.expect("estimate");
-    assert_eq!((s.kv_bytes, s.weights_bytes), (64 * 512, m.weights_bytes));
+    assert_eq!((s.kv_bytes, s.weights_bytes), (64 * 256, m.weights_bytes));
     assert!(memory::available_memory().is_some_and(|a| a > 0));
     assert!(memory::resident_bytes().is_some_and(|a| a > 0));
 }
