@@ -6,8 +6,6 @@ use serde::Serialize;
 
 use crate::model::ModelConfig;
 
-/// Bytes per KV cache element: the cache holds f16 keys and values (`kv_cache.rs`).
-pub const KV_DTYPE_BYTES: u64 = crate::kv_cache::KV_ELEM_BYTES as u64;
 /// The most rows a verify forward has (`engine::MAX_DRAFT` + 1).
 const MAX_VERIFY_ROWS: u64 = crate::engine::MAX_DRAFT as u64 + 1;
 /// Prompt tokens per prefill forward (`LoadOptions::default().prefill_chunk`).
@@ -58,7 +56,8 @@ pub fn estimate(
     // docs/perf.md, "Memory preflight").
     let tokenizer = 175 * (vocab_tokens as u64 + merges as u64);
     let runtime = rope + tokenizer;
-    let kv_tok = 2 * c.num_layers as u64 * c.num_kv_heads as u64 * c.head_dim as u64 * KV_DTYPE_BYTES;
+    let kv_tok =
+        2 * c.num_layers as u64 * c.num_kv_heads as u64 * c.head_dim as u64 * crate::kv_cache::KV_ELEM_BYTES as u64;
     let kv = kv_tok * ctx as u64;
     let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
     let qkv = (c.num_heads + 2 * c.num_kv_heads) as u64 * c.head_dim as u64;

@@ -139,15 +139,15 @@ impl BatchCost {
         }
         let (a, b) = self.last?;
         let n = sequences as f64;
-        let t_n = self.measured(sequences).unwrap_or(a + b * n);
+        let measured = self.measured(sequences);
         // The next row's measured cost where it exceeds the slope (a row-group boundary).
-        let step = match (self.measured(sequences), self.measured(sequences + 1)) {
+        let step = match (measured, self.measured(sequences + 1)) {
             (Some(t0), Some(t1)) => t1 - t0,
             _ => 0.0,
         };
         Some(Load {
             row_s: b.max(step),
-            token_s: t_n / n,
+            token_s: measured.unwrap_or(a + b * n) / n,
         })
     }
 }
@@ -298,11 +298,16 @@ impl DraftLength {
     /// decoding's seconds per token at this concurrency and `b` the marginal seconds of a row.
     pub fn predicted_speedup(&self, k: usize) -> f64 {
         if let Some(l) = self.load {
-            let d = self.draft_token_s.unwrap_or(0.0) + self.catch_up_per_token();
+            let d = self.draft_cost_per_token();
             return self.expected_tokens(k) * l.token_s / (l.token_s + k as f64 * (l.row_s + d));
         }
         let cost = self.relative_forward_cost(k + 1) + k as f64 * self.relative_draft_cost();
         self.expected_tokens(k) / cost
+    }
+
+    /// Seconds a drafted token costs the drafter: its own time plus the probes' catch-up.
+    fn draft_cost_per_token(&self) -> f64 {
+        self.draft_token_s.unwrap_or(0.0) + self.catch_up_per_token()
     }
 
     /// Under a [`Load`], whether drafting would lose even if every draft were accepted
@@ -312,7 +317,7 @@ impl DraftLength {
         let Some(l) = self.load else {
             return false;
         };
-        let d = self.draft_token_s.unwrap_or(0.0) + self.catch_up_per_token();
+        let d = self.draft_cost_per_token();
         (1..=self.max).all(|k| (k + 1) as f64 * l.token_s < l.token_s + k as f64 * (l.row_s + d))
     }
 
