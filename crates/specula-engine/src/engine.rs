@@ -889,6 +889,9 @@ impl Engine {
                 prefill_rows += n;
             }
         }
+        if draft_budget_on() {
+            self.apply_draft_budget(seqs, &mut inputs);
+        }
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| inputs[i].is_some()).collect();
         let mut results: Vec<Result<Option<StepOutcome>, RequestError>> =
             deferred.iter().map(|&d| Ok(d.then(StepOutcome::default))).collect();
@@ -947,6 +950,43 @@ impl Engine {
             }
         }
         results
+    }
+
+    /// The batch's draft budget ([`crate::spec::controller::draft_budget`]): with two or more
+    /// sequences decoding in one forward, trim the drafts the measured row costs say the step is
+    /// faster without (a row-group boundary is paid once by the whole step). Each trimmed
+    /// sequence's input is taken again.
+    fn apply_draft_budget(&self, seqs: &mut [&mut Sequence], inputs: &mut [Option<StepInput>]) {
+        let (mut fixed_rows, mut decoding) = (0, 0);
+        let (mut who, mut drafts) = (Vec::new(), Vec::new());
+        for (i, s) in seqs.iter().enumerate() {
+            let Some(inp) = inputs[i].as_ref() else { continue };
+            match s.pending_draft() {
+                Some(d) => {
+                    fixed_rows += 1;
+                    decoding += 1;
+                    who.push(i);
+                    drafts.push(d);
+                }
+                None => {
+                    fixed_rows += inp.tokens.len();
+                    decoding += usize::from(!s.is_prefilling());
+                }
+            }
+        }
+        if decoding < 2 || !drafts.iter().any(|d| d.trimmable) {
+            return;
+        }
+        let keep = {
+            let bc = self.batch_cost.lock().unwrap_or_else(|e| e.into_inner());
+            crate::spec::controller::draft_budget(fixed_rows, decoding, &drafts, &bc)
+        };
+        for ((&i, k), d) in who.iter().zip(keep).zip(&drafts) {
+            if k < d.len {
+                seqs[i].trim_draft(k);
+                inputs[i] = seqs[i].next_input();
+            }
+        }
     }
 
     /// Record a batched forward of `rows` rows that took `seconds` (`None`: it failed) and tell
@@ -1070,6 +1110,13 @@ fn absorb_device_rows(seq: &mut Sequence, rows: Vec<RowOut>) -> Result<StepOutco
 fn device_argmax() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_DEVICE_ARGMAX").map_or(true, |v| v != "0"))
+}
+
+/// `SPECULA_DRAFT_BUDGET=0` turns the batch's draft budget off (every draft a controller chose is
+/// verified): a switch for side-by-side measurements only.
+fn draft_budget_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPECULA_DRAFT_BUDGET").map_or(true, |v| v != "0"))
 }
 
 /// `SPECULA_LOAD_AWARE=0` makes the draft-length controllers ignore the batch (each decides from

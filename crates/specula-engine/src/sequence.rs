@@ -324,6 +324,40 @@ impl Sequence {
         self.pending.clone()
     }
 
+    /// The draft the pending forward would verify, as the batch's draft budget weighs it
+    /// ([`crate::spec::controller::draft_budget`]); `None` while prefilling, once finished, or
+    /// without a draft.
+    pub fn pending_draft(&self) -> Option<crate::spec::controller::PendingDraft> {
+        if self.is_prefilling() || self.emitter.finished().is_some() || self.draft.is_empty() {
+            return None;
+        }
+        Some(crate::spec::controller::PendingDraft {
+            len: self.draft.len(),
+            alpha: self.k_ctl.alpha(),
+            trimmable: self.k_ctl.adaptive(),
+        })
+    }
+
+    /// Verify only the first `keep` tokens of the pending draft (the rest count as trimmed in
+    /// the stats). Exactness does not depend on it: the target decides every committed token
+    /// whatever the draft's length, and a drafter with state rolls back to the committed
+    /// context at its next proposal. Call before [`Sequence::next_input`].
+    pub fn trim_draft(&mut self, keep: usize) {
+        let Some(pending) = self.pending.as_mut() else {
+            return;
+        };
+        if keep >= self.draft.len() {
+            return;
+        }
+        self.stats.spec.trimmed += self.draft.len() - keep;
+        self.draft.truncate(keep);
+        pending.tokens.truncate(1 + keep);
+        if keep == 0 {
+            pending.rows = LogitsRows::Last;
+            self.k_ctl.note_trimmed();
+        }
+    }
+
     /// Cancel: the sequence finishes with reason `cancelled`.
     pub fn cancel(&mut self) -> StreamDelta {
         self.emitter.finish_with(FinishReason::Cancelled)

@@ -270,6 +270,73 @@ fn draft_model_greedy_equals_ar_for_every_k() {
     }
 }
 
+/// The batch's draft budget may verify only part of a draft (`Sequence::trim_draft`). Whatever
+/// it keeps, each stream of a batch equals its solo AR run: n-gram and a draft model whose
+/// weights disagree (its cache rolls back past the trimmed tokens), adaptive and fixed k,
+/// trimmed to another length at every step.
+#[test]
+fn trimmed_drafts_in_a_batch_still_equal_ar() {
+    let (_d, mut e) = tiny_pair(Draft::Other);
+    let prompts = [
+        "the then the thin the then",
+        "a b a b a b a",
+        "thin then thin then thin",
+    ];
+    let modes = [
+        mode(SpecMode::Ngram, 4, true),
+        mode(SpecMode::Draft, 4, false),
+        mode(SpecMode::Draft, 2, false),
+        mode(SpecMode::Ngram, 8, false),
+    ];
+    let mut reqs = Vec::new();
+    for (i, m) in modes.iter().enumerate() {
+        let mut r = greedy_req(e.tokenize(prompts[i % prompts.len()]).expect("tokenize"), 60);
+        r.spec = *m;
+        reqs.push(r);
+    }
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| {
+            let mut ar = r.clone();
+            ar.spec = SpecOptions::default();
+            run(&mut e, &ar).0.token_ids
+        })
+        .collect();
+    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+    let mut step = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        for (i, s) in seqs.iter_mut().enumerate() {
+            if let Some(d) = s.pending_draft() {
+                assert!(d.len > 0 && (0.0..=1.0).contains(&d.alpha));
+                assert_eq!(d.trimmable, reqs[i].spec.adaptive);
+                s.trim_draft((step + i) % (d.len + 1));
+            }
+        }
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+        step += 1;
+        assert!(step < 500, "no progress");
+    }
+    for (i, s) in seqs.into_iter().enumerate() {
+        let out = e.retire(s, true);
+        assert_eq!(out.token_ids, solo[i], "stream {i} ({:?})", reqs[i].spec);
+        let sp = &out.stats.spec;
+        assert!(
+            sp.drafted > 0 && sp.trimmed > 0,
+            "stream {i}: drafted {} trimmed {}",
+            sp.drafted,
+            sp.trimmed
+        );
+        assert_eq!(
+            sp.drafted_by_position.iter().sum::<usize>(),
+            sp.drafted,
+            "stream {i}: only verified drafts count by position"
+        );
+    }
+}
+
 #[test]
 fn draft_mode_needs_a_draft_model_and_default_falls_back_to_ngram() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -256,6 +256,13 @@ struct SpecArgs {
     fixed_k: bool,
 }
 
+/// A decoding mode of `bench --engine`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum EngineBenchMode {
+    Off,
+    Ngram,
+}
+
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
 enum SpecArg {
     Off,
@@ -434,6 +441,10 @@ struct BenchArgs {
     /// measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     streams: Vec<usize>,
+    /// With `--engine`: the decoding modes run at each level, back to back (`off`: plain
+    /// decoding; `ngram`: n-gram speculation, adaptive k).
+    #[arg(long, value_delimiter = ',', default_value = "off,ngram")]
+    modes: Vec<EngineBenchMode>,
     /// With `--device cuda:N`: prompt lengths of the prefill measurement.
     #[arg(long, value_delimiter = ',', default_value = "512,8192")]
     prefill_lens: Vec<usize>,
@@ -693,18 +704,94 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// One `bench --engine` run of a concurrency level.
+#[derive(Debug, Clone)]
+struct EngineRun {
+    /// Tokens emitted once no stream is prefilling, over that time.
+    tok_s: f64,
+    /// The same over the steps in which every stream decodes.
+    full_tok_s: f64,
+    steps: usize,
+    prefill_s: f64,
+    drafted: usize,
+    accepted: usize,
+    trimmed: usize,
+}
+
+/// Start `n` requests (`request(i)` for stream i) together and step them with
+/// [`Engine::step`] until all finish.
+fn engine_run(engine: &mut Engine, n: usize, request: &dyn Fn(usize) -> GenerateRequest) -> Result<EngineRun> {
+    let mut seqs = (0..n)
+        .map(|i| engine.start_sequence(&request(i), None))
+        .collect::<Result<Vec<_>, _>>()?;
+    let t0 = std::time::Instant::now();
+    let (mut decode_t0, mut tokens, mut steps) = (None, 0usize, 0usize);
+    // Steps in which all n streams decode (before the first one finishes).
+    let (mut full_tokens, mut full_s) = (0usize, 0f64);
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let prefilling = seqs.iter().any(|s| s.is_prefilling());
+        if !prefilling && decode_t0.is_none() {
+            decode_t0 = Some(std::time::Instant::now());
+        }
+        let full = decode_t0.is_some() && seqs.iter().all(|s| s.finished().is_none());
+        let ts = std::time::Instant::now();
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        let mut emitted = 0;
+        for r in engine.step(&mut refs) {
+            if let Some(o) = r? {
+                if decode_t0.is_some() {
+                    emitted += o.delta.token_ids.len();
+                }
+            }
+        }
+        tokens += emitted;
+        if full {
+            full_tokens += emitted;
+            full_s += ts.elapsed().as_secs_f64();
+        }
+        steps += decode_t0.is_some() as usize;
+    }
+    let end = std::time::Instant::now();
+    let mut run = EngineRun {
+        tok_s: 0.0,
+        full_tok_s: full_tokens as f64 / full_s.max(1e-9),
+        steps,
+        prefill_s: 0.0,
+        drafted: 0,
+        accepted: 0,
+        trimmed: 0,
+    };
+    for s in seqs {
+        let sp = engine.retire(s, true).stats.spec;
+        run.drafted += sp.drafted;
+        run.accepted += sp.accepted;
+        run.trimmed += sp.trimmed;
+    }
+    let start = decode_t0.unwrap_or(end);
+    run.tok_s = tokens as f64 / (end - start).as_secs_f64().max(1e-9);
+    run.prefill_s = (start - t0).as_secs_f64();
+    Ok(run)
+}
+
 /// `specula bench --engine`: for each mode (plain, n-gram) and each --streams level N, N greedy
 /// requests of --gen-tokens tokens (prompts: a fixed text, each stream starting at another
 /// offset) are started together and stepped with [`Engine::step`] until all finish. Reported per
 /// level: aggregate decode tok/s (tokens emitted once no stream is prefilling, over that time,
 /// so with speculation it includes the drain, when streams that finished early leave a smaller
 /// batch), the same over the steps in which all N streams decode (throughput at concurrency N),
-/// target steps, the prefill time of the burst, and the drafted and accepted tokens. Median of
+/// target steps, the prefill time of the burst, and the drafted, accepted and trimmed (by the batch draft budget) tokens. The
+/// modes alternate run by run (--runs rounds of every mode), and each mode after the first
+/// reports the median of its paired ratios to the first mode's run of the same round. Median of
 /// --runs.
 fn bench_engine(a: &BenchArgs) -> Result<()> {
     check_device(&a.device)?;
-    if a.runs == 0 || a.streams.is_empty() || a.streams.contains(&0) || a.streams.iter().any(|&s| s > 256) {
-        bail!("--runs must be >= 1 and every --streams level between 1 and 256");
+    if a.runs == 0
+        || a.modes.is_empty()
+        || a.streams.is_empty()
+        || a.streams.contains(&0)
+        || a.streams.iter().any(|&s| s > 256)
+    {
+        bail!("--runs must be >= 1, --modes non-empty and every --streams level between 1 and 256");
     }
     if a.gen_tokens < 2 {
         bail!("--gen-tokens must be >= 2 with --engine (decode is timed after each stream's first token)");
@@ -740,78 +827,55 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
         },
     };
     let mut rows = Vec::new();
-    // Levels outside, modes inside: the two modes of a level run back to back, so the ratio is
-    // measured in one window of this shared machine's speed.
+    // Levels outside, rounds of the modes inside (see below).
+    let modes: Vec<specula_engine::spec::SpecMode> = a
+        .modes
+        .iter()
+        .map(|m| match m {
+            EngineBenchMode::Off => specula_engine::spec::SpecMode::Off,
+            EngineBenchMode::Ngram => specula_engine::spec::SpecMode::Ngram,
+        })
+        .collect();
     for &n in &a.streams {
-        for mode in [
-            specula_engine::spec::SpecMode::Off,
-            specula_engine::spec::SpecMode::Ngram,
-        ] {
-            let mut runs = Vec::new();
-            for _ in 0..a.runs {
-                let mut seqs = (0..n)
-                    .map(|i| engine.start_sequence(&request(i, mode), None))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let t0 = std::time::Instant::now();
-                let (mut decode_t0, mut tokens, mut steps) = (None, 0usize, 0usize);
-                // Steps in which all n streams decode (before the first one finishes).
-                let (mut full_tokens, mut full_s) = (0usize, 0f64);
-                while seqs.iter().any(|s| s.finished().is_none()) {
-                    let prefilling = seqs.iter().any(|s| s.is_prefilling());
-                    if !prefilling && decode_t0.is_none() {
-                        decode_t0 = Some(std::time::Instant::now());
-                    }
-                    let full = decode_t0.is_some() && seqs.iter().all(|s| s.finished().is_none());
-                    let ts = std::time::Instant::now();
-                    let mut refs: Vec<_> = seqs.iter_mut().collect();
-                    let mut emitted = 0;
-                    for r in engine.step(&mut refs) {
-                        if let Some(o) = r? {
-                            if decode_t0.is_some() {
-                                emitted += o.delta.token_ids.len();
-                            }
-                        }
-                    }
-                    tokens += emitted;
-                    if full {
-                        full_tokens += emitted;
-                        full_s += ts.elapsed().as_secs_f64();
-                    }
-                    steps += decode_t0.is_some() as usize;
-                }
-                let end = std::time::Instant::now();
-                let (mut drafted, mut accepted) = (0, 0);
-                for s in seqs {
-                    let sp = engine.retire(s, true).stats.spec;
-                    drafted += sp.drafted;
-                    accepted += sp.accepted;
-                }
-                let start = decode_t0.unwrap_or(end);
-                let decode_s = (end - start).as_secs_f64();
-                runs.push((
-                    tokens as f64 / decode_s.max(1e-9),
-                    steps,
-                    (start - t0).as_secs_f64(),
-                    drafted,
-                    accepted,
-                    full_tokens as f64 / full_s.max(1e-9),
-                ));
+        // Round r runs every mode once, back to back: the paired ratios compare runs a few
+        // seconds apart.
+        let mut runs: Vec<Vec<EngineRun>> = vec![Vec::new(); modes.len()];
+        for _ in 0..a.runs {
+            for (m, &mode) in modes.iter().enumerate() {
+                runs[m].push(engine_run(&mut engine, n, &|i| request(i, mode))?);
             }
-            runs.sort_by(|x, y| x.0.total_cmp(&y.0));
-            let (tok_s, steps, prefill_s, drafted, accepted, _) = runs[runs.len() / 2];
-            let mut full: Vec<f64> = runs.iter().map(|r| r.5).collect();
-            full.sort_by(f64::total_cmp);
-            let full_tok_s = full[full.len() / 2];
+        }
+        for (m, &mode) in modes.iter().enumerate() {
+            let paired = (m > 0).then(|| {
+                median(
+                    runs[m]
+                        .iter()
+                        .zip(&runs[0])
+                        .map(|(x, y)| x.tok_s / y.tok_s.max(1e-9))
+                        .collect(),
+                )
+            });
+            let mut sorted = runs[m].clone();
+            sorted.sort_by(|x, y| x.tok_s.total_cmp(&y.tok_s));
+            let r = &sorted[sorted.len() / 2];
+            let full_tok_s = median(runs[m].iter().map(|r| r.full_tok_s).collect());
             eprintln!(
-                "{:5} {n:3} streams: aggregate decode {tok_s:8.1} tok/s ({full_tok_s:.1} with all {n} decoding), {steps} steps, prefill of the burst {:.1} ms, drafted {drafted}, accepted {accepted}",
+                "{:5} {n:3} streams: aggregate decode {:8.1} tok/s ({full_tok_s:.1} with all {n} decoding){}, {} steps, prefill of the burst {:.1} ms, drafted {}, accepted {}, trimmed by the batch budget {}",
                 mode.as_str(),
-                prefill_s * 1e3
+                r.tok_s,
+                paired.map_or(String::new(), |p| format!(", {p:.3}x {} (median of paired runs)", modes[0].as_str())),
+                r.steps,
+                r.prefill_s * 1e3,
+                r.drafted,
+                r.accepted,
+                r.trimmed,
             );
             rows.push(serde_json::json!({
-                "mode": mode.as_str(), "streams": n, "aggregate_decode_tok_s": tok_s,
+                "mode": mode.as_str(), "streams": n, "aggregate_decode_tok_s": r.tok_s,
                 "full_batch_decode_tok_s": full_tok_s,
-                "decode_steps": steps, "burst_prefill_ms": prefill_s * 1e3,
-                "drafted": drafted, "accepted": accepted,
+                "paired_ratio_to_first_mode": paired,
+                "decode_steps": r.steps, "burst_prefill_ms": r.prefill_s * 1e3,
+                "drafted": r.drafted, "accepted": r.accepted, "trimmed": r.trimmed,
             }));
         }
     }

@@ -36,6 +36,10 @@ const PRIOR_ROW_SLOPE: f64 = 0.1;
 /// Drafting steps between two one-row (no draft) steps that re-measure the unit of every cost.
 const RECALIBRATE_EVERY: usize = 32;
 
+/// Draft seconds per token, as a fraction of a plain decoding token's, above which a drafter
+/// whose draft the batch budget dropped backs off ([`DraftLength::note_trimmed`]).
+const COSTLY_DRAFT: f64 = 0.02;
+
 /// Decay of the probe catch-up and draft-token sums, per drafting step.
 const CATCH_UP_DECAY: f64 = 0.97;
 
@@ -128,28 +132,115 @@ impl BatchCost {
         (a > 0.0 && b > 0.0).then_some((a, b))
     }
 
+    /// Estimated seconds of an `rows`-row forward: the measured average where
+    /// [`MEASURED_MIN`] steps fed it; else the nearest measured row count below plus the fit's
+    /// slope per row in between (a row past a measured boundary costs what the rows after a
+    /// boundary cost); else the fit's `a + b·rows`. None before any fit.
+    pub fn time(&self, rows: usize) -> Option<f64> {
+        if let Some(t) = self.measured(rows) {
+            return Some(t);
+        }
+        let (a, b) = self.last?;
+        let below = (1..rows.min(self.by_rows.len()))
+            .rev()
+            .find_map(|r| self.measured(r).map(|t| (r, t)));
+        Some(match below {
+            Some((r, t)) => t + b * (rows - r) as f64,
+            None => a + b * rows as f64,
+        })
+    }
+
     /// The [`Load`] each of `sequences` sequences sharing a forward sees (None alone, or before
     /// the fit is determined: the controller then uses its own timings): plain decoding's
     /// seconds per token (the measured `sequences`-row forward, else the fit's), and per extra
     /// row the fit's slope or, where larger, the measured step from `sequences` to
     /// `sequences + 1` rows.
+    ///
+    /// The slope prices a row on average; the steps of the real curve (a row past a row-group
+    /// boundary costs several rows' worth, the rows after it little) are shared by every
+    /// sequence that drafts in a step, so they are priced once per step, by [`draft_budget`].
     pub fn load(&self, sequences: usize) -> Option<Load> {
         if sequences < 2 {
             return None;
         }
         let (a, b) = self.last?;
         let n = sequences as f64;
-        let measured = self.measured(sequences);
-        // The next row's measured cost where it exceeds the slope (a row-group boundary).
-        let step = match (measured, self.measured(sequences + 1)) {
-            (Some(t0), Some(t1)) => t1 - t0,
-            _ => 0.0,
-        };
         Some(Load {
-            row_s: b.max(step),
-            token_s: measured.unwrap_or(a + b * n) / n,
+            row_s: b,
+            token_s: self.measured(sequences).unwrap_or(a + b * n) / n,
         })
     }
+}
+
+/// One sequence's draft in a batched step, as [`draft_budget`] weighs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PendingDraft {
+    /// Draft tokens the sequence would verify.
+    pub len: usize,
+    /// Its controller's per-token acceptance estimate ([`DraftLength::alpha`]): the `j`-th
+    /// draft token (1-based) is committed with probability `alpha^j`.
+    pub alpha: f64,
+    /// False for a fixed draft length (`adaptive = false`): kept whole.
+    pub trimmable: bool,
+}
+
+/// How many draft tokens each sequence of a batched step keeps: the batch's draft budget.
+///
+/// Each sequence's controller chooses its k from its own acceptance and the batch's average row
+/// cost; the forward's real cost curve `T(R)` has steps (a row past a row-group boundary starts
+/// another pass over the weights), and a step is paid once by the whole batch however many of
+/// its sequences draft. So the step as a whole keeps the `m` most valuable draft tokens (the
+/// `j`-th of a sequence is worth `alpha^j` expected committed tokens; a sequence keeps a prefix
+/// of its draft) that maximise the step's expected tokens per second,
+/// `(decoding + value(m)) / T(fixed_rows + m)`, with `T` from `cost` ([`BatchCost::time`], made
+/// non-decreasing in R). `m = 0` is plain decoding for the trimmable sequences, so a kept draft
+/// is one the measured costs say raises the step's throughput above AR's.
+///
+/// `fixed_rows`: rows of the step no draft decides (decode rows, prompt chunks, fixed-length
+/// drafts go in through `drafts`); `decoding`: sequences that commit a token this step.
+/// Returns one entry per `drafts` entry; everything is kept while `cost` has no estimate.
+/// Verification is untouched: trimming a draft changes only how many tokens a step can commit.
+pub fn draft_budget(fixed_rows: usize, decoding: usize, drafts: &[PendingDraft], cost: &BatchCost) -> Vec<usize> {
+    let mut keep: Vec<usize> = drafts.iter().map(|d| if d.trimmable { 0 } else { d.len }).collect();
+    let value = |d: &PendingDraft, j: usize| d.alpha.clamp(0.0, 1.0).powi(j as i32);
+    let mut rows = fixed_rows + keep.iter().sum::<usize>();
+    let mut tokens = decoding as f64
+        + drafts
+            .iter()
+            .filter(|d| !d.trimmable)
+            .map(|d| (1..=d.len).map(|j| value(d, j)).sum::<f64>())
+            .sum::<f64>();
+    // Candidates (value, sequence, position), best first; a sequence's positions come in order.
+    let mut cands: Vec<(f64, usize, usize)> = drafts
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.trimmable)
+        .flat_map(|(i, d)| (1..=d.len).map(move |j| (value(d, j), i, j)))
+        .collect();
+    if cands.is_empty() {
+        return keep;
+    }
+    // Without an estimate (no fit yet: every step so far had the same row count) the drafts
+    // are verified, and their steps measure the rows past them.
+    let Some(t0) = cost.time(rows) else {
+        return drafts.iter().map(|d| d.len).collect();
+    };
+    cands.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.2.cmp(&y.2)).then(x.1.cmp(&y.1)));
+    let (mut t, mut best, mut best_m) = (t0, tokens / t0.max(1e-12), 0);
+    for (m, &(v, _, _)) in cands.iter().enumerate() {
+        rows += 1;
+        tokens += v;
+        let Some(x) = cost.time(rows) else { break };
+        t = x.max(t);
+        let score = tokens / t.max(1e-12);
+        if score > best {
+            (best, best_m) = (score, m + 1);
+        }
+    }
+    for &(_, i, _) in &cands[..best_m] {
+        keep[i] += 1;
+    }
+    keep
 }
 
 /// The per-request draft-length controller.
@@ -221,6 +312,11 @@ impl DraftLength {
             self.pause = self.max_pause;
             self.backoff = self.max_pause;
         }
+    }
+
+    /// Whether k adapts (false: always `draft_max`).
+    pub fn adaptive(&self) -> bool {
+        self.adaptive
     }
 
     /// The estimated per-token acceptance probability α.
@@ -370,6 +466,23 @@ impl DraftLength {
         k
     }
 
+    /// The batch's draft budget ([`draft_budget`]) dropped this step's whole draft: the batch
+    /// had cheaper ways to spend the rows. A drafter with a real cost (a draft model: more than
+    /// [`COSTLY_DRAFT`] of a plain decoding token per draft token) backs off as after a probe
+    /// that did not pay, so it does not keep drafting for nothing; the acceptance estimate is
+    /// unchanged (nothing was verified). A free drafter (n-gram lookup) keeps proposing, so
+    /// the budget can take its drafts whenever the batch makes room.
+    pub fn note_trimmed(&mut self) {
+        let unit = self.load.map(|l| l.token_s).or(self.forward_s[0]);
+        let costly = unit.is_some_and(|u| self.draft_cost_per_token() > COSTLY_DRAFT * u);
+        if !self.adaptive || !costly {
+            return;
+        }
+        self.probing = false;
+        self.pause = self.backoff;
+        self.backoff = (self.backoff * 2).min(self.max_pause);
+    }
+
     /// Feed the outcome of a step that verified `drafted` draft tokens, `accepted` of them.
     pub fn update(&mut self, drafted: usize, accepted: usize) {
         if drafted == 0 {
@@ -458,38 +571,113 @@ mod tests {
         assert!((bc.load(16).unwrap().row_s - 0.002).abs() < 1e-9);
     }
 
-    #[test]
-    fn a_measured_step_at_a_row_group_boundary_prices_the_next_row() {
-        // The Qwen 0.5B at 16 streams: 16 rows fill one kernel row group, 17 start three.
+    /// A cost curve with a row-group boundary: `12 + 0.8·R` ms, plus 3 ms past 16 rows (the
+    /// Qwen 0.5B's shape), every row count 1..=48 measured.
+    fn stepped_cost() -> BatchCost {
         let mut bc = BatchCost::default();
-        for i in 0..60 {
-            let (r, t) = [(16, 0.0244), (17, 0.0272), (20, 0.0300), (24, 0.0340), (16, 0.0244)][i % 5];
-            bc.observe(r, t);
+        for _ in 0..MEASURED_MIN {
+            for r in 1..=48 {
+                bc.observe(r, 1e-3 * (12.0 + 0.8 * r as f64 + if r > 16 { 3.0 } else { 0.0 }));
+            }
         }
-        let (_, b) = bc.fit().unwrap();
-        assert!(b < 0.0012, "{b}");
+        bc
+    }
+
+    fn draft(len: usize, alpha: f64) -> PendingDraft {
+        PendingDraft {
+            len,
+            alpha,
+            trimmable: true,
+        }
+    }
+
+    #[test]
+    fn the_batch_pays_a_row_group_boundary_once() {
+        let bc = stepped_cost();
+        assert!((bc.time(17).unwrap() - 0.0286).abs() < 1e-9);
+        // The slope the per-sequence controllers see is the fit's, not the boundary's step.
         let l = bc.load(16).unwrap();
-        assert!((l.row_s - 0.0028).abs() < 1e-9, "{l:?}");
-        assert!((l.token_s - 0.0244 / 16.0).abs() < 1e-12);
-        // Where the next row is not measured, or costs less than the slope, the slope stands.
-        assert!((bc.load(20).unwrap().row_s - b).abs() < 1e-12);
-        let mut c = measured(4, 0.1, 0.0);
-        for _ in 0..20 {
-            c.update(2, 2);
+        let (_, b) = bc.fit().unwrap();
+        assert!((l.row_s - b).abs() < 1e-15 && (l.token_s - 0.0248 / 16.0).abs() < 1e-12);
+        // 16 streams, one of them drafting a likely token: the 17th row costs 3.8 ms for
+        // 0.9 expected tokens, while a token of plain decoding costs 1.55 ms. Trimmed.
+        let mut drafts = vec![draft(0, 0.6); 16];
+        drafts[3] = draft(1, 0.9);
+        assert_eq!(draft_budget(16, 16, &drafts, &bc)[3], 0);
+        // Every stream drafting two tokens at acceptance 0.8: 48 rows commit 39 tokens
+        // in 53.4 ms (0.73 per ms) against 16 in 24.8 (0.65). All kept.
+        let drafts = vec![draft(2, 0.8); 16];
+        assert_eq!(draft_budget(16, 16, &drafts, &bc), vec![2; 16]);
+        // Below the boundary rows are cheap: 8 streams, one drafting two tokens at 0.7, kept.
+        let mut drafts = vec![draft(0, 0.6); 8];
+        drafts[5] = draft(2, 0.7);
+        assert_eq!(draft_budget(8, 8, &drafts, &bc)[5], 2);
+    }
+
+    #[test]
+    fn rows_past_the_last_measured_count_cost_the_slope_from_there() {
+        // Plain decoding at 16 rows, a few steps at 17 (past a boundary), the fit from prefill
+        // chunks of 64 and 128 rows.
+        let mut bc = BatchCost::default();
+        for _ in 0..4 {
+            bc.observe(64, 0.060);
+            bc.observe(128, 0.110);
         }
-        // Acceptance near 1 and the step's price: one more row costs about a token of plain
-        // decoding (2.8 ms vs 1.5 ms), so even sure drafts do not pay at k = 1.
-        c.set_load(Some(l));
-        assert!(c.predicted_speedup(1) < 1.05, "{}", c.predicted_speedup(1));
-        assert!(c.hopeless_under_load());
-        // So the controller pauses and its probes are skipped: no draft in 300 steps.
-        for step in 0..300 {
-            assert_eq!(c.next_k(), 0, "step {step}");
+        for _ in 0..MEASURED_MIN {
+            bc.observe(16, 0.0248);
+            bc.observe(17, 0.0286);
         }
-        // Alone again (no load), a probe comes within the longest pause.
-        c.set_load(None);
-        assert!(!c.hopeless_under_load());
-        assert!((0..=MAX_PAUSE + 1).any(|_| c.next_k() > 0));
+        let (a, b) = bc.fit().unwrap();
+        assert!((bc.time(16).unwrap() - 0.0248).abs() < 1e-12);
+        assert!((bc.time(19).unwrap() - (0.0286 + 2.0 * b)).abs() < 1e-12);
+        assert!((bc.time(8).unwrap() - (a + 8.0 * b)).abs() < 1e-12);
+        assert!((b - 0.00078).abs() < 1e-4, "{b}");
+        // One stream of 16 drafting two sure tokens: 17.97 tokens in 29.4 ms (the 18th row
+        // at the slope past the measured 17th) against 16 in 24.8 ms. Trimmed.
+        let mut drafts = vec![draft(0, 0.5); 16];
+        drafts[0] = draft(2, 0.99);
+        assert_eq!(draft_budget(16, 16, &drafts, &bc)[0], 0);
+        // Four of them: 23.9 tokens in 34.1 ms, the boundary shared. Kept.
+        drafts[1..4].fill(draft(2, 0.99));
+        assert_eq!(draft_budget(16, 16, &drafts, &bc)[..5], [2, 2, 2, 2, 0]);
+        // With no fit, nothing past the measured row counts is assumed free.
+        let mut only = BatchCost::default();
+        for _ in 0..8 {
+            only.observe(16, 0.0248);
+        }
+        assert!(only.time(17).is_none());
+        assert_eq!(draft_budget(16, 16, &drafts, &only)[..2], [0, 0]);
+    }
+
+    #[test]
+    fn the_draft_budget_keeps_the_likely_tokens_and_fixed_drafts() {
+        let bc = stepped_cost();
+        // At 8 rows (0.44 tokens per ms), a row at 0.8 ms pays for a token worth > 0.35.
+        let drafts = [
+            draft(4, 0.9),
+            draft(4, 0.1),
+            PendingDraft {
+                len: 3,
+                alpha: 0.1,
+                trimmable: false,
+            },
+            draft(4, 0.55),
+        ];
+        // 0.9^1..4 all pay, 0.55 and 0.55^2 = 0.30: the first only; 0.1: none.
+        assert_eq!(draft_budget(8, 8, &drafts, &bc), vec![4, 0, 3, 1]);
+        // Without a cost estimate nothing is trimmed.
+        assert_eq!(draft_budget(8, 8, &drafts, &BatchCost::default()), vec![4, 4, 3, 4]);
+        // Nothing to decide.
+        assert_eq!(draft_budget(8, 8, &[], &bc), Vec::<usize>::new());
+        // A noisy low measurement past the boundary does not make those rows look cheaper
+        // than the rows before them.
+        let mut bc = stepped_cost();
+        for _ in 0..8 {
+            bc.observe(20, 0.001);
+        }
+        let mut drafts = vec![draft(0, 0.6); 16];
+        drafts[0] = draft(4, 0.9);
+        assert_eq!(draft_budget(16, 16, &drafts, &bc)[0], 0);
     }
 
     #[test]
@@ -677,6 +865,36 @@ mod tests {
         let mut fixed = DraftLength::new(4, false);
         fixed.warm_start(&prior);
         assert_eq!(fixed.next_k(), 4);
+    }
+
+    #[test]
+    fn a_costly_drafter_backs_off_when_the_batch_trims_it_and_a_free_one_does_not() {
+        let load = Some(Load {
+            row_s: 0.0009,
+            token_s: 0.0015,
+        });
+        for (draft_s, backs_off) in [(0.0004, true), (0.000002, false)] {
+            let mut c = measured(4, 0.05, 0.0);
+            for _ in 0..10 {
+                c.update(2, 2);
+            }
+            c.observe_draft(2, 2.0 * draft_s, 0.0);
+            c.set_load(load);
+            assert!(c.next_k() > 0, "draft_s {draft_s}: drafts pay at this acceptance");
+            c.note_trimmed();
+            c.note_trimmed();
+            // Two trims: a pause of 1, then 2 steps.
+            let ks: Vec<usize> = (0..3).map(|_| c.next_k()).collect();
+            if backs_off {
+                assert_eq!(ks[..2], [0, 0], "draft_s {draft_s}: {ks:?}");
+            } else {
+                assert!(ks.iter().all(|&k| k > 0), "draft_s {draft_s}: {ks:?}");
+            }
+        }
+        // A fixed k is never paused.
+        let mut f = DraftLength::new(3, false);
+        f.note_trimmed();
+        assert_eq!(f.next_k(), 3);
     }
 
     #[test]

@@ -178,6 +178,9 @@ pub struct SpecStats {
     pub drafted: usize,
     /// Draft tokens accepted.
     pub accepted: usize,
+    /// Draft tokens proposed but not verified: the batch's draft budget
+    /// ([`controller::draft_budget`]) dropped them because the step was cheaper without them.
+    pub trimmed: usize,
     /// Target forward passes after prefill.
     pub target_steps: usize,
     /// Tokens committed by those steps.
@@ -233,6 +236,7 @@ impl SpecStats {
             "decode_path": self.decode_path,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "trimmed": self.trimmed,
             "acceptance_rate": self.acceptance_rate(),
             "target_steps": self.target_steps,
             "committed": self.committed,
