@@ -933,6 +933,11 @@ impl Engine {
                 Ok(outs) => {
                     for (&i, out) in group.iter().zip(outs) {
                         let absorbed = (|| {
+                            if seqs[i].argmax_suffices() {
+                                // Greedy without penalties, logprobs or taps: only the argmax
+                                // of each row matters, read in place.
+                                return seqs[i].absorb_argmax(argmax_rows(&out.logits)?);
+                            }
                             let rows = out.logits.to_vec2::<f32>()?;
                             let hidden = seqs[i]
                                 .taps()
@@ -1076,6 +1081,24 @@ impl Engine {
 }
 
 /// A batched forward failed: every sequence of `group` gets its error.
+/// The argmax of each row of a `[rows, vocab]` f32 CPU tensor ([`crate::sampling::argmax`]),
+/// read from its storage without copying the rows out.
+fn argmax_rows(t: &Tensor) -> Result<Vec<u32>> {
+    let (_, vocab) = t.dims2()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        anyhow::bail!("the logits are not on the CPU");
+    };
+    let data = cpu.as_slice::<f32>()?;
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        anyhow::bail!("the logits are not contiguous");
+    };
+    Ok(data[start..end]
+        .chunks_exact(vocab.max(1))
+        .map(crate::sampling::argmax)
+        .collect())
+}
+
 fn fail_group(results: &mut [Result<Option<StepOutcome>, RequestError>], group: &[usize], e: &anyhow::Error) {
     let msg = format!("{e:#}");
     for &i in group {

