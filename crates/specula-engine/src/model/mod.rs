@@ -35,20 +35,59 @@ use crate::kv_cache::KvCache;
 /// `scale = 1 / sqrtf(mean + eps)` in f32, then `(x * scale) * w`. Row by row, so
 /// batch-invariant. `x`: rows of `w.len()` values, row-major; returns the same shape.
 fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    // Rows in groups of RMS_GROUP: each row's sum of squares is the same sequential f64 chain
+    // (the bits of the one-row loop, [`rms_norm_row`]), and a group runs its rows' chains side
+    // by side, so their add latencies overlap instead of queueing.
+    const G: usize = RMS_GROUP;
     let h = w.len();
     let mut out = vec![0f32; x.len()];
-    for (row, o) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        let mut sum = 0f64;
-        for &v in row {
-            sum += (v * v) as f64;
+    if h == 0 {
+        return out;
+    }
+    for (rows, outs) in x.chunks(G * h).zip(out.chunks_mut(G * h)) {
+        let n = rows.len() / h;
+        let mut sums = [0f64; G];
+        if n == G {
+            let r: [&[f32]; G] = std::array::from_fn(|i| &rows[i * h..(i + 1) * h]);
+            for j in 0..h {
+                for i in 0..G {
+                    let v = r[i][j];
+                    sums[i] += (v * v) as f64;
+                }
+            }
+        } else {
+            for (i, row) in rows.chunks_exact(h).enumerate() {
+                for &v in row {
+                    sums[i] += (v * v) as f64;
+                }
+            }
         }
-        let mean = (sum / h as f64) as f32;
-        let scale = 1.0f32 / (mean + eps).sqrt();
-        for ((o, &v), &wv) in o.iter_mut().zip(row).zip(w) {
-            *o = v * scale * wv;
+        for ((row, o), &sum) in rows.chunks_exact(h).zip(outs.chunks_exact_mut(h)).zip(&sums) {
+            let mean = (sum / h as f64) as f32;
+            let scale = 1.0f32 / (mean + eps).sqrt();
+            for ((o, &v), &wv) in o.iter_mut().zip(row).zip(w) {
+                *o = v * scale * wv;
+            }
         }
     }
     out
+}
+
+/// Rows whose RMSNorm sums [`rms_norm`] interleaves.
+const RMS_GROUP: usize = 8;
+
+/// RMSNorm of one row, as ggml computes it (`ggml_compute_forward_rms_norm_f32`: the squares
+/// summed in order in double precision, `x * (1 / sqrt(mean + eps)) * w` in f32): the
+/// definition [`rms_norm`] must match bit for bit.
+#[cfg(test)]
+fn rms_norm_row(row: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut sum = 0f64;
+    for &v in row {
+        sum += (v * v) as f64;
+    }
+    let mean = (sum / w.len() as f64) as f32;
+    let scale = 1.0f32 / (mean + eps).sqrt();
+    row.iter().zip(w).map(|(&v, &wv)| v * scale * wv).collect()
 }
 
 /// `x += y`, element by element (the residual adds).
@@ -849,5 +888,36 @@ impl Model {
     /// The model's hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+}
+
+#[cfg(test)]
+mod rms_norm_tests {
+    use super::*;
+
+    #[test]
+    fn grouped_rms_norm_is_bitwise_the_one_row_loop() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Values over many magnitudes, so the f64 sums' rounding order matters.
+            let m = ((state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32;
+            m * [1e-3f32, 1.0, 37.0, 1e4][(state & 3) as usize]
+        };
+        for h in [1usize, 7, 64, 576] {
+            let w: Vec<f32> = (0..h).map(|_| next()).collect();
+            for n in 0..=(2 * RMS_GROUP + 3) {
+                let x: Vec<f32> = (0..n * h).map(|_| next()).collect();
+                let got = rms_norm(&x, &w, 1e-5);
+                let want: Vec<f32> = x.chunks_exact(h).flat_map(|r| rms_norm_row(r, &w, 1e-5)).collect();
+                let (g, e): (Vec<u32>, Vec<u32>) = (
+                    got.iter().map(|v| v.to_bits()).collect(),
+                    want.iter().map(|v| v.to_bits()).collect(),
+                );
+                assert_eq!(g, e, "h {h} rows {n}");
+            }
+        }
     }
 }
