@@ -49,6 +49,9 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         let mut sums = [0f64; G];
         if n == G {
             let r: [&[f32]; G] = std::array::from_fn(|i| &rows[i * h..(i + 1) * h]);
+            // One index walks the G rows together (an iterator per row would not keep the
+            // G chains in one loop body).
+            #[allow(clippy::needless_range_loop)]
             for j in 0..h {
                 for i in 0..G {
                     let v = r[i][j];
