@@ -1080,7 +1080,6 @@ impl Engine {
     }
 }
 
-/// A batched forward failed: every sequence of `group` gets its error.
 /// The argmax of each row of a `[rows, vocab]` f32 CPU tensor ([`crate::sampling::argmax`]),
 /// read from its storage without copying the rows out.
 fn argmax_rows(t: &Tensor) -> Result<Vec<u32>> {
@@ -1099,6 +1098,7 @@ fn argmax_rows(t: &Tensor) -> Result<Vec<u32>> {
         .collect())
 }
 
+/// A batched forward failed: every sequence of `group` gets its error.
 fn fail_group(results: &mut [Result<Option<StepOutcome>, RequestError>], group: &[usize], e: &anyhow::Error) {
     let msg = format!("{e:#}");
     for &i in group {

@@ -76,7 +76,8 @@ pub struct BatchCost {
     /// to [`MEASURED_ROWS`]): the kernels' cost is not linear in R (a row past a multiple of
     /// the tile's row group starts another group, which re-reads and unpacks the weights:
     /// 16 -> 17 rows cost 2.8 ms on the Qwen 0.5B where the fit's slope said 1.6), so the
-    /// marginal cost of the next row is taken from these where both are measured.
+    /// batch's draft budget reads the forward times from these where measured
+    /// ([`BatchCost::time`], [`draft_budget`]).
     by_rows: Vec<(f64, u32)>,
 }
 
