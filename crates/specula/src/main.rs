@@ -441,8 +441,8 @@ struct BenchArgs {
     /// measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     streams: Vec<usize>,
-    /// With `--engine`: the decoding modes run at each level, back to back (`off`: plain
-    /// decoding; `ngram`: n-gram speculation, adaptive k).
+    /// With `--engine`: the decoding modes run at each level, alternating run by run (`off`:
+    /// plain decoding; `ngram`: n-gram speculation, adaptive k).
     #[arg(long, value_delimiter = ',', default_value = "off,ngram")]
     modes: Vec<EngineBenchMode>,
     /// With `--device cuda:N`: prompt lengths of the prefill measurement.
@@ -752,25 +752,23 @@ fn engine_run(engine: &mut Engine, n: usize, request: &dyn Fn(usize) -> Generate
         steps += decode_t0.is_some() as usize;
     }
     let end = std::time::Instant::now();
-    let mut run = EngineRun {
-        tok_s: 0.0,
-        full_tok_s: full_tokens as f64 / full_s.max(1e-9),
-        steps,
-        prefill_s: 0.0,
-        drafted: 0,
-        accepted: 0,
-        trimmed: 0,
-    };
+    let (mut drafted, mut accepted, mut trimmed) = (0, 0, 0);
     for s in seqs {
         let sp = engine.retire(s, true).stats.spec;
-        run.drafted += sp.drafted;
-        run.accepted += sp.accepted;
-        run.trimmed += sp.trimmed;
+        drafted += sp.drafted;
+        accepted += sp.accepted;
+        trimmed += sp.trimmed;
     }
     let start = decode_t0.unwrap_or(end);
-    run.tok_s = tokens as f64 / (end - start).as_secs_f64().max(1e-9);
-    run.prefill_s = (start - t0).as_secs_f64();
-    Ok(run)
+    Ok(EngineRun {
+        tok_s: tokens as f64 / (end - start).as_secs_f64().max(1e-9),
+        full_tok_s: full_tokens as f64 / full_s.max(1e-9),
+        steps,
+        prefill_s: (start - t0).as_secs_f64(),
+        drafted,
+        accepted,
+        trimmed,
+    })
 }
 
 /// `specula bench --engine`: for each mode (plain, n-gram) and each --streams level N, N greedy

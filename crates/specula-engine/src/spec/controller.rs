@@ -154,8 +154,7 @@ impl BatchCost {
     /// The [`Load`] each of `sequences` sequences sharing a forward sees (None alone, or before
     /// the fit is determined: the controller then uses its own timings): plain decoding's
     /// seconds per token (the measured `sequences`-row forward, else the fit's), and per extra
-    /// row the fit's slope or, where larger, the measured step from `sequences` to
-    /// `sequences + 1` rows.
+    /// row the fit's slope.
     ///
     /// The slope prices a row on average; the steps of the real curve (a row past a row-group
     /// boundary costs several rows' worth, the rows after it little) are shared by every
