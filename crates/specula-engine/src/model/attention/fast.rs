@@ -81,23 +81,26 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
     let len = |i: usize| s.start + r0 + i / nh + 1;
     let scale = 1.0 / (d as f32).sqrt();
     let mut sc = vec![0f32; nq * stride];
-    let zeros = [f16::ZERO; 256];
-    let mut kp = [zeros.as_ptr(); TILE];
+    // The tile's keys widened to f32 once (exact), `[TILE, d]`, for all the task's queries;
+    // keys past the end stay zero.
+    let mut kf = vec![0f32; TILE * d];
     for j0 in (0..lmax).step_by(TILE) {
         let nk = TILE.min(lmax - j0);
-        for (t, p) in kp.iter_mut().enumerate() {
-            *p = if t < nk {
-                kv.key(j0 + t)[g * d..][..d].as_ptr()
-            } else {
-                zeros.as_ptr()
-            };
+        for t in 0..nk {
+            let kp = kv.key(j0 + t)[g * d..][..d].as_ptr();
+            for c in 0..NV {
+                _mm512_storeu_ps(kf.as_mut_ptr().add(t * d + 16 * c), load16h(kp.add(16 * c)));
+            }
+        }
+        if nk < TILE {
+            kf[nk * d..].fill(0.0);
         }
         for i in 0..nq {
             if j0 >= len(i) {
                 continue;
             }
             let q = qs[i * d..][..d].as_ptr();
-            let r = scores16::<NV>(q, &kp);
+            let r = scores16::<NV>(q, kf.as_ptr());
             _mm512_storeu_ps(
                 sc.as_mut_ptr().add(i * stride + j0),
                 _mm512_mul_ps(r, _mm512_set1_ps(scale)),
@@ -386,9 +389,10 @@ unsafe fn values<const NV: usize, const QC: usize>(
     }
 }
 
-/// Unscaled `dot_f16(q, k_t)` for the 16 keys `k` (`head_dim = 16 * NV` floats each), lane t.
+/// Unscaled `dot_f16(q, k_t)` for the 16 keys at `k` (`[TILE, 16 * NV]` f32, the cached f16
+/// keys widened once per tile for all the queries of a task), lane t.
 #[inline(always)]
-unsafe fn scores16<const NV: usize>(q: *const f32, k: &[*const f16; TILE]) -> __m512 {
+unsafe fn scores16<const NV: usize>(q: *const f32, k: *const f32) -> __m512 {
     let mut qv = [_mm512_setzero_ps(); NV];
     for (c, r) in qv.iter_mut().enumerate() {
         *r = _mm512_loadu_ps(q.add(16 * c));
@@ -400,7 +404,7 @@ unsafe fn scores16<const NV: usize>(q: *const f32, k: &[*const f16; TILE]) -> __
         for step in 0..NV / 4 {
             for (j, aj) in acc.iter_mut().enumerate() {
                 let c = 4 * step + j;
-                *aj = _mm512_fmadd_ps(qv[c], load16h(k[t].add(16 * c)), *aj);
+                *aj = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k.add(t * 16 * NV + 16 * c)), *aj);
             }
         }
         *xt = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
