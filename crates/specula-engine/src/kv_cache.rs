@@ -1,9 +1,12 @@
 //! Per-sequence KV cache with rollback, in fixed-size blocks from a shared pool (paged).
 //!
 //! Keys and values are f16 (llama.cpp's default cache type: the forward rounds K and V to f16
-//! anyway, so storing them as f16 loses nothing and halves what the attention reads) in
-//! `[position, kv_head, head_dim]` order. A sequence holds, per
-//! layer, a table of blocks of [`KV_BLOCK`] positions each (K rows then V rows); blocks come
+//! anyway, so storing them as f16 loses nothing and halves what the attention reads). A
+//! sequence holds, per layer, a table of blocks of [`KV_BLOCK`] positions each; a block holds
+//! its keys `[kv_head, KV_BLOCK, head_dim]`, then its values in the same order (head-major: the
+//! attention walks one KV head's positions, which are contiguous this way; position-major
+//! rows left two thirds of every cache line it fetched to the other heads, and a one-row
+//! decode at 1,800 positions spent most of its attention waiting on them). Blocks come
 //! from a [`KvPool`] shared by every sequence of a model and go back to it when a sequence
 //! shrinks or ends. All blocks of a pool have one size, so freed blocks are reused as they are
 //! and resident memory stays at the peak of concurrent KV instead of growing with the
@@ -103,50 +106,98 @@ impl KvPool {
 }
 
 /// Keys and values of the first `positions` positions of one layer, block by block: what the
-/// attention reads. `key(j)` / `value(j)` are position j's rows (`stride` f16 values).
+/// attention reads. Each block's keys are `[kv_heads, KV_BLOCK, head_dim]` f16, its values the
+/// same; [`KvRows::key`] / [`KvRows::value`] are position j's `head_dim` values of one KV head,
+/// [`KvRows::head_run`] a run of one head's positions.
 #[derive(Debug, Clone)]
 pub struct KvRows<'a> {
-    /// Per block: (K rows, V rows), `KV_BLOCK * stride` values each (the last may be shorter
-    /// when built from slices).
+    /// Per block: (keys, values), `kv_heads * KV_BLOCK * head_dim` values each.
     parts: Vec<(&'a [f16], &'a [f16])>,
-    stride: usize,
+    kv_heads: usize,
+    head_dim: usize,
     positions: usize,
 }
 
-impl<'a> KvRows<'a> {
-    /// Rows from contiguous `[positions, stride]` keys and values (tests, references).
-    pub fn from_slices(keys: &'a [f16], values: &'a [f16], stride: usize) -> Self {
+/// Position-major rows (`[positions, kv_heads, head_dim]` keys and values) in the block layout
+/// of [`KvRows`], owned: attention tests and references build their caches with it.
+#[derive(Debug, Clone)]
+pub struct KvBlocks {
+    blocks: Vec<(Vec<f16>, Vec<f16>)>,
+    kv_heads: usize,
+    head_dim: usize,
+    positions: usize,
+}
+
+impl KvBlocks {
+    /// Blocks holding `keys` and `values` (`[positions, kv_heads, head_dim]` each).
+    pub fn from_rows(keys: &[f16], values: &[f16], kv_heads: usize, head_dim: usize) -> Self {
+        let stride = kv_heads * head_dim;
+        assert!(stride > 0 && keys.len() == values.len() && keys.len().is_multiple_of(stride));
+        let positions = keys.len() / stride;
         let per = KV_BLOCK * stride;
+        let blocks = (0..positions.div_ceil(KV_BLOCK))
+            .map(|b| {
+                let (mut kb, mut vb) = (vec![f16::ZERO; per], vec![f16::ZERO; per]);
+                for off in 0..KV_BLOCK.min(positions - b * KV_BLOCK) {
+                    let src = (b * KV_BLOCK + off) * stride;
+                    put_row(&mut kb, &keys[src..src + stride], off, kv_heads, head_dim);
+                    put_row(&mut vb, &values[src..src + stride], off, kv_heads, head_dim);
+                }
+                (kb, vb)
+            })
+            .collect();
         Self {
-            parts: keys.chunks(per).zip(values.chunks(per)).collect(),
-            stride,
-            positions: keys.len() / stride.max(1),
+            blocks,
+            kv_heads,
+            head_dim,
+            positions,
         }
     }
 
-    /// Position `j`'s key row. Panics past [`KvRows::positions`] (recycled blocks hold other
-    /// sequences' old rows past the end).
+    /// The rows, for the attention.
+    pub fn rows(&self) -> KvRows<'_> {
+        KvRows {
+            parts: self.blocks.iter().map(|(k, v)| (&k[..], &v[..])).collect(),
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            positions: self.positions,
+        }
+    }
+}
+
+/// Write one position's row (`[kv_heads, head_dim]`, already f16 or converted by `put`) at
+/// offset `off` of a head-major block half.
+#[inline]
+fn put_row(block: &mut [f16], row: &[f16], off: usize, kv_heads: usize, head_dim: usize) {
+    for g in 0..kv_heads {
+        block[(g * KV_BLOCK + off) * head_dim..][..head_dim].copy_from_slice(&row[g * head_dim..][..head_dim]);
+    }
+}
+
+impl<'a> KvRows<'a> {
+    /// Position `j`'s key for KV head `g` (`head_dim` values). Panics past
+    /// [`KvRows::positions`] (recycled blocks hold other sequences' old rows past the end).
     #[inline(always)]
-    pub fn key(&self, j: usize) -> &'a [f16] {
+    pub fn key(&self, j: usize, g: usize) -> &'a [f16] {
         assert!(j < self.positions, "kv rows: position {j} of {}", self.positions);
         let k = self.parts[j / KV_BLOCK].0;
-        &k[(j % KV_BLOCK) * self.stride..][..self.stride]
+        &k[(g * KV_BLOCK + j % KV_BLOCK) * self.head_dim..][..self.head_dim]
     }
 
-    /// Position `j`'s value row. Panics past [`KvRows::positions`].
+    /// Position `j`'s value for KV head `g`. Panics past [`KvRows::positions`].
     #[inline(always)]
-    pub fn value(&self, j: usize) -> &'a [f16] {
+    pub fn value(&self, j: usize, g: usize) -> &'a [f16] {
         assert!(j < self.positions, "kv rows: position {j} of {}", self.positions);
         let v = self.parts[j / KV_BLOCK].1;
-        &v[(j % KV_BLOCK) * self.stride..][..self.stride]
+        &v[(g * KV_BLOCK + j % KV_BLOCK) * self.head_dim..][..self.head_dim]
     }
 
-    /// The keys and values of positions `j0 .. end` as contiguous `[end - j0, stride]`
-    /// slices, `end` being `j1` or the end of `j0`'s block, whichever comes first: a walk over
-    /// positions in runs, with one lookup per block instead of per position. Panics unless
-    /// `j0 < j1 <= positions`.
+    /// KV head `g`'s keys and values of positions `j0 .. end` as contiguous
+    /// `[end - j0, head_dim]` slices, `end` being `j1` or the end of `j0`'s block, whichever
+    /// comes first: a walk over positions in runs, with one lookup per block instead of per
+    /// position. Panics unless `j0 < j1 <= positions`.
     #[inline]
-    pub fn run(&self, j0: usize, j1: usize) -> (&'a [f16], &'a [f16], usize) {
+    pub fn head_run(&self, g: usize, j0: usize, j1: usize) -> (&'a [f16], &'a [f16], usize) {
         assert!(
             j0 < j1 && j1 <= self.positions,
             "kv rows: run {j0}..{j1} of {}",
@@ -155,7 +206,8 @@ impl<'a> KvRows<'a> {
         let b = j0 / KV_BLOCK;
         let end = j1.min((b + 1) * KV_BLOCK);
         let (k, v) = self.parts[b];
-        let range = (j0 % KV_BLOCK) * self.stride..(end - b * KV_BLOCK) * self.stride;
+        let base = g * KV_BLOCK;
+        let range = (base + j0 % KV_BLOCK) * self.head_dim..(base + end - b * KV_BLOCK) * self.head_dim;
         (&k[range.clone()], &v[range], end)
     }
 
@@ -163,18 +215,22 @@ impl<'a> KvRows<'a> {
         self.positions
     }
 
-    /// Contiguous copies `[positions, stride]` of the keys and values.
+    /// Contiguous position-major copies `[positions, kv_heads, head_dim]` of the keys and
+    /// values.
     pub fn to_vecs(&self) -> (Vec<f16>, Vec<f16>) {
         self.copy_range(0..self.positions)
     }
 
-    /// Contiguous copies `[range.len(), stride]` of the keys and values of positions `range`.
+    /// Contiguous position-major copies `[range.len(), kv_heads, head_dim]` of the keys and
+    /// values of positions `range`.
     pub fn copy_range(&self, range: std::ops::Range<usize>) -> (Vec<f16>, Vec<f16>) {
-        let mut k = Vec::with_capacity(range.len() * self.stride);
-        let mut v = Vec::with_capacity(range.len() * self.stride);
+        let n = range.len() * self.kv_heads * self.head_dim;
+        let (mut k, mut v) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for j in range {
-            k.extend_from_slice(self.key(j));
-            v.extend_from_slice(self.value(j));
+            for g in 0..self.kv_heads {
+                k.extend_from_slice(self.key(j, g));
+                v.extend_from_slice(self.value(j, g));
+            }
         }
         (k, v)
     }
@@ -191,6 +247,8 @@ pub struct KvCache {
     len: usize,
     /// `num_kv_heads * head_dim`: values per position per layer.
     stride: usize,
+    kv_heads: usize,
+    head_dim: usize,
     capacity: usize,
     pool: Arc<KvPool>,
 }
@@ -199,18 +257,21 @@ impl KvCache {
     /// An empty cache for `layers` layers of `kv_heads × head_dim`, holding at most `capacity`
     /// positions, with a pool of its own.
     pub fn new(layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
-        Self::with_pool(layers, kv_heads * head_dim, capacity, KvPool::new(kv_heads * head_dim))
+        Self::with_pool(layers, kv_heads, head_dim, capacity, KvPool::new(kv_heads * head_dim))
     }
 
-    /// An empty cache whose blocks come from `pool` (which must be for `stride` floats per
-    /// position).
-    pub fn with_pool(layers: usize, stride: usize, capacity: usize, pool: Arc<KvPool>) -> Self {
+    /// An empty cache whose blocks come from `pool` (which must be for `kv_heads * head_dim`
+    /// values per position).
+    pub fn with_pool(layers: usize, kv_heads: usize, head_dim: usize, capacity: usize, pool: Arc<KvPool>) -> Self {
+        let stride = kv_heads * head_dim;
         debug_assert_eq!(pool.block_floats, 2 * KV_BLOCK * stride);
         Self {
             blocks: (0..layers).map(|_| Vec::new()).collect(),
             filled: vec![0; layers],
             len: 0,
             stride,
+            kv_heads,
+            head_dim,
             capacity,
             pool,
         }
@@ -298,7 +359,7 @@ impl KvCache {
     }
 
     fn append_with<T>(&mut self, layer: usize, k: &[T], v: &[T], put: impl Fn(&mut [f16], &[T])) -> Result<()> {
-        let st = self.stride;
+        let (st, hd) = (self.stride, self.head_dim);
         if k.len() != v.len() || !k.len().is_multiple_of(st) {
             bail!("kv append: bad row sizes {} / {} for stride {st}", k.len(), v.len());
         }
@@ -323,9 +384,15 @@ impl KvCache {
             }
             let run = (KV_BLOCK - off).min(n - i);
             let b = &mut self.blocks[layer][bi];
-            put(&mut b[off * st..(off + run) * st], &k[i * st..(i + run) * st]);
-            let vo = KV_BLOCK * st;
-            put(&mut b[vo + off * st..vo + (off + run) * st], &v[i * st..(i + run) * st]);
+            let (kb, vb) = b.split_at_mut(KV_BLOCK * st);
+            for r in 0..run {
+                let src = (i + r) * st;
+                for g in 0..self.kv_heads {
+                    let dst = (g * KV_BLOCK + off + r) * hd;
+                    put(&mut kb[dst..dst + hd], &k[src + g * hd..src + (g + 1) * hd]);
+                    put(&mut vb[dst..dst + hd], &v[src + g * hd..src + (g + 1) * hd]);
+                }
+            }
             pos += run;
             i += run;
         }
@@ -358,12 +425,14 @@ impl KvCache {
             .collect();
         KvRows {
             parts,
-            stride: self.stride,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
             positions,
         }
     }
 
-    /// Contiguous copies of [`KvCache::rows`]: `[positions, stride]` keys and values.
+    /// Contiguous position-major copies of [`KvCache::rows`]: `[positions, kv_heads, head_dim]`
+    /// keys and values.
     pub fn layer_vecs(&self, layer: usize, positions: usize) -> (Vec<f16>, Vec<f16>) {
         self.rows(layer, positions).to_vecs()
     }
@@ -390,6 +459,8 @@ impl Clone for KvCache {
             filled: self.filled.clone(),
             len: self.len,
             stride: self.stride,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
             capacity: self.capacity,
             pool: self.pool.clone(),
         }
@@ -432,6 +503,39 @@ mod tests {
     }
 
     #[test]
+    fn blocks_are_head_major_and_read_back_position_major() {
+        // Two KV heads of 3 values, positions across two blocks: each head's run is its own
+        // contiguous rows, and the copies come back in the order they were appended.
+        let (heads, hd) = (2, 3);
+        let n = KV_BLOCK + 7;
+        let k: Vec<f32> = (0..n * heads * hd).map(|i| i as f32).collect();
+        let v: Vec<f32> = (0..n * heads * hd).map(|i| 0.5 - i as f32).collect();
+        let mut kv = KvCache::new(1, heads, hd, 1000);
+        kv.append(0, &k[..5 * heads * hd], &v[..5 * heads * hd]).unwrap();
+        kv.advance(5).unwrap();
+        kv.append(0, &k[5 * heads * hd..], &v[5 * heads * hd..]).unwrap();
+        kv.advance(n - 5).unwrap();
+        let r = kv.rows(0, n);
+        for j in [0, 4, 5, KV_BLOCK - 1, KV_BLOCK, n - 1] {
+            for g in 0..heads {
+                let at = (j * heads + g) * hd;
+                assert_eq!(r.key(j, g), &h(&k[at..at + hd])[..], "key {j} head {g}");
+                assert_eq!(r.value(j, g), &h(&v[at..at + hd])[..], "value {j} head {g}");
+            }
+        }
+        let (keys, values, end) = r.head_run(1, 3, n);
+        assert_eq!(end, KV_BLOCK);
+        for (i, j) in (3..end).enumerate() {
+            assert_eq!(&keys[i * hd..][..hd], r.key(j, 1));
+            assert_eq!(&values[i * hd..][..hd], r.value(j, 1));
+        }
+        assert_eq!(kv.layer_vecs(0, n), (h(&k), h(&v)));
+        let owned = KvBlocks::from_rows(&h(&k), &h(&v), heads, hd);
+        assert_eq!(owned.rows().to_vecs(), (h(&k), h(&v)));
+        assert_eq!(owned.rows().key(KV_BLOCK + 2, 1), r.key(KV_BLOCK + 2, 1));
+    }
+
+    #[test]
     fn capacity_is_enforced() {
         let mut kv = KvCache::new(1, 1, 1, 2);
         assert!(kv.append(0, &[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]).is_err());
@@ -445,7 +549,7 @@ mod tests {
         let n = 2 * KV_BLOCK + 5;
         let k: Vec<f32> = (0..n * 2).map(|i| i as f32).collect();
         let v: Vec<f32> = (0..n * 2).map(|i| -(i as f32)).collect();
-        let mut kv = KvCache::with_pool(2, 2, 1000, pool.clone());
+        let mut kv = KvCache::with_pool(2, 1, 2, 1000, pool.clone());
         for l in 0..2 {
             // Two appends, the first ending mid-block.
             kv.append(l, &k[..10], &v[..10]).unwrap();
@@ -458,8 +562,8 @@ mod tests {
         assert_eq!(pool.stats().in_use, 2 * 3);
         let r = kv.rows(1, n);
         for j in [0, 4, 5, KV_BLOCK - 1, KV_BLOCK, n - 1] {
-            assert_eq!(r.key(j), &h(&k[2 * j..2 * j + 2])[..]);
-            assert_eq!(r.value(j), &h(&v[2 * j..2 * j + 2])[..]);
+            assert_eq!(r.key(j, 0), &h(&k[2 * j..2 * j + 2])[..]);
+            assert_eq!(r.value(j, 0), &h(&v[2 * j..2 * j + 2])[..]);
         }
         assert_eq!(kv.layer_vecs(0, n), (h(&k), h(&v)));
         kv.truncate(KV_BLOCK);
@@ -476,7 +580,7 @@ mod tests {
         assert_eq!(pool.reserve_bytes(8 * s.block_bytes + 1), 2);
         assert_eq!(pool.reserve_bytes(3 * s.block_bytes), 0);
         assert_eq!(pool.stats().allocated, 8);
-        let mut again = KvCache::with_pool(2, 2, 1000, pool.clone());
+        let mut again = KvCache::with_pool(2, 1, 2, 1000, pool.clone());
         for l in 0..2 {
             again.append(l, &k, &v).unwrap();
         }

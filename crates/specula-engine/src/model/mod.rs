@@ -593,7 +593,8 @@ impl Model {
     pub fn new_kv_cache(&self) -> KvCache {
         KvCache::with_pool(
             self.config.num_layers,
-            self.config.num_kv_heads * self.config.head_dim,
+            self.config.num_kv_heads,
+            self.config.head_dim,
             self.config.context_length,
             self.kv_pool.clone(),
         )

@@ -86,8 +86,9 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
     let mut kf = vec![0f32; TILE * d];
     for j0 in (0..lmax).step_by(TILE) {
         let nk = TILE.min(lmax - j0);
+        let (keys, _, _) = kv.head_run(g, j0, j0 + nk);
         for t in 0..nk {
-            let kp = kv.key(j0 + t)[g * d..][..d].as_ptr();
+            let kp = keys[t * d..].as_ptr();
             for c in 0..NV {
                 _mm512_storeu_ps(kf.as_mut_ptr().add(t * d + 16 * c), load16h(kp.add(16 * c)));
             }
@@ -224,10 +225,9 @@ unsafe fn values_f32<const NV: usize, const QC: usize>(
     }
     let mut j = j0;
     while j < j1 {
-        let (_, values, end) = a.kv.run(j, j1);
-        let stride = values.len() / (end - j);
-        for (jj, row) in (j..end).zip(values.chunks_exact(stride)) {
-            let vp = row[a.g * d..][..d].as_ptr();
+        let (_, values, end) = a.kv.head_run(a.g, j, j1);
+        for (jj, row) in (j..end).zip(values.chunks_exact(d)) {
+            let vp = row.as_ptr();
             let mut v = [_mm512_setzero_ps(); NV];
             for (c, r) in v.iter_mut().enumerate() {
                 *r = load16h(vp.add(16 * c));
@@ -350,10 +350,9 @@ unsafe fn values<const NV: usize, const QC: usize>(
     // value), so the common step has no branch and the accumulators stay in registers.
     let mut j = j0;
     while j < j1 {
-        let (_, values, end) = a.kv.run(j, j1);
-        let stride = values.len() / (end - j);
-        for (jj, row) in (j..end).zip(values.chunks_exact(stride)) {
-            let vp = row[a.g * d..][..d].as_ptr();
+        let (_, values, end) = a.kv.head_run(a.g, j, j1);
+        for (jj, row) in (j..end).zip(values.chunks_exact(d)) {
+            let vp = row.as_ptr();
             let mut v = [_mm512_setzero_ps(); NV];
             for (c, r) in v.iter_mut().enumerate() {
                 *r = load16h(vp.add(16 * c));
