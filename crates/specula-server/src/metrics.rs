@@ -32,6 +32,9 @@ pub struct Metrics {
     pub spec_drafted: IntCounter,
     /// Draft tokens accepted by the target (speculative requests).
     pub spec_accepted: IntCounter,
+    /// Draft tokens proposed but trimmed before verification by the batch draft budget (not
+    /// counted in `spec_drafted`).
+    pub spec_trimmed: IntCounter,
     /// Target forward passes after prefill in speculative requests.
     pub spec_target_steps: IntCounter,
     /// Tokens committed by those target steps (tau = committed / target steps).
@@ -126,6 +129,10 @@ impl Metrics {
             "specula_spec_accepted_tokens_total",
             "Draft tokens accepted in speculative requests (acceptance rate = accepted / draft).",
         );
+        let spec_trimmed = counter(
+            "specula_spec_trimmed_tokens_total",
+            "Draft tokens trimmed before verification by the batch draft budget (continuous batching under load).",
+        );
         let spec_target_steps = counter(
             "specula_spec_target_steps_total",
             "Target decode steps (forward passes after prefill) in speculative requests.",
@@ -210,6 +217,7 @@ impl Metrics {
             Box::new(spec_requests.clone()),
             Box::new(spec_drafted.clone()),
             Box::new(spec_accepted.clone()),
+            Box::new(spec_trimmed.clone()),
             Box::new(spec_target_steps.clone()),
             Box::new(spec_committed.clone()),
             Box::new(model_loads.clone()),
@@ -232,6 +240,7 @@ impl Metrics {
             spec_requests,
             spec_drafted,
             spec_accepted,
+            spec_trimmed,
             spec_target_steps,
             spec_committed,
             model_loads,

@@ -833,6 +833,7 @@ fn record_done(metrics: &Metrics, endpoint: &str, out: &GenerateOutput) {
     if path != "ar" {
         metrics.spec_drafted.inc_by(sp.drafted as u64);
         metrics.spec_accepted.inc_by(sp.accepted as u64);
+        metrics.spec_trimmed.inc_by(sp.trimmed as u64);
         metrics.spec_target_steps.inc_by(sp.target_steps as u64);
         metrics.spec_committed.inc_by(sp.committed as u64);
     }

@@ -1234,6 +1234,7 @@ async fn server_spec_default_applies_to_requests_without_the_field() {
     let sum = |key: &str| s[key].as_u64().unwrap() + spec_stats(&k1)[key].as_u64().unwrap();
     assert_eq!(metric("specula_spec_draft_tokens_total"), sum("drafted"));
     assert_eq!(metric("specula_spec_accepted_tokens_total"), sum("accepted"));
+    assert_eq!(metric("specula_spec_trimmed_tokens_total"), sum("trimmed"));
     assert_eq!(metric("specula_spec_target_steps_total"), sum("target_steps"));
     assert_eq!(metric("specula_spec_committed_tokens_total"), sum("committed"));
     assert_eq!(metric(r#"specula_spec_requests_total{decode_path="ngram"}"#), 2);
