@@ -1012,6 +1012,47 @@ mod tests {
         }
     }
 
+    /// Wall ms of the attention of a whole SmolLM2-shaped step (30 layers, 9 heads, 3 KV heads,
+    /// d = 64) at 1,800 cached positions, 1 / 5 / 9 query rows, each layer its own K/V (41 MB
+    /// in all, past the last-level cache, as in a real step) and 96 MB streamed through the
+    /// caches before each timed step. Run with
+    /// `cargo test --release -p specula-engine --lib attention::tests::long_context_step -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn long_context_step() {
+        let (h, kvh, d, layers, pos) = (9, 3, 64, 30, 1800);
+        let mk = |seed: u32| f16s(pseudo(pos * kvh * d, seed));
+        let caches: Vec<KvBlocks> = (0..layers)
+            .map(|l| KvBlocks::from_rows(&mk(2 * l as u32 + 1), &mk(2 * l as u32 + 2), kvh, d))
+            .collect();
+        let mut evict = vec![0u8; 96 << 20];
+        for rows in [1usize, 5, 9] {
+            let q: Vec<f32> = (0..rows * h * d)
+                .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+                .collect();
+            let shape = AttnShape {
+                rows,
+                start: pos - rows,
+                num_heads: h,
+                num_kv_heads: kvh,
+                head_dim: d,
+            };
+            let mut best = f64::MAX;
+            for _ in 0..8 {
+                for (i, b) in evict.iter_mut().enumerate().step_by(64) {
+                    *b = b.wrapping_add(i as u8);
+                }
+                let t = std::time::Instant::now();
+                for c in &caches {
+                    std::hint::black_box(attend(&q, &c.rows(), &shape));
+                }
+                best = best.min(t.elapsed().as_secs_f64() * 1e3);
+            }
+            eprintln!("{rows} rows at {pos} positions: {best:.2} ms a step (best of 8)");
+        }
+        std::hint::black_box(&evict);
+    }
+
     /// ns per (query head, key) of OneChunk and TwoPass, portable vs the AVX-512 path, on
     /// SmolLM2's shape (9 heads, 3 KV heads, d = 64), wall time (the kernel pool's threads take
     /// part above `ATTN_PARALLEL_MIN`). Run with
@@ -1112,62 +1153,5 @@ mod tests {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod cold_tests {
-    use super::*;
-    use crate::kv_cache::KvBlocks;
-
-    /// Wall ms of the attention of a whole SmolLM2-shaped step (30 layers, 9 heads, 3 KV heads,
-    /// d = 64) at 1,800 cached positions, 1 / 5 / 9 query rows, each layer its own K/V (41 MB
-    /// in all, past the last-level cache, as in a real step) and 96 MB streamed through the
-    /// caches before each timed step. Run with
-    /// `cargo test --release -p specula-engine --lib attention::cold_tests -- --ignored --nocapture`.
-    #[test]
-    #[ignore]
-    fn long_context_step() {
-        let (h, kvh, d, layers, pos) = (9, 3, 64, 30, 1800);
-        let mk = |seed: u32| -> Vec<half::f16> {
-            let mut x = seed.wrapping_mul(2654435761).wrapping_add(12345);
-            (0..pos * kvh * d)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 17;
-                    x ^= x << 5;
-                    half::f16::from_f32((x % 2000) as f32 / 1000.0 - 1.0)
-                })
-                .collect()
-        };
-        let caches: Vec<KvBlocks> = (0..layers)
-            .map(|l| KvBlocks::from_rows(&mk(2 * l as u32 + 1), &mk(2 * l as u32 + 2), kvh, d))
-            .collect();
-        let mut evict = vec![0u8; 96 << 20];
-        for rows in [1usize, 5, 9] {
-            let q: Vec<f32> = (0..rows * h * d)
-                .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-                .collect();
-            let shape = AttnShape {
-                rows,
-                start: pos - rows,
-                num_heads: h,
-                num_kv_heads: kvh,
-                head_dim: d,
-            };
-            let mut best = f64::MAX;
-            for _ in 0..8 {
-                for (i, b) in evict.iter_mut().enumerate().step_by(64) {
-                    *b = b.wrapping_add(i as u8);
-                }
-                let t = std::time::Instant::now();
-                for c in &caches {
-                    std::hint::black_box(attend(&q, &c.rows(), &shape));
-                }
-                best = best.min(t.elapsed().as_secs_f64() * 1e3);
-            }
-            eprintln!("{rows} rows at {pos} positions: {best:.2} ms a step (best of 8)");
-        }
-        std::hint::black_box(&evict);
     }
 }
