@@ -118,8 +118,8 @@ pub struct KvRows<'a> {
     positions: usize,
 }
 
-/// Position-major rows (`[positions, kv_heads, head_dim]` keys and values) in the block layout
-/// of [`KvRows`], owned: attention tests and references build their caches with it.
+/// Position-major rows (`[positions, kv_heads, head_dim]` keys and values) copied into the
+/// block layout of [`KvRows`], owned: attention tests and benchmarks build their caches with it.
 #[derive(Debug, Clone)]
 pub struct KvBlocks {
     blocks: Vec<(Vec<f16>, Vec<f16>)>,
@@ -129,7 +129,8 @@ pub struct KvBlocks {
 }
 
 impl KvBlocks {
-    /// Blocks holding `keys` and `values` (`[positions, kv_heads, head_dim]` each).
+    /// Blocks holding `keys` and `values` (`[positions, kv_heads, head_dim]` each). Panics
+    /// unless both have the same whole number of rows of `kv_heads * head_dim > 0` values.
     pub fn from_rows(keys: &[f16], values: &[f16], kv_heads: usize, head_dim: usize) -> Self {
         let stride = kv_heads * head_dim;
         assert!(stride > 0 && keys.len() == values.len() && keys.len().is_multiple_of(stride));
@@ -165,8 +166,8 @@ impl KvBlocks {
     }
 }
 
-/// Write one position's row (`[kv_heads, head_dim]`, already f16 or converted by `put`) at
-/// offset `off` of a head-major block half.
+/// Write one position's f16 row (`[kv_heads, head_dim]`) at position `off` of a head-major
+/// block half (`[kv_heads, KV_BLOCK, head_dim]`).
 #[inline]
 fn put_row(block: &mut [f16], row: &[f16], off: usize, kv_heads: usize, head_dim: usize) {
     for g in 0..kv_heads {

@@ -60,6 +60,7 @@ pub(super) unsafe fn one_chunk(a: &Args<'_>, st: &mut State) {
 
 /// Keys per score tile.
 const TILE: usize = 16;
+const _: () = assert!(crate::kv_cache::KV_BLOCK.is_multiple_of(TILE));
 
 /// Scaled scores of the task's queries, `[nq, stride]` (`stride` = the keys of the block's last
 /// row rounded up to [`TILE`]; entries past a query's keys are unspecified): 16 keys at a time
@@ -86,7 +87,10 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
     let mut kf = vec![0f32; TILE * d];
     for j0 in (0..lmax).step_by(TILE) {
         let nk = TILE.min(lmax - j0);
-        let (keys, _, _) = kv.head_run(g, j0, j0 + nk);
+        let (keys, _, end) = kv.head_run(g, j0, j0 + nk);
+        // A tile never spans two KV blocks (KV_BLOCK is a multiple of TILE), so the run holds
+        // the tile's keys; the raw loads below rely on it.
+        assert_eq!(end, j0 + nk, "attention: a key tile crosses a KV block");
         for t in 0..nk {
             let kp = keys[t * d..].as_ptr();
             for c in 0..NV {

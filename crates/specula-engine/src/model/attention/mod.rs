@@ -754,7 +754,7 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
         let t1 = (t0 + KV_TILE).min(len);
         kt.fill(0.0);
         for tk in 0..t1 - t0 {
-            let kj = &kv.key(t0 + tk, g);
+            let kj = kv.key(t0 + tk, g);
             for (dd, &x) in kj.iter().enumerate() {
                 kt[dd * KV_TILE + tk] = x.to_f32();
             }
