@@ -31,7 +31,8 @@ pub const KV_ELEM_BYTES: usize = 2;
 /// pool lives.
 #[derive(Debug)]
 pub struct KvPool {
-    /// Values per block: `2 * KV_BLOCK * stride` (K rows, then V rows).
+    /// Values per block: `2 * KV_BLOCK * stride` (the keys `[kv_heads, KV_BLOCK, head_dim]`,
+    /// then the values in the same order).
     block_floats: usize,
     free: Mutex<Vec<Box<[f16]>>>,
     /// Blocks created so far (in use + free).
@@ -216,6 +217,16 @@ impl<'a> KvRows<'a> {
         self.positions
     }
 
+    /// KV heads per position.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Values per head and position.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     /// Contiguous position-major copies `[positions, kv_heads, head_dim]` of the keys and
     /// values.
     pub fn to_vecs(&self) -> (Vec<f16>, Vec<f16>) {
@@ -240,7 +251,8 @@ impl<'a> KvRows<'a> {
 /// Keys and values of one sequence, for every layer.
 #[derive(Debug)]
 pub struct KvCache {
-    /// `[layer][block]`: blocks of `2 * KV_BLOCK * stride` values (K rows, then V rows).
+    /// `[layer][block]`: blocks of `2 * KV_BLOCK * stride` values (the keys
+    /// `[kv_heads, KV_BLOCK, head_dim]`, then the values in the same order).
     blocks: Vec<Vec<Box<[f16]>>>,
     /// Positions written per layer (committed plus appended by the forward in progress).
     filled: Vec<usize>,

@@ -48,7 +48,8 @@ pub(super) fn usable(d: usize) -> bool {
 /// One attention task (see [`super::one_chunk`]); `d` is 64, 128 or 256 ([`usable`]).
 ///
 /// # Safety
-/// [`usable`] returned true for `a.s.head_dim`.
+/// [`usable`] returned true for `a.s.head_dim`, and `a.kv` holds heads of `a.s.head_dim`
+/// values (checked by the caller, `attend_with`).
 pub(super) unsafe fn one_chunk(a: &Args<'_>, st: &mut State) {
     match a.s.head_dim {
         64 => run::<4>(a, st),
@@ -92,7 +93,7 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
         // the tile's keys; the raw loads below rely on it.
         assert_eq!(end, j0 + nk, "attention: a key tile crosses a KV block");
         for t in 0..nk {
-            let kp = keys[t * d..].as_ptr();
+            let kp = keys[t * d..][..d].as_ptr();
             for c in 0..NV {
                 _mm512_storeu_ps(kf.as_mut_ptr().add(t * d + 16 * c), load16h(kp.add(16 * c)));
             }
@@ -119,7 +120,8 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
 /// `d` is 64, 128 or 256 ([`usable`]).
 ///
 /// # Safety
-/// [`usable`] returned true for `a.s.head_dim`.
+/// [`usable`] returned true for `a.s.head_dim`, and `a.kv` holds heads of `a.s.head_dim`
+/// values (checked by the caller, `attend_with`).
 pub(super) unsafe fn two_pass(a: &Args<'_>, st: &mut State) {
     match a.s.head_dim {
         64 => two::<4>(a, st),

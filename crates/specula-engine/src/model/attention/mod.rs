@@ -416,9 +416,9 @@ fn fast() -> bool {
     *F.get_or_init(crate::kernels::qmatmul::has_avx2)
 }
 
-/// `q`: `[rows, num_heads, head_dim]`; `keys`, `values`: `[positions, num_kv_heads, head_dim]`
-/// (values already rounded to f16) holding at least `start + rows` positions. Returns
-/// `[rows, num_heads, head_dim]` f32.
+/// `q`: `[rows, num_heads, head_dim]` f32; `kv`: the layer's cache ([`KvRows`], f16, with
+/// `num_kv_heads` heads of `head_dim`) holding at least `start + rows` positions. Returns
+/// `[rows, num_heads, head_dim]` f32. Panics when the cache's head layout is not the shape's.
 ///
 /// Work is split into tasks of (KV head, block of up to [`ROW_BLOCK`] rows). A task walks the
 /// keys and values of its KV head once and uses each for every query head of the group and
@@ -462,6 +462,13 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
         assert!(
             (s.num_heads, s.num_kv_heads, s.head_dim) == (num_heads, num_kv_heads, d),
             "attention: items of one batch share the head layout"
+        );
+        // The AVX-512 passes read `head_dim` values per cached row through raw pointers.
+        assert!(
+            (it.kv.kv_heads(), it.kv.head_dim()) == (num_kv_heads, d),
+            "attention: a cache of {} heads x {} for a shape of {num_kv_heads} x {d}",
+            it.kv.kv_heads(),
+            it.kv.head_dim()
         );
         assert!(
             it.kv.positions() >= s.start + s.rows,
@@ -1010,6 +1017,23 @@ mod tests {
                 assert_eq!(off, all.len());
             }
         }
+    }
+
+    /// A cache whose heads are not the shape's is refused before any kernel reads it (the
+    /// AVX-512 passes read `head_dim` values per row through raw pointers).
+    #[test]
+    #[should_panic(expected = "attention: a cache of 1 heads x 32 for a shape of 1 x 64")]
+    fn a_cache_of_another_head_layout_is_refused() {
+        let (keys, values) = (f16s(pseudo(40 * 32, 1)), f16s(pseudo(40 * 32, 2)));
+        let blocks = KvBlocks::from_rows(&keys, &values, 1, 32);
+        let shape = AttnShape {
+            rows: 1,
+            start: 10,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 64,
+        };
+        attend(&pseudo(2 * 64, 3), &blocks.rows(), &shape);
     }
 
     /// Wall ms of the attention of a whole SmolLM2-shaped step (30 layers, 9 heads, 3 KV heads,
