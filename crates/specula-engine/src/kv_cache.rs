@@ -142,8 +142,9 @@ impl KvBlocks {
                 let (mut kb, mut vb) = (vec![f16::ZERO; per], vec![f16::ZERO; per]);
                 for off in 0..KV_BLOCK.min(positions - b * KV_BLOCK) {
                     let src = (b * KV_BLOCK + off) * stride;
-                    put_row(&mut kb, &keys[src..src + stride], off, kv_heads, head_dim);
-                    put_row(&mut vb, &values[src..src + stride], off, kv_heads, head_dim);
+                    let copy = |dst: &mut [f16], src: &[f16]| dst.copy_from_slice(src);
+                    put_row(&mut kb, &keys[src..src + stride], off, head_dim, &copy);
+                    put_row(&mut vb, &values[src..src + stride], off, head_dim, &copy);
                 }
                 (kb, vb)
             })
@@ -167,12 +168,12 @@ impl KvBlocks {
     }
 }
 
-/// Write one position's f16 row (`[kv_heads, head_dim]`) at position `off` of a head-major
-/// block half (`[kv_heads, KV_BLOCK, head_dim]`).
+/// Write one position's row (`[kv_heads, head_dim]`, stored by `put`: a copy or an f32 -> f16
+/// conversion) at position `off` of a head-major block half (`[kv_heads, KV_BLOCK, head_dim]`).
 #[inline]
-fn put_row(block: &mut [f16], row: &[f16], off: usize, kv_heads: usize, head_dim: usize) {
-    for g in 0..kv_heads {
-        block[(g * KV_BLOCK + off) * head_dim..][..head_dim].copy_from_slice(&row[g * head_dim..][..head_dim]);
+fn put_row<T>(block: &mut [f16], row: &[T], off: usize, head_dim: usize, put: &impl Fn(&mut [f16], &[T])) {
+    for (g, src) in row.chunks_exact(head_dim).enumerate() {
+        put(&mut block[(g * KV_BLOCK + off) * head_dim..][..head_dim], src);
     }
 }
 
@@ -258,8 +259,6 @@ pub struct KvCache {
     filled: Vec<usize>,
     /// Committed positions (the same for every layer between forwards).
     len: usize,
-    /// `num_kv_heads * head_dim`: values per position per layer.
-    stride: usize,
     kv_heads: usize,
     head_dim: usize,
     capacity: usize,
@@ -276,13 +275,11 @@ impl KvCache {
     /// An empty cache whose blocks come from `pool` (which must be for `kv_heads * head_dim`
     /// values per position).
     pub fn with_pool(layers: usize, kv_heads: usize, head_dim: usize, capacity: usize, pool: Arc<KvPool>) -> Self {
-        let stride = kv_heads * head_dim;
-        debug_assert_eq!(pool.block_floats, 2 * KV_BLOCK * stride);
+        debug_assert_eq!(pool.block_floats, 2 * KV_BLOCK * kv_heads * head_dim);
         Self {
             blocks: (0..layers).map(|_| Vec::new()).collect(),
             filled: vec![0; layers],
             len: 0,
-            stride,
             kv_heads,
             head_dim,
             capacity,
@@ -343,7 +340,7 @@ impl KvCache {
 
     /// Values per position per layer (`kv_heads * head_dim`).
     pub fn stride(&self) -> usize {
-        self.stride
+        self.kv_heads * self.head_dim
     }
 
     /// Bytes of the blocks this sequence holds.
@@ -372,7 +369,7 @@ impl KvCache {
     }
 
     fn append_with<T>(&mut self, layer: usize, k: &[T], v: &[T], put: impl Fn(&mut [f16], &[T])) -> Result<()> {
-        let (st, hd) = (self.stride, self.head_dim);
+        let (st, hd) = (self.stride(), self.head_dim);
         if k.len() != v.len() || !k.len().is_multiple_of(st) {
             bail!("kv append: bad row sizes {} / {} for stride {st}", k.len(), v.len());
         }
@@ -400,11 +397,8 @@ impl KvCache {
             let (kb, vb) = b.split_at_mut(KV_BLOCK * st);
             for r in 0..run {
                 let src = (i + r) * st;
-                for g in 0..self.kv_heads {
-                    let dst = (g * KV_BLOCK + off + r) * hd;
-                    put(&mut kb[dst..dst + hd], &k[src + g * hd..src + (g + 1) * hd]);
-                    put(&mut vb[dst..dst + hd], &v[src + g * hd..src + (g + 1) * hd]);
-                }
+                put_row(kb, &k[src..src + st], off + r, hd, &put);
+                put_row(vb, &v[src..src + st], off + r, hd, &put);
             }
             pos += run;
             i += run;
@@ -431,7 +425,7 @@ impl KvCache {
             "kv rows: {positions} positions asked, layer {layer} holds {}",
             self.filled[layer]
         );
-        let per = KV_BLOCK * self.stride;
+        let per = KV_BLOCK * self.stride();
         let parts = self.blocks[layer][..positions.div_ceil(KV_BLOCK)]
             .iter()
             .map(|b| (&b[..per], &b[per..]))
@@ -471,7 +465,6 @@ impl Clone for KvCache {
             blocks,
             filled: self.filled.clone(),
             len: self.len,
-            stride: self.stride,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             capacity: self.capacity,
