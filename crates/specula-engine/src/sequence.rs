@@ -201,9 +201,7 @@ impl Sequence {
                 None => "ar (no block drafter attached)".into(),
             },
             (Some(_), _) => {
-                drafter = Some(Box::new(
-                    NgramDrafter::default().with_number_classes(env.tokenizer.number_classes()),
-                ));
+                drafter = Some(Box::new(NgramDrafter::default().with_numbers(env.tokenizer.numbers())));
                 "ngram".into()
             }
         };

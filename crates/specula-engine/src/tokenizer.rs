@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use crate::spec::ngram::NumberVocab;
 use anyhow::{anyhow, bail, Result};
 use candle_core::quantized::gguf_file;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -52,45 +53,43 @@ pub struct Tokenizer {
     pub eos_token: Option<(u32, String)>,
     /// Prepend BOS when encoding a prompt (`tokenizer.ggml.add_bos_token` / `add_bos_token`).
     pub add_bos: bool,
-    /// Per token id: [`NUMBER_NONE`], [`NUMBER_DIGITS`] or [`NUMBER_SPACE_DIGITS`] (see
-    /// [`Tokenizer::number_classes`]).
-    number_classes: std::sync::Arc<[u8]>,
+    /// The tokens that spell numbers ([`Tokenizer::numbers`]).
+    numbers: std::sync::Arc<NumberVocab>,
     /// The most UTF-8 bytes any vocabulary string has (at least 1).
     max_token_bytes: usize,
 }
 
-/// Not a number token.
-pub const NUMBER_NONE: u8 = 0;
-/// A token of ASCII digits only (`7`, `42`).
-pub const NUMBER_DIGITS: u8 = 1;
-/// A space followed by ASCII digits only (` 42`).
-pub const NUMBER_SPACE_DIGITS: u8 = 2;
-
 /// What the n-gram drafter and the prompt-length check need from `inner`'s vocabulary (added
 /// tokens included), from one pass over it:
 ///
-/// - the number class of every id, from the vocabulary strings (byte-level BPE writes a leading
-///   space as `Ġ`, SentencePiece as `▁`);
+/// - the tokens that spell numbers, from the vocabulary strings (byte-level BPE writes a leading
+///   space as `Ġ`, SentencePiece as `▁`), and the pre-tokenizer's digit group: the most digits
+///   one token of an encoded long number holds;
 /// - the most UTF-8 bytes of any vocabulary string (never below one). A vocabulary string spells
 ///   at least as many bytes of text as its token stands for (byte-level BPE writes one text byte
 ///   as one or two; SentencePiece's `▁` is three for one space), so no token covers more text
 ///   than this.
-fn vocab_facts(inner: &tokenizers::Tokenizer) -> (std::sync::Arc<[u8]>, usize) {
+fn vocab_facts(inner: &tokenizers::Tokenizer) -> (std::sync::Arc<NumberVocab>, usize) {
     let vocab = inner.get_vocab(true);
     let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
-    let mut classes = vec![NUMBER_NONE; n];
-    let mut max_bytes = 1;
-    for (text, id) in vocab {
-        max_bytes = max_bytes.max(text.len());
-        let (spaced, rest) = match text.strip_prefix('Ġ').or_else(|| text.strip_prefix('▁')) {
-            Some(rest) => (true, rest),
-            None => (false, text.as_str()),
-        };
-        if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
-            classes[id as usize] = if spaced { NUMBER_SPACE_DIGITS } else { NUMBER_DIGITS };
-        }
-    }
-    (classes.into(), max_bytes)
+    let max_bytes = vocab.keys().map(String::len).max().unwrap_or(0).max(1);
+    let entries = vocab.iter().map(
+        |(text, &id)| match text.strip_prefix('Ġ').or_else(|| text.strip_prefix('▁')) {
+            Some(rest) => (id, true, rest.to_string()),
+            None => (id, false, text.clone()),
+        },
+    );
+    let group = inner
+        .encode_fast("12345678901234567890", false)
+        .ok()
+        .and_then(|enc| {
+            enc.get_tokens()
+                .iter()
+                .map(|t| t.bytes().filter(u8::is_ascii_digit).count())
+                .max()
+        })
+        .unwrap_or(1);
+    (std::sync::Arc::new(NumberVocab::new(entries, n, group)), max_bytes)
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -196,9 +195,9 @@ impl Tokenizer {
         }
         inner.add_special_tokens(&added);
         let tok = |key: &str| meta_u32(md, key).and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())));
-        let (number_classes, max_token_bytes) = vocab_facts(&inner);
+        let (numbers, max_token_bytes) = vocab_facts(&inner);
         Ok(Self {
-            number_classes,
+            numbers,
             max_token_bytes,
             inner: inner.into(),
             bos_token: tok("tokenizer.ggml.bos_token_id"),
@@ -215,12 +214,12 @@ impl Tokenizer {
     pub fn from_hf_file(path: &Path, bos: Option<String>, eos: Option<String>, add_bos: bool) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         let lookup = |s: Option<String>| s.and_then(|s| inner.token_to_id(&s).map(|id| (id, s)));
-        let (number_classes, max_token_bytes) = vocab_facts(&inner);
+        let (numbers, max_token_bytes) = vocab_facts(&inner);
         Ok(Self {
             bos_token: lookup(bos),
             eos_token: lookup(eos),
             add_bos,
-            number_classes,
+            numbers,
             max_token_bytes,
             inner: inner.into(),
         })
@@ -269,11 +268,10 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
-    /// The number class of every token id (index = id; ids past the end are
-    /// [`NUMBER_NONE`]): which tokens spell a number, for the n-gram drafter's structural
-    /// matches ([`crate::spec::ngram::NgramDrafter`]).
-    pub fn number_classes(&self) -> std::sync::Arc<[u8]> {
-        self.number_classes.clone()
+    /// The tokens that spell numbers and how a new number is spelt, for the n-gram drafter's
+    /// structural matches and extrapolated numbers ([`crate::spec::ngram::NgramDrafter`]).
+    pub fn numbers(&self) -> std::sync::Arc<NumberVocab> {
+        self.numbers.clone()
     }
 
     /// The most text bytes one token covers (an upper bound: the longest vocabulary string in
@@ -329,6 +327,7 @@ pub fn check_same_tokenizer(target: &Tokenizer, draft: &Tokenizer) -> Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::spec::ngram::{NUMBER_DIGITS, NUMBER_NONE, NUMBER_SPACE_DIGITS};
     use gguf_file::Value as V;
 
     fn tokenizer(tokens: &[String], merges: &[String], types: &[i32]) -> Tokenizer {
@@ -358,15 +357,14 @@ mod tests {
         tokens.extend([format!("{sp}4"), "42".to_string(), format!("{sp}x4")]);
         types.extend([1, 1, 1]);
         let t = tokenizer(&tokens, &merges, &types);
-        let c = t.number_classes();
-        assert_eq!(c.len(), tokens.len());
+        let c = t.numbers();
         for (id, text) in tokens.iter().enumerate() {
             let want = match text.as_str() {
                 "0" | "1" | "2" | "3" | "4" | "5" | "6" | "7" | "8" | "9" | "42" => NUMBER_DIGITS,
                 s if s == format!("{sp}4") => NUMBER_SPACE_DIGITS,
                 _ => NUMBER_NONE,
             };
-            assert_eq!(c[id], want, "token {id} {text:?}");
+            assert_eq!(c.class(id as u32), want, "token {id} {text:?}");
         }
     }
 

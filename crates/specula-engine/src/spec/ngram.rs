@@ -6,16 +6,118 @@
 //! different numbers in it (`{"id": 7, "name": "user_7"}` after `{"id": 6, "name": "user_6"}`),
 //! and the tokenizers of the catalog split numbers into digits, so right after a new number no
 //! exact suffix matches and lookup proposes nothing where the rest of the line is predictable.
-//! When the drafter knows which tokens spell numbers ([`NgramDrafter::number_classes`]), it
-//! also matches with every number token equal to every other of its class (digits, or space +
-//! digits), and takes that match when it is strictly longer than the longest exact one. The
-//! proposal is still the literal continuation of the earlier occurrence, so a wrong number in
-//! it is simply rejected by verification: the drafter only ever changes speed, never output.
-//! Measured on the shared prompts (`scripts/spec_bench.py`): see `docs/perf.md`.
+//! When the drafter knows which tokens spell numbers ([`NumberVocab`]), it also matches with
+//! every number token equal to every other of its class (digits, or space + digits), and takes
+//! that match when it is strictly longer than the longest exact one.
+//!
+//! **Numbers in the continuation.** The continuation of the earlier occurrence is one period
+//! of the text behind; its numbers are one step behind too (`user_6` where `user_7` comes next).
+//! With `m` the count of numbers between the earlier occurrence and now (the period in numbers),
+//! each number `x` of the continuation is replaced by its extrapolation from the numbers `m`,
+//! `2m` and `3m` before it at the same place in the structure (the same token before each):
+//! constant second differences (three earlier periods agree: squares, triangular numbers)
+//! continue quadratically, otherwise the first difference continues (`2x - x₋ₘ`: counters,
+//! multiples, constants). The number is spelt with the tokenizer's own digit tokens, in groups
+//! as its pre-tokenizer splits digits. The number being written when the lookup runs is
+//! completed the same way when its digits so far agree with the extrapolation. All this only
+//! when the last complete number written shows the text counting: it differs from the number
+//! a period before it and equals that number's extrapolation (or, two periods in, that number
+//! plus one). A verbatim copy (a row of the
+//! prompt written out again) repeats its numbers, and its continuation is copied.
+//!
+//! Every proposal is only a draft: a wrong token in it is rejected by verification, so the
+//! drafter changes speed, never output. Measured on the shared prompts (`scripts/spec_bench.py`,
+//! and `examples/ngram_replay.rs` for tau alone): see `docs/perf.md`.
 
 use super::{Drafter, Proposal};
-use crate::tokenizer::NUMBER_NONE;
+use std::collections::HashMap;
 use std::sync::Arc;
+
+/// Not a number token.
+pub const NUMBER_NONE: u8 = 0;
+/// A token of ASCII digits only (`7`, `42`).
+pub const NUMBER_DIGITS: u8 = 1;
+/// A space followed by ASCII digits only (` 42`).
+pub const NUMBER_SPACE_DIGITS: u8 = 2;
+
+/// The tokens of a vocabulary that spell numbers, and how the tokenizer spells a new one.
+///
+/// Built from the vocabulary strings ([`crate::tokenizer::Tokenizer::numbers`]); a number is a
+/// maximal run of number tokens in which only the first may be spaced (`Ġ12` + `3` is ` 123`).
+#[derive(Debug, Clone, Default)]
+pub struct NumberVocab {
+    /// Per token id: [`NUMBER_NONE`], [`NUMBER_DIGITS`] or [`NUMBER_SPACE_DIGITS`].
+    classes: Vec<u8>,
+    /// Number token -> its digits (without the space).
+    digits: HashMap<u32, Box<str>>,
+    /// (spaced, digits) -> token id.
+    tokens: HashMap<(bool, Box<str>), u32>,
+    /// The pre-tokenizer cuts a run of digits into groups of at most this many, left to right
+    /// (1: Qwen2, SmolLM; 3: Llama 3).
+    group: usize,
+}
+
+impl NumberVocab {
+    /// From every vocabulary entry `(id, text)` with the leading-space marker already stripped
+    /// (`spaced` says whether it had one); entries that are not all ASCII digits are ignored.
+    /// `vocab_size` bounds the ids; `group` is the pre-tokenizer's digit group (at least 1).
+    pub fn new(entries: impl IntoIterator<Item = (u32, bool, String)>, vocab_size: usize, group: usize) -> Self {
+        let mut v = Self {
+            classes: vec![NUMBER_NONE; vocab_size],
+            group: group.max(1),
+            ..Self::default()
+        };
+        for (id, spaced, text) in entries {
+            if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) || id as usize >= vocab_size {
+                continue;
+            }
+            v.classes[id as usize] = if spaced { NUMBER_SPACE_DIGITS } else { NUMBER_DIGITS };
+            let text: Box<str> = text.into();
+            v.tokens.entry((spaced, text.clone())).or_insert(id);
+            v.digits.insert(id, text);
+        }
+        v
+    }
+
+    /// The class of a token id ([`NUMBER_NONE`] past the vocabulary).
+    pub fn class(&self, t: u32) -> u8 {
+        self.classes.get(t as usize).copied().unwrap_or(NUMBER_NONE)
+    }
+
+    /// Whether any token spells a number.
+    pub fn is_empty(&self) -> bool {
+        self.digits.is_empty()
+    }
+
+    /// The tokens that spell `digits` (spaced: with a leading space on the first group), in
+    /// groups of `group` digits left to right; `None` when a group has no token.
+    fn spell(&self, spaced: bool, digits: &str) -> Option<Vec<u32>> {
+        let bytes = digits.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len().div_ceil(self.group));
+        for (i, chunk) in bytes.chunks(self.group).enumerate() {
+            let text = std::str::from_utf8(chunk).ok()?;
+            out.push(*self.tokens.get(&(spaced && i == 0, Box::from(text)))?);
+        }
+        Some(out)
+    }
+}
+
+/// One number of the context: a maximal run of number tokens.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// First token.
+    start: usize,
+    /// One past the last token.
+    end: usize,
+    /// Its value (`None` past u64).
+    value: Option<u64>,
+    /// Digits written, leading zeros included.
+    width: usize,
+    /// Its first digit is a zero (`007`: with `width > 1`, extrapolations keep the width).
+    leading_zero: bool,
+    /// The first token carries a leading space.
+    spaced: bool,
+}
 
 /// The n-gram drafter.
 #[derive(Debug, Clone)]
@@ -24,9 +126,12 @@ pub struct NgramDrafter {
     pub min_n: usize,
     /// Longest suffix (tokens) compared; longer matches count as `max_n`.
     pub max_n: usize,
-    /// Number class per token id ([`crate::tokenizer::Tokenizer::number_classes`]); empty:
-    /// exact matches only.
-    pub number_classes: Arc<[u8]>,
+    /// The vocabulary's number tokens ([`crate::tokenizer::Tokenizer::numbers`]); `None`: exact
+    /// matches and literal continuations only.
+    pub numbers: Option<Arc<NumberVocab>>,
+    /// With `numbers`: extrapolate the numbers of the continuation (true unless cleared: the
+    /// structural matches alone, for measurement).
+    pub extrapolate: bool,
 }
 
 impl Default for NgramDrafter {
@@ -34,7 +139,8 @@ impl Default for NgramDrafter {
         Self {
             min_n: 2,
             max_n: 4,
-            number_classes: Arc::from(Vec::new()),
+            numbers: None,
+            extrapolate: true,
         }
     }
 }
@@ -59,20 +165,22 @@ impl NgramDrafter {
         }
     }
 
-    /// With structural matches over these number classes (index = token id).
-    pub fn with_number_classes(mut self, classes: Arc<[u8]>) -> Self {
-        self.number_classes = classes;
+    /// With structural matches and extrapolated numbers over this vocabulary's number tokens
+    /// (none when it has no number tokens).
+    pub fn with_numbers(mut self, numbers: Arc<NumberVocab>) -> Self {
+        self.numbers = (!numbers.is_empty()).then_some(numbers);
         self
     }
 
     fn class(&self, t: u32) -> u8 {
-        self.number_classes.get(t as usize).copied().unwrap_or(NUMBER_NONE)
+        self.numbers.as_ref().map_or(NUMBER_NONE, |n| n.class(t))
     }
 
     /// Up to `k` tokens: the continuation of the most recent earlier occurrence of the longest
     /// suffix of `context` that occurred before (at least `min_n`, at most `max_n` tokens), or
-    /// of the longest structural match when that is strictly longer (see the module docs).
-    /// Empty when nothing matches. One backward scan, O(len · matched length).
+    /// of the longest structural match when that is strictly longer, with its numbers
+    /// extrapolated (see the module docs). Empty when nothing matches. One backward scan,
+    /// O(len · matched length), and one pass over the context for its numbers.
     pub fn lookup(&self, context: &[u32], k: usize) -> Vec<u32> {
         let len = context.len();
         let max_n = self.max_n.min(len.saturating_sub(1));
@@ -80,7 +188,7 @@ impl NgramDrafter {
         if k == 0 || max_n < min_n {
             return Vec::new();
         }
-        let structural = !self.number_classes.is_empty();
+        let structural = self.numbers.is_some();
         let last = len - 1;
         // (matched length, end of the occurrence) of the best exact and structural matches.
         let (mut exact, mut shape) = ((0usize, 0usize), (0usize, 0usize));
@@ -115,15 +223,164 @@ impl NgramDrafter {
         if n < min_n {
             return Vec::new();
         }
-        let from = end + 1;
-        context[from..(from + k).min(len)].to_vec()
+        match &self.numbers {
+            Some(numbers) if self.extrapolate => continue_with_numbers(numbers, context, end, k),
+            _ => context[end + 1..(end + 1 + k).min(len)].to_vec(),
+        }
     }
+}
+
+/// The numbers of `context`, in order.
+fn number_runs(numbers: &NumberVocab, context: &[u32]) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    let mut open = false;
+    for (i, &t) in context.iter().enumerate() {
+        let class = numbers.class(t);
+        let starts = class == NUMBER_SPACE_DIGITS || (class == NUMBER_DIGITS && !open);
+        open = class != NUMBER_NONE;
+        if class == NUMBER_NONE {
+            continue;
+        }
+        let digits = numbers.digits.get(&t).map_or("", |d| d);
+        if starts {
+            runs.push(Run {
+                start: i,
+                end: i,
+                value: Some(0),
+                width: 0,
+                leading_zero: digits.starts_with('0'),
+                spaced: class == NUMBER_SPACE_DIGITS,
+            });
+        }
+        if let Some(run) = runs.last_mut() {
+            run.end = i + 1;
+            run.width += digits.len();
+            for b in digits.bytes() {
+                run.value = run
+                    .value
+                    .and_then(|v| v.checked_mul(10))
+                    .and_then(|v| v.checked_add(u64::from(b - b'0')));
+            }
+        }
+    }
+    runs
+}
+
+/// The value of the number `m` runs after `runs[r]`, extrapolated from `runs[r]` and the runs
+/// `m`, `2m`, `3m` before it (see the module docs); `None` when the runs do not line up (another
+/// token before them, another spacing, no value) or the result is negative.
+fn extrapolate(runs: &[Run], context: &[u32], r: usize, m: usize) -> Option<u64> {
+    let lined_up = |a: &Run, b: &Run| {
+        a.spaced == b.spaced
+            && a.start > 0
+            && b.start > 0
+            && context[a.start - 1] == context[b.start - 1]
+            && a.value.is_some()
+            && b.value.is_some()
+    };
+    if m == 0 || r < m || !lined_up(&runs[r], &runs[r - m]) {
+        return None;
+    }
+    let v = |i: usize| i128::from(runs[i].value.unwrap_or(0));
+    let (x2, x1) = (v(r), v(r - m));
+    let mut next = 2 * x2 - x1;
+    if r >= 3 * m && lined_up(&runs[r - m], &runs[r - 2 * m]) && lined_up(&runs[r - 2 * m], &runs[r - 3 * m]) {
+        let (x0, xm) = (v(r - 2 * m), v(r - 3 * m));
+        let d2 = x2 - 2 * x1 + x0;
+        if d2 == x1 - 2 * x0 + xm {
+            next += d2;
+        }
+    }
+    u64::try_from(next).ok()
+}
+
+/// The tokens of the extrapolated successor of `runs[r]` (spelt like it: spacing, leading
+/// zeros), or `None`.
+fn successor_tokens(numbers: &NumberVocab, runs: &[Run], context: &[u32], r: usize, m: usize) -> Option<Vec<u32>> {
+    let value = extrapolate(runs, context, r, m)?;
+    let run = &runs[r];
+    let mut digits = value.to_string();
+    if run.leading_zero && run.width > 1 && digits.len() < run.width {
+        digits = format!("{}{digits}", "0".repeat(run.width - digits.len()));
+    }
+    numbers.spell(run.spaced, &digits)
+}
+
+/// Whether the text counts on with period `m` (in numbers) rather than repeats itself: the
+/// last complete number of the context (not the one it may end in) differs from the number `m`
+/// before it, and equals that number's extrapolation (with two periods written only: is one
+/// more). A verbatim copy (a
+/// row of the prompt written out again) has the same numbers a period back, and is continued
+/// literally; `runs[..upto]` are the runs that start before the context's end.
+fn counts_on(runs: &[Run], context: &[u32], upto: usize, m: usize) -> bool {
+    let Some(trailing) = upto.checked_sub(1) else {
+        return false;
+    };
+    let last = if runs[trailing].end == context.len() {
+        trailing.checked_sub(1)
+    } else {
+        Some(trailing)
+    };
+    let Some(c) = last.filter(|&c| m > 0 && c >= m) else {
+        return false;
+    };
+    if runs[c].value.is_none() || runs[c].value == runs[c - m].value {
+        return false;
+    }
+    match extrapolate(runs, context, c - m, m) {
+        Some(v) => runs[c].value == Some(v),
+        // Two periods only: counting by one.
+        None => runs[c - m].value.and_then(|v| v.checked_add(1)) == runs[c].value,
+    }
+}
+
+/// Up to `k` tokens continuing `context` from its earlier occurrence ending at `end`: the
+/// literal tokens after it with every complete number replaced by its successor, and the number
+/// the context ends in (if any) completed, when the text counts on ([`counts_on`]); otherwise
+/// the literal tokens (module docs).
+fn continue_with_numbers(numbers: &NumberVocab, context: &[u32], end: usize, k: usize) -> Vec<u32> {
+    let len = context.len();
+    let runs = number_runs(numbers, context);
+    // Index of the run containing or preceding a position, by starts.
+    let upto = |pos: usize| runs.partition_point(|r| r.start <= pos);
+    let (at_end, at_last) = (upto(end), upto(len - 1));
+    let m = at_last - at_end;
+    let literal = || context[end + 1..(end + 1 + k).min(len)].to_vec();
+    if !counts_on(&runs, context, at_last, m) {
+        return literal();
+    }
+    let mut out = Vec::with_capacity(k);
+    let mut p = end + 1;
+    // The context ends inside a number and the occurrence inside another: complete it.
+    if at_end > 0 && at_last > 0 && runs[at_end - 1].end > end && runs[at_last - 1].end == len {
+        let (earlier, now) = (at_end - 1, &runs[at_last - 1]);
+        if let Some(tokens) = successor_tokens(numbers, &runs, context, earlier, m) {
+            let written = &context[now.start..];
+            if let Some(rest) = tokens.strip_prefix(written) {
+                out.extend_from_slice(rest);
+                p = runs[earlier].end;
+            }
+        }
+    }
+    while out.len() < k && p < len {
+        let r = upto(p);
+        if r > 0 && runs[r - 1].start == p && runs[r - 1].end < len {
+            if let Some(tokens) = successor_tokens(numbers, &runs, context, r - 1, m) {
+                out.extend(tokens);
+                p = runs[r - 1].end;
+                continue;
+            }
+        }
+        out.push(context[p]);
+        p += 1;
+    }
+    out.truncate(k);
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenizer::{NUMBER_DIGITS, NUMBER_SPACE_DIGITS};
 
     #[test]
     fn proposes_the_continuation_of_the_longest_match() {
@@ -192,17 +449,30 @@ mod tests {
         }
     }
 
-    /// Tokens 10..=19 are digits, 20..=29 space + digit; 1.. are structure.
-    fn classes() -> Arc<[u8]> {
-        let mut c = vec![NUMBER_NONE; 32];
-        c[10..20].fill(NUMBER_DIGITS);
-        c[20..30].fill(NUMBER_SPACE_DIGITS);
-        c.into()
+    /// Tokens 10..=19 are the digits 0-9, 20..=29 space + digit; 1..=9 are structure.
+    fn numbers() -> Arc<NumberVocab> {
+        let digits = (0..10u32).map(|d| (10 + d, false, d.to_string()));
+        let spaced = (0..10u32).map(|d| (20 + d, true, d.to_string()));
+        Arc::new(NumberVocab::new(digits.chain(spaced), 32, 1))
+    }
+
+    /// `n` as digit tokens (spaced: the first with a leading space).
+    fn num(n: u64, spaced: bool) -> Vec<u32> {
+        n.to_string()
+            .bytes()
+            .enumerate()
+            .map(|(i, b)| u32::from(b - b'0') + if spaced && i == 0 { 20 } else { 10 })
+            .collect()
+    }
+
+    /// `{ id: N, name: user_N }`: `1 2 [ N] 4 5 [N] 6 7`.
+    fn record(n: u64) -> Vec<u32> {
+        [vec![1, 2], num(n, true), vec![4, 5], num(n, false), vec![6, 7]].concat()
     }
 
     #[test]
     fn a_new_number_matches_the_structure_around_an_earlier_one() {
-        let d = NgramDrafter::new(2, 4).with_number_classes(classes());
+        let d = NgramDrafter::new(2, 4).with_numbers(numbers());
         // `{ id : 16 , name : 16 } {` then `id : 17`: no exact 2-gram ends in 17, the
         // structural match proposes what followed the earlier number.
         let ctx = [1, 2, 3, 11, 16, 4, 5, 3, 11, 16, 6, 1, 2, 3, 11, 17];
@@ -215,7 +485,7 @@ mod tests {
 
     #[test]
     fn an_exact_match_wins_unless_the_structural_one_is_longer() {
-        let d = NgramDrafter::new(2, 4).with_number_classes(classes());
+        let d = NgramDrafter::new(2, 4).with_numbers(numbers());
         // Exact 4-gram `5 3 11 16` occurred (continued by 7); a structural match cannot be
         // longer than max_n, so the exact continuation is proposed.
         let ctx = [5, 3, 11, 16, 7, 9, 5, 3, 11, 12, 8, 9, 5, 3, 11, 16];
@@ -227,5 +497,118 @@ mod tests {
         // Non-number tokens never match each other.
         let ctx = [1, 2, 9, 3, 1];
         assert!(d.lookup(&ctx, 1).is_empty());
+    }
+
+    #[test]
+    fn numbers_in_the_continuation_count_on() {
+        let d = NgramDrafter::new(2, 4).with_numbers(numbers());
+        // Three records and the start of a fourth: the continuation of the third, with every
+        // number one on, is the rest of the fourth and the start of the fifth.
+        let ctx = [record(1), record(2), record(3), vec![1, 2], num(4, true), vec![4, 5]].concat();
+        let want = [num(4, false), vec![6, 7, 1, 2], num(5, true), vec![4, 5]].concat();
+        assert_eq!(d.lookup(&ctx, 8), want);
+        // Without the number vocabulary: the literal continuation of the same occurrence.
+        let literal = [num(3, false), vec![6, 7, 1, 2], num(4, true), vec![4, 5]].concat();
+        assert_eq!(NgramDrafter::new(2, 4).lookup(&ctx, 8), literal);
+        // 9 -> 10 changes the width: the number being written (` 1` of ` 10`) is completed,
+        // and the next one is spelt with two digits.
+        let ctx = [record(8), record(9), vec![1, 2], num(1, true)].concat();
+        let want = [num(0, false), vec![4, 5], num(10, false), vec![6, 7]].concat();
+        assert_eq!(d.lookup(&ctx, 7), want);
+        // Digits written so far that disagree with the extrapolation: the number is left as
+        // written, the continuation goes on from the earlier one (the next number still counts on).
+        let ctx = [record(8), record(9), vec![1, 2], num(3, true)].concat();
+        assert_eq!(d.lookup(&ctx, 4), [vec![4, 5], num(10, false)].concat());
+    }
+
+    #[test]
+    fn constant_second_differences_continue_quadratically() {
+        let d = NgramDrafter::new(2, 4).with_numbers(numbers());
+        // ` N : N²,` for N = 1..5, then ` 6 :`.
+        let line = |n: u64| [num(n, true), vec![3], num(n * n, true), vec![4]].concat();
+        let ctx = [line(1), line(2), line(3), line(4), line(5), num(6, true), vec![3]].concat();
+        assert_eq!(
+            d.lookup(&ctx, 8),
+            [num(36, true), vec![4], num(7, true), vec![3]].concat()
+        );
+        // Two periods only: the first difference (25 + 9 = 34, rejected by the target).
+        let ctx = [line(4), line(5), num(6, true), vec![3]].concat();
+        assert_eq!(d.lookup(&ctx, 2), [num(34, true)].concat()[..2].to_vec());
+    }
+
+    #[test]
+    fn only_numbers_at_the_same_place_in_the_structure_are_extrapolated() {
+        let v = numbers();
+        let next = |ctx: &[u32], r, m| extrapolate(&number_runs(&v, ctx), ctx, r, m);
+        let lined = [vec![8], num(1, true), vec![4, 8], num(2, true), vec![4]].concat();
+        assert_eq!(next(&lined, 1, 1), Some(3));
+        assert_eq!(next(&lined, 1, 0), None, "no period");
+        assert_eq!(next(&lined, 0, 1), None, "nothing before the first");
+        // Another token before the earlier number, or another spacing.
+        let other = [vec![8], num(1, true), vec![4, 9], num(2, true), vec![4]].concat();
+        assert_eq!(next(&other, 1, 1), None);
+        let unspaced = [vec![8], num(1, true), vec![4, 8], num(2, false), vec![4]].concat();
+        assert_eq!(next(&unspaced, 1, 1), None);
+        // Counting down below zero: no extrapolation.
+        let down = [vec![8], num(3, false), vec![4, 8], num(1, false), vec![4]].concat();
+        assert_eq!(next(&down, 1, 1), None);
+        // A run is every digit token after the first, spaced or not; a spaced one starts another.
+        let runs = number_runs(&v, &[num(12, true), num(305, false), num(7, true)].concat());
+        let got: Vec<_> = runs
+            .iter()
+            .map(|r| (r.start, r.end, r.value, r.width, r.spaced))
+            .collect();
+        assert_eq!(got, vec![(0, 5, Some(12305), 5, true), (5, 6, Some(7), 1, true)]);
+
+        // Leading zeros keep the width, and the number being written is completed:
+        // `1 007 2 1 008 2 1 0` -> `0 9 2` (009).
+        let d = NgramDrafter::new(2, 4).with_numbers(numbers());
+        let ctx = vec![1, 10, 10, 17, 2, 1, 10, 10, 18, 2, 1, 10];
+        assert_eq!(d.lookup(&ctx, 3), vec![10, 19, 2]);
+    }
+
+    #[test]
+    fn a_verbatim_copy_keeps_its_numbers() {
+        let d = NgramDrafter::new(2, 4).with_numbers(numbers());
+        // Rows `1 [ a] 4 [ b] 6` of a table, then the third written out again: its numbers are
+        // the earlier row's, not one on (B's 2 and C's 1 would extrapolate to 0).
+        let row = |a: u64, b: u64| [vec![1], num(a, true), vec![4], num(b, true), vec![6]].concat();
+        let ctx = [row(3, 7), row(5, 2), row(8, 1), vec![1], num(8, true), vec![4]].concat();
+        assert_eq!(d.lookup(&ctx, 3), [num(1, true), vec![6, 1]].concat());
+    }
+
+    #[test]
+    fn numbers_are_spelt_in_the_tokenizer_groups() {
+        // A Llama 3 style vocabulary: digit groups of up to three, left to right.
+        let entries = [(1, "1"), (2, "0"), (3, "100"), (4, "99"), (5, "999")].map(|(id, t)| (id, false, t.to_string()));
+        let v = NumberVocab::new(entries, 8, 3);
+        assert_eq!(v.spell(false, "1000"), Some(vec![3, 2]));
+        assert_eq!(v.spell(false, "999"), Some(vec![5]));
+        assert_eq!(v.spell(false, "12"), None, "no token for the group");
+        assert_eq!(v.spell(true, "1"), None, "no spaced token");
+        assert_eq!(v.class(3), NUMBER_DIGITS);
+        assert_eq!(v.class(7), NUMBER_NONE);
+        assert_eq!(v.class(99), NUMBER_NONE, "past the vocabulary");
+    }
+
+    /// Without number tokens in the context, the number vocabulary changes nothing.
+    #[test]
+    fn contexts_without_numbers_are_unchanged() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let plain = NgramDrafter::new(2, 4);
+        let with = NgramDrafter::new(2, 4).with_numbers(numbers());
+        for case in 0..2000 {
+            let len = 1 + case % 50;
+            let ctx: Vec<u32> = (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    1 + (state % (2 + case as u64 % 6)) as u32
+                })
+                .collect();
+            let k = 1 + case % 8;
+            assert_eq!(with.lookup(&ctx, k), plain.lookup(&ctx, k), "{ctx:?} k={k}");
+        }
     }
 }
