@@ -40,7 +40,7 @@ fn main() -> Result<()> {
         .context("usage: ngram_replay MODEL.gguf OUTPUTS.jsonl [K] [MIN_N] [MAX_N]")?;
     let outputs = args.get(2).context("missing OUTPUTS.jsonl")?;
     let num = |i: usize, default: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(default);
-    let (k, min_n, max_n) = (num(3, 8), num(4, 2), num(5, 4));
+    let (k, min_n, max_n) = (num(3, 8), num(4, 2), num(5, 8));
     let bundle = specula_engine::bundle::load(model.as_ref(), &candle_core::Device::Cpu)?;
     let numbers = bundle.tokenizer.numbers();
     let exact = NgramDrafter::new(min_n, max_n);

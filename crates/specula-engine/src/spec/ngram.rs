@@ -8,7 +8,9 @@
 //! exact suffix matches and lookup proposes nothing where the rest of the line is predictable.
 //! When the drafter knows which tokens spell numbers ([`NumberVocab`]), it also matches with
 //! every number token equal to every other of its class (digits, or space + digits), and takes
-//! that match when it is strictly longer than the longest exact one.
+//! that match when it is strictly longer than the longest exact one, or when both reach
+//! `max_n` and the structural one goes on further back (up to 64 tokens: the last row of a
+//! list against an older occurrence that only shares the last few tokens).
 //!
 //! **Numbers in the continuation.** The continuation of the earlier occurrence is one period
 //! of the text behind; its numbers are one step behind too (`user_6` where `user_7` comes next).
@@ -138,7 +140,7 @@ impl Default for NgramDrafter {
     fn default() -> Self {
         Self {
             min_n: 2,
-            max_n: 4,
+            max_n: 8,
             numbers: None,
             extrapolate: true,
         }
@@ -189,6 +191,11 @@ impl NgramDrafter {
             return Vec::new();
         }
         let structural = self.numbers.is_some();
+        // Equal, or numbers of one class.
+        let same_shape = |a: u32, b: u32| {
+            let ca = self.class(a);
+            a == b || (ca != NUMBER_NONE && ca == self.class(b))
+        };
         let last = len - 1;
         // (matched length, end of the occurrence) of the best exact and structural matches.
         let (mut exact, mut shape) = ((0usize, 0usize), (0usize, 0usize));
@@ -207,16 +214,25 @@ impl NgramDrafter {
             }
             if structural && reach > shape.0.max(exact.0) {
                 let mut s = j;
-                while s < reach && {
-                    let (a, b) = (context[end - s], context[last - s]);
-                    let ca = self.class(a);
-                    a == b || (ca != NUMBER_NONE && ca == self.class(b))
-                } {
+                while s < reach && same_shape(context[end - s], context[last - s]) {
                     s += 1;
                 }
                 if s > shape.0 {
                     shape = (s, end);
                 }
+            }
+        }
+        // Both matches at the cap: the one that goes on further back wins (a more recent row of
+        // a list against an older occurrence that only shares the cap's worth of tokens).
+        if structural && exact.0 == max_n && shape.0 == max_n && shape.1 != exact.1 {
+            let further = |end: usize, same: &dyn Fn(u32, u32) -> bool| {
+                let reach = TIE_BREAK_REACH.min(end + 1);
+                (max_n..reach)
+                    .take_while(|&j| same(context[end - j], context[last - j]))
+                    .count()
+            };
+            if further(shape.1, &same_shape) > further(exact.1, &|a, b| a == b) {
+                exact = (0, 0);
             }
         }
         let (n, end) = if shape.0 > exact.0 { shape } else { exact };
@@ -333,6 +349,9 @@ fn counts_on(runs: &[Run], context: &[u32], upto: usize, m: usize) -> bool {
         None => runs[c - m].value.and_then(|v| v.checked_add(1)) == runs[c].value,
     }
 }
+
+/// How far back (tokens) two matches that both reach `max_n` are compared to choose one.
+const TIE_BREAK_REACH: usize = 64;
 
 /// Up to `k` tokens continuing `context` from its earlier occurrence ending at `end`: the
 /// literal tokens after it with every complete number replaced by its successor, and the number
@@ -486,10 +505,15 @@ mod tests {
     #[test]
     fn an_exact_match_wins_unless_the_structural_one_is_longer() {
         let d = NgramDrafter::new(2, 4).with_numbers(numbers());
-        // Exact 4-gram `5 3 11 16` occurred (continued by 7); a structural match cannot be
-        // longer than max_n, so the exact continuation is proposed.
-        let ctx = [5, 3, 11, 16, 7, 9, 5, 3, 11, 12, 8, 9, 5, 3, 11, 16];
+        // Exact 4-gram `5 3 11 16` occurred (continued by 7), and a structural one `5 3 11 12`
+        // (continued by 8): both at the cap, compared further back. Both go on one more token
+        // (9 = 9) and no further: the exact continuation is proposed.
+        let ctx = [9, 5, 3, 11, 16, 7, 9, 5, 3, 11, 12, 8, 9, 5, 3, 11, 16];
         assert_eq!(d.lookup(&ctx, 1), vec![7]);
+        // Only the structural one goes on further back (9 = 9 before it, nothing before the
+        // exact one): the structural continuation.
+        let ctx = [5, 3, 11, 16, 7, 9, 5, 3, 11, 12, 8, 9, 5, 3, 11, 16];
+        assert_eq!(d.lookup(&ctx, 1), vec![8]);
         // Exact match of 2 (`11 16` -> 7); structural match of 4 (`5 3 11 12` -> 8) wins.
         let ctx = [11, 16, 7, 9, 5, 3, 11, 12, 8, 9, 5, 3, 11, 16];
         assert_eq!(NgramDrafter::new(2, 4).lookup(&ctx, 1), vec![7]);
