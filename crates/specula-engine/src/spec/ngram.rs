@@ -24,8 +24,8 @@
 //! completed the same way when its digits so far agree with the extrapolation. All this only
 //! when the last complete number written shows the text counting: it differs from the number
 //! a period before it and equals that number's extrapolation (or, two periods in, that number
-//! plus one). A verbatim copy (a row of the
-//! prompt written out again) repeats its numbers, and its continuation is copied.
+//! plus one). A verbatim copy (a row of the prompt written out again) repeats its numbers,
+//! and its continuation is copied.
 //!
 //! Every proposal is only a draft: a wrong token in it is rejected by verification, so the
 //! drafter changes speed, never output. Measured on the shared prompts (`scripts/spec_bench.py`,
