@@ -241,7 +241,7 @@ impl NgramDrafter {
         }
         match &self.numbers {
             Some(numbers) if self.extrapolate => continue_with_numbers(numbers, context, end, k),
-            _ => context[end + 1..(end + 1 + k).min(len)].to_vec(),
+            _ => literal_continuation(context, end, k),
         }
     }
 }
@@ -350,6 +350,11 @@ fn counts_on(runs: &[Run], context: &[u32], upto: usize, m: usize) -> bool {
     }
 }
 
+/// Up to `k` tokens of `context` after `end`, as written.
+fn literal_continuation(context: &[u32], end: usize, k: usize) -> Vec<u32> {
+    context[end + 1..(end + 1 + k).min(context.len())].to_vec()
+}
+
 /// How far back (tokens) two matches that both reach `max_n` are compared to choose one.
 const TIE_BREAK_REACH: usize = 64;
 
@@ -364,9 +369,8 @@ fn continue_with_numbers(numbers: &NumberVocab, context: &[u32], end: usize, k: 
     let upto = |pos: usize| runs.partition_point(|r| r.start <= pos);
     let (at_end, at_last) = (upto(end), upto(len - 1));
     let m = at_last - at_end;
-    let literal = || context[end + 1..(end + 1 + k).min(len)].to_vec();
     if !counts_on(&runs, context, at_last, m) {
-        return literal();
+        return literal_continuation(context, end, k);
     }
     let mut out = Vec::with_capacity(k);
     let mut p = end + 1;
