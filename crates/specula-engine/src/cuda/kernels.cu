@@ -77,6 +77,56 @@ __device__ float block_max(float v, float* sh) {
   return warp_max(t);
 }
 
+// One row of RMSNorm by a whole block: y = bf16(x * rsqrt(mean(x^2) + eps) * w), H a multiple
+// of 4. Each thread folds the squares of its float4s i4 = tid, tid + blockDim, ... in that order
+// (the loads of up to 8 of them issued together, so a row costs one memory round trip, where a
+// scalar loop paid one per element), then block_sum: the bits depend only on the row and the
+// block size (256 everywhere).
+__device__ __forceinline__ float4 ld_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void rmsnorm_row(const float* x, const bf16_t* __restrict__ w, bf16_t* y, int H, float eps,
+                                            float* sh) {
+  constexpr int V = 8;
+  const int n4 = H / 4, nt = blockDim.x;
+  float4 v[V];
+  uint2 wv[V];
+  float ss = 0.0f;
+  for (int base = 0; base < n4; base += V * nt) {
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      const int i4 = base + threadIdx.x + j * nt;
+      v[j] = i4 < n4 ? ld_f4(x + 4 * i4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (n4 <= V * nt) wv[j] = i4 < n4 ? *reinterpret_cast<const uint2*>(w + 4 * i4) : make_uint2(0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      ss = __fmaf_rn(v[j].x, v[j].x, ss);
+      ss = __fmaf_rn(v[j].y, v[j].y, ss);
+      ss = __fmaf_rn(v[j].z, v[j].z, ss);
+      ss = __fmaf_rn(v[j].w, v[j].w, ss);
+    }
+  }
+  ss = block_sum(ss, sh);
+  const float inv = rsqrtf(ss / (float)H + eps);
+  auto out = [&](const float4& a, const uint2& b, int i4) {
+    const uint32_t lo = (uint32_t)f2bf(a.x * inv * bf_lo(b.x)) | ((uint32_t)f2bf(a.y * inv * bf_hi(b.x)) << 16);
+    const uint32_t hi = (uint32_t)f2bf(a.z * inv * bf_lo(b.y)) | ((uint32_t)f2bf(a.w * inv * bf_hi(b.y)) << 16);
+    *reinterpret_cast<uint2*>(y + 4 * i4) = make_uint2(lo, hi);
+  };
+  if (n4 <= V * nt) {  // the row is still in registers
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      const int i4 = threadIdx.x + j * nt;
+      if (i4 < n4) out(v[j], wv[j], i4);
+    }
+  } else {
+    for (int i4 = threadIdx.x; i4 < n4; i4 += nt)
+      out(ld_f4(x + 4 * i4), *reinterpret_cast<const uint2*>(w + 4 * i4), i4);
+  }
+}
+
+// SiLU(g) * u rounded to bf16: the silu_mul kernel and the gate/up GEMM's SiLU epilogue.
+__device__ __forceinline__ bf16_t silu_mul1(float g, float u) { return f2bf(g / (1.0f + expf(-g)) * u); }
+
 // ---------------------------------------------------------------------------------------------
 // Y[m, n] = sum_k W[n, k] * X[m, k] (+ R[m, n]) for m < M, n < N.
 // W: bf16 [N, K] row-major; X: bf16 [M, K]; R, Y: f32 [M, N] (R may alias Y, or be null).
@@ -208,6 +258,8 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   return v;
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 // cp.async of one lane's weight piece (16 bytes of bf16, or 8 of Q8_0 int8) into shared memory,
@@ -226,10 +278,16 @@ __device__ __forceinline__ void cp_async_w(void* dst, const void* src, bool ok, 
 // through an S-stage cp.async ring in dynamic shared memory ([S][U][MT][2][256 lanes] x 16
 // bytes), S - 1 groups of U chunks ahead; each lane reads back only what it copied, so no barrier
 // is needed. Same loads, same fold: the same bits either way.
-template <int MT, int NT, int U, bool Q8, int S = 0>
+//
+// SILU (the `_silu` kernels, for the gate/up GEMM, R null): the matrix's rows are gate and up
+// features interleaved in groups of 8, so a block holds both halves of each pair; it writes
+// Act[m, f] = silu_mul1(g, u) (bf16 [M, N / 2]) instead of Y: each output is the same fold, and
+// the values are the silu_mul kernel's. A compile-time switch: the plain kernels keep the code
+// (and the speed) they had without it.
+template <int MT, int NT, int U, bool Q8, int S = 0, bool SILU = false>
 __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                           const bf16_t* __restrict__ X, const float* R, float* Y, int M,
-                                          int N, int K) {
+                                          int N, int K, bf16_t* Act) {
   __shared__ float red[GEMM_SLICES][MT * 16][9];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int r0 = blockIdx.x * (NT * 8);
@@ -399,31 +457,51 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
       red[warp][mt * 16 + gid + 8][2 * tig + 1] = acc[mt][nt][3];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < MT * 16 * 8; i += blockDim.x) {
-      const int f = i % (MT * 16), r = i / (MT * 16);
-      const int n = f0 + f, m = r0 + nt * 8 + r;
-      if (n < N && m < M) {
-        float s = red[0][f][r];
+    if constexpr (SILU) {
+      for (int i = threadIdx.x; i < MT * 8 * 8; i += blockDim.x) {
+        const int f = i % (MT * 8), r = i / (MT * 8);
+        const int fg = (f / 8) * 16 + f % 8;  // the gate row of pair f; its up row is 8 further
+        const int n = f0 + fg, m = r0 + nt * 8 + r;
+        if (n < N && m < M) {
+          float g = red[0][fg][r], u = red[0][fg + 8][r];
 #pragma unroll
-        for (int w = 1; w < GEMM_SLICES; w++) s += red[w][f][r];
-        const size_t o = (size_t)m * N + n;
-        Y[o] = R ? R[o] + s : s;
+          for (int w = 1; w < GEMM_SLICES; w++) {
+            g += red[w][fg][r];
+            u += red[w][fg + 8][r];
+          }
+          Act[(size_t)m * (N / 2) + f0 / 2 + f] = silu_mul1(g, u);
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < MT * 16 * 8; i += blockDim.x) {
+        const int f = i % (MT * 16), r = i / (MT * 16);
+        const int n = f0 + f, m = r0 + nt * 8 + r;
+        if (n < N && m < M) {
+          float s = red[0][f][r];
+#pragma unroll
+          for (int w = 1; w < GEMM_SLICES; w++) s += red[w][f][r];
+          const size_t o = (size_t)m * N + n;
+          Y[o] = R ? R[o] + s : s;
+        }
       }
     }
   }
+
 }
 
-#define GEMM(MT, NT, U, UQ)                                                                           \
-  extern "C" __global__ void __launch_bounds__(256) gemm_bf16_##MT##x##NT(                       \
-      const void* W, const float* Ws, const bf16_t* X, const float* R, float* Y, int M, int N, int K) { \
-    gemm_impl<MT, NT, U, false>(W, Ws, X, R, Y, M, N, K);                                         \
-  }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(256) gemm_q8_##MT##x##NT(                         \
-      const void* W, const float* Ws, const bf16_t* X, const float* R, float* Y, int M, int N, int K) { \
-    gemm_impl<MT, NT, UQ, true>(W, Ws, X, R, Y, M, N, K);                                          \
-  }
-// U / UQ (bf16 / Q8_0 chunks in flight per lane) change speed only. On the H200 at one row,
-// bf16 ran 4% faster with 8 than with 4, and Q8_0 12% slower (docs/perf.md).
+#define GEMM_ARGS \
+  const void *W, const float *Ws, const bf16_t *X, const float *R, float *Y, int M, int N, int K, bf16_t *Act
+#define GEMM_PASS W, Ws, X, R, Y, M, N, K, Act
+// gemm_{bf16,q8}_{MT}x{NT}[_silu]: U / UQ (bf16 / Q8_0 chunks in flight per lane) change speed
+// only. On the H200 at one row, bf16 ran 4% faster with 8 than with 4, and Q8_0 12% slower
+// (docs/perf.md).
+#define GEMM_KERNEL(NAME, MT, NT, U, Q8, S, SILU) \
+  extern "C" __global__ void __launch_bounds__(256) NAME(GEMM_ARGS) { gemm_impl<MT, NT, U, Q8, S, SILU>(GEMM_PASS); }
+#define GEMM(MT, NT, U, UQ)                                                      \
+  GEMM_KERNEL(gemm_bf16_##MT##x##NT, MT, NT, U, false, 0, false)                \
+  GEMM_KERNEL(gemm_q8_##MT##x##NT, MT, NT, UQ, true, 0, false)                  \
+  GEMM_KERNEL(gemm_bf16_##MT##x##NT##_silu, MT, NT, U, false, 0, true)          \
+  GEMM_KERNEL(gemm_q8_##MT##x##NT##_silu, MT, NT, UQ, true, 0, true)
 GEMM(1, 1, 8, 4) GEMM(1, 2, 8, 4) GEMM(2, 4, 2, 2) GEMM(2, 8, 2, 2) GEMM(4, 8, 1, 1)
 
 // The 2x8 tile (above 32 rows) with its weights through a 3-stage cp.async ring of two chunks
@@ -432,14 +510,10 @@ GEMM(1, 1, 8, 4) GEMM(1, 2, 8, 4) GEMM(2, 4, 2, 2) GEMM(2, 8, 2, 2) GEMM(4, 8, 1
 // 5,714 vs 5,563 tok/s). One chunk per stage, 4 stages and two blocks per multiprocessor (three
 // times the bytes in flight) was slower: 10.71 ms. So the 64-row GEMM is not short of weight bytes
 // in flight; the X fragments each warp reads from L2 (docs/gpu.md) are the next limit.
-extern "C" __global__ void __launch_bounds__(256) gemm_bf16_2x8_pipe(const void* W, const float* Ws, const bf16_t* X,
-                                                                     const float* R, float* Y, int M, int N, int K) {
-  gemm_impl<2, 8, 2, false, 3>(W, Ws, X, R, Y, M, N, K);
-}
-extern "C" __global__ void __launch_bounds__(256) gemm_q8_2x8_pipe(const void* W, const float* Ws, const bf16_t* X,
-                                                                   const float* R, float* Y, int M, int N, int K) {
-  gemm_impl<2, 8, 2, true, 3>(W, Ws, X, R, Y, M, N, K);
-}
+GEMM_KERNEL(gemm_bf16_2x8_pipe, 2, 8, 2, false, 3, false)
+GEMM_KERNEL(gemm_q8_2x8_pipe, 2, 8, 2, true, 3, false)
+GEMM_KERNEL(gemm_bf16_2x8_pipe_silu, 2, 8, 2, false, 3, true)
+GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 
 // Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
 // from splitmix64 like fill_uniform_bf16.
@@ -477,13 +551,7 @@ extern "C" __global__ void rmsnorm_bf16(const float* X, const bf16_t* w, bf16_t*
   pdl_wait();
   pdl_launch();
   __shared__ float sh[32];
-  const float* x = X + (size_t)blockIdx.x * H;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) ss = __fmaf_rn(x[i], x[i], ss);
-  ss = block_sum(ss, sh);
-  float inv = rsqrtf(ss / (float)H + eps);
-  bf16_t* y = Y + (size_t)blockIdx.x * H;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) y[i] = f2bf(x[i] * inv * bf2f(w[i]));
+  rmsnorm_row(X + (size_t)blockIdx.x * H, w, Y + (size_t)blockIdx.x * H, H, eps, sh);
 }
 
 // After the fused QKV projection: bias (Qwen2), per-head RMSNorm of q and k (Qwen3), RoPE at
@@ -541,9 +609,12 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 // split over the keys (flash-decoding) so a long context is spread over many blocks.
 // The row's L = pos + 1 keys are cut into na = min(ATT_SPLITS, ceil(L / ATT_MIN_KEYS)) ranges,
 // range z being keys [z L / na, (z + 1) L / na): the cut depends on L only, never on the batch.
-// Per range, one block: scores (one thread per key), the range's max m and sum s of
-// exp(score - m), and acc = sum over its keys of exp(score - m) v (warp w folds keys w, w + 8, ...
-// of the range, lane owns d = lane + 32 j; the 8 warp partials added in warp order). With one
+// Per range, one block: scores (8 lanes per key, each folding its 16-byte chunks of q.k in
+// order, then a fixed butterfly; kept in shared memory up to ATT_SMEM_KEYS keys), the range's max
+// m and sum s of exp(score - m), and acc = sum over its keys of exp(score - m) v (warp w folds
+// keys w, w + 8, ... of the range, lane l owns d = 4 l .. 4 l + 3 and 128 further; the 8 warp
+// partials added in warp order). Every load of a phase is issued before its math (unrolled), so a
+// short context costs a few memory round trips, not one per key chunk. With one
 // range (L <= ATT_MIN_KEYS) that is the output: acc / s. Otherwise each range stores (m, s, acc)
 // and the block that finishes the last range (an atomic count per row and head) merges them in
 // range order: M = max m_z, S = sum s_z e^(m_z - M), O = (sum acc_z e^(m_z - M)) / S.
@@ -553,14 +624,18 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 // speed, not bits); block: 256 threads (8 warps).
 #define ATT_SPLITS 16
 #define ATT_MIN_KEYS 256
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
-                                          const int* slot, float* S, float* P, int* C, bf16_t* O, int nh,
-                                          int nkv, int hd, int max_ctx, float scale, int G) {
+#define ATT_SMEM_KEYS 2048
+// KU / VU: key passes / V positions unrolled (their loads issued together); speed only.
+template <int KU, int VU>
+__device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
+                                               const int* slot, float* S, float* P, int* C, bf16_t* O, int nh,
+                                               int nkv, int hd, int max_ctx, float scale, int G) {
   pdl_wait();
   pdl_launch();
   __shared__ float sh[32];
   __shared__ float q[256];
   __shared__ float part[8][256];
+  __shared__ float ssc[ATT_SMEM_KEYS];
   __shared__ int last;
   const int r = blockIdx.x / G, g = blockIdx.x % G, h = blockIdx.y;
   const int kvh = h / (nh / nkv);
@@ -573,50 +648,94 @@ extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(const float*
   const bf16_t* kb = Kc + (size_t)slot[r] * max_ctx * stride + (size_t)kvh * hd;
   const bf16_t* vb = Vc + (size_t)slot[r] * max_ctx * stride + (size_t)kvh * hd;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int nj = (hd + 31) >> 5;
+  const int kl = threadIdx.x & 7, grp = threadIdx.x >> 3, nc = hd / 8;
   float* pr = P + ((size_t)r * nh + h) * ATT_SPLITS * (hd + 2);
   for (int z = g; z < na; z += G) {
     const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);
-    __syncthreads();  // q is loaded; the previous range's part[] is consumed
-    float mx = -INFINITY;
-    for (int t = a + threadIdx.x; t < b; t += blockDim.x) {
-      const uint4* k = reinterpret_cast<const uint4*>(kb + (size_t)t * stride);
-      float acc = 0.0f;
-      for (int c = 0; c < hd / 8; c++) {
-        float kf[8];
-        unpack8(k[c], kf);
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc = __fmaf_rn(q[c * 8 + j], kf[j], acc);
+    // Ask L2 for the range's K and V rows (128-byte lines) first: the score phase's loads and,
+    // overlapped with it, the V phase's then wait on L2 rather than on DRAM.
+    {
+      const int lines = (hd * 2 + 127) / 128;
+      for (int i = threadIdx.x; i < (b - a) * lines; i += blockDim.x) {
+        const size_t e = (size_t)(a + i / lines) * stride + (i % lines) * 64;
+        prefetch_l2(kb + e);
+        prefetch_l2(vb + e);
       }
-      acc *= scale;
-      s[t] = acc;
-      mx = fmaxf(mx, acc);
     }
-    mx = block_max(mx, sh);
+    __syncthreads();  // q is loaded; the previous range's part[] and scores are consumed
+    // The range's scores: in shared memory when they fit, else in S.
+    float* sc = b - a <= ATT_SMEM_KEYS ? ssc : s + a;
+    // Scores: 8 lanes per key (32 keys a pass); lane kl folds the q.k products of its 16-byte
+    // chunks kl, kl + 8, ... in order, then a fixed xor butterfly over the 8 lanes.
+    float mx = -INFINITY;
+#pragma unroll KU
+    for (int t0 = a; t0 < b; t0 += 32) {
+      const int t = t0 + grp;
+      float acc = 0.0f;
+      if (t < b) {
+        const uint4* k = reinterpret_cast<const uint4*>(kb + (size_t)t * stride);
+        uint4 kr[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) kr[j] = kl + 8 * j < nc ? k[kl + 8 * j] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int c = kl + 8 * j;
+          if (c < nc) {
+            float kf[8];
+            unpack8(kr[j], kf);
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc = __fmaf_rn(q[c * 8 + e], kf[e], acc);
+          }
+        }
+      }
+      acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      acc *= scale;
+      if (t < b) {
+        if (kl == 0) sc[t - a] = acc;
+        mx = fmaxf(mx, acc);
+      }
+    }
+    mx = block_max(mx, sh);  // its barriers also publish sc[] to the block
     float sum = 0.0f;
     for (int t = a + threadIdx.x; t < b; t += blockDim.x) {
-      float e = expf(s[t] - mx);
-      s[t] = e;
+      float e = expf(sc[t - a] - mx);
+      sc[t - a] = e;
       sum += e;
     }
-    sum = block_sum(sum, sh);  // its barriers also publish s[] to the block
-    float acc[8];
+    sum = block_sum(sum, sh);  // and these the exponentials
+    // The weighted sum of V: warp w takes positions a + w, a + w + 8, ... in order; lane l
+    // holds dimensions 4 l .. 4 l + 3 (and 128 further for head_dim > 128).
+    float acc[2][4];
 #pragma unroll
-    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
-#pragma unroll 4
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+    const int nv = hd / 4;
+#pragma unroll VU
     for (int t = a + warp; t < b; t += 8) {
-      const float p = s[t];
-      const bf16_t* v = vb + (size_t)t * stride;
+      const float p = sc[t - a];
+      const uint2* v = reinterpret_cast<const uint2*>(vb + (size_t)t * stride);
 #pragma unroll
-      for (int j = 0; j < 8; j++) {
-        int d = lane + 32 * j;
-        if (j < nj && d < hd) acc[j] = __fmaf_rn(p, bf2f(v[d]), acc[j]);
+      for (int j = 0; j < 2; j++) {
+        const int c = lane + 32 * j;
+        if (c < nv) {
+          const uint2 u = v[c];
+          acc[j][0] = __fmaf_rn(p, bf_lo(u.x), acc[j][0]);
+          acc[j][1] = __fmaf_rn(p, bf_hi(u.x), acc[j][1]);
+          acc[j][2] = __fmaf_rn(p, bf_lo(u.y), acc[j][2]);
+          acc[j][3] = __fmaf_rn(p, bf_hi(u.y), acc[j][3]);
+        }
       }
     }
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      int d = lane + 32 * j;
-      if (j < nj && d < hd) part[warp][d] = acc[j];
+    for (int j = 0; j < 2; j++) {
+      const int c = lane + 32 * j;
+      if (c < nv) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) part[warp][4 * c + e] = acc[j][e];
+      }
     }
     __syncthreads();
     if (na == 1) {
@@ -667,15 +786,26 @@ extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(const float*
   }
 }
 
-// A[r, i] = bf16(silu(G) * U) with GU = [G | U]: f32 [rows, 2I]. Grid-stride over rows * I.
+#define ATT_ARGS                                                                                  \
+  const float *Q, const bf16_t *Kc, const bf16_t *Vc, const int *pos, const int *slot, float *S, float *P, \
+      int *C, bf16_t *O, int nh, int nkv, int hd, int max_ctx, float scale, int G
+#define ATT_PASS Q, Kc, Vc, pos, slot, S, P, C, O, nh, nkv, hd, max_ctx, scale, G
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(ATT_ARGS) { attention_impl<2, 8>(ATT_PASS); }
+// More loads in flight per thread, half the blocks per multiprocessor: faster for a few rows
+// (docs/gpu.md), slower for many (GpuModel::enqueue picks; SPECULA_CUDA_ATT overrides).
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep(ATT_ARGS) { attention_impl<8, 16>(ATT_PASS); }
+
+// A[r, i] = bf16(silu(G) * U), GU f32 [rows, 2I] with the gate and up features interleaved in
+// groups of 8 (the gate/up matrix's row order, see `cuda::load`): G[i] at 16 (i / 8) + i % 8, U[i]
+// 8 further. Grid-stride over rows * I.
 extern "C" __global__ void silu_mul(const float* GU, bf16_t* A, int I, int rows) {
   pdl_wait();
   pdl_launch();
   size_t n = (size_t)rows * I;
   for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
     size_t r = idx / I, i = idx % I;
-    float g = GU[r * 2 * I + i], u = GU[r * 2 * I + I + i];
-    A[idx] = f2bf(g / (1.0f + expf(-g)) * u);
+    const float* gu = GU + r * 2 * I + (i / 8) * 16 + i % 8;
+    A[idx] = silu_mul1(gu[0], gu[8]);
   }
 }
 

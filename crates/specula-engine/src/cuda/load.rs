@@ -302,6 +302,35 @@ fn upload_mat(gpu: &Gpu, parts: &[&Tensor]) -> Result<Mat> {
     Ok(Mat::bf16(upload_bf16(gpu, parts)?))
 }
 
+/// The `[gate; up]` matrix in the row order the GEMM's SiLU epilogue and `silu_mul` read:
+/// groups of 8 gate rows, each followed by the 8 up rows of the same features, `[2 I, H]` bf16
+/// (`interleave_gate_up`). Errors: gate and up of different shapes, or I not a multiple of 8.
+fn upload_gate_up(gpu: &Gpu, gate: &Tensor, up: &Tensor) -> Result<Mat> {
+    if gate.dims() != up.dims() || gate.dims().len() != 2 || !gate.dims()[0].is_multiple_of(8) {
+        bail!(
+            "gate_proj {:?} and up_proj {:?}: the CUDA path needs two [I, H] matrices with I a multiple of 8",
+            gate.dims(),
+            up.dims()
+        );
+    }
+    let h = gate.dims()[1];
+    let bits = interleave_gate_up(&to_bf16_bits(gate)?, &to_bf16_bits(up)?, h);
+    let b = DevBuf::new(bits.len() * 2)?;
+    gpu.upload(b.at(0), &bits)?;
+    Ok(Mat::bf16(b))
+}
+
+/// Rows of `gate` and `up` (both `[I, h]`, I a multiple of 8) as 8 gate rows, the 8 up rows of
+/// the same features, the next 8 gate rows, ...: `[2 I, h]`.
+pub(crate) fn interleave_gate_up<T: Copy>(gate: &[T], up: &[T], h: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(gate.len() + up.len());
+    for (g, u) in gate.chunks(8 * h).zip(up.chunks(8 * h)) {
+        out.extend_from_slice(g);
+        out.extend_from_slice(u);
+    }
+    out
+}
+
 fn upload_f32(gpu: &Gpu, parts: &[&Tensor]) -> Result<DevBuf> {
     let mut v = Vec::new();
     for p in parts {
@@ -441,10 +470,7 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
             k_norm: norm("self_attn.k_norm.weight")?,
             o: upload_mat(&gpu, &[get(&p("self_attn.o_proj.weight"))?])?,
             mlp_norm: upload_bf16(&gpu, &[get(&p("post_attention_layernorm.weight"))?])?,
-            gate_up: upload_mat(
-                &gpu,
-                &[get(&p("mlp.gate_proj.weight"))?, get(&p("mlp.up_proj.weight"))?],
-            )?,
+            gate_up: upload_gate_up(&gpu, get(&p("mlp.gate_proj.weight"))?, get(&p("mlp.up_proj.weight"))?)?,
             down: upload_mat(&gpu, &[get(&p("mlp.down_proj.weight"))?])?,
         });
     }
@@ -488,4 +514,25 @@ pub fn engine_target(
     let mut m = from_bundle(gpu, path, config, 1, 16)?;
     m.fit_kv(want_slots, context.clamp(1, config.context_length), 0.9)?;
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::interleave_gate_up;
+
+    /// Row r of the interleaved matrix is gate row 8 (r / 16) + r % 16 for r % 16 < 8, else the
+    /// up row of the same feature: what `silu_mul` and the GEMM's SiLU epilogue read.
+    #[test]
+    fn gate_up_rows_interleave_in_groups_of_8() {
+        let (i, h) = (24, 3);
+        let gate: Vec<u32> = (0..i * h).map(|v| v as u32).collect();
+        let up: Vec<u32> = (0..i * h).map(|v| 1000 + v as u32).collect();
+        let out = interleave_gate_up(&gate, &up, h);
+        assert_eq!(out.len(), 2 * i * h);
+        for r in 0..2 * i {
+            let f = 8 * (r / 16) + r % 8;
+            let src = if r % 16 < 8 { &gate } else { &up };
+            assert_eq!(&out[r * h..(r + 1) * h], &src[f * h..(f + 1) * h], "row {r}");
+        }
+    }
 }

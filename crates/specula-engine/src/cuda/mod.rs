@@ -146,6 +146,8 @@ pub struct Gpu {
     /// The 2x8 tile streams its weights through a cp.async ring ([`GEMM_PIPE`]); false:
     /// through registers (`SPECULA_CUDA_GEMM_PIPE=0`, speed only).
     pipe: std::cell::Cell<bool>,
+    /// While profiling, the label of the next launch's entry (a GEMM's shape); empty: its name.
+    profile_tag: std::cell::RefCell<String>,
     /// Launch with programmatic dependent launch (`SPECULA_CUDA_PDL=0` turns it off): a
     /// kernel's prologue (the GEMM's first weight loads) overlaps the previous kernel's tail.
     pdl: bool,
@@ -154,7 +156,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-const KERNELS: [&str; 24] = [
+const KERNELS: [&str; 25] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -175,6 +177,7 @@ const KERNELS: [&str; 24] = [
     "rmsnorm_bf16",
     "qkv_rope_store",
     "attention_rows",
+    "attention_rows_deep",
     "silu_mul",
     "argmax_rows",
     "fill_uniform_bf16",
@@ -215,7 +218,7 @@ impl Mat {
 }
 
 /// One profiled launch: the kernel and the events recorded before and after it.
-type LaunchEvents = (&'static str, sys::CUevent, sys::CUevent);
+type LaunchEvents = (String, sys::CUevent, sys::CUevent);
 
 /// Kernel timings of one forward (`SPECULA`'s own breakdown, from CUDA events around each
 /// launch): per kernel name, launches and total milliseconds.
@@ -250,14 +253,15 @@ impl Gpu {
             "loading Specula's kernels (cuModuleLoadData)",
         )?;
         let mut f = HashMap::new();
-        let gemms = GEMM_NAMES.iter().flatten().map(|e| e.2);
-        for name in KERNELS.into_iter().chain(gemms).chain(GEMM_PIPE) {
+        let gemms = GEMM_NAMES.iter().flatten().flatten().map(|e| e.2);
+        let pipes = GEMM_PIPE.iter().flatten().copied();
+        for name in KERNELS.into_iter().chain(gemms).chain(pipes.clone()) {
             let c = CString::new(name)?;
             let mut func = std::ptr::null_mut();
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
             f.insert(name, func);
         }
-        for name in GEMM_PIPE {
+        for name in pipes {
             let r = unsafe {
                 sys::cuFuncSetAttribute(
                     f[name],
@@ -286,6 +290,7 @@ impl Gpu {
             gemm_path: std::cell::Cell::new(gemm_path),
             wide_mt: std::cell::Cell::new(wide_mt),
             pipe: std::cell::Cell::new(pipe),
+            profile_tag: std::cell::RefCell::new(String::new()),
             pdl: std::env::var("SPECULA_CUDA_PDL").map_or(true, |v| v != "0"),
             profile: std::cell::RefCell::new(None),
         })
@@ -448,7 +453,8 @@ impl Gpu {
         if let Some(a) = ev0 {
             let b = self.record_event()?;
             if let Some(p) = self.profile.borrow_mut().as_mut() {
-                p.push((name, a, b));
+                let tag = std::mem::take(&mut *self.profile_tag.borrow_mut());
+                p.push((if tag.is_empty() { name.to_string() } else { tag }, a, b));
             }
         }
         if sync_each() && !self.capturing.get() {
@@ -526,21 +532,51 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
+        self.gemm_epi(w, x, r, y, rows, n, k, Epilogue::Plain)
+    }
+
+    /// [`Gpu::gemm`] with a fused [`Epilogue`]. Errors: as `gemm`; a fused epilogue on the
+    /// reference GEMV path; `SiluMul` with a residual or `n` not a multiple of 16.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_epi(
+        &self,
+        w: (u64, u64),
+        x: u64,
+        r: Option<u64>,
+        y: u64,
+        rows: usize,
+        n: usize,
+        k: usize,
+        epi: Epilogue,
+    ) -> Result<()> {
         if self.gemm_path.get() == GemmPath::Gemv {
             if w.1 != 0 {
                 bail!("the reference GEMV kernels take bf16 weights only");
+            }
+            if epi != Epilogue::Plain {
+                bail!("the reference GEMV kernels have no fused epilogue");
             }
             return self.gemv(w.0, x, r, y, rows, n, k);
         }
         if !k.is_multiple_of(8) {
             bail!("the GEMM needs K a multiple of 8 (16-byte loads), got {k}");
         }
+        let act = match epi {
+            Epilogue::Plain => 0,
+            Epilogue::SiluMul { act } => {
+                if r.is_some() || !n.is_multiple_of(16) {
+                    bail!("the SiLU epilogue needs no residual and n a multiple of 16 (got {n})");
+                }
+                act
+            }
+        };
+        let silu = act != 0;
         let q8 = w.1 != 0;
         let (mt, nt) = gemm_tile(rows, self.wide_mt.get());
         let (name, smem) = match self.pipe.get() {
-            true if (mt, nt) == (2, 8) => (GEMM_PIPE[q8 as usize], GEMM_PIPE_SMEM),
+            true if (mt, nt) == (2, 8) => (GEMM_PIPE[silu as usize][q8 as usize], GEMM_PIPE_SMEM),
             _ => (
-                GEMM_NAMES[q8 as usize]
+                GEMM_NAMES[silu as usize][q8 as usize]
                     .iter()
                     .find(|(m, t, _)| (*m, *t) == (mt, nt))
                     .map(|e| e.2)
@@ -548,6 +584,10 @@ impl Gpu {
                 0,
             ),
         };
+        if self.profile.borrow().is_some() {
+            let e = if silu { " +silu" } else { "" };
+            *self.profile_tag.borrow_mut() = format!("gemm n{n} k{k}{e}");
+        }
         self.launch_smem(
             name,
             (rows.div_ceil(8 * nt) as u32, n.div_ceil(16 * mt) as u32),
@@ -562,6 +602,7 @@ impl Gpu {
                 A::I(rows as i32),
                 A::I(n as i32),
                 A::I(k as i32),
+                A::P(act),
             ],
         )
     }
@@ -624,29 +665,66 @@ fn gemm_tile(rows: usize, wide_mt: usize) -> (usize, usize) {
     }
 }
 
+/// Where a GEMM's outputs go (kernels.cu, above `gemm_impl`). Each output keeps its fold, so
+/// the SiLU epilogue gives the bits of the `silu_mul` kernel it replaces.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Epilogue {
+    /// Write Y (+ R).
+    Plain,
+    /// The gate/up GEMM (rows interleaved in groups of 8, `cuda::load`): write `act` (bf16
+    /// `[rows, n / 2]`) = SiLU(gate) · up, as the `silu_mul` kernel, and not Y.
+    SiluMul { act: u64 },
+}
+
 /// The 2x8 tile with its weights streamed through a cp.async ring in shared memory
-/// (`gemm_*_2x8_pipe` in kernels.cu; the same bits as `gemm_*_2x8`): bf16, Q8_0.
-const GEMM_PIPE: [&str; 2] = ["gemm_bf16_2x8_pipe", "gemm_q8_2x8_pipe"];
+/// (`gemm_*_2x8_pipe` in kernels.cu; the same bits as `gemm_*_2x8`): plain, then with the SiLU
+/// epilogue; each bf16, then Q8_0.
+const GEMM_PIPE: [[&str; 2]; 2] = [
+    ["gemm_bf16_2x8_pipe", "gemm_q8_2x8_pipe"],
+    ["gemm_bf16_2x8_pipe_silu", "gemm_q8_2x8_pipe_silu"],
+];
 
 /// Dynamic shared memory of [`GEMM_PIPE`]: 3 stages x 2 chunks x 2 m-tiles x 2 rows x 256 lanes
 /// x 16 bytes.
 const GEMM_PIPE_SMEM: u32 = 3 * 2 * 2 * 2 * 256 * 16;
 
-/// GEMM kernels by (MT, NT): bf16, then Q8_0.
-const GEMM_NAMES: [[(usize, usize, &str); 5]; 2] = [
+/// The GEMM kernel of each (MT, NT) tile.
+type GemmTiles = [(usize, usize, &'static str); 5];
+
+/// GEMM kernels by (MT, NT): plain, then with the SiLU epilogue (`_silu`); each bf16, then
+/// Q8_0.
+const GEMM_NAMES: [[GemmTiles; 2]; 2] = [
     [
-        (1, 1, "gemm_bf16_1x1"),
-        (1, 2, "gemm_bf16_1x2"),
-        (2, 4, "gemm_bf16_2x4"),
-        (2, 8, "gemm_bf16_2x8"),
-        (4, 8, "gemm_bf16_4x8"),
+        [
+            (1, 1, "gemm_bf16_1x1"),
+            (1, 2, "gemm_bf16_1x2"),
+            (2, 4, "gemm_bf16_2x4"),
+            (2, 8, "gemm_bf16_2x8"),
+            (4, 8, "gemm_bf16_4x8"),
+        ],
+        [
+            (1, 1, "gemm_q8_1x1"),
+            (1, 2, "gemm_q8_1x2"),
+            (2, 4, "gemm_q8_2x4"),
+            (2, 8, "gemm_q8_2x8"),
+            (4, 8, "gemm_q8_4x8"),
+        ],
     ],
     [
-        (1, 1, "gemm_q8_1x1"),
-        (1, 2, "gemm_q8_1x2"),
-        (2, 4, "gemm_q8_2x4"),
-        (2, 8, "gemm_q8_2x8"),
-        (4, 8, "gemm_q8_4x8"),
+        [
+            (1, 1, "gemm_bf16_1x1_silu"),
+            (1, 2, "gemm_bf16_1x2_silu"),
+            (2, 4, "gemm_bf16_2x4_silu"),
+            (2, 8, "gemm_bf16_2x8_silu"),
+            (4, 8, "gemm_bf16_4x8_silu"),
+        ],
+        [
+            (1, 1, "gemm_q8_1x1_silu"),
+            (1, 2, "gemm_q8_1x2_silu"),
+            (2, 4, "gemm_q8_2x4_silu"),
+            (2, 8, "gemm_q8_2x8_silu"),
+            (4, 8, "gemm_q8_4x8_silu"),
+        ],
     ],
 ];
 
@@ -764,6 +842,45 @@ struct Scratch {
     io: DevBuf,
 }
 
+/// Kernel choices of `GpuModel::enqueue`, from the environment (speed only: the same bits).
+#[derive(Clone, Debug)]
+pub(crate) struct KernelOptions {
+    /// The gate/up GEMM writes SiLU(gate) · up itself ([`Epilogue::SiluMul`]);
+    /// `SPECULA_CUDA_FUSE_SILU=0` launches `silu_mul` instead.
+    pub silu: bool,
+    /// `attention_rows_deep` (more loads in flight, fewer blocks per SM) or `attention_rows`:
+    /// None picks by row count (deep up to [`ATT_DEEP_ROWS`]); `SPECULA_CUDA_ATT=deep|normal`
+    /// forces one. The same bits either way.
+    pub att_deep: Option<bool>,
+    /// Timing experiments only (wrong outputs): kernels left out of every forward,
+    /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
+    pub skip: Vec<String>,
+}
+
+/// Forwards of up to this many rows run `attention_rows_deep`: on the H200 (qwen3-8b, context
+/// 128) it took batch-1 decode from 211.6 to 214.1 tok/s and 64 streams from 6,404 to 6,116.
+const ATT_DEEP_ROWS: usize = 4;
+
+impl KernelOptions {
+    fn from_env() -> Result<Self> {
+        let silu = std::env::var("SPECULA_CUDA_FUSE_SILU").map_or(true, |v| v != "0");
+        let skip = std::env::var("SPECULA_CUDA_SKIP")
+            .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
+            .unwrap_or_default();
+        let att_deep = match std::env::var("SPECULA_CUDA_ATT").as_deref() {
+            Err(_) | Ok("auto") => None,
+            Ok("deep") => Some(true),
+            Ok("normal") => Some(false),
+            Ok(v) => bail!("SPECULA_CUDA_ATT={v}: use auto, deep or normal"),
+        };
+        Ok(Self { silu, att_deep, skip })
+    }
+
+    fn skips(&self, kernel: &str) -> bool {
+        self.skip.iter().any(|k| k == kernel)
+    }
+}
+
 struct Kv {
     k: DevBuf,
     v: DevBuf,
@@ -800,6 +917,8 @@ pub struct GpuModel {
     /// Use captured graphs for narrow forwards (on by default; `SPECULA_CUDA_GRAPHS=0` turns
     /// them off).
     pub use_graphs: bool,
+    /// Kernel choices (from the environment; speed only).
+    pub(crate) kernels: KernelOptions,
     /// Last: fields drop in order, and graphs and buffers must go while the context lives.
     pub gpu: Gpu,
 }
@@ -858,6 +977,7 @@ impl GpuModel {
             graphs: HashMap::new(),
             written: Vec::new(),
             use_graphs: std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            kernels: KernelOptions::from_env()?,
         };
         m.resize_kv(slots, max_ctx)?;
         Ok(m)
@@ -982,66 +1102,88 @@ impl GpuModel {
             &[A::P(self.w.embed.at(0)), A::P(tok), A::P(s.x.at(0)), A::I(h as i32)],
         )?;
         let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
+        let fu = &self.kernels;
+        let mma = g.gemm_path() == GemmPath::Mma;
         for (li, l) in self.w.layers.iter().enumerate() {
-            g.rmsnorm(s.x.at(0), l.attn_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
+            if !fu.skips("norm") {
+                g.rmsnorm(s.x.at(0), l.attn_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
+            }
             g.gemm(l.qkv.ptrs(), s.xn.at(0), None, s.qkv.at(0), n, qkv_w, h)?;
             let opt = |b: &Option<DevBuf>| b.as_ref().map(|b| b.at(0)).unwrap_or(0);
-            g.launch(
-                "qkv_rope_store",
-                (nu, (nh + 2 * nkv) as u32),
-                hd.next_multiple_of(32) as u32,
-                &[
-                    A::P(s.qkv.at(0)),
-                    A::P(opt(&l.qkv_bias)),
-                    A::P(opt(&l.q_norm)),
-                    A::P(opt(&l.k_norm)),
-                    A::P(self.inv_freq.at(0)),
-                    A::P(pos),
-                    A::P(slot),
-                    A::P(s.q.at(0)),
-                    A::P(self.kv.k.at(li * layer_kv)),
-                    A::P(self.kv.v.at(li * layer_kv)),
-                    A::I(nh as i32),
-                    A::I(nkv as i32),
-                    A::I(hd as i32),
-                    A::I(self.kv.max_ctx as i32),
-                    A::F(c.rms_eps),
-                    A::I(c.interleaved_rope as i32),
-                ],
-            )?;
-            g.launch(
-                "attention_rows",
-                (nu * att_blocks, nh as u32),
-                256,
-                &[
-                    A::P(s.q.at(0)),
-                    A::P(self.kv.k.at(li * layer_kv)),
-                    A::P(self.kv.v.at(li * layer_kv)),
-                    A::P(pos),
-                    A::P(slot),
-                    A::P(s.scores.at(0)),
-                    A::P(s.att_part.at(0)),
-                    A::P(s.att_count.at(0)),
-                    A::P(s.ao.at(0)),
-                    A::I(nh as i32),
-                    A::I(nkv as i32),
-                    A::I(hd as i32),
-                    A::I(self.kv.max_ctx as i32),
-                    A::F(1.0 / (hd as f32).sqrt()),
-                    A::I(att_blocks as i32),
-                ],
-            )?;
-            g.gemm(l.o.ptrs(), s.ao.at(0), Some(s.x.at(0)), s.x.at(0), n, h, nh * hd)?;
-            g.rmsnorm(s.x.at(0), l.mlp_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
-            g.gemm(l.gate_up.ptrs(), s.xn.at(0), None, s.gu.at(0), n, 2 * inter, h)?;
-            let total = n * inter;
-            g.launch(
-                "silu_mul",
-                ((total.div_ceil(256)).min(65536) as u32, 1),
-                256,
-                &[A::P(s.gu.at(0)), A::P(s.act.at(0)), A::I(inter as i32), A::I(n as i32)],
-            )?;
-            g.gemm(l.down.ptrs(), s.act.at(0), Some(s.x.at(0)), s.x.at(0), n, h, inter)?;
+            if !fu.skips("rope") {
+                g.launch(
+                    "qkv_rope_store",
+                    (nu, (nh + 2 * nkv) as u32),
+                    hd.next_multiple_of(32) as u32,
+                    &[
+                        A::P(s.qkv.at(0)),
+                        A::P(opt(&l.qkv_bias)),
+                        A::P(opt(&l.q_norm)),
+                        A::P(opt(&l.k_norm)),
+                        A::P(self.inv_freq.at(0)),
+                        A::P(pos),
+                        A::P(slot),
+                        A::P(s.q.at(0)),
+                        A::P(self.kv.k.at(li * layer_kv)),
+                        A::P(self.kv.v.at(li * layer_kv)),
+                        A::I(nh as i32),
+                        A::I(nkv as i32),
+                        A::I(hd as i32),
+                        A::I(self.kv.max_ctx as i32),
+                        A::F(c.rms_eps),
+                        A::I(c.interleaved_rope as i32),
+                    ],
+                )?;
+            }
+            if !fu.skips("attn") {
+                g.launch(
+                    if fu.att_deep.unwrap_or(n <= ATT_DEEP_ROWS) {
+                        "attention_rows_deep"
+                    } else {
+                        "attention_rows"
+                    },
+                    (nu * att_blocks, nh as u32),
+                    256,
+                    &[
+                        A::P(s.q.at(0)),
+                        A::P(self.kv.k.at(li * layer_kv)),
+                        A::P(self.kv.v.at(li * layer_kv)),
+                        A::P(pos),
+                        A::P(slot),
+                        A::P(s.scores.at(0)),
+                        A::P(s.att_part.at(0)),
+                        A::P(s.att_count.at(0)),
+                        A::P(s.ao.at(0)),
+                        A::I(nh as i32),
+                        A::I(nkv as i32),
+                        A::I(hd as i32),
+                        A::I(self.kv.max_ctx as i32),
+                        A::F(1.0 / (hd as f32).sqrt()),
+                        A::I(att_blocks as i32),
+                    ],
+                )?;
+            }
+            let (x, xn) = (s.x.at(0), s.xn.at(0));
+            g.gemm(l.o.ptrs(), s.ao.at(0), Some(x), x, n, h, nh * hd)?;
+            if !fu.skips("norm") {
+                g.rmsnorm(x, l.mlp_norm.at(0), xn, n, h, c.rms_eps)?;
+            }
+            if mma && fu.silu {
+                let act = Epilogue::SiluMul { act: s.act.at(0) };
+                g.gemm_epi(l.gate_up.ptrs(), xn, None, s.gu.at(0), n, 2 * inter, h, act)?;
+            } else {
+                g.gemm(l.gate_up.ptrs(), xn, None, s.gu.at(0), n, 2 * inter, h)?;
+                if !fu.skips("silu") {
+                    let total = n * inter;
+                    g.launch(
+                        "silu_mul",
+                        ((total.div_ceil(256)).min(65536) as u32, 1),
+                        256,
+                        &[A::P(s.gu.at(0)), A::P(s.act.at(0)), A::I(inter as i32), A::I(n as i32)],
+                    )?;
+                }
+            }
+            g.gemm(l.down.ptrs(), s.act.at(0), Some(x), x, n, h, inter)?;
         }
         let (first, m) = match logits {
             LogitsRows::None => return Ok(()),
