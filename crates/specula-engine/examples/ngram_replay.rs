@@ -10,9 +10,9 @@
 //! ```
 //!
 //! Prints tau per prompt and per kind for exact lookup, structural matches without number
-//! extrapolation (the lookup before it), and the full lookup. With a prompt `ID`, also prints
-//! every position of that output where the full lookup's draft is accepted less far than the
-//! structural one's, with both drafts.
+//! extrapolation, the lookup with numbers, and the full lookup (which also wraps a draft past
+//! the context's end). With a prompt `ID`, also prints every position of that output where the
+//! full lookup's draft is accepted less far than the one without wrapping, with both drafts.
 
 use anyhow::{Context, Result};
 use specula_engine::spec::ngram::NgramDrafter;
@@ -50,7 +50,21 @@ fn main() -> Result<()> {
         extrapolate: false,
         ..full.clone()
     };
-    let variants = [("exact", &exact), ("structural", &structural), ("numbers", &full)];
+    let no_wrap = NgramDrafter {
+        wrap: false,
+        ..full.clone()
+    };
+    let exact = NgramDrafter { wrap: false, ..exact };
+    let structural = NgramDrafter {
+        wrap: false,
+        ..structural
+    };
+    let variants = [
+        ("exact", &exact),
+        ("structural", &structural),
+        ("numbers", &no_wrap),
+        ("wrap", &full),
+    ];
     let mut by_kind: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
     println!("k = {k}, n = {min_n}..={max_n}");
     for line in std::fs::read_to_string(outputs)?.lines() {
@@ -71,11 +85,11 @@ fn main() -> Result<()> {
                     let n = draft.iter().zip(&out[i..]).take_while(|(a, b)| a == b).count();
                     (draft, n)
                 };
-                let ((ds, ns), (df, nf)) = (run(&structural), run(&full));
+                let ((ds, ns), (df, nf)) = (run(&no_wrap), run(&full));
                 if nf < ns {
                     let tail = &ctx[ctx.len().saturating_sub(12)..];
                     println!(
-                        "at {i}: after {:?} structural {:?} ({ns}) numbers {:?} ({nf})",
+                        "at {i}: after {:?} one lookup {:?} ({ns}) wrapped {:?} ({nf})",
                         tok.decode(tail),
                         tok.decode(&ds),
                         tok.decode(&df)

@@ -201,7 +201,13 @@ impl Sequence {
                 None => "ar (no block drafter attached)".into(),
             },
             (Some(_), _) => {
-                drafter = Some(Box::new(NgramDrafter::default().with_numbers(env.tokenizer.numbers())));
+                // SPECULA_NGRAM_WRAP=0: one lookup per draft (for side-by-side measurement).
+                let wrap = std::env::var("SPECULA_NGRAM_WRAP").map_or(true, |v| v != "0");
+                let ngram = NgramDrafter {
+                    wrap,
+                    ..NgramDrafter::default()
+                };
+                drafter = Some(Box::new(ngram.with_numbers(env.tokenizer.numbers())));
                 "ngram".into()
             }
         };

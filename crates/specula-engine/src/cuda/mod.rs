@@ -146,6 +146,11 @@ pub struct Gpu {
     /// The 2x8 tile streams its weights through a cp.async ring ([`GEMM_PIPE`]); false:
     /// through registers (`SPECULA_CUDA_GEMM_PIPE=0`, speed only).
     pipe: std::cell::Cell<bool>,
+    /// Narrow tiles of at least this many n-tiles (1: 1x1 and 1x2, 2: 1x2 only, 3: none) run
+    /// with two alternating register batches ([`GEMM_DB`]; the same bits). On the H200
+    /// (qwen3-8b, one call) the 1x1 tile ran 187 against 216 tok/s that way, the 1x2 tile 5-6%
+    /// faster (10 and 16 rows), so the default is 2; `SPECULA_CUDA_GEMM1=db|plain` sets 1 or 3.
+    db_from_nt: std::cell::Cell<usize>,
     /// While profiling, the label of the next launch's entry (a GEMM's shape); empty: its name.
     profile_tag: std::cell::RefCell<String>,
     /// Launch with programmatic dependent launch (`SPECULA_CUDA_PDL=0` turns it off): a
@@ -255,7 +260,8 @@ impl Gpu {
         let mut f = HashMap::new();
         let gemms = GEMM_NAMES.iter().flatten().flatten().map(|e| e.2);
         let pipes = GEMM_PIPE.iter().flatten().copied();
-        for name in KERNELS.into_iter().chain(gemms).chain(pipes.clone()) {
+        let dbs = GEMM_DB.iter().flatten().flatten().copied();
+        for name in KERNELS.into_iter().chain(gemms).chain(pipes.clone()).chain(dbs) {
             let c = CString::new(name)?;
             let mut func = std::ptr::null_mut();
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
@@ -291,6 +297,11 @@ impl Gpu {
             wide_mt: std::cell::Cell::new(wide_mt),
             pipe: std::cell::Cell::new(pipe),
             profile_tag: std::cell::RefCell::new(String::new()),
+            db_from_nt: std::cell::Cell::new(match std::env::var("SPECULA_CUDA_GEMM1").as_deref() {
+                Ok("db") => 1,
+                Ok("plain") => 3,
+                _ => 2,
+            }),
             pdl: std::env::var("SPECULA_CUDA_PDL").map_or(true, |v| v != "0"),
             profile: std::cell::RefCell::new(None),
         })
@@ -575,6 +586,7 @@ impl Gpu {
         let (mt, nt) = gemm_tile(rows, self.wide_mt.get());
         let (name, smem) = match self.pipe.get() {
             true if (mt, nt) == (2, 8) => (GEMM_PIPE[silu as usize][q8 as usize], GEMM_PIPE_SMEM),
+            _ if mt == 1 && nt >= self.db_from_nt.get() => (GEMM_DB[silu as usize][q8 as usize][nt - 1], 0),
             _ => (
                 GEMM_NAMES[silu as usize][q8 as usize]
                     .iter()
@@ -690,6 +702,19 @@ const GEMM_PIPE_SMEM: u32 = 3 * 2 * 2 * 2 * 256 * 16;
 
 /// The GEMM kernel of each (MT, NT) tile.
 type GemmTiles = [(usize, usize, &'static str); 5];
+
+/// The 1x1 and 1x2 tiles with two alternating register batches (`Gpu::db_from_nt`):
+/// [silu][q8][nt - 1].
+const GEMM_DB: [[[&str; 2]; 2]; 2] = [
+    [
+        ["gemm_bf16_1x1_db", "gemm_bf16_1x2_db"],
+        ["gemm_q8_1x1_db", "gemm_q8_1x2_db"],
+    ],
+    [
+        ["gemm_bf16_1x1_silu_db", "gemm_bf16_1x2_silu_db"],
+        ["gemm_q8_1x1_silu_db", "gemm_q8_1x2_silu_db"],
+    ],
+];
 
 /// GEMM kernels by (MT, NT): plain, then with the SiLU epilogue (`_silu`); each bf16, then
 /// Q8_0.

@@ -27,6 +27,11 @@
 //! plus one). A verbatim copy (a row of the prompt written out again) repeats its numbers,
 //! and its continuation is copied.
 //!
+//! **Past the end of the context.** A match less than `k` tokens back (a list whose rows are
+//! shorter than the draft, a loop) has a continuation that stops at the context's end. The
+//! draft then goes on from a lookup over the context followed by the draft so far (whose
+//! numbers have counted on), until `k` tokens or no match.
+//!
 //! Every proposal is only a draft: a wrong token in it is rejected by verification, so the
 //! drafter changes speed, never output. Measured on the shared prompts (`scripts/spec_bench.py`,
 //! and `examples/ngram_replay.rs` for tau alone): see `docs/perf.md`.
@@ -134,6 +139,10 @@ pub struct NgramDrafter {
     /// With `numbers`: extrapolate the numbers of the continuation (true unless cleared: the
     /// structural matches alone, for measurement).
     pub extrapolate: bool,
+    /// When the continuation reaches the end of the context before `k` tokens (the match is
+    /// less than `k` tokens back: text repeating with a short period), look up again on the
+    /// context followed by the draft so far, and so on up to `k` (true unless cleared).
+    pub wrap: bool,
 }
 
 impl Default for NgramDrafter {
@@ -143,6 +152,7 @@ impl Default for NgramDrafter {
             max_n: 8,
             numbers: None,
             extrapolate: true,
+            wrap: true,
         }
     }
 }
@@ -183,7 +193,29 @@ impl NgramDrafter {
     /// of the longest structural match when that is strictly longer, with its numbers
     /// extrapolated (see the module docs). Empty when nothing matches. One backward scan,
     /// O(len · matched length), and one pass over the context for its numbers.
+    /// With `wrap`, a draft that reaches the context's end goes on from a lookup over the
+    /// context and the draft (a list row of 5 tokens drafts 8 with k = 8).
     pub fn lookup(&self, context: &[u32], k: usize) -> Vec<u32> {
+        let mut draft = self.lookup_once(context, k);
+        if !self.wrap || draft.is_empty() || draft.len() >= k {
+            return draft;
+        }
+        let mut ext = Vec::with_capacity(context.len() + k);
+        ext.extend_from_slice(context);
+        ext.extend_from_slice(&draft);
+        while draft.len() < k {
+            let more = self.lookup_once(&ext, k - draft.len());
+            if more.is_empty() {
+                break;
+            }
+            ext.extend_from_slice(&more);
+            draft.extend(more);
+        }
+        draft
+    }
+
+    /// One lookup: the continuation of one match, as far as the context goes.
+    fn lookup_once(&self, context: &[u32], k: usize) -> Vec<u32> {
         let len = context.len();
         let max_n = self.max_n.min(len.saturating_sub(1));
         let min_n = self.min_n.max(1);
@@ -414,8 +446,15 @@ mod tests {
         assert_eq!(d.lookup(&[7, 1, 8, 7, 1, 9, 7, 1], 1), vec![9]);
         // The longest match wins over a more recent shorter one.
         assert_eq!(d.lookup(&[6, 7, 1, 8, 5, 7, 1, 9, 2, 6, 7, 1], 1), vec![8]);
-        // Proposals stop at the end of the context.
-        assert_eq!(d.lookup(&[5, 6, 5], 4), vec![6, 5]);
+        // One lookup stops at the end of the context; with wrapping (the default) the draft
+        // goes on from a lookup over the context and the draft so far.
+        let once = NgramDrafter {
+            wrap: false,
+            ..d.clone()
+        };
+        assert_eq!(once.lookup(&[5, 6, 5], 4), vec![6, 5]);
+        assert_eq!(d.lookup(&[5, 6, 5], 4), vec![6, 5, 6, 5]);
+        assert_eq!(d.lookup(&[1, 2, 3, 1, 2], 5), vec![3, 1, 2, 3, 1]);
         // No match, nothing proposed.
         assert!(d.lookup(&[1, 2, 3], 4).is_empty());
         assert!(d.lookup(&[1, 2, 1, 2], 0).is_empty());
@@ -463,10 +502,31 @@ mod tests {
                 .collect();
             for (min_n, max_n) in [(1, 3), (2, 4), (2, 8), (3, 3)] {
                 let k = 1 + case % 6;
+                let wrapping = NgramDrafter::new(min_n, max_n);
+                let once = NgramDrafter {
+                    wrap: false,
+                    ..wrapping.clone()
+                };
                 assert_eq!(
-                    NgramDrafter::new(min_n, max_n).lookup(&ctx, k),
+                    once.lookup(&ctx, k),
                     reference(&ctx, k, min_n, max_n),
                     "{ctx:?} k={k} n={min_n}..={max_n}"
+                );
+                // Wrapping: the reference again on the context and the draft, until k or none.
+                let mut ext = ctx.clone();
+                let mut want = Vec::new();
+                while want.len() < k {
+                    let more = reference(&ext, k - want.len(), min_n, max_n);
+                    if more.is_empty() {
+                        break;
+                    }
+                    ext.extend(&more);
+                    want.extend(more);
+                }
+                assert_eq!(
+                    wrapping.lookup(&ctx, k),
+                    want,
+                    "{ctx:?} k={k} n={min_n}..={max_n} wrapped"
                 );
             }
         }
@@ -491,6 +551,28 @@ mod tests {
     /// `{ id: N, name: user_N }`: `1 2 [ N] 4 5 [N] 6 7`.
     fn record(n: u64) -> Vec<u32> {
         [vec![1, 2], num(n, true), vec![4, 5], num(n, false), vec![6, 7]].concat()
+    }
+
+    /// A list whose rows are shorter than k: the draft wraps past the context's end, and the
+    /// numbers of every wrapped row count on.
+    #[test]
+    fn a_draft_wraps_past_the_end_and_keeps_counting() {
+        let d = NgramDrafter::new(2, 8).with_numbers(numbers());
+        // ` 1 ; 2 ; 3 ;` (3 is the separator) -> ` 4 ; 5 ; 6 ;`
+        let ctx = [
+            vec![1],
+            num(1, true),
+            vec![3],
+            num(2, true),
+            vec![3],
+            num(3, true),
+            vec![3],
+        ]
+        .concat();
+        let want = [num(4, true), vec![3], num(5, true), vec![3], num(6, true), vec![3]].concat();
+        assert_eq!(d.lookup(&ctx, 6), want);
+        let once = NgramDrafter { wrap: false, ..d };
+        assert_eq!(once.lookup(&ctx, 6), [num(4, true), vec![3]].concat());
     }
 
     #[test]
@@ -555,9 +637,19 @@ mod tests {
         // ` N : N²,` for N = 1..5, then ` 6 :`.
         let line = |n: u64| [num(n, true), vec![3], num(n * n, true), vec![4]].concat();
         let ctx = [line(1), line(2), line(3), line(4), line(5), num(6, true), vec![3]].concat();
+        // One lookup reaches the end of the context after ` 7 :`; the wrapped draft goes on
+        // with ` 49,`.
+        let once = NgramDrafter {
+            wrap: false,
+            ..d.clone()
+        };
+        assert_eq!(
+            once.lookup(&ctx, 8),
+            [num(36, true), vec![4], num(7, true), vec![3]].concat()
+        );
         assert_eq!(
             d.lookup(&ctx, 8),
-            [num(36, true), vec![4], num(7, true), vec![3]].concat()
+            [num(36, true), vec![4], num(7, true), vec![3], num(49, true), vec![4]].concat()
         );
         // Two periods only: the first difference (25 + 9 = 34, rejected by the target).
         let ctx = [line(4), line(5), num(6, true), vec![3]].concat();
