@@ -502,7 +502,6 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
       }
     }
   }
-
 }
 
 #define GEMM_ARGS \

@@ -889,7 +889,7 @@ const ATT_DEEP_ROWS: usize = 4;
 impl KernelOptions {
     fn from_env() -> Result<Self> {
         let silu = std::env::var("SPECULA_CUDA_FUSE_SILU").map_or(true, |v| v != "0");
-        let skip = std::env::var("SPECULA_CUDA_SKIP")
+        let skip: Vec<String> = std::env::var("SPECULA_CUDA_SKIP")
             .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
             .unwrap_or_default();
         let att_deep = match std::env::var("SPECULA_CUDA_ATT").as_deref() {
@@ -898,6 +898,11 @@ impl KernelOptions {
             Ok("normal") => Some(false),
             Ok(v) => bail!("SPECULA_CUDA_ATT={v}: use auto, deep or normal"),
         };
+        if !skip.is_empty() {
+            tracing::warn!(
+                "SPECULA_CUDA_SKIP={skip:?}: those kernels are left out, every output is wrong (timing only)"
+            );
+        }
         Ok(Self { silu, att_deep, skip })
     }
 
