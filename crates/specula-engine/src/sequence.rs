@@ -201,12 +201,15 @@ impl Sequence {
                 None => "ar (no block drafter attached)".into(),
             },
             (Some(_), _) => {
-                // SPECULA_NGRAM_WRAP=0: one lookup per draft (for side-by-side measurement).
+                // For side-by-side measurement: SPECULA_NGRAM_WRAP=0 (one lookup per draft),
+                // SPECULA_NGRAM_MIN_N=N (the shortest match).
+                let base = NgramDrafter::default();
                 let wrap = std::env::var("SPECULA_NGRAM_WRAP").map_or(true, |v| v != "0");
-                let ngram = NgramDrafter {
-                    wrap,
-                    ..NgramDrafter::default()
-                };
+                let min_n = std::env::var("SPECULA_NGRAM_MIN_N")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(base.min_n);
+                let ngram = NgramDrafter { wrap, min_n, ..base };
                 drafter = Some(Box::new(ngram.with_numbers(env.tokenizer.numbers())));
                 "ngram".into()
             }
