@@ -43,21 +43,20 @@ fn main() -> Result<()> {
     let (k, min_n, max_n) = (num(3, 8), num(4, 2), num(5, 8));
     let bundle = specula_engine::bundle::load(model.as_ref(), &candle_core::Device::Cpu)?;
     let numbers = bundle.tokenizer.numbers();
-    let exact = NgramDrafter::new(min_n, max_n);
     let full = NgramDrafter::new(min_n, max_n).with_numbers(numbers.clone());
-    // Structural matches only: the same matches, the continuation's numbers copied.
-    let structural = NgramDrafter {
-        extrapolate: false,
-        ..full.clone()
-    };
+    // One lookup per draft, numbers extrapolated.
     let no_wrap = NgramDrafter {
         wrap: false,
         ..full.clone()
     };
-    let exact = NgramDrafter { wrap: false, ..exact };
+    // Structural matches only: the same matches, the continuation's numbers copied.
     let structural = NgramDrafter {
+        extrapolate: false,
+        ..no_wrap.clone()
+    };
+    let exact = NgramDrafter {
         wrap: false,
-        ..structural
+        ..NgramDrafter::new(min_n, max_n)
     };
     let variants = [
         ("exact", &exact),
