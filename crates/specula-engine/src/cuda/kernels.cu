@@ -77,25 +77,64 @@ __device__ float block_max(float v, float* sh) {
   return warp_max(t);
 }
 
+// block_sum / block_max of N values at once: value j gets the bits block_sum / block_max give
+// it alone. `sh` holds N x 32 floats.
+template <int N>
+__device__ void block_sum_n(float (&v)[N], float (*sh)[32]) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int j = 0; j < N; j++) v[j] = warp_sum(v[j]);
+  __syncthreads();
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < N; j++) sh[j][w] = v[j];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; j++) v[j] = warp_sum(lane < nw ? sh[j][lane] : 0.0f);
+}
+
+template <int N>
+__device__ void block_max_n(float (&v)[N], float (*sh)[32]) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int j = 0; j < N; j++) v[j] = warp_max(v[j]);
+  __syncthreads();
+  if (lane == 0)
+#pragma unroll
+    for (int j = 0; j < N; j++) sh[j][w] = v[j];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < N; j++) v[j] = warp_max(lane < nw ? sh[j][lane] : -INFINITY);
+}
+
 // One row of RMSNorm by a whole block: y = bf16(x * rsqrt(mean(x^2) + eps) * w), H a multiple
 // of 4. Each thread folds the squares of its float4s i4 = tid, tid + blockDim, ... in that order
 // (the loads of up to 8 of them issued together, so a row costs one memory round trip, where a
 // scalar loop paid one per element), then block_sum: the bits depend only on the row and the
 // block size (256 everywhere).
 __device__ __forceinline__ float4 ld_f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+// The kernel's PDL wait is in here: the weights (constant) load before it, x after.
 __device__ __forceinline__ void rmsnorm_row(const float* x, const bf16_t* __restrict__ w, bf16_t* y, int H, float eps,
                                             float* sh) {
   constexpr int V = 8;
   const int n4 = H / 4, nt = blockDim.x;
   float4 v[V];
   uint2 wv[V];
+  if (n4 <= V * nt) {
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      const int i4 = threadIdx.x + j * nt;
+      wv[j] = i4 < n4 ? *reinterpret_cast<const uint2*>(w + 4 * i4) : make_uint2(0, 0);
+    }
+  }
+  pdl_wait();
+  pdl_launch();
   float ss = 0.0f;
   for (int base = 0; base < n4; base += V * nt) {
 #pragma unroll
     for (int j = 0; j < V; j++) {
       const int i4 = base + threadIdx.x + j * nt;
       v[j] = i4 < n4 ? ld_f4(x + 4 * i4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (n4 <= V * nt) wv[j] = i4 < n4 ? *reinterpret_cast<const uint2*>(w + 4 * i4) : make_uint2(0, 0);
     }
 #pragma unroll
     for (int j = 0; j < V; j++) {
@@ -574,10 +613,50 @@ extern "C" __global__ void embed_rows(const bf16_t* E, const int* tok, float* X,
 
 // Y[r, :] = bf16(X[r, :] * rsqrt(mean(X[r, :]^2) + eps) * w). Grid: rows; block 256.
 extern "C" __global__ void rmsnorm_bf16(const float* X, const bf16_t* w, bf16_t* Y, int H, float eps) {
-  pdl_wait();
-  pdl_launch();
   __shared__ float sh[32];
   rmsnorm_row(X + (size_t)blockIdx.x * H, w, Y + (size_t)blockIdx.x * H, H, eps, sh);
+}
+
+// block_sum over groups of gw warps (the block's threads in groups of 32 gw): each group gets
+// the bits block_sum gives a block of exactly that group's threads.
+__device__ float group_sum(float v, float* sh, int gw) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  float t = lane < gw ? sh[(w / gw) * gw + lane] : 0.0f;
+  return warp_sum(t);
+}
+
+// What element d of a q or k head needs besides the activations: its norm weight (nw null: no
+// norm) and its RoPE rotation (c, s) at position p. Constants only, so the kernels load them
+// before their PDL wait.
+struct HeadConst {
+  bool norm;
+  float nwd, c, s;
+};
+__device__ __forceinline__ HeadConst head_const(const bf16_t* nw, const float* inv_freq, int d, int hd, int p,
+                                                int interleaved) {
+  HeadConst k;
+  k.norm = nw != nullptr;
+  k.nwd = nw ? bf2f(nw[d]) : 1.0f;
+  const int i = interleaved ? d / 2 : (d < hd / 2 ? d : d - hd / 2);
+  sincosf((float)p * inv_freq[i], &k.s, &k.c);
+  return k;
+}
+
+// One q or k head element after its RMSNorm (ss: the head's sum of squares).
+__device__ __forceinline__ float head_norm(float v, float ss, const HeadConst& k, int hd, float eps) {
+  return k.norm ? v * rsqrtf(ss / (float)hd + eps) * k.nwd : v;
+}
+
+// Element d of a head after RoPE; xs holds the head (hd values).
+__device__ __forceinline__ float rope_at(const float* xs, int d, int hd, const HeadConst& k, int interleaved) {
+  const int half = hd / 2;
+  const float c = k.c, s = k.s;
+  if (interleaved) return (d & 1) == 0 ? xs[d] * c - xs[d + 1] * s : xs[d] * c + xs[d - 1] * s;
+  return d < half ? xs[d] * c - xs[d + half] * s : xs[d] * c + xs[d - half] * s;
 }
 
 // After the fused QKV projection: bias (Qwen2), per-head RMSNorm of q and k (Qwen3), RoPE at
@@ -588,43 +667,36 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
                                           const bf16_t* knorm, const float* inv_freq, const int* pos,
                                           const int* slot, float* Q, bf16_t* Kc, bf16_t* Vc, int nh,
                                           int nkv, int hd, int max_ctx, float eps, int interleaved) {
-  pdl_wait();
-  pdl_launch();
   __shared__ float sh[32];
   __shared__ float xs[256];
   const int r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
   const bool active = d < hd;
   const int width = (nh + 2 * nkv) * hd;
+  const bf16_t* nw = h < nh ? qnorm : knorm;
+  // Constants (bias, norm weight, rotation) before the wait, activations after.
+  const float b = active && bias ? bias[h * hd + d] : 0.0f;
+  HeadConst hc = {false, 1.0f, 1.0f, 0.0f};
+  if (active && h < nh + nkv) hc = head_const(nw, inv_freq, d, hd, pos[r], interleaved);
+  pdl_wait();
+  pdl_launch();
   float v = 0.0f;
   if (active) {
     v = QKV[(size_t)r * width + h * hd + d];
-    if (bias) v += bias[h * hd + d];
+    if (bias) v += b;
   }
   const size_t cache_row = ((size_t)slot[r] * max_ctx + pos[r]) * nkv;
   if (h >= nh + nkv) {  // a V head: uniform across the block
     if (active) Vc[(cache_row + (h - nh - nkv)) * hd + d] = f2bf(v);
     return;
   }
-  const bf16_t* nw = h < nh ? qnorm : knorm;
   if (nw) {
     float ss = block_sum(v * v, sh);
-    if (active) v = v * rsqrtf(ss / (float)hd + eps) * bf2f(nw[d]);
+    if (active) v = head_norm(v, ss, hc, hd, eps);
   }
   if (active) xs[d] = v;
   __syncthreads();
   if (!active) return;
-  const int half = hd / 2;
-  float out;
-  if (interleaved) {
-    float c, s;
-    sincosf((float)pos[r] * inv_freq[d / 2], &s, &c);
-    out = (d & 1) == 0 ? xs[d] * c - xs[d + 1] * s : xs[d] * c + xs[d - 1] * s;
-  } else {
-    int i = d < half ? d : d - half;
-    float c, s;
-    sincosf((float)pos[r] * inv_freq[i], &s, &c);
-    out = d < half ? xs[d] * c - xs[d + half] * s : xs[d] * c + xs[d - half] * s;
-  }
+  const float out = rope_at(xs, d, hd, hc, interleaved);
   if (h < nh)
     Q[((size_t)r * nh + h) * hd + d] = out;
   else
@@ -652,162 +724,266 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 #define ATT_MIN_KEYS 256
 #define ATT_SMEM_KEYS 2048
 // KU / VU: key passes / V positions unrolled (their loads issued together); speed only.
-template <int KU, int VU>
+//
+// ROPE (`attention_rope_rows_deep`, forwards of one row): the block also does qkv_rope_store's
+// work for its row with the same device functions (so the same bits): q of head h from QKV into
+// shared memory, and, in the block that takes the range holding position pos (the only one that
+// reads it), k and v of head kvh into the cache. Needs 2 * round_up(hd, 32) <= 256.
+// QG > 1 (`attention_rows_g4`): one block takes QG query heads of one KV head (grid y: kv head
+// and group), loading each K and V row once for all of them; per head it runs the operations of
+// QG = 1 in the same order (every per-head value below is what QG = 1 computes), so the bits do
+// not depend on QG. Needs hd <= 128.
+template <int KU, int VU, bool ROPE = false, int QG = 1>
 __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
                                                const int* slot, float* S, float* P, int* C, bf16_t* O, int nh,
-                                               int nkv, int hd, int max_ctx, float scale, int G) {
-  pdl_wait();
-  pdl_launch();
-  __shared__ float sh[32];
-  __shared__ float q[256];
-  __shared__ float part[8][256];
-  __shared__ float ssc[ATT_SMEM_KEYS];
+                                               int nkv, int hd, int max_ctx, float scale, int G,
+                                               const float* QKV = nullptr, const float* bias = nullptr,
+                                               const bf16_t* qnorm = nullptr, const bf16_t* knorm = nullptr,
+                                               const float* inv_freq = nullptr, float eps = 0.0f,
+                                               int interleaved = 0) {
+  static_assert(!ROPE || QG == 1, "the fused RoPE takes one head per block");
+  constexpr int QD = QG == 1 ? 256 : 128;  // head_dim capacity of q[] and part[]
+  constexpr int SK = ATT_SMEM_KEYS / QG;   // scores per head kept in shared memory
+  __shared__ float sh[QG][32];
+  __shared__ float q[QG][QD];
+  __shared__ float part[QG][8][QD];
+  __shared__ float ssc[QG][SK];
   __shared__ int last;
-  const int r = blockIdx.x / G, g = blockIdx.x % G, h = blockIdx.y;
-  const int kvh = h / (nh / nkv);
+  // Positions and slots come from the host before the graph starts, and the cache lines of
+  // earlier positions from earlier forwards: all of this may run before the previous kernel
+  // ends (programmatic dependent launch); the activations only after pdl_wait.
+  const int r = blockIdx.x / G, g = blockIdx.x % G;
+  const int qpk = nh / nkv, hg = (qpk + QG - 1) / QG;  // q heads per KV head; groups per KV head
+  const int kvh = QG == 1 ? blockIdx.y / qpk : blockIdx.y / hg;
+  const int h0 = QG == 1 ? blockIdx.y : kvh * qpk + (blockIdx.y % hg) * QG;
+  const int nq = min(QG, kvh * qpk + qpk - h0);  // heads h0 .. h0 + nq - 1
   const int L = pos[r] + 1;
   const int na = min(ATT_SPLITS, (L + ATT_MIN_KEYS - 1) / ATT_MIN_KEYS);
   if (g >= na) return;
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) q[d] = Q[((size_t)r * nh + h) * hd + d];
-  float* s = S + ((size_t)r * nh + h) * max_ctx;
   const size_t stride = (size_t)nkv * hd;
   const bf16_t* kb = Kc + (size_t)slot[r] * max_ctx * stride + (size_t)kvh * hd;
   const bf16_t* vb = Vc + (size_t)slot[r] * max_ctx * stride + (size_t)kvh * hd;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kl = threadIdx.x & 7, grp = threadIdx.x >> 3, nc = hd / 8;
-  float* pr = P + ((size_t)r * nh + h) * ATT_SPLITS * (hd + 2);
-  for (int z = g; z < na; z += G) {
-    const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);
-    // Ask L2 for the range's K and V rows (128-byte lines) first: the score phase's loads and,
-    // overlapped with it, the V phase's then wait on L2 rather than on DRAM.
-    {
-      const int lines = (hd * 2 + 127) / 128;
+  // Ask L2 for the block's K and V rows (128-byte lines) first: the score phase's loads and,
+  // overlapped with it, the V phase's then wait on L2 rather than on DRAM.
+  {
+    const int lines = (hd * 2 + 127) / 128;
+    for (int z = g; z < na; z += G) {
+      const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);
       for (int i = threadIdx.x; i < (b - a) * lines; i += blockDim.x) {
         const size_t e = (size_t)(a + i / lines) * stride + (i % lines) * 64;
         prefetch_l2(kb + e);
         prefetch_l2(vb + e);
       }
     }
+  }
+  // Threads [0, hp): q head h0 (and v); [hp, 2 hp): k head kvh (ROPE). Their constants (bias,
+  // norm weight, rotation) load before the wait too.
+  const int hp = (hd + 31) & ~31, part_of = threadIdx.x / hp, hdx = threadIdx.x % hp;
+  const bool ractive = ROPE && part_of < 2 && hdx < hd;
+  const int col = (part_of == 0 ? h0 : nh + kvh) * hd + hdx;
+  const int vcol = (nh + nkv + kvh) * hd + hdx;
+  float bq = 0.0f, bv = 0.0f;
+  HeadConst hc = {false, 1.0f, 1.0f, 0.0f};
+  if (ractive) {
+    if (bias) bq = bias[col];
+    if (bias && part_of == 0) bv = bias[vcol];
+    hc = head_const(part_of == 0 ? qnorm : knorm, inv_freq, hdx, hd, L - 1, interleaved);
+  }
+  pdl_wait();
+  pdl_launch();
+  if constexpr (ROPE) {
+    const int d = hdx;
+    const bool active = ractive;
+    const int width = (nh + 2 * nkv) * hd;
+    float v = 0.0f, vv = 0.0f;
+    if (active) {
+      v = QKV[(size_t)r * width + col];
+      if (bias) v += bq;
+      if (part_of == 0) {
+        vv = QKV[(size_t)r * width + vcol];
+        if (bias) vv += bv;
+      }
+    }
+    if (qnorm || knorm) {
+      const float ss = group_sum(v * v, sh[0], hp / 32);
+      if (active) v = head_norm(v, ss, hc, hd, eps);
+    }
+    if (active) part[0][part_of][d] = v;
+    __syncthreads();
+    const bool writes = (na - 1) % G == g;  // this block takes the range holding position pos
+    const size_t cache_row = ((size_t)slot[r] * max_ctx + pos[r]) * nkv + kvh;
+    if (active) {
+      const float out = rope_at(part[0][part_of], d, hd, hc, interleaved);
+      if (part_of == 0) {
+        q[0][d] = out;
+        if (writes) const_cast<bf16_t*>(Vc)[cache_row * hd + d] = f2bf(vv);
+      } else if (writes) {
+        const_cast<bf16_t*>(Kc)[cache_row * hd + d] = f2bf(out);
+      }
+    }
+    __syncthreads();  // part[] read; q, k and v written (visible to the block from here)
+  } else {
+    for (int j = 0; j < nq; j++)
+      for (int d = threadIdx.x; d < hd; d += blockDim.x) q[j][d] = Q[((size_t)r * nh + h0 + j) * hd + d];
+  }
+  for (int z = g; z < na; z += G) {
+    const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);
     __syncthreads();  // q is loaded; the previous range's part[] and scores are consumed
     // The range's scores: in shared memory when they fit, else in S.
-    float* sc = b - a <= ATT_SMEM_KEYS ? ssc : s + a;
+    float* sc[QG];
+#pragma unroll
+    for (int j = 0; j < QG; j++)
+      sc[j] = b - a <= SK ? ssc[j] : S + ((size_t)r * nh + h0 + min(j, nq - 1)) * max_ctx + a;
     // Scores: 8 lanes per key (32 keys a pass); lane kl folds the q.k products of its 16-byte
     // chunks kl, kl + 8, ... in order, then a fixed xor butterfly over the 8 lanes.
-    float mx = -INFINITY;
+    float mx[QG];
+#pragma unroll
+    for (int j = 0; j < QG; j++) mx[j] = -INFINITY;
 #pragma unroll KU
     for (int t0 = a; t0 < b; t0 += 32) {
       const int t = t0 + grp;
-      float acc = 0.0f;
+      float acc[QG];
+#pragma unroll
+      for (int j = 0; j < QG; j++) acc[j] = 0.0f;
       if (t < b) {
         const uint4* k = reinterpret_cast<const uint4*>(kb + (size_t)t * stride);
         uint4 kr[4];
 #pragma unroll
-        for (int j = 0; j < 4; j++) kr[j] = kl + 8 * j < nc ? k[kl + 8 * j] : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < 4; i++) kr[i] = kl + 8 * i < nc ? k[kl + 8 * i] : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-          const int c = kl + 8 * j;
+        for (int i = 0; i < 4; i++) {
+          const int c = kl + 8 * i;
           if (c < nc) {
             float kf[8];
-            unpack8(kr[j], kf);
+            unpack8(kr[i], kf);
 #pragma unroll
-            for (int e = 0; e < 8; e++) acc = __fmaf_rn(q[c * 8 + e], kf[e], acc);
+            for (int j = 0; j < QG; j++)
+#pragma unroll
+              for (int e = 0; e < 8; e++) acc[j] = __fmaf_rn(q[j][c * 8 + e], kf[e], acc[j]);
           }
         }
       }
-      acc += __shfl_xor_sync(0xffffffffu, acc, 4);
-      acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-      acc *= scale;
-      if (t < b) {
-        if (kl == 0) sc[t - a] = acc;
-        mx = fmaxf(mx, acc);
+#pragma unroll
+      for (int j = 0; j < QG; j++) {
+        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 4);
+        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 2);
+        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 1);
+        acc[j] *= scale;
+        if (t < b) {
+          if (kl == 0 && j < nq) sc[j][t - a] = acc[j];
+          mx[j] = fmaxf(mx[j], acc[j]);
+        }
       }
     }
-    mx = block_max(mx, sh);  // its barriers also publish sc[] to the block
-    float sum = 0.0f;
-    for (int t = a + threadIdx.x; t < b; t += blockDim.x) {
-      float e = expf(sc[t - a] - mx);
-      sc[t - a] = e;
-      sum += e;
+    block_max_n<QG>(mx, sh);  // its barriers also publish sc[] to the block
+    float sum[QG];
+#pragma unroll
+    for (int j = 0; j < QG; j++) {
+      sum[j] = 0.0f;
+      if (j < nq)
+        for (int t = a + threadIdx.x; t < b; t += blockDim.x) {
+          float e = expf(sc[j][t - a] - mx[j]);
+          sc[j][t - a] = e;
+          sum[j] += e;
+        }
     }
-    sum = block_sum(sum, sh);  // and these the exponentials
+    block_sum_n<QG>(sum, sh);  // and these the exponentials
     // The weighted sum of V: warp w takes positions a + w, a + w + 8, ... in order; lane l
     // holds dimensions 4 l .. 4 l + 3 (and 128 further for head_dim > 128).
-    float acc[2][4];
+    constexpr int VJ = QG == 1 ? 2 : 1;  // 32-lane column groups of a head (hd <= 32 VJ 4)
+    float acc[QG][VJ][4];
 #pragma unroll
-    for (int j = 0; j < 2; j++)
+    for (int j = 0; j < QG; j++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+      for (int i = 0; i < VJ; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][i][e] = 0.0f;
     const int nv = hd / 4;
 #pragma unroll VU
     for (int t = a + warp; t < b; t += 8) {
-      const float p = sc[t - a];
+      float p[QG];
+#pragma unroll
+      for (int j = 0; j < QG; j++) p[j] = j < nq ? sc[j][t - a] : 0.0f;
       const uint2* v = reinterpret_cast<const uint2*>(vb + (size_t)t * stride);
 #pragma unroll
-      for (int j = 0; j < 2; j++) {
-        const int c = lane + 32 * j;
+      for (int i = 0; i < VJ; i++) {
+        const int c = lane + 32 * i;
         if (c < nv) {
           const uint2 u = v[c];
-          acc[j][0] = __fmaf_rn(p, bf_lo(u.x), acc[j][0]);
-          acc[j][1] = __fmaf_rn(p, bf_hi(u.x), acc[j][1]);
-          acc[j][2] = __fmaf_rn(p, bf_lo(u.y), acc[j][2]);
-          acc[j][3] = __fmaf_rn(p, bf_hi(u.y), acc[j][3]);
+#pragma unroll
+          for (int j = 0; j < QG; j++) {
+            acc[j][i][0] = __fmaf_rn(p[j], bf_lo(u.x), acc[j][i][0]);
+            acc[j][i][1] = __fmaf_rn(p[j], bf_hi(u.x), acc[j][i][1]);
+            acc[j][i][2] = __fmaf_rn(p[j], bf_lo(u.y), acc[j][i][2]);
+            acc[j][i][3] = __fmaf_rn(p[j], bf_hi(u.y), acc[j][i][3]);
+          }
         }
       }
     }
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-      const int c = lane + 32 * j;
-      if (c < nv) {
+    for (int j = 0; j < QG; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) part[warp][4 * c + e] = acc[j][e];
+      for (int i = 0; i < VJ; i++) {
+        const int c = lane + 32 * i;
+        if (c < nv) {
+#pragma unroll
+          for (int e = 0; e < 4; e++) part[j][warp][4 * c + e] = acc[j][i][e];
+        }
       }
-    }
     __syncthreads();
     if (na == 1) {
-      const float inv = 1.0f / sum;
-      for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = part[0][d];
+      for (int j = 0; j < nq; j++) {
+        const float inv = 1.0f / sum[j];
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+          float o = part[j][0][d];
 #pragma unroll
-        for (int w = 1; w < 8; w++) o += part[w][d];
-        O[((size_t)r * nh + h) * hd + d] = f2bf(o * inv);
+          for (int w = 1; w < 8; w++) o += part[j][w][d];
+          O[((size_t)r * nh + h0 + j) * hd + d] = f2bf(o * inv);
+        }
       }
       return;
     }
-    float* pz = pr + (size_t)z * (hd + 2);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-      float o = part[0][d];
+    for (int j = 0; j < nq; j++) {
+      float* pz = P + (((size_t)r * nh + h0 + j) * ATT_SPLITS + z) * (hd + 2);
+      for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = part[j][0][d];
 #pragma unroll
-      for (int w = 1; w < 8; w++) o += part[w][d];
-      pz[2 + d] = o;
-    }
-    if (threadIdx.x == 0) {
-      pz[0] = mx;
-      pz[1] = sum;
+        for (int w = 1; w < 8; w++) o += part[j][w][d];
+        pz[2 + d] = o;
+      }
+      if (threadIdx.x == 0) {
+        pz[0] = mx[j];
+        pz[1] = sum[j];
+      }
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&C[(size_t)r * nh + h], 1) == na - 1;
+    if (threadIdx.x == 0) last = atomicAdd(&C[(size_t)r * nh + h0], 1) == na - 1;
     __syncthreads();
     if (last) {
       __threadfence();
-      float M = -INFINITY;
-      for (int y = 0; y < na; y++) M = fmaxf(M, __ldcg(pr + (size_t)y * (hd + 2)));
-      float tot = 0.0f;
-      for (int y = 0; y < na; y++) {
-        const float* py = pr + (size_t)y * (hd + 2);
-        tot += __ldcg(py + 1) * expf(__ldcg(py) - M);
-      }
-      const float inv = 1.0f / tot;
-      for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
+      for (int j = 0; j < nq; j++) {
+        const float* pr = P + ((size_t)r * nh + h0 + j) * ATT_SPLITS * (hd + 2);
+        float M = -INFINITY;
+        for (int y = 0; y < na; y++) M = fmaxf(M, __ldcg(pr + (size_t)y * (hd + 2)));
+        float tot = 0.0f;
         for (int y = 0; y < na; y++) {
           const float* py = pr + (size_t)y * (hd + 2);
-          o = __fmaf_rn(__ldcg(py + 2 + d), expf(__ldcg(py) - M), o);
+          tot += __ldcg(py + 1) * expf(__ldcg(py) - M);
         }
-        O[((size_t)r * nh + h) * hd + d] = f2bf(o * inv);
+        const float inv = 1.0f / tot;
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+          float o = 0.0f;
+          for (int y = 0; y < na; y++) {
+            const float* py = pr + (size_t)y * (hd + 2);
+            o = __fmaf_rn(__ldcg(py + 2 + d), expf(__ldcg(py) - M), o);
+          }
+          O[((size_t)r * nh + h0 + j) * hd + d] = f2bf(o * inv);
+        }
       }
-      if (threadIdx.x == 0) C[(size_t)r * nh + h] = 0;
+      if (threadIdx.x == 0) C[(size_t)r * nh + h0] = 0;
     }
   }
 }
@@ -820,6 +996,15 @@ extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(ATT_ARGS) { 
 // More loads in flight per thread, half the blocks per multiprocessor: faster for a few rows
 // (docs/gpu.md), slower for many (GpuModel::enqueue picks; SPECULA_CUDA_ATT overrides).
 extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep(ATT_ARGS) { attention_impl<8, 16>(ATT_PASS); }
+// QG query heads of one KV head per block (QG above; grid y: kv heads x groups per kv head).
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g2(ATT_ARGS) { attention_impl<2, 8, false, 2>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
+// attention_rows_deep with qkv_rope_store's work in front (ROPE above), for forwards of one row.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    attention_rope_rows_deep(ATT_ARGS, const float* QKV, const float* bias, const bf16_t* qnorm,
+                             const bf16_t* knorm, const float* inv_freq, float eps, int interleaved) {
+  attention_impl<8, 16, true>(ATT_PASS, QKV, bias, qnorm, knorm, inv_freq, eps, interleaved);
+}
 
 // A[r, i] = bf16(silu(G) * U), GU f32 [rows, 2I] with the gate and up features interleaved in
 // groups of 8 (the gate/up matrix's row order, see `cuda::load`): G[i] at 16 (i / 8) + i % 8, U[i]

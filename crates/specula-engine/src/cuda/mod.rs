@@ -161,7 +161,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-const KERNELS: [&str; 25] = [
+const KERNELS: [&str; 28] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -183,6 +183,9 @@ const KERNELS: [&str; 25] = [
     "qkv_rope_store",
     "attention_rows",
     "attention_rows_deep",
+    "attention_rows_g2",
+    "attention_rows_g4",
+    "attention_rope_rows_deep",
     "silu_mul",
     "argmax_rows",
     "fill_uniform_bf16",
@@ -877,10 +880,21 @@ pub(crate) struct KernelOptions {
     /// None picks by row count (deep up to [`ATT_DEEP_ROWS`]); `SPECULA_CUDA_ATT=deep|normal`
     /// forces one. The same bits either way.
     pub att_deep: Option<bool>,
+    /// Query heads per block of the many-row attention kernel (1, 2 or 4, at most this; those
+    /// of one KV head share its K/V loads); `SPECULA_CUDA_ATT_GROUP=1` keeps one per block.
+    pub att_group: usize,
+    /// One-row forwards do `qkv_rope_store`'s work in the attention kernel
+    /// (`attention_rope_rows_deep`); `SPECULA_CUDA_FUSE_ROPE=0` launches it separately.
+    pub rope: bool,
     /// Timing experiments only (wrong outputs): kernels left out of every forward,
     /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
     pub skip: Vec<String>,
 }
+
+/// The grouped attention kernels run when they have at least this many blocks (H200, qwen3-8b:
+/// 64 streams 6,392 -> 6,499 tok/s and 8k prefill 1,669 -> 1,880 with them, 16 streams 2,851 ->
+/// 2,760: at 16 rows their 128 blocks leave most SMs idle).
+const ATT_GROUP_MIN_BLOCKS: usize = 256;
 
 /// Forwards of up to this many rows run `attention_rows_deep`: on the H200 (qwen3-8b, context
 /// 128) it took batch-1 decode from 211.6 to 214.1 tok/s and 64 streams from 6,404 to 6,116.
@@ -888,7 +902,8 @@ const ATT_DEEP_ROWS: usize = 4;
 
 impl KernelOptions {
     fn from_env() -> Result<Self> {
-        let silu = std::env::var("SPECULA_CUDA_FUSE_SILU").map_or(true, |v| v != "0");
+        let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
+        let (silu, rope) = (on("SPECULA_CUDA_FUSE_SILU"), on("SPECULA_CUDA_FUSE_ROPE"));
         let skip: Vec<String> = std::env::var("SPECULA_CUDA_SKIP")
             .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
             .unwrap_or_default();
@@ -898,12 +913,24 @@ impl KernelOptions {
             Ok("normal") => Some(false),
             Ok(v) => bail!("SPECULA_CUDA_ATT={v}: use auto, deep or normal"),
         };
+        let att_group = match std::env::var("SPECULA_CUDA_ATT_GROUP") {
+            Err(_) => 4,
+            Ok(v) => v
+                .parse()
+                .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_ATT_GROUP={v}: use 1, 2 or 4"))?,
+        };
         if !skip.is_empty() {
             tracing::warn!(
                 "SPECULA_CUDA_SKIP={skip:?}: those kernels are left out, every output is wrong (timing only)"
             );
         }
-        Ok(Self { silu, att_deep, skip })
+        Ok(Self {
+            silu,
+            rope,
+            att_group,
+            att_deep,
+            skip,
+        })
     }
 
     fn skips(&self, kernel: &str) -> bool {
@@ -1124,7 +1151,21 @@ impl GpuModel {
         // Blocks per row and head for the attention: enough for a few waves on the SMs when
         // the rows are few (a long context's key ranges then run side by side). Changes speed,
         // never bits: a row's key ranges depend on its position only.
-        let att_blocks = (528 / (n * nh).max(1)).clamp(1, ATT_SPLITS) as u32;
+        let fu = &self.kernels;
+        let att_deep = fu.att_deep.unwrap_or(n <= ATT_DEEP_ROWS);
+        // Query heads per attention block: a group shares each K/V row it loads (the
+        // `attention_rows_g{2,4}` kernels; the same bits per head).
+        let qpk = nh / nkv;
+        let qg = [4, 2]
+            .into_iter()
+            .find(|&q| {
+                let blocks = n * nkv * (qpk / q);
+                let fits = !att_deep && hd <= 128 && q <= fu.att_group && qpk.is_multiple_of(q);
+                fits && blocks >= ATT_GROUP_MIN_BLOCKS
+            })
+            .unwrap_or(1);
+        let att_heads = if qg == 1 { nh } else { nkv * (qpk / qg) };
+        let att_blocks = (528 / (n * att_heads).max(1)).clamp(1, ATT_SPLITS) as u32;
         g.launch(
             "embed_rows",
             (nu, 1),
@@ -1132,66 +1173,58 @@ impl GpuModel {
             &[A::P(self.w.embed.at(0)), A::P(tok), A::P(s.x.at(0)), A::I(h as i32)],
         )?;
         let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
-        let fu = &self.kernels;
         let mma = g.gemm_path() == GemmPath::Mma;
+        // One-row forwards (batch-1 decode) do the RoPE / KV write in the attention kernel: the
+        // same device code, so the same bits as the separate kernel every other row count runs
+        // (which the verify-row checks compare).
+        let fuse_rope = n == 1 && att_deep && fu.rope && 2 * hd.next_multiple_of(32) <= 256;
         for (li, l) in self.w.layers.iter().enumerate() {
             if !fu.skips("norm") {
                 g.rmsnorm(s.x.at(0), l.attn_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
             }
             g.gemm(l.qkv.ptrs(), s.xn.at(0), None, s.qkv.at(0), n, qkv_w, h)?;
             let opt = |b: &Option<DevBuf>| b.as_ref().map(|b| b.at(0)).unwrap_or(0);
-            if !fu.skips("rope") {
+            let rope_args = [
+                A::P(s.qkv.at(0)),
+                A::P(opt(&l.qkv_bias)),
+                A::P(opt(&l.q_norm)),
+                A::P(opt(&l.k_norm)),
+                A::P(self.inv_freq.at(0)),
+            ];
+            let (kc, vc) = (self.kv.k.at(li * layer_kv), self.kv.v.at(li * layer_kv));
+            let (nh_a, nkv_a, hd_a, ctx_a) = (
+                A::I(nh as i32),
+                A::I(nkv as i32),
+                A::I(hd as i32),
+                A::I(self.kv.max_ctx as i32),
+            );
+            if !fu.skips("rope") && !fuse_rope {
+                let mut args = rope_args.to_vec();
+                args.extend([A::P(pos), A::P(slot), A::P(s.q.at(0)), A::P(kc), A::P(vc)]);
+                args.extend([nh_a, nkv_a, hd_a, ctx_a, A::F(c.rms_eps)]);
+                args.push(A::I(c.interleaved_rope as i32));
                 g.launch(
                     "qkv_rope_store",
                     (nu, (nh + 2 * nkv) as u32),
                     hd.next_multiple_of(32) as u32,
-                    &[
-                        A::P(s.qkv.at(0)),
-                        A::P(opt(&l.qkv_bias)),
-                        A::P(opt(&l.q_norm)),
-                        A::P(opt(&l.k_norm)),
-                        A::P(self.inv_freq.at(0)),
-                        A::P(pos),
-                        A::P(slot),
-                        A::P(s.q.at(0)),
-                        A::P(self.kv.k.at(li * layer_kv)),
-                        A::P(self.kv.v.at(li * layer_kv)),
-                        A::I(nh as i32),
-                        A::I(nkv as i32),
-                        A::I(hd as i32),
-                        A::I(self.kv.max_ctx as i32),
-                        A::F(c.rms_eps),
-                        A::I(c.interleaved_rope as i32),
-                    ],
+                    &args,
                 )?;
             }
             if !fu.skips("attn") {
-                g.launch(
-                    if fu.att_deep.unwrap_or(n <= ATT_DEEP_ROWS) {
-                        "attention_rows_deep"
-                    } else {
-                        "attention_rows"
-                    },
-                    (nu * att_blocks, nh as u32),
-                    256,
-                    &[
-                        A::P(s.q.at(0)),
-                        A::P(self.kv.k.at(li * layer_kv)),
-                        A::P(self.kv.v.at(li * layer_kv)),
-                        A::P(pos),
-                        A::P(slot),
-                        A::P(s.scores.at(0)),
-                        A::P(s.att_part.at(0)),
-                        A::P(s.att_count.at(0)),
-                        A::P(s.ao.at(0)),
-                        A::I(nh as i32),
-                        A::I(nkv as i32),
-                        A::I(hd as i32),
-                        A::I(self.kv.max_ctx as i32),
-                        A::F(1.0 / (hd as f32).sqrt()),
-                        A::I(att_blocks as i32),
-                    ],
-                )?;
+                let mut args = vec![A::P(s.q.at(0)), A::P(kc), A::P(vc), A::P(pos), A::P(slot)];
+                args.extend([A::P(s.scores.at(0)), A::P(s.att_part.at(0)), A::P(s.att_count.at(0))]);
+                args.extend([A::P(s.ao.at(0)), nh_a, nkv_a, hd_a, ctx_a]);
+                args.extend([A::F(1.0 / (hd as f32).sqrt()), A::I(att_blocks as i32)]);
+                let name = if fuse_rope {
+                    args.extend(rope_args);
+                    args.extend([A::F(c.rms_eps), A::I(c.interleaved_rope as i32)]);
+                    "attention_rope_rows_deep"
+                } else if att_deep {
+                    "attention_rows_deep"
+                } else {
+                    ["attention_rows", "attention_rows_g2", "attention_rows_g4"][qg / 2]
+                };
+                g.launch(name, (nu * att_blocks, att_heads as u32), 256, &args)?;
             }
             let (x, xn) = (s.x.at(0), s.xn.at(0));
             g.gemm(l.o.ptrs(), s.ao.at(0), Some(x), x, n, h, nh * hd)?;
