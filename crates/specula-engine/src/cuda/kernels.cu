@@ -729,7 +729,7 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 // work for its row with the same device functions (so the same bits): q of head h from QKV into
 // shared memory, and, in the block that takes the range holding position pos (the only one that
 // reads it), k and v of head kvh into the cache. Needs 2 * round_up(hd, 32) <= 256.
-// QG > 1 (`attention_rows_g4`): one block takes QG query heads of one KV head (grid y: kv head
+// QG > 1 (`attention_rows_g4`, QG = 4): one block takes QG query heads of one KV head (grid y: kv head
 // and group), loading each K and V row once for all of them; per head it runs the operations of
 // QG = 1 in the same order (every per-head value below is what QG = 1 computes), so the bits do
 // not depend on QG. Needs hd <= 128.
@@ -996,8 +996,8 @@ extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(ATT_ARGS) { 
 // More loads in flight per thread, half the blocks per multiprocessor: faster for a few rows
 // (docs/gpu.md), slower for many (GpuModel::enqueue picks; SPECULA_CUDA_ATT overrides).
 extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep(ATT_ARGS) { attention_impl<8, 16>(ATT_PASS); }
-// QG query heads of one KV head per block (QG above; grid y: kv heads x groups per kv head).
-extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g2(ATT_ARGS) { attention_impl<2, 8, false, 2>(ATT_PASS); }
+// Four query heads of one KV head per block (QG above; grid y: kv heads x groups per kv head).
+// Groups of 2 (attention_impl<2, 8, false, 2>) were slower than one head per block on the H200.
 extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
 // attention_rows_deep with qkv_rope_store's work in front (ROPE above), for forwards of one row.
 extern "C" __global__ void __launch_bounds__(256, 2)

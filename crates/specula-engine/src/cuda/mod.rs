@@ -161,7 +161,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-const KERNELS: [&str; 28] = [
+const KERNELS: [&str; 27] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -183,7 +183,6 @@ const KERNELS: [&str; 28] = [
     "qkv_rope_store",
     "attention_rows",
     "attention_rows_deep",
-    "attention_rows_g2",
     "attention_rows_g4",
     "attention_rope_rows_deep",
     "silu_mul",
@@ -880,8 +879,9 @@ pub(crate) struct KernelOptions {
     /// None picks by row count (deep up to [`ATT_DEEP_ROWS`]); `SPECULA_CUDA_ATT=deep|normal`
     /// forces one. The same bits either way.
     pub att_deep: Option<bool>,
-    /// Query heads per block of the many-row attention kernel (1, 2 or 4, at most this; those
-    /// of one KV head share its K/V loads); `SPECULA_CUDA_ATT_GROUP=1` keeps one per block.
+    /// Query heads per block of the many-row attention kernel: 4 (those of one KV head share
+    /// its K/V loads) where the model has a multiple of 4 per KV head, unless
+    /// `SPECULA_CUDA_ATT_GROUP` is below 4 (one per block).
     pub att_group: usize,
     /// One-row forwards do `qkv_rope_store`'s work in the attention kernel
     /// (`attention_rope_rows_deep`); `SPECULA_CUDA_FUSE_ROPE=0` launches it separately.
@@ -891,9 +891,10 @@ pub(crate) struct KernelOptions {
     pub skip: Vec<String>,
 }
 
-/// The grouped attention kernels run when they have at least this many blocks (H200, qwen3-8b:
-/// 64 streams 6,392 -> 6,499 tok/s and 8k prefill 1,669 -> 1,880 with them, 16 streams 2,851 ->
-/// 2,760: at 16 rows their 128 blocks leave most SMs idle).
+/// The grouped attention kernel runs when it has at least this many blocks (H200, qwen3-8b:
+/// 64 streams 6,392 -> 6,499 tok/s and 8k prefill 1,669 -> 1,880 with it, 16 streams 2,851 ->
+/// 2,760: at 16 rows its 128 blocks leave most SMs idle). Groups of 2 (qwen3-0.6b / 1.7b, 2 query
+/// heads per KV head) were slower: 0.90 against 0.75 ms of attention at 64 rows.
 const ATT_GROUP_MIN_BLOCKS: usize = 256;
 
 /// Forwards of up to this many rows run `attention_rows_deep`: on the H200 (qwen3-8b, context
@@ -917,7 +918,7 @@ impl KernelOptions {
             Err(_) => 4,
             Ok(v) => v
                 .parse()
-                .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_ATT_GROUP={v}: use 1, 2 or 4"))?,
+                .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_ATT_GROUP={v}: use 1 or 4"))?,
         };
         if !skip.is_empty() {
             tracing::warn!(
@@ -1153,17 +1154,11 @@ impl GpuModel {
         // never bits: a row's key ranges depend on its position only.
         let fu = &self.kernels;
         let att_deep = fu.att_deep.unwrap_or(n <= ATT_DEEP_ROWS);
-        // Query heads per attention block: a group shares each K/V row it loads (the
-        // `attention_rows_g{2,4}` kernels; the same bits per head).
+        // Query heads per attention block: a group of 4 shares each K/V row it loads (the
+        // `attention_rows_g4` kernel; the same bits per head).
         let qpk = nh / nkv;
-        let qg = [4, 2]
-            .into_iter()
-            .find(|&q| {
-                let blocks = n * nkv * (qpk / q);
-                let fits = !att_deep && hd <= 128 && q <= fu.att_group && qpk.is_multiple_of(q);
-                fits && blocks >= ATT_GROUP_MIN_BLOCKS
-            })
-            .unwrap_or(1);
+        let group = !att_deep && hd <= 128 && fu.att_group >= 4 && qpk.is_multiple_of(4);
+        let qg = if group && n * nkv * (qpk / 4) >= ATT_GROUP_MIN_BLOCKS { 4 } else { 1 };
         let att_heads = if qg == 1 { nh } else { nkv * (qpk / qg) };
         let att_blocks = (528 / (n * att_heads).max(1)).clamp(1, ATT_SPLITS) as u32;
         g.launch(
@@ -1222,7 +1217,7 @@ impl GpuModel {
                 } else if att_deep {
                     "attention_rows_deep"
                 } else {
-                    ["attention_rows", "attention_rows_g2", "attention_rows_g4"][qg / 2]
+                    if qg == 4 { "attention_rows_g4" } else { "attention_rows" }
                 };
                 g.launch(name, (nu * att_blocks, att_heads as u32), 256, &args)?;
             }
