@@ -77,34 +77,21 @@ __device__ float block_max(float v, float* sh) {
   return warp_max(t);
 }
 
-// block_sum / block_max of N values at once: value j gets the bits block_sum / block_max give
-// it alone. `sh` holds N x 32 floats.
-template <int N>
-__device__ void block_sum_n(float (&v)[N], float (*sh)[32]) {
+// block_sum (MAX false) / block_max (MAX true) of N values at once: value j gets the bits
+// block_sum / block_max give it alone. `sh` holds N x 32 floats.
+template <int N, bool MAX>
+__device__ void block_reduce_n(float (&v)[N], float (*sh)[32]) {
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
 #pragma unroll
-  for (int j = 0; j < N; j++) v[j] = warp_sum(v[j]);
+  for (int j = 0; j < N; j++) v[j] = MAX ? warp_max(v[j]) : warp_sum(v[j]);
   __syncthreads();
   if (lane == 0)
 #pragma unroll
     for (int j = 0; j < N; j++) sh[j][w] = v[j];
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < N; j++) v[j] = warp_sum(lane < nw ? sh[j][lane] : 0.0f);
-}
-
-template <int N>
-__device__ void block_max_n(float (&v)[N], float (*sh)[32]) {
-  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-#pragma unroll
-  for (int j = 0; j < N; j++) v[j] = warp_max(v[j]);
-  __syncthreads();
-  if (lane == 0)
-#pragma unroll
-    for (int j = 0; j < N; j++) sh[j][w] = v[j];
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < N; j++) v[j] = warp_max(lane < nw ? sh[j][lane] : -INFINITY);
+  for (int j = 0; j < N; j++)
+    v[j] = MAX ? warp_max(lane < nw ? sh[j][lane] : -INFINITY) : warp_sum(lane < nw ? sh[j][lane] : 0.0f);
 }
 
 // One row of RMSNorm by a whole block: y = bf16(x * rsqrt(mean(x^2) + eps) * w), H a multiple
@@ -877,7 +864,7 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
         }
       }
     }
-    block_max_n<QG>(mx, sh);  // its barriers also publish sc[] to the block
+    block_reduce_n<QG, true>(mx, sh);  // its barriers also publish sc[] to the block
     float sum[QG];
 #pragma unroll
     for (int j = 0; j < QG; j++) {
@@ -889,10 +876,10 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
           sum[j] += e;
         }
     }
-    block_sum_n<QG>(sum, sh);  // and these the exponentials
+    block_reduce_n<QG, false>(sum, sh);  // and these the exponentials
     // The weighted sum of V: warp w takes positions a + w, a + w + 8, ... in order; lane l
     // holds dimensions 4 l .. 4 l + 3 (and 128 further for head_dim > 128).
-    constexpr int VJ = QG == 1 ? 2 : 1;  // 32-lane column groups of a head (hd <= 32 VJ 4)
+    constexpr int VJ = QG == 1 ? 2 : 1;  // groups of 32 lanes x 4 dimensions: hd <= 128 VJ
     float acc[QG][VJ][4];
 #pragma unroll
     for (int j = 0; j < QG; j++)
