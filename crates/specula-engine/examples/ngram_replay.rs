@@ -13,10 +13,84 @@
 //! extrapolation, the lookup with numbers, and the full lookup (which also wraps a draft past
 //! the context's end). With a prompt `ID`, also prints every position of that output where the
 //! full lookup's draft is accepted less far than the one without wrapping, with both drafts.
+//!
+//! Then, per kind, four stateful policies through `NgramDrafter::propose_tokens` (min_n as
+//! given, and 1; each without and with the confidence cut at `NGRAM_REPLAY_CONF`, default
+//! 0.3), at fixed k and with the draft-length controller choosing k: tau, draft tokens verified
+//! per step, and the speed-up over AR modeled with a verify of r rows costing
+//! `1 + NGRAM_REPLAY_ROW·(r - 1)` one-row forwards (default 0.25). `NGRAM_REPLAY_HIDE_WEAK=1`
+//! keeps drafts from one-token matches out of the controller's acceptance estimate.
 
 use anyhow::{Context, Result};
 use specula_engine::spec::ngram::NgramDrafter;
+use specula_engine::spec::DraftLength;
 use std::collections::BTreeMap;
+
+/// Totals of a stateful replay: target steps, tokens committed, draft tokens verified, and the
+/// modeled cost in one-row forwards.
+#[derive(Default, Clone, Copy)]
+struct Run {
+    steps: usize,
+    tokens: usize,
+    drafted: usize,
+    cost: f64,
+}
+
+impl Run {
+    fn add(&mut self, o: Run) {
+        self.steps += o.steps;
+        self.tokens += o.tokens;
+        self.drafted += o.drafted;
+        self.cost += o.cost;
+    }
+
+    fn cell(&self) -> String {
+        let s = self.steps.max(1) as f64;
+        format!(
+            "tau {:.2} d/step {:.2} x{:.2}",
+            self.tokens as f64 / s,
+            self.drafted as f64 / s,
+            self.tokens as f64 / self.cost.max(1e-9)
+        )
+    }
+}
+
+/// A stateful replay through [`NgramDrafter::propose_tokens`] (the drafter learns from its own
+/// drafts, as live): k fixed, or chosen per step by the draft-length controller (`adaptive`)
+/// fed a modeled verify cost of `1 + row·(rows - 1)` one-row forwards and a free drafter.
+fn replay_policy(d: &NgramDrafter, prompt: &[u32], out: &[u32], k: usize, adaptive: bool, row: f64) -> Run {
+    let mut d = d.clone();
+    let mut ctl = DraftLength::new(k, adaptive);
+    let hide_weak = std::env::var("NGRAM_REPLAY_HIDE_WEAK").is_ok_and(|v| v == "1");
+    let mut ctx = prompt.to_vec();
+    let mut r = Run::default();
+    let mut i = 0;
+    while i < out.len() {
+        let kk = ctl.next_k().min(k);
+        let mut draft = if kk > 0 { d.propose_tokens(&ctx, kk) } else { Vec::new() };
+        draft.truncate(kk);
+        if kk > 0 {
+            ctl.observe_draft(draft.len(), 0.0, 0.0);
+        }
+        let accepted = draft.iter().zip(&out[i..]).take_while(|(a, b)| a == b).count();
+        let commit = (accepted + 1).min(out.len() - i);
+        let rows = 1 + draft.len();
+        let secs = 1.0 + row * (rows - 1) as f64;
+        ctl.observe_forward(rows, secs);
+        // NGRAM_REPLAY_HIDE_WEAK=1: drafts from one-token matches do not feed the controller.
+        let weak = kk > 0 && d.pending_class().is_some_and(|c| c < 2);
+        if !draft.is_empty() && (!hide_weak || !weak) {
+            ctl.update(draft.len(), accepted);
+        }
+        ctx.extend_from_slice(&out[i..i + commit]);
+        i += commit;
+        r.steps += 1;
+        r.drafted += draft.len();
+        r.cost += secs;
+    }
+    r.tokens = out.len();
+    r
+}
 
 /// (target steps, tokens committed) for one output.
 fn replay(d: &NgramDrafter, prompt: &[u32], out: &[u32], k: usize) -> (usize, usize) {
@@ -64,6 +138,23 @@ fn main() -> Result<()> {
         ("numbers", &no_wrap),
         ("wrap", &full),
     ];
+    // The confidence cut (NGRAM_REPLAY_CONF: min_confidence, default 0.3) with min_n 2 and 1,
+    // against both without it; NGRAM_REPLAY_ROW: modeled cost of a verify row (default 0.25 of
+    // a one-row forward, the 2-vCPU Xeon's for the small models).
+    let envf = |name: &str, default: f64| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (conf, row) = (envf("NGRAM_REPLAY_CONF", 0.3), envf("NGRAM_REPLAY_ROW", 0.25));
+    let policy = |n: usize, c: f64| NgramDrafter {
+        min_n: n,
+        min_confidence: c,
+        ..full.clone()
+    };
+    let policies = [
+        (format!("n{min_n}"), policy(min_n, 0.0)),
+        ("n1".to_string(), policy(1, 0.0)),
+        (format!("n{min_n}+cut"), policy(min_n, conf)),
+        ("n1+cut".to_string(), policy(1, conf)),
+    ];
+    let mut policy_kind: BTreeMap<String, Vec<(Run, Run)>> = BTreeMap::new();
     let mut by_kind: BTreeMap<String, Vec<(usize, usize)>> = BTreeMap::new();
     println!("k = {k}, n = {min_n}..={max_n}");
     for line in std::fs::read_to_string(outputs)?.lines() {
@@ -97,15 +188,33 @@ fn main() -> Result<()> {
                 ctx.push(out[i]);
             }
         }
-        let mut row = format!("{:>4} {:<13}", v["id"].as_str().unwrap_or("?"), kind);
+        let mut line_out = format!("{:>4} {:<13}", v["id"].as_str().unwrap_or("?"), kind);
         let acc = by_kind.entry(kind).or_insert_with(|| vec![(0, 0); variants.len()]);
         for (j, (name, d)) in variants.iter().enumerate() {
             let (steps, tokens) = replay(d, &prompt, &out, k);
             acc[j].0 += steps;
             acc[j].1 += tokens;
-            row += &format!(" | {name} {:.2}", tokens as f64 / steps.max(1) as f64);
+            line_out += &format!(" | {name} {:.2}", tokens as f64 / steps.max(1) as f64);
         }
-        println!("{row}");
+        println!("{line_out}");
+        let acc = policy_kind
+            .entry(v["kind"].as_str().unwrap_or("?").to_string())
+            .or_insert_with(|| vec![(Run::default(), Run::default()); policies.len()]);
+        for (j, (_, d)) in policies.iter().enumerate() {
+            acc[j].0.add(replay_policy(d, &prompt, &out, k, false, row));
+            acc[j].1.add(replay_policy(d, &prompt, &out, k, true, row));
+        }
+    }
+    println!();
+    println!("policies (cut at confidence {conf}, verify row {row}; x = modeled speed-up over AR):");
+    for (kind, acc) in &policy_kind {
+        for ((name, _), (fixed, adaptive)) in policies.iter().zip(acc) {
+            println!(
+                "{kind:<13} {name:<8} fixed k={k}: {} | adaptive: {}",
+                fixed.cell(),
+                adaptive.cell()
+            );
+        }
     }
     println!();
     for (kind, acc) in by_kind {

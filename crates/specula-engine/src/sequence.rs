@@ -202,14 +202,24 @@ impl Sequence {
             },
             (Some(_), _) => {
                 // For side-by-side measurement: SPECULA_NGRAM_WRAP=0 (one lookup per draft),
-                // SPECULA_NGRAM_MIN_N=N (the shortest match).
+                // SPECULA_NGRAM_MIN_N=N (the shortest match), SPECULA_NGRAM_CONFIDENCE=C (the
+                // confidence cut; 0: none).
                 let base = NgramDrafter::default();
                 let wrap = std::env::var("SPECULA_NGRAM_WRAP").map_or(true, |v| v != "0");
                 let min_n = std::env::var("SPECULA_NGRAM_MIN_N")
                     .ok()
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(base.min_n);
-                let ngram = NgramDrafter { wrap, min_n, ..base };
+                let min_confidence = std::env::var("SPECULA_NGRAM_CONFIDENCE")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(base.min_confidence);
+                let ngram = NgramDrafter {
+                    wrap,
+                    min_n,
+                    min_confidence,
+                    ..base
+                };
                 drafter = Some(Box::new(ngram.with_numbers(env.tokenizer.numbers())));
                 "ngram".into()
             }

@@ -143,6 +143,13 @@ pub struct NgramDrafter {
     /// less than `k` tokens back: text repeating with a short period), look up again on the
     /// context followed by the draft so far, and so on up to `k` (true unless cleared).
     pub wrap: bool,
+    /// The confidence cut ([`MatchStats`]): a draft keeps its first `j` tokens while the
+    /// measured chance that all `j` are accepted, for its match class, is at least this.
+    /// 0 proposes every draft whole (no cut).
+    pub min_confidence: f64,
+    /// Acceptance measured per match class, from the drafter's own earlier drafts (and the
+    /// last draft, whose outcome the next context tells).
+    pub stats: MatchStats,
 }
 
 impl Default for NgramDrafter {
@@ -153,13 +160,15 @@ impl Default for NgramDrafter {
             numbers: None,
             extrapolate: true,
             wrap: true,
+            min_confidence: 0.0,
+            stats: MatchStats::default(),
         }
     }
 }
 
 impl Drafter for NgramDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> anyhow::Result<Proposal> {
-        Ok(Proposal::deterministic(self.lookup(context, k)))
+        Ok(Proposal::deterministic(self.propose_tokens(context, k)))
     }
 
     fn name(&self) -> &'static str {
@@ -196,31 +205,71 @@ impl NgramDrafter {
     /// With `wrap`, a draft that reaches the context's end goes on from a lookup over the
     /// context and the draft (a list row of 5 tokens drafts 8 with k = 8).
     pub fn lookup(&self, context: &[u32], k: usize) -> Vec<u32> {
-        let mut draft = self.lookup_once(context, k);
+        self.classified_lookup(context, k).0
+    }
+
+    /// [`NgramDrafter::lookup`] with learning: first the outcome of the previous draft is read
+    /// from `context` (the tokens after the length it was proposed at: its accepted prefix, then
+    /// the target's own token) into [`NgramDrafter::stats`]; then the draft is looked up and,
+    /// with [`NgramDrafter::min_confidence`], cut to what its match class's measured acceptance
+    /// justifies ([`MatchStats::keep`]).
+    pub fn propose_tokens(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+        if let Some(p) = self.stats.pending.take() {
+            // Learned only when the context went on from the one the draft was proposed for
+            // (a step was verified): at least the target's own token follows it.
+            if context.len() > p.at {
+                let accepted = p.draft.iter().zip(&context[p.at..]).take_while(|(a, b)| a == b).count();
+                self.stats.record(p.class, p.draft.len(), accepted);
+            }
+        }
+        let (mut draft, class) = self.classified_lookup(context, k);
+        if self.min_confidence > 0.0 {
+            draft.truncate(self.stats.keep(class, draft.len(), self.min_confidence));
+        }
+        if !draft.is_empty() {
+            self.stats.pending = Some(Pending {
+                at: context.len(),
+                draft: draft.clone(),
+                class,
+            });
+        }
+        draft
+    }
+
+    /// The match class ([`MatchStats::class`]) of the last draft [`NgramDrafter::propose_tokens`]
+    /// proposed, until its outcome is learned (None when it proposed nothing).
+    pub fn pending_class(&self) -> Option<usize> {
+        self.stats.pending.as_ref().map(|p| p.class)
+    }
+
+    /// The draft and the match class of its first lookup ([`MatchStats::class`]).
+    fn classified_lookup(&self, context: &[u32], k: usize) -> (Vec<u32>, usize) {
+        let (mut draft, class) = self.lookup_once(context, k);
         if !self.wrap || draft.is_empty() || draft.len() >= k {
-            return draft;
+            return (draft, class);
         }
         let mut ext = Vec::with_capacity(context.len() + k);
         ext.extend_from_slice(context);
         ext.extend_from_slice(&draft);
         while draft.len() < k {
-            let more = self.lookup_once(&ext, k - draft.len());
+            let more = self.lookup_once(&ext, k - draft.len()).0;
             if more.is_empty() {
                 break;
             }
             ext.extend_from_slice(&more);
             draft.extend(more);
         }
-        draft
+        (draft, class)
     }
 
-    /// One lookup: the continuation of one match, as far as the context goes.
-    fn lookup_once(&self, context: &[u32], k: usize) -> Vec<u32> {
+    /// One lookup: the continuation of one match, as far as the context goes, and the match's
+    /// class.
+    fn lookup_once(&self, context: &[u32], k: usize) -> (Vec<u32>, usize) {
         let len = context.len();
         let max_n = self.max_n.min(len.saturating_sub(1));
         let min_n = self.min_n.max(1);
         if k == 0 || max_n < min_n {
-            return Vec::new();
+            return (Vec::new(), 0);
         }
         let structural = self.numbers.is_some();
         // Equal, or numbers of one class.
@@ -267,14 +316,114 @@ impl NgramDrafter {
                 exact = (0, 0);
             }
         }
-        let (n, end) = if shape.0 > exact.0 { shape } else { exact };
+        let structural_won = shape.0 > exact.0;
+        let (n, end) = if structural_won { shape } else { exact };
         if n < min_n {
-            return Vec::new();
+            return (Vec::new(), 0);
         }
-        match &self.numbers {
+        let draft = match &self.numbers {
             Some(numbers) if self.extrapolate => continue_with_numbers(numbers, context, end, k),
             _ => literal_continuation(context, end, k),
+        };
+        (draft, MatchStats::class(n, structural_won))
+    }
+}
+
+/// A draft waiting for its outcome: the context length it was proposed at, and its class.
+#[derive(Debug, Clone)]
+struct Pending {
+    at: usize,
+    draft: Vec<u32>,
+    class: usize,
+}
+
+/// Match-length buckets of [`MatchStats::class`]: 1, 2, 3, 4-7, 8 or more tokens.
+const LENGTH_BUCKETS: usize = 5;
+/// Draft positions kept apart; later ones share the last.
+const POSITIONS: usize = 4;
+/// Decay of a class's counts per draft of that class.
+const STATS_DECAY: f64 = 0.95;
+/// Prior per-position acceptance of a class not yet measured, and its weight (pseudo-tests).
+const PRIOR_ACCEPT: f64 = 0.9;
+const PRIOR_WEIGHT: f64 = 2.0;
+
+/// Acceptance of the n-gram drafter's drafts per match class (match length bucket, exact or
+/// structural) and draft position: at position `i`, how often the token was accepted when every
+/// token before it was (decayed counts, as the draft-length controller's). A one-token match
+/// in prose is right a third of the time; an 8-token match in a copied document nearly always:
+/// one acceptance estimate for both (the controller's) either drafts the weak ones long or the
+/// strong ones short. With the class's own estimate, a draft keeps only the tokens whose chance
+/// of being reached and accepted is worth a verify row.
+#[derive(Debug, Clone)]
+pub struct MatchStats {
+    /// Per class and position: (accepted, tested).
+    counts: [[(f64, f64); POSITIONS]; 2 * LENGTH_BUCKETS],
+    /// The last draft proposed, to learn its outcome from the next context.
+    pending: Option<Pending>,
+}
+
+impl Default for MatchStats {
+    fn default() -> Self {
+        Self {
+            counts: [[(0.0, 0.0); POSITIONS]; 2 * LENGTH_BUCKETS],
+            pending: None,
         }
+    }
+}
+
+impl MatchStats {
+    /// The class of a match of `n` tokens (structural: only with numbers taken as equal).
+    pub fn class(n: usize, structural: bool) -> usize {
+        let bucket = match n {
+            0 | 1 => 0,
+            2 => 1,
+            3 => 2,
+            4..=7 => 3,
+            _ => 4,
+        };
+        2 * bucket + usize::from(structural)
+    }
+
+    /// Feed the outcome of a draft of `drafted` tokens from a match of `class`, whose first
+    /// `accepted` tokens were accepted: positions `0..accepted` accepted, the next one (if any)
+    /// rejected, the rest never tested.
+    pub fn record(&mut self, class: usize, drafted: usize, accepted: usize) {
+        let Some(c) = self.counts.get_mut(class) else {
+            return;
+        };
+        if drafted == 0 {
+            return;
+        }
+        for p in c.iter_mut() {
+            p.0 *= STATS_DECAY;
+            p.1 *= STATS_DECAY;
+        }
+        let accepted = accepted.min(drafted);
+        for i in 0..(accepted + usize::from(accepted < drafted)) {
+            let p = &mut c[i.min(POSITIONS - 1)];
+            p.0 += f64::from(u8::from(i < accepted));
+            p.1 += 1.0;
+        }
+    }
+
+    /// The estimated acceptance at draft position `i` of a match of `class`, given every
+    /// earlier position was accepted.
+    pub fn acceptance(&self, class: usize, i: usize) -> f64 {
+        let (a, t) = self.counts[class][i.min(POSITIONS - 1)];
+        (a + PRIOR_ACCEPT * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+    }
+
+    /// How many of a `len`-token draft from a match of `class` to propose: the longest prefix
+    /// whose estimated chance of being accepted whole is at least `min_confidence`.
+    pub fn keep(&self, class: usize, len: usize, min_confidence: f64) -> usize {
+        let mut reach = 1.0;
+        for i in 0..len {
+            reach *= self.acceptance(class, i);
+            if reach < min_confidence {
+                return i;
+            }
+        }
+        len
     }
 }
 
@@ -709,6 +858,97 @@ mod tests {
         assert_eq!(v.class(3), NUMBER_DIGITS);
         assert_eq!(v.class(7), NUMBER_NONE);
         assert_eq!(v.class(99), NUMBER_NONE, "past the vocabulary");
+    }
+
+    #[test]
+    fn match_classes_bucket_length_and_kind() {
+        let classes: Vec<usize> = [1, 2, 3, 4, 7, 8, 20]
+            .iter()
+            .map(|&n| MatchStats::class(n, false))
+            .collect();
+        assert_eq!(classes, vec![0, 2, 4, 6, 6, 8, 8]);
+        assert_eq!(MatchStats::class(1, true), 1);
+        assert_eq!(MatchStats::class(9, true), 9);
+    }
+
+    #[test]
+    fn match_stats_count_tested_positions_and_cut_weak_classes() {
+        let mut s = MatchStats::default();
+        // The prior: 0.9 per position, so 0.9^j >= 0.3 keeps up to 11 tokens.
+        assert!((s.acceptance(0, 0) - 0.9).abs() < 1e-12);
+        assert_eq!(s.keep(0, 8, 0.3), 8);
+        // A 4-token draft accepted up to 2: positions 0 and 1 accepted, 2 rejected, 3 untested.
+        s.record(0, 4, 2);
+        assert_eq!(s.counts[0][0], (1.0, 1.0));
+        assert_eq!(s.counts[0][1], (1.0, 1.0));
+        assert_eq!(s.counts[0][2], (0.0, 1.0));
+        assert_eq!(s.counts[0][3], (0.0, 0.0));
+        // Fully accepted: no rejected position; positions past the last share its counts.
+        let mut s = MatchStats::default();
+        s.record(2, 6, 6);
+        assert_eq!(s.counts[2][3], (3.0, 3.0));
+        // The next record decays the class's counts first (0.95), other classes untouched.
+        s.record(2, 1, 0);
+        assert!((s.counts[2][0].0 - 0.95).abs() < 1e-12 && (s.counts[2][0].1 - 1.95).abs() < 1e-12);
+        assert_eq!(s.counts[0][0], (0.0, 0.0));
+
+        // A class whose first token is rejected every time: (0 + 1.8) / (20 + 2) ~ 0.08 after
+        // many drafts (decayed to ~20 tests), below any useful cut: nothing is proposed.
+        let mut s = MatchStats::default();
+        for _ in 0..200 {
+            s.record(0, 3, 0);
+        }
+        let a = s.acceptance(0, 0);
+        assert!((a - 1.8 / (20.0 + 2.0)).abs() < 1e-3, "{a}");
+        assert_eq!(s.keep(0, 8, 0.3), 0);
+        // Half of the first tokens accepted, the rest always: one token is worth it at 0.3
+        // (reach ~0.5), all eight too (later positions ~1).
+        let mut s = MatchStats::default();
+        for i in 0..200 {
+            s.record(0, 8, if i % 2 == 0 { 0 } else { 8 });
+        }
+        let first = s.acceptance(0, 0);
+        assert!((0.5..0.6).contains(&first), "{first}");
+        assert!(s.acceptance(0, 3) > 0.99);
+        assert_eq!(s.keep(0, 8, 0.3), 8);
+        assert_eq!(s.keep(0, 8, 0.6), 0);
+    }
+
+    /// The drafter learns the outcome of its last draft from the next context, and cuts the
+    /// drafts of a class that keeps failing, while another class still drafts whole.
+    #[test]
+    fn the_drafter_learns_from_the_next_context() {
+        let mut d = NgramDrafter {
+            min_confidence: 0.3,
+            ..NgramDrafter::new(1, 4)
+        };
+        // `1 2 ... 1` matches one token (class 0) and proposes `2 3`.
+        let ctx = vec![1, 2, 3, 9, 1];
+        assert_eq!(d.propose_tokens(&ctx, 2), vec![2, 3]);
+        // Proposed again for the same context (nothing verified in between): nothing learned.
+        assert_eq!(d.propose_tokens(&ctx, 2), vec![2, 3]);
+        assert_eq!(d.stats.counts[0][0], (0.0, 0.0));
+        // The target wrote `2 5`: one accepted, the second rejected.
+        let ctx = [ctx, vec![2, 5]].concat();
+        d.propose_tokens(&ctx, 2);
+        assert_eq!(d.stats.counts[0][0], (1.0, 1.0));
+        assert_eq!(d.stats.counts[0][1], (0.0, 1.0));
+        assert_eq!(d.stats.counts[0][2], (0.0, 0.0));
+
+        // One-token matches that always fail end up proposing nothing; a 4-token match of the
+        // same context still drafts whole.
+        let mut d = NgramDrafter {
+            min_confidence: 0.3,
+            ..NgramDrafter::new(1, 4)
+        };
+        for _ in 0..100 {
+            d.stats.record(MatchStats::class(1, false), 2, 0);
+        }
+        assert!(d.propose_tokens(&[1, 2, 3, 9, 1], 2).is_empty());
+        assert_eq!(d.propose_tokens(&[5, 6, 7, 8, 1, 2, 5, 6, 7, 8], 2), vec![1, 2]);
+        // Without the cut the same stats change nothing.
+        d.min_confidence = 0.0;
+        assert_eq!(d.propose_tokens(&[1, 2, 3, 9, 1], 2), vec![2, 3]);
     }
 
     /// Without number tokens in the context, the number vocabulary changes nothing.
