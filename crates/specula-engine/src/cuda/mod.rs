@@ -1158,7 +1158,11 @@ impl GpuModel {
         // `attention_rows_g4` kernel; the same bits per head).
         let qpk = nh / nkv;
         let group = !att_deep && hd <= 128 && fu.att_group >= 4 && qpk.is_multiple_of(4);
-        let qg = if group && n * nkv * (qpk / 4) >= ATT_GROUP_MIN_BLOCKS { 4 } else { 1 };
+        let qg = if group && n * nkv * (qpk / 4) >= ATT_GROUP_MIN_BLOCKS {
+            4
+        } else {
+            1
+        };
         let att_heads = if qg == 1 { nh } else { nkv * (qpk / qg) };
         let att_blocks = (528 / (n * att_heads).max(1)).clamp(1, ATT_SPLITS) as u32;
         g.launch(
@@ -1216,8 +1220,10 @@ impl GpuModel {
                     "attention_rope_rows_deep"
                 } else if att_deep {
                     "attention_rows_deep"
+                } else if qg == 4 {
+                    "attention_rows_g4"
                 } else {
-                    if qg == 4 { "attention_rows_g4" } else { "attention_rows" }
+                    "attention_rows"
                 };
                 g.launch(name, (nu * att_blocks, att_heads as u32), 256, &args)?;
             }
