@@ -35,9 +35,9 @@ print(f"{sys.argv[2]} {r['shape']['name']} {r['dtype']}: b1 {d['tok_s']:.1f} tok
 if not e["all_pass"]:
     print("  failed:", ", ".join(k for k, v in e.items() if isinstance(v, dict) and not v.get("pass")))
 for p in r.get("kernel_profile") or []:
-    if p["rows"] in (1, 64) and p["gemm_wide_mt"] == 2:
+    if p["rows"] in (1, 64):
         top = ", ".join(f"{k['kernel']} {k['launches']}x {k['ms']:.3f}" for k in p["kernels"][:12])
-        print(f"  profile {p['rows']} rows: {p['total_ms']:.2f} ms: {top}")
+        print(f"  profile {p['rows']} rows ({p.get('gemm_wide', '?')}): {p['total_ms']:.2f} ms: {top}")
 PY
 done
 exit $rc

@@ -14,7 +14,7 @@
 //! server would see them.
 
 use super::load::{self, Shape};
-use super::{Gpu, GpuModel, Row, StepOut};
+use super::{Gpu, GpuModel, Row, StepOut, Wide};
 use crate::spec::ngram::NgramDrafter;
 use anyhow::Result;
 use serde_json::{json, Value};
@@ -96,6 +96,7 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
     let mut ok = true;
     let mut cases = Vec::new();
     for (q8, n, k) in [
+        (false, 72, 136),
         (false, 200, 1000),
         (false, 96, 4096),
         (true, 200, 1000),
@@ -168,12 +169,21 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
                 differing.push(format!("row {j} alone"));
             }
         }
-        let wide = gpu.wide_mt.get();
-        gpu.set_wide_mt(if wide == 4 { 2 } else { 4 });
-        let other = run(0, mmax);
-        gpu.set_wide_mt(wide);
-        if !same_bits(&other?, &full) {
-            differing.push("other wide tile".into());
+        // Every kernel above 32 rows, and the seq kernel with each K split over blocks (1, 2,
+        // 4, 8: n = 200 at 70 rows is 4 tiles, n = 96 two).
+        let (wide, blocks) = (gpu.wide(), gpu.seq_blocks());
+        let tiles = mmax.div_ceil(64) * n.div_ceil(128);
+        let mut configs = vec![(Wide::Tile2, blocks), (Wide::Tile4, blocks), (Wide::SeqL1, blocks)];
+        configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq, tiles * ks)));
+        for (w2, b2) in configs {
+            gpu.set_wide(w2);
+            gpu.set_seq_blocks(b2);
+            let other = run(0, mmax);
+            gpu.set_wide(wide);
+            gpu.set_seq_blocks(blocks);
+            if !same_bits(&other?, &full) {
+                differing.push(format!("{} tile ({b2} blocks)", w2.name()));
+            }
         }
         let pass = accurate && differing.is_empty();
         ok &= pass;
@@ -649,7 +659,8 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
 
     log("kernel profile at 1, 8 and 64 rows");
     let mut profile = Vec::new();
-    for (r, wide) in [(1usize, 0usize), (8, 0), (64, 0), (64, 4)] {
+    let keep = m.gpu.wide();
+    for (r, wide) in [(1usize, keep), (8, keep), (64, keep), (64, Wide::Tile2)] {
         let rows: Vec<Row> = (0..r.min(m.slots()))
             .map(|i| Row {
                 token: prompt[i],
@@ -657,17 +668,14 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
                 pos: o.context as u32,
             })
             .collect();
-        let keep = m.gpu.wide_mt.get();
-        if wide != 0 {
-            m.gpu.set_wide_mt(wide);
-        }
+        m.gpu.set_wide(wide);
         let p = m.profile(&rows);
-        m.gpu.set_wide_mt(keep);
+        m.gpu.set_wide(keep);
         let p = p?;
         let total: f64 = p.iter().map(|e| e.2).sum();
         profile.push(json!({
             "rows": rows.len(),
-            "gemm_wide_mt": if wide != 0 { wide } else { keep },
+            "gemm_wide": wide.name(),
             "total_ms": total,
             "kernels": p.iter().map(|(k, n, ms)| json!({"kernel": k, "launches": n, "ms": ms})).collect::<Vec<_>>(),
         }));
@@ -732,6 +740,8 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
             "wide_batch_vs_solo": wide,
         },
         "gemm_path": gemm_path,
+        "gemm_wide": m.gpu.wide().name(),
+        "gemm_seq_blocks": m.gpu.seq_blocks(),
         "kernel_profile": profile,
         "gemv_reference": gemv_ref,
         "wall_seconds": t0.elapsed().as_secs_f64(),

@@ -567,6 +567,259 @@ GEMM_KERNEL(gemm_q8_2x8_pipe, 2, 8, 2, true, 3, false)
 GEMM_KERNEL(gemm_bf16_2x8_pipe_silu, 2, 8, 2, false, 3, true)
 GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 
+// gemm_seq_{bf16,q8}[_silu][_l1]: the GEMM above 32 rows, with the bits of gemm_impl and a
+// tile of 128 features x 64 rows. Warp w owns features 16w..16w+15 of the block's 128 and all 64
+// rows, and walks the K slices itself, one after the other: a slice's chunks fold into a zeroed
+// partial, chunk by chunk and in chunk order (what gemm_impl's warp of that slice does), and the
+// partials are added to a running total in slice order (what gemm_impl's reduction does), the
+// residual last. So the 8 warps need the same X chunk at the same step and share it: through a
+// cp.async ring in shared memory (or through L1, the `_l1` kernels), and each X byte enters a
+// multiprocessor once per 128 features instead of once per 32 (at 64 rows gemm_impl's X reads
+// from L2 are twice the weight bytes).
+//
+// Grid (row tiles, feature tiles, KS), KS in {1, 2, 4, 8}: block z walks slices
+// [z * 8 / KS, (z + 1) * 8 / KS). With KS > 1 (narrow layers, which have few feature tiles)
+// block 0 writes its running total and the others each slice's partial to P (f32, 256 KB a
+// tile), and the tile's last block to finish (an atomic count in C, zero between launches) adds
+// them in slice order: the same additions in the same order.
+#define SEQ_U 4    // chunks per weight batch (two batches alternate: 8 chunks, 8 KB a warp, in flight)
+#define SEQ_XST 4  // stages of the X ring, SEQ_U chunks each (4 KB a chunk: 64 rows x 64 bytes)
+#define SEQ_SMEM (SEQ_XST * SEQ_U * 64 * 4 * 16)
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+template <bool Q8, bool SILU, bool XSM>
+__device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
+                                              const bf16_t* __restrict__ X, const float* R, float* Y, int M,
+                                              int N, int K, bf16_t* Act, float* P, int* C) {
+  constexpr int U = SEQ_U;
+  extern __shared__ uint4 xsm[];  // [SEQ_XST][U][64 rows][4 lanes' pieces] (XSM)
+  __shared__ int last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int r0 = blockIdx.x * 64;
+  const int f0 = blockIdx.y * 128 + warp * 16;
+  const int KS = gridDim.z, z = blockIdx.z, spb = GEMM_SLICES / KS;
+  const int nch = (K + 31) >> 5;
+  const int per = (nch + GEMM_SLICES - 1) / GEMM_SLICES;
+  const int s0 = z * spb;
+  const int cb = min(s0 * per, nch), ce = min((s0 + spb) * per, nch);
+  const int wrow0 = min(f0 + gid, N - 1), wrow1 = min(f0 + gid + 8, N - 1);
+  int xrow[8];
+#pragma unroll
+  for (int nt = 0; nt < 8; nt++) xrow[nt] = r0 + nt * 8 + gid < M ? r0 + nt * 8 + gid : -1;
+  float* Pt = P + (size_t)(blockIdx.y * gridDim.x + blockIdx.x) * (GEMM_SLICES * 8 * 256 * 4);
+
+  float tot[8][4], acc[8][4];
+#pragma unroll
+  for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) tot[nt][i] = acc[nt][i] = 0.0f;
+
+  // The slice being folded and its chunks left; end_slice closes it (slice 0: the total is its
+  // partial; later slices add theirs, or, in blocks z > 0, write it to P).
+  int s = s0, left = per;
+  auto end_slice = [&]() {
+    if (z == 0) {
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) tot[nt][i] = s == 0 ? acc[nt][i] : tot[nt][i] + acc[nt][i];
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++)
+        reinterpret_cast<float4*>(Pt)[((size_t)s * 8 + nt) * 256 + threadIdx.x] =
+            make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+      for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
+    s++;
+    left = per;
+  };
+
+  auto load_w = [&](uint4 (&wa)[U][2], int c) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int k = (c + u) * 32 + tig * 8;
+      const bool ok = c + u < ce && k < K;
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int wr = h ? wrow1 : wrow0;
+        if (!ok) {
+          wa[u][h] = make_uint4(0, 0, 0, 0);
+        } else if (Q8) {
+          const uint2 q =
+              __ldcs(reinterpret_cast<const uint2*>(reinterpret_cast<const signed char*>(Wp) + (size_t)wr * K + k));
+          wa[u][h] = make_uint4(q.x, q.y, 0, 0);
+        } else {
+          wa[u][h] = ld_stream16(reinterpret_cast<const bf16_t*>(Wp) + (size_t)wr * K + k);
+        }
+      }
+    }
+  };
+  // The X pieces of chunks c .. c + U - 1 for the block's 64 rows into ring stage `st` (one
+  // commit group; zeros past M or K, nothing past the block's chunks).
+  auto issue_x = [&](int st, int c) {
+    const int row = threadIdx.x >> 2, q = threadIdx.x & 3;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int k = (c + u) * 32 + q * 8;
+      if (c + u < ce) {
+        const bool ok = k < K && r0 + row < M;
+        cp_async16(xsm + ((st * U + u) * 64 + row) * 4 + q, ok ? (const void*)(X + (size_t)(r0 + row) * K + k) : X,
+                   ok);
+      }
+    }
+    cp_async_commit();
+  };
+  auto fold = [&](const uint4 (&wa)[U][2], int c, int st) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (c + u < ce) {  // block-uniform
+        const int k = (c + u) * 32 + tig * 8;
+        uint4 a = wa[u][0], b = wa[u][1];
+        float sa = 0.0f, sb = 0.0f;
+        if (Q8) {
+          a = make_uint4(i8x2_bf16x2(a.x, 0), i8x2_bf16x2(a.x, 16), i8x2_bf16x2(a.y, 0), i8x2_bf16x2(a.y, 16));
+          b = make_uint4(i8x2_bf16x2(b.x, 0), i8x2_bf16x2(b.x, 16), i8x2_bf16x2(b.y, 0), i8x2_bf16x2(b.y, 16));
+          sa = __ldg(Ws + (size_t)wrow0 * nch + c + u);
+          sb = __ldg(Ws + (size_t)wrow1 * nch + c + u);
+        }
+        uint4 xb[8];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          if (XSM)
+            xb[nt] = xsm[((st * U + u) * 64 + nt * 8 + gid) * 4 + tig];
+          else
+            xb[nt] = (k < K && xrow[nt] >= 0) ? __ldg(reinterpret_cast<const uint4*>(X + (size_t)xrow[nt] * K + k))
+                                              : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+          if (Q8) {
+            float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma16816(p, a.x, b.x, a.y, b.y, xb[nt].x, xb[nt].y);
+            mma16816(p, a.z, b.z, a.w, b.w, xb[nt].z, xb[nt].w);
+            acc[nt][0] = __fmaf_rn(sa, p[0], acc[nt][0]);
+            acc[nt][1] = __fmaf_rn(sa, p[1], acc[nt][1]);
+            acc[nt][2] = __fmaf_rn(sb, p[2], acc[nt][2]);
+            acc[nt][3] = __fmaf_rn(sb, p[3], acc[nt][3]);
+          } else {
+            mma16816(acc[nt], a.x, b.x, a.y, b.y, xb[nt].x, xb[nt].y);
+            mma16816(acc[nt], a.z, b.z, a.w, b.w, xb[nt].z, xb[nt].w);
+          }
+        }
+        if (--left == 0) end_slice();
+      }
+    }
+  };
+  // Before the batch of ring stage b: its copies are done and visible, and every warp is done
+  // with stage b - 1, whose slot then takes the batch SEQ_XST - 1 ahead.
+  auto ring_step = [&](int b, int c) {
+    if (XSM) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(SEQ_XST - 2) : "memory");
+      __syncthreads();
+      issue_x((b + SEQ_XST - 1) % SEQ_XST, c + (SEQ_XST - 1) * U);
+    }
+  };
+
+  // Weights are constant: the first two batches load before the wait for the previous kernel.
+  uint4 wa[U][2], wb[U][2];
+  load_w(wa, cb);
+  load_w(wb, cb + U);
+  pdl_wait();
+  pdl_launch();
+  if (XSM) {
+#pragma unroll
+    for (int st = 0; st < SEQ_XST - 1; st++) issue_x(st, cb + st * U);
+  }
+  int b = 0;
+  for (int c = cb; c < ce; c += 2 * U) {
+    ring_step(b, c);
+    fold(wa, c, b % SEQ_XST);
+    b++;
+    if (c + 2 * U < ce) load_w(wa, c + 2 * U);
+    if (c + U < ce) {
+      ring_step(b, c + U);
+      fold(wb, c + U, b % SEQ_XST);
+      b++;
+      if (c + 3 * U < ce) load_w(wb, c + 3 * U);
+    }
+  }
+  // A last slice cut short by K, and empty slices (their zero partials are added, as in
+  // gemm_impl's reduction).
+  while (s < s0 + spb) end_slice();
+  if (XSM) asm volatile("cp.async.wait_group 0;" ::: "memory");
+
+  if (KS > 1) {
+    if (z == 0) {
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++)
+        reinterpret_cast<float4*>(Pt)[(size_t)nt * 256 + threadIdx.x] =
+            make_float4(tot[nt][0], tot[nt][1], tot[nt][2], tot[nt][3]);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&C[blockIdx.y * gridDim.x + blockIdx.x], 1) == KS - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(Pt) + (size_t)nt * 256 + threadIdx.x);
+      tot[nt][0] = v.x, tot[nt][1] = v.y, tot[nt][2] = v.z, tot[nt][3] = v.w;
+    }
+    for (int t = spb; t < GEMM_SLICES; t++) {
+#pragma unroll
+      for (int nt = 0; nt < 8; nt++) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(Pt) + ((size_t)t * 8 + nt) * 256 + threadIdx.x);
+        tot[nt][0] += v.x, tot[nt][1] += v.y, tot[nt][2] += v.z, tot[nt][3] += v.w;
+      }
+    }
+    if (threadIdx.x == 0) C[blockIdx.y * gridDim.x + blockIdx.x] = 0;
+  }
+
+  // The mma layout: tot[nt][j] is feature f0 + gid, tot[nt][2 + j] feature f0 + gid + 8, both
+  // of row r0 + nt * 8 + 2 * tig + j.
+#pragma unroll
+  for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const int m = r0 + nt * 8 + 2 * tig + j;
+      if (m >= M) continue;
+      if constexpr (SILU) {
+        // The gate feature f0 + gid's up feature is f0 + gid + 8 (interleaved in groups of 8).
+        if (f0 < N) Act[(size_t)m * (N / 2) + f0 / 2 + gid] = silu_mul1(tot[nt][j], tot[nt][2 + j]);
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const int n = f0 + gid + 8 * h;
+          if (n < N) {
+            const size_t o = (size_t)m * N + n;
+            Y[o] = R ? R[o] + tot[nt][2 * h + j] : tot[nt][2 * h + j];
+          }
+        }
+      }
+    }
+}
+
+#define SEQ_KERNEL(NAME, Q8, SILU, XSM)                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 1) NAME(GEMM_ARGS, float* P, int* C) {        \
+    gemm_seq_impl<Q8, SILU, XSM>(GEMM_PASS, P, C);                                                 \
+  }
+SEQ_KERNEL(gemm_seq_bf16, false, false, true)
+SEQ_KERNEL(gemm_seq_q8, true, false, true)
+SEQ_KERNEL(gemm_seq_bf16_silu, false, true, true)
+SEQ_KERNEL(gemm_seq_q8_silu, true, true, true)
+SEQ_KERNEL(gemm_seq_bf16_l1, false, false, false)
+SEQ_KERNEL(gemm_seq_q8_l1, true, false, false)
+SEQ_KERNEL(gemm_seq_bf16_silu_l1, false, true, false)
+SEQ_KERNEL(gemm_seq_q8_silu_l1, true, true, false)
+
 // Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
 // from splitmix64 like fill_uniform_bf16.
 __device__ __forceinline__ float splitmix_u(unsigned long long seed, unsigned long long i) {
@@ -739,7 +992,9 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
   // Positions and slots come from the host before the graph starts, and the cache lines of
   // earlier positions from earlier forwards: all of this may run before the previous kernel
   // ends (programmatic dependent launch); the activations only after pdl_wait.
-  const int r = blockIdx.x / G, g = blockIdx.x % G;
+  // Grid (rows * G, heads), or (rows, heads, G) (the host's choice, dispatch order only: the
+  // blocks of the later key ranges, empty for a short context, go last).
+  const int r = gridDim.z > 1 ? blockIdx.x : blockIdx.x / G, g = gridDim.z > 1 ? blockIdx.z : blockIdx.x % G;
   const int qpk = nh / nkv, hg = (qpk + QG - 1) / QG;  // q heads per KV head; groups per KV head
   const int kvh = QG == 1 ? blockIdx.y / qpk : blockIdx.y / hg;
   const int h0 = QG == 1 ? blockIdx.y : kvh * qpk + (blockIdx.y % hg) * QG;

@@ -141,8 +141,16 @@ pub struct Gpu {
     f: HashMap<&'static str, sys::CUfunction>,
     /// The projection kernels (`SPECULA_CUDA_GEMM=gemv` picks the reference FMA kernels).
     gemm_path: std::cell::Cell<GemmPath>,
-    /// `SPECULA_CUDA_GEMM_WIDE=4`: 64 features per block (instead of 32) above 32 rows.
-    wide_mt: std::cell::Cell<usize>,
+    /// The GEMM kernel above 32 rows ([`Wide`], `SPECULA_CUDA_GEMM_WIDE=2|4|seq|seq_l1`).
+    wide: std::cell::Cell<Wide>,
+    /// [`Wide::Seq`]: the K split across blocks is the smallest of 1, 2, 4, 8 that gives at
+    /// least this many blocks (`SPECULA_CUDA_SEQ_BLOCKS`, 1..=[`SEQ_MAX_TILES`]; speed only).
+    seq_blocks: std::cell::Cell<usize>,
+    /// f32 `[SEQ_MAX_TILES, 8 slices, 128 features x 64 rows]`: the slice partials of a
+    /// `gemm_seq` launch split over blocks; and i32 `[SEQ_MAX_TILES]` blocks finished per tile
+    /// (zero between launches).
+    seq_part: DevBuf,
+    seq_count: DevBuf,
     /// The 2x8 tile streams its weights through a cp.async ring ([`GEMM_PIPE`]); false:
     /// through registers (`SPECULA_CUDA_GEMM_PIPE=0`, speed only).
     pipe: std::cell::Cell<bool>,
@@ -263,18 +271,26 @@ impl Gpu {
         let gemms = GEMM_NAMES.iter().flatten().flatten().map(|e| e.2);
         let pipes = GEMM_PIPE.iter().flatten().copied();
         let dbs = GEMM_DB.iter().flatten().flatten().copied();
-        for name in KERNELS.into_iter().chain(gemms).chain(pipes.clone()).chain(dbs) {
+        let seqs = GEMM_SEQ.iter().flatten().flatten().copied();
+        for name in KERNELS
+            .into_iter()
+            .chain(gemms)
+            .chain(pipes.clone())
+            .chain(dbs)
+            .chain(seqs)
+        {
             let c = CString::new(name)?;
             let mut func = std::ptr::null_mut();
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
             f.insert(name, func);
         }
-        for name in pipes {
+        let seq_smem = GEMM_SEQ[0].iter().flatten().map(|&n| (n, GEMM_SEQ_SMEM));
+        for (name, bytes) in pipes.map(|n| (n, GEMM_PIPE_SMEM)).chain(seq_smem) {
             let r = unsafe {
                 sys::cuFuncSetAttribute(
                     f[name],
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    GEMM_PIPE_SMEM as i32,
+                    bytes as i32,
                 )
             };
             ck(r, name)?;
@@ -285,18 +301,33 @@ impl Gpu {
             Ok(other) => bail!("SPECULA_CUDA_GEMM={other}: use mma or gemv"),
         };
         let pipe = std::env::var("SPECULA_CUDA_GEMM_PIPE").map_or(true, |v| v != "0");
-        let wide_mt = match std::env::var("SPECULA_CUDA_GEMM_WIDE").as_deref() {
-            Ok("4") => 4,
-            _ => 2,
+        let wide = match std::env::var("SPECULA_CUDA_GEMM_WIDE").as_deref() {
+            Ok("2") => Wide::Tile2,
+            Ok("4") => Wide::Tile4,
+            Ok("seq_l1") => Wide::SeqL1,
+            Ok("seq") | Err(_) => Wide::Seq,
+            Ok(other) => bail!("SPECULA_CUDA_GEMM_WIDE={other}: use 2, 4, seq or seq_l1"),
         };
-        Ok(Self {
+        let seq_blocks = match std::env::var("SPECULA_CUDA_SEQ_BLOCKS") {
+            Ok(v) => match v.parse::<usize>() {
+                Ok(b @ 1..=SEQ_MAX_TILES) => b,
+                _ => bail!("SPECULA_CUDA_SEQ_BLOCKS={v}: use 1..={SEQ_MAX_TILES}"),
+            },
+            Err(_) => SEQ_BLOCKS,
+        };
+        let seq_part = DevBuf::new(SEQ_MAX_TILES * SEQ_TILE_PART_BYTES)?;
+        let seq_count = DevBuf::new(SEQ_MAX_TILES * 4)?;
+        let gpu = Self {
             capturing: std::cell::Cell::new(false),
             ctx,
             stream,
             module,
             f,
             gemm_path: std::cell::Cell::new(gemm_path),
-            wide_mt: std::cell::Cell::new(wide_mt),
+            wide: std::cell::Cell::new(wide),
+            seq_blocks: std::cell::Cell::new(seq_blocks),
+            seq_part,
+            seq_count,
             pipe: std::cell::Cell::new(pipe),
             profile_tag: std::cell::RefCell::new(String::new()),
             db_from_nt: std::cell::Cell::new(match std::env::var("SPECULA_CUDA_GEMM1").as_deref() {
@@ -306,7 +337,10 @@ impl Gpu {
             }),
             pdl: std::env::var("SPECULA_CUDA_PDL").map_or(true, |v| v != "0"),
             profile: std::cell::RefCell::new(None),
-        })
+        };
+        gpu.upload(gpu.seq_count.at(0), &[0i32; SEQ_MAX_TILES])?;
+        gpu.synchronize()?;
+        Ok(gpu)
     }
 
     /// Make this GPU's context current on the calling thread (CUDA driver calls act on the
@@ -353,9 +387,22 @@ impl Gpu {
         self.gemm_path.get()
     }
 
-    /// Features per block (16·MT) of the GEMM above 32 rows: MT = 2 or 4 (speed only).
-    pub fn set_wide_mt(&self, mt: usize) {
-        self.wide_mt.set(if mt == 4 { 4 } else { 2 });
+    /// The GEMM kernel above 32 rows (speed only: the same bits).
+    pub fn wide(&self) -> Wide {
+        self.wide.get()
+    }
+
+    pub fn set_wide(&self, wide: Wide) {
+        self.wide.set(wide);
+    }
+
+    /// [`Gpu::seq_blocks`]: blocks a [`Wide::Seq`] GEMM aims for (clamped to 1..=256).
+    pub fn set_seq_blocks(&self, blocks: usize) {
+        self.seq_blocks.set(blocks.clamp(1, SEQ_MAX_TILES));
+    }
+
+    pub fn seq_blocks(&self) -> usize {
+        self.seq_blocks.get()
     }
 
     /// Start bracketing every launch with CUDA events (not while capturing a graph).
@@ -404,6 +451,11 @@ impl Gpu {
     /// [`Gpu::launch`] with `smem` bytes of dynamic shared memory (the kernel's limit is raised
     /// to what it needs when the module loads).
     pub(crate) fn launch_smem(&self, name: &str, grid: (u32, u32), block: u32, smem: u32, args: &[A]) -> Result<()> {
+        self.launch3(name, (grid.0, grid.1, 1), block, smem, args)
+    }
+
+    /// [`Gpu::launch_smem`] with a three-dimensional grid.
+    pub(crate) fn launch3(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[A]) -> Result<()> {
         let (name, f) = self.func(name)?;
         let profiling = self.profile.borrow().is_some() && !self.capturing.get();
         let ev0 = if profiling { Some(self.record_event()?) } else { None };
@@ -428,7 +480,7 @@ impl Gpu {
             let cfg = sys::CUlaunchConfig {
                 gridDimX: grid.0,
                 gridDimY: grid.1,
-                gridDimZ: 1,
+                gridDimZ: grid.2,
                 blockDimX: block,
                 blockDimY: 1,
                 blockDimZ: 1,
@@ -444,7 +496,7 @@ impl Gpu {
                     f,
                     grid.0,
                     grid.1,
-                    1,
+                    grid.2,
                     block,
                     1,
                     1,
@@ -585,7 +637,40 @@ impl Gpu {
         };
         let silu = act != 0;
         let q8 = w.1 != 0;
-        let (mt, nt) = gemm_tile(rows, self.wide_mt.get());
+        if self.profile.borrow().is_some() {
+            let e = if silu { " +silu" } else { "" };
+            *self.profile_tag.borrow_mut() = format!("gemm n{n} k{k}{e}");
+        }
+        let wide = self.wide.get();
+        if rows > 32 && matches!(wide, Wide::Seq | Wide::SeqL1) {
+            let l1 = wide == Wide::SeqL1;
+            let tiles = rows.div_ceil(64) * n.div_ceil(128);
+            let mut ks = 1;
+            while tiles * ks < self.seq_blocks.get() && ks < 8 && tiles <= SEQ_MAX_TILES {
+                ks *= 2;
+            }
+            let name = GEMM_SEQ[l1 as usize][silu as usize][q8 as usize];
+            return self.launch3(
+                name,
+                (rows.div_ceil(64) as u32, n.div_ceil(128) as u32, ks as u32),
+                256,
+                if l1 { 0 } else { GEMM_SEQ_SMEM },
+                &[
+                    A::P(w.0),
+                    A::P(w.1),
+                    A::P(x),
+                    A::P(r.unwrap_or(0)),
+                    A::P(y),
+                    A::I(rows as i32),
+                    A::I(n as i32),
+                    A::I(k as i32),
+                    A::P(act),
+                    A::P(self.seq_part.at(0)),
+                    A::P(self.seq_count.at(0)),
+                ],
+            );
+        }
+        let (mt, nt) = gemm_tile(rows, if wide == Wide::Tile4 { 4 } else { 2 });
         let (name, smem) = match self.pipe.get() {
             true if (mt, nt) == (2, 8) => (GEMM_PIPE[silu as usize][q8 as usize], GEMM_PIPE_SMEM),
             _ if mt == 1 && nt >= self.db_from_nt.get() => (GEMM_DB[silu as usize][q8 as usize][nt - 1], 0),
@@ -598,10 +683,6 @@ impl Gpu {
                 0,
             ),
         };
-        if self.profile.borrow().is_some() {
-            let e = if silu { " +silu" } else { "" };
-            *self.profile_tag.borrow_mut() = format!("gemm n{n} k{k}{e}");
-        }
         self.launch_smem(
             name,
             (rows.div_ceil(8 * nt) as u32, n.div_ceil(16 * mt) as u32),
@@ -678,6 +759,57 @@ fn gemm_tile(rows: usize, wide_mt: usize) -> (usize, usize) {
         _ => (wide_mt, 8),
     }
 }
+
+/// The GEMM above 32 rows (kernels.cu; every choice gives the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wide {
+    /// `gemm_*_2x8` (32 features x 64 rows a block, the 8 K slices in its 8 warps), with its
+    /// weights through a cp.async ring unless `SPECULA_CUDA_GEMM_PIPE=0`.
+    Tile2,
+    /// `gemm_*_4x8` (64 features a block, one chunk of weights in flight).
+    Tile4,
+    /// `gemm_seq_*` (128 features x 64 rows a block, each warp walking the K slices in order,
+    /// the X chunks shared through shared memory; narrow layers split the slices over blocks).
+    Seq,
+    /// `gemm_seq_*_l1`: the same with the X chunks shared through L1.
+    SeqL1,
+}
+
+impl Wide {
+    pub fn name(self) -> &'static str {
+        match self {
+            Wide::Tile2 => "2x8",
+            Wide::Tile4 => "4x8",
+            Wide::Seq => "seq",
+            Wide::SeqL1 => "seq_l1",
+        }
+    }
+}
+
+/// The `gemm_seq` kernels: `[l1][silu][q8]`.
+const GEMM_SEQ: [[[&str; 2]; 2]; 2] = [
+    [
+        ["gemm_seq_bf16", "gemm_seq_q8"],
+        ["gemm_seq_bf16_silu", "gemm_seq_q8_silu"],
+    ],
+    [
+        ["gemm_seq_bf16_l1", "gemm_seq_q8_l1"],
+        ["gemm_seq_bf16_silu_l1", "gemm_seq_q8_silu_l1"],
+    ],
+];
+
+/// Dynamic shared memory of the `gemm_seq` kernels' X ring (`SEQ_SMEM` in kernels.cu).
+const GEMM_SEQ_SMEM: u32 = 4 * 4 * 64 * 4 * 16;
+
+/// Feature x row tiles (128 x 64) a `gemm_seq` launch may split over blocks (the partials
+/// buffer holds this many); launches with more tiles do not split.
+pub const SEQ_MAX_TILES: usize = 256;
+
+/// Bytes of slice partials per tile: 8 slices x 128 features x 64 rows x f32.
+const SEQ_TILE_PART_BYTES: usize = 8 * 128 * 64 * 4;
+
+/// The default of [`Gpu::seq_blocks`] (132 multiprocessors on an H200).
+const SEQ_BLOCKS: usize = 128;
 
 /// Where a GEMM's outputs go (kernels.cu, above `gemm_impl`). Each output keeps its fold, so
 /// the SiLU epilogue gives the bits of the `silu_mul` kernel it replaces.
@@ -886,6 +1018,10 @@ pub(crate) struct KernelOptions {
     /// One-row forwards do `qkv_rope_store`'s work in the attention kernel
     /// (`attention_rope_rows_deep`); `SPECULA_CUDA_FUSE_ROPE=0` launches it separately.
     pub rope: bool,
+    /// Launch the attention with the key-range index as the slowest grid dimension, so the
+    /// blocks of a short row's empty ranges are dispatched after the working ones
+    /// (`SPECULA_CUDA_ATT_ORDER=range`; speed only).
+    pub att_range_last: bool,
     /// Timing experiments only (wrong outputs): kernels left out of every forward,
     /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
     pub skip: Vec<String>,
@@ -930,6 +1066,7 @@ impl KernelOptions {
             rope,
             att_group,
             att_deep,
+            att_range_last: std::env::var("SPECULA_CUDA_ATT_ORDER").is_ok_and(|v| v == "range"),
             skip,
         })
     }
@@ -1225,7 +1362,11 @@ impl GpuModel {
                 } else {
                     "attention_rows"
                 };
-                g.launch(name, (nu * att_blocks, att_heads as u32), 256, &args)?;
+                if fu.att_range_last {
+                    g.launch3(name, (nu, att_heads as u32, att_blocks), 256, 0, &args)?;
+                } else {
+                    g.launch(name, (nu * att_blocks, att_heads as u32), 256, &args)?;
+                }
             }
             let (x, xn) = (s.x.at(0), s.xn.at(0));
             g.gemm(l.o.ptrs(), s.ao.at(0), Some(x), x, n, h, nh * hd)?;
