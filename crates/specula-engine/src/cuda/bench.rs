@@ -169,12 +169,13 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
                 differing.push(format!("row {j} alone"));
             }
         }
-        // Every kernel above 32 rows, and the seq kernel with each K split over blocks (1, 2,
-        // 4, 8: n = 200 at 70 rows is 4 tiles, n = 96 two).
+        // Every kernel above 32 rows, and the seq kernels with each K split over blocks (1, 2,
+        // 4, 8).
         let (wide, blocks) = (gpu.wide(), gpu.seq_blocks());
-        let tiles = mmax.div_ceil(64) * n.div_ceil(128);
-        let mut configs = vec![(Wide::Tile2, blocks), (Wide::Tile4, blocks), (Wide::SeqL1, blocks)];
-        configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq, tiles * ks)));
+        let tiles = |rt: usize| mmax.div_ceil(rt) * n.div_ceil(128);
+        let mut configs = vec![(Wide::Tile2, blocks), (Wide::Tile4, blocks), (Wide::Auto, blocks)];
+        configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq, tiles(64) * ks)));
+        configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq32, tiles(32) * ks)));
         for (w2, b2) in configs {
             gpu.set_wide(w2);
             gpu.set_seq_blocks(b2);
@@ -660,7 +661,11 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     log("kernel profile at 1, 8 and 64 rows");
     let mut profile = Vec::new();
     let keep = m.gpu.wide();
-    for (r, wide) in [(1usize, keep), (8, keep), (64, keep), (64, Wide::Tile2)] {
+    let at64 = [Wide::Tile2, Wide::Seq, Wide::Seq32].into_iter().filter(|&w| w != keep);
+    let runs = [(1usize, keep), (8, keep), (64, keep)]
+        .into_iter()
+        .chain(at64.map(|w| (64, w)));
+    for (r, wide) in runs {
         let rows: Vec<Row> = (0..r.min(m.slots()))
             .map(|i| Row {
                 token: prompt[i],

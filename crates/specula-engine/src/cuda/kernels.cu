@@ -567,15 +567,15 @@ GEMM_KERNEL(gemm_q8_2x8_pipe, 2, 8, 2, true, 3, false)
 GEMM_KERNEL(gemm_bf16_2x8_pipe_silu, 2, 8, 2, false, 3, true)
 GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 
-// gemm_seq_{bf16,q8}[_silu][_l1]: the GEMM above 32 rows, with the bits of gemm_impl and a
-// tile of 128 features x 64 rows. Warp w owns features 16w..16w+15 of the block's 128 and all 64
-// rows, and walks the K slices itself, one after the other: a slice's chunks fold into a zeroed
-// partial, chunk by chunk and in chunk order (what gemm_impl's warp of that slice does), and the
-// partials are added to a running total in slice order (what gemm_impl's reduction does), the
-// residual last. So the 8 warps need the same X chunk at the same step and share it: through a
-// cp.async ring in shared memory (or through L1, the `_l1` kernels), and each X byte enters a
+// gemm_seq[32]_{bf16,q8}[_silu]: the GEMM above 32 rows, with the bits of gemm_impl and a tile
+// of 128 features x 64 rows (x 32 rows: gemm_seq32). Warp w owns features 16w..16w+15 of the
+// block's 128 and all its rows, and walks the K slices itself, one after the other: a slice's
+// chunks fold into a zeroed partial, chunk by chunk and in chunk order (what gemm_impl's warp of
+// that slice does), and the partials are added to a running total in slice order (what
+// gemm_impl's reduction does), the residual last. So the 8 warps need the same X chunk at the
+// same step and share it through a cp.async ring in shared memory: each X byte enters a
 // multiprocessor once per 128 features instead of once per 32 (at 64 rows gemm_impl's X reads
-// from L2 are twice the weight bytes).
+// from L2 are twice the weight bytes). (Sharing it through L1 instead was 1.5x slower.)
 //
 // Grid (row tiles, feature tiles, KS), KS in {1, 2, 4, 8}: block z walks slices
 // [z * 8 / KS, (z + 1) * 8 / KS). With KS > 1 (narrow layers, which have few feature tiles)
@@ -584,22 +584,22 @@ GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 // them in slice order: the same additions in the same order.
 #define SEQ_U 4    // chunks per weight batch (two batches alternate: 8 chunks, 8 KB a warp, in flight)
 #define SEQ_XST 4  // stages of the X ring, SEQ_U chunks each (4 KB a chunk: 64 rows x 64 bytes)
-#define SEQ_SMEM (SEQ_XST * SEQ_U * 64 * 4 * 16)
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
 
-template <bool Q8, bool SILU, bool XSM>
+template <int NT, bool Q8, bool SILU>
 __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                               const bf16_t* __restrict__ X, const float* R, float* Y, int M,
                                               int N, int K, bf16_t* Act, float* P, int* C) {
   constexpr int U = SEQ_U;
-  extern __shared__ uint4 xsm[];  // [SEQ_XST][U][64 rows][4 lanes' pieces] (XSM)
+  constexpr int RT = 8 * NT;       // rows a block
+  extern __shared__ uint4 xsm[];  // [SEQ_XST][U][RT rows][4 lanes' pieces]
   __shared__ int last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const int r0 = blockIdx.x * 64;
+  const int r0 = blockIdx.x * RT;
   const int f0 = blockIdx.y * 128 + warp * 16;
   const int KS = gridDim.z, z = blockIdx.z, spb = GEMM_SLICES / KS;
   const int nch = (K + 31) >> 5;
@@ -607,14 +607,14 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
   const int s0 = z * spb;
   const int cb = min(s0 * per, nch), ce = min((s0 + spb) * per, nch);
   const int wrow0 = min(f0 + gid, N - 1), wrow1 = min(f0 + gid + 8, N - 1);
-  int xrow[8];
+  int xrow[NT];
 #pragma unroll
-  for (int nt = 0; nt < 8; nt++) xrow[nt] = r0 + nt * 8 + gid < M ? r0 + nt * 8 + gid : -1;
+  for (int nt = 0; nt < NT; nt++) xrow[nt] = r0 + nt * 8 + gid < M ? r0 + nt * 8 + gid : -1;
   float* Pt = P + (size_t)(blockIdx.y * gridDim.x + blockIdx.x) * (GEMM_SLICES * 8 * 256 * 4);
 
-  float tot[8][4], acc[8][4];
+  float tot[NT][4], acc[NT][4];
 #pragma unroll
-  for (int nt = 0; nt < 8; nt++)
+  for (int nt = 0; nt < NT; nt++)
 #pragma unroll
     for (int i = 0; i < 4; i++) tot[nt][i] = acc[nt][i] = 0.0f;
 
@@ -624,17 +624,17 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
   auto end_slice = [&]() {
     if (z == 0) {
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++)
+      for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) tot[nt][i] = s == 0 ? acc[nt][i] : tot[nt][i] + acc[nt][i];
     } else {
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++)
+      for (int nt = 0; nt < NT; nt++)
         reinterpret_cast<float4*>(Pt)[((size_t)s * 8 + nt) * 256 + threadIdx.x] =
             make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
     }
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
       for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
     s++;
@@ -661,16 +661,16 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
       }
     }
   };
-  // The X pieces of chunks c .. c + U - 1 for the block's 64 rows into ring stage `st` (one
+  // The X pieces of chunks c .. c + U - 1 for the block's RT rows into ring stage `st` (one
   // commit group; zeros past M or K, nothing past the block's chunks).
   auto issue_x = [&](int st, int c) {
-    const int row = threadIdx.x >> 2, q = threadIdx.x & 3;
 #pragma unroll
-    for (int u = 0; u < U; u++) {
+    for (int i = threadIdx.x; i < U * RT * 4; i += 256) {
+      const int u = i / (RT * 4), row = (i / 4) % RT, q = i & 3;
       const int k = (c + u) * 32 + q * 8;
       if (c + u < ce) {
         const bool ok = k < K && r0 + row < M;
-        cp_async16(xsm + ((st * U + u) * 64 + row) * 4 + q, ok ? (const void*)(X + (size_t)(r0 + row) * K + k) : X,
+        cp_async16(xsm + ((st * U + u) * RT + row) * 4 + q, ok ? (const void*)(X + (size_t)(r0 + row) * K + k) : X,
                    ok);
       }
     }
@@ -680,7 +680,6 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
 #pragma unroll
     for (int u = 0; u < U; u++) {
       if (c + u < ce) {  // block-uniform
-        const int k = (c + u) * 32 + tig * 8;
         uint4 a = wa[u][0], b = wa[u][1];
         float sa = 0.0f, sb = 0.0f;
         if (Q8) {
@@ -689,17 +688,11 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
           sa = __ldg(Ws + (size_t)wrow0 * nch + c + u);
           sb = __ldg(Ws + (size_t)wrow1 * nch + c + u);
         }
-        uint4 xb[8];
+        uint4 xb[NT];
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-          if (XSM)
-            xb[nt] = xsm[((st * U + u) * 64 + nt * 8 + gid) * 4 + tig];
-          else
-            xb[nt] = (k < K && xrow[nt] >= 0) ? __ldg(reinterpret_cast<const uint4*>(X + (size_t)xrow[nt] * K + k))
-                                              : make_uint4(0, 0, 0, 0);
-        }
+        for (int nt = 0; nt < NT; nt++) xb[nt] = xsm[((st * U + u) * RT + nt * 8 + gid) * 4 + tig];
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
           if (Q8) {
             float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma16816(p, a.x, b.x, a.y, b.y, xb[nt].x, xb[nt].y);
@@ -720,11 +713,9 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
   // Before the batch of ring stage b: its copies are done and visible, and every warp is done
   // with stage b - 1, whose slot then takes the batch SEQ_XST - 1 ahead.
   auto ring_step = [&](int b, int c) {
-    if (XSM) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(SEQ_XST - 2) : "memory");
-      __syncthreads();
-      issue_x((b + SEQ_XST - 1) % SEQ_XST, c + (SEQ_XST - 1) * U);
-    }
+    asm volatile("cp.async.wait_group %0;" ::"n"(SEQ_XST - 2) : "memory");
+    __syncthreads();
+    issue_x((b + SEQ_XST - 1) % SEQ_XST, c + (SEQ_XST - 1) * U);
   };
 
   // Weights are constant: the first two batches load before the wait for the previous kernel.
@@ -733,10 +724,8 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
   load_w(wb, cb + U);
   pdl_wait();
   pdl_launch();
-  if (XSM) {
 #pragma unroll
-    for (int st = 0; st < SEQ_XST - 1; st++) issue_x(st, cb + st * U);
-  }
+  for (int st = 0; st < SEQ_XST - 1; st++) issue_x(st, cb + st * U);
   int b = 0;
   for (int c = cb; c < ce; c += 2 * U) {
     ring_step(b, c);
@@ -753,12 +742,12 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
   // A last slice cut short by K, and empty slices (their zero partials are added, as in
   // gemm_impl's reduction).
   while (s < s0 + spb) end_slice();
-  if (XSM) asm volatile("cp.async.wait_group 0;" ::: "memory");
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
 
   if (KS > 1) {
     if (z == 0) {
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++)
+      for (int nt = 0; nt < NT; nt++)
         reinterpret_cast<float4*>(Pt)[(size_t)nt * 256 + threadIdx.x] =
             make_float4(tot[nt][0], tot[nt][1], tot[nt][2], tot[nt][3]);
     }
@@ -769,13 +758,13 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
     if (!last) return;
     __threadfence();
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
       const float4 v = __ldcg(reinterpret_cast<const float4*>(Pt) + (size_t)nt * 256 + threadIdx.x);
       tot[nt][0] = v.x, tot[nt][1] = v.y, tot[nt][2] = v.z, tot[nt][3] = v.w;
     }
     for (int t = spb; t < GEMM_SLICES; t++) {
 #pragma unroll
-      for (int nt = 0; nt < 8; nt++) {
+      for (int nt = 0; nt < NT; nt++) {
         const float4 v = __ldcg(reinterpret_cast<const float4*>(Pt) + ((size_t)t * 8 + nt) * 256 + threadIdx.x);
         tot[nt][0] += v.x, tot[nt][1] += v.y, tot[nt][2] += v.z, tot[nt][3] += v.w;
       }
@@ -786,7 +775,7 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
   // The mma layout: tot[nt][j] is feature f0 + gid, tot[nt][2 + j] feature f0 + gid + 8, both
   // of row r0 + nt * 8 + 2 * tig + j.
 #pragma unroll
-  for (int nt = 0; nt < 8; nt++)
+  for (int nt = 0; nt < NT; nt++)
 #pragma unroll
     for (int j = 0; j < 2; j++) {
       const int m = r0 + nt * 8 + 2 * tig + j;
@@ -807,18 +796,20 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
     }
 }
 
-#define SEQ_KERNEL(NAME, Q8, SILU, XSM)                                                            \
-  extern "C" __global__ void __launch_bounds__(256, 1) NAME(GEMM_ARGS, float* P, int* C) {        \
-    gemm_seq_impl<Q8, SILU, XSM>(GEMM_PASS, P, C);                                                 \
+// 64-row tiles (one block a multiprocessor), and 32-row tiles (two: half the accumulators, and
+// twice the blocks for the few-tile layers; each weight byte is then read by two blocks).
+#define SEQ_KERNEL(NAME, NT, MINB, Q8, SILU)                                                       \
+  extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GEMM_ARGS, float* P, int* C) {     \
+    gemm_seq_impl<NT, Q8, SILU>(GEMM_PASS, P, C);                                                  \
   }
-SEQ_KERNEL(gemm_seq_bf16, false, false, true)
-SEQ_KERNEL(gemm_seq_q8, true, false, true)
-SEQ_KERNEL(gemm_seq_bf16_silu, false, true, true)
-SEQ_KERNEL(gemm_seq_q8_silu, true, true, true)
-SEQ_KERNEL(gemm_seq_bf16_l1, false, false, false)
-SEQ_KERNEL(gemm_seq_q8_l1, true, false, false)
-SEQ_KERNEL(gemm_seq_bf16_silu_l1, false, true, false)
-SEQ_KERNEL(gemm_seq_q8_silu_l1, true, true, false)
+SEQ_KERNEL(gemm_seq_bf16, 8, 1, false, false)
+SEQ_KERNEL(gemm_seq_q8, 8, 1, true, false)
+SEQ_KERNEL(gemm_seq_bf16_silu, 8, 1, false, true)
+SEQ_KERNEL(gemm_seq_q8_silu, 8, 1, true, true)
+SEQ_KERNEL(gemm_seq32_bf16, 4, 2, false, false)
+SEQ_KERNEL(gemm_seq32_q8, 4, 2, true, false)
+SEQ_KERNEL(gemm_seq32_bf16_silu, 4, 2, false, true)
+SEQ_KERNEL(gemm_seq32_q8_silu, 4, 2, true, true)
 
 // Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
 // from splitmix64 like fill_uniform_bf16.

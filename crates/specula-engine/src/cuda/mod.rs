@@ -141,8 +141,11 @@ pub struct Gpu {
     f: HashMap<&'static str, sys::CUfunction>,
     /// The projection kernels (`SPECULA_CUDA_GEMM=gemv` picks the reference FMA kernels).
     gemm_path: std::cell::Cell<GemmPath>,
-    /// The GEMM kernel above 32 rows ([`Wide`], `SPECULA_CUDA_GEMM_WIDE=2|4|seq|seq_l1`).
+    /// The GEMM kernel above 32 rows ([`Wide`], `SPECULA_CUDA_GEMM_WIDE=2|4|seq|seq32|auto`).
     wide: std::cell::Cell<Wide>,
+    /// [`Wide::Auto`]: up to 64 rows, layers at least this wide run `gemm_seq32`, narrower
+    /// ones the 2x8 tile (`SPECULA_CUDA_SEQ_MIN_N`).
+    seq_min_n: usize,
     /// [`Wide::Seq`]: the K split across blocks is the smallest of 1, 2, 4, 8 that gives at
     /// least this many blocks (`SPECULA_CUDA_SEQ_BLOCKS`, 1..=[`SEQ_MAX_TILES`]; speed only).
     seq_blocks: std::cell::Cell<usize>,
@@ -284,7 +287,8 @@ impl Gpu {
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
             f.insert(name, func);
         }
-        let seq_smem = GEMM_SEQ[0].iter().flatten().map(|&n| (n, GEMM_SEQ_SMEM));
+        let seq_smem =
+            (GEMM_SEQ.iter().enumerate()).flat_map(|(h, k)| k.iter().flatten().map(move |&n| (n, GEMM_SEQ_SMEM >> h)));
         for (name, bytes) in pipes.map(|n| (n, GEMM_PIPE_SMEM)).chain(seq_smem) {
             let r = unsafe {
                 sys::cuFuncSetAttribute(
@@ -304,9 +308,16 @@ impl Gpu {
         let wide = match std::env::var("SPECULA_CUDA_GEMM_WIDE").as_deref() {
             Ok("2") => Wide::Tile2,
             Ok("4") => Wide::Tile4,
-            Ok("seq_l1") => Wide::SeqL1,
-            Ok("seq") | Err(_) => Wide::Seq,
-            Ok(other) => bail!("SPECULA_CUDA_GEMM_WIDE={other}: use 2, 4, seq or seq_l1"),
+            Ok("seq") => Wide::Seq,
+            Ok("seq32") => Wide::Seq32,
+            Ok("auto") | Err(_) => Wide::Auto,
+            Ok(other) => bail!("SPECULA_CUDA_GEMM_WIDE={other}: use 2, 4, seq, seq32 or auto"),
+        };
+        let seq_min_n = match std::env::var("SPECULA_CUDA_SEQ_MIN_N") {
+            Ok(v) => v
+                .parse::<usize>()
+                .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_SEQ_MIN_N={v}: not a number"))?,
+            Err(_) => SEQ_MIN_N,
         };
         let seq_blocks = match std::env::var("SPECULA_CUDA_SEQ_BLOCKS") {
             Ok(v) => match v.parse::<usize>() {
@@ -326,6 +337,7 @@ impl Gpu {
             gemm_path: std::cell::Cell::new(gemm_path),
             wide: std::cell::Cell::new(wide),
             seq_blocks: std::cell::Cell::new(seq_blocks),
+            seq_min_n,
             seq_part,
             seq_count,
             pipe: std::cell::Cell::new(pipe),
@@ -641,20 +653,26 @@ impl Gpu {
             let e = if silu { " +silu" } else { "" };
             *self.profile_tag.borrow_mut() = format!("gemm n{n} k{k}{e}");
         }
-        let wide = self.wide.get();
-        if rows > 32 && matches!(wide, Wide::Seq | Wide::SeqL1) {
-            let l1 = wide == Wide::SeqL1;
-            let tiles = rows.div_ceil(64) * n.div_ceil(128);
+        let wide = match self.wide.get() {
+            Wide::Auto if rows > 64 => Wide::Seq,
+            Wide::Auto if n >= self.seq_min_n => Wide::Seq32,
+            Wide::Auto => Wide::Tile2,
+            w => w,
+        };
+        if rows > 32 && matches!(wide, Wide::Seq | Wide::Seq32) {
+            let half = wide == Wide::Seq32;
+            let rt = if half { 32 } else { 64 };
+            let tiles = rows.div_ceil(rt) * n.div_ceil(128);
             let mut ks = 1;
             while tiles * ks < self.seq_blocks.get() && ks < 8 && tiles <= SEQ_MAX_TILES {
                 ks *= 2;
             }
-            let name = GEMM_SEQ[l1 as usize][silu as usize][q8 as usize];
+            let name = GEMM_SEQ[half as usize][silu as usize][q8 as usize];
             return self.launch3(
                 name,
-                (rows.div_ceil(64) as u32, n.div_ceil(128) as u32, ks as u32),
+                (rows.div_ceil(rt) as u32, n.div_ceil(128) as u32, ks as u32),
                 256,
-                if l1 { 0 } else { GEMM_SEQ_SMEM },
+                GEMM_SEQ_SMEM >> half as u32,
                 &[
                     A::P(w.0),
                     A::P(w.1),
@@ -771,8 +789,11 @@ pub enum Wide {
     /// `gemm_seq_*` (128 features x 64 rows a block, each warp walking the K slices in order,
     /// the X chunks shared through shared memory; narrow layers split the slices over blocks).
     Seq,
-    /// `gemm_seq_*_l1`: the same with the X chunks shared through L1.
-    SeqL1,
+    /// `gemm_seq32_*`: the same with 32 rows a block (two blocks a multiprocessor).
+    Seq32,
+    /// `Seq` above 64 rows; up to 64, `Seq32` for layers of at least `SPECULA_CUDA_SEQ_MIN_N`
+    /// features, `Tile2` for the others.
+    Auto,
 }
 
 impl Wide {
@@ -781,25 +802,30 @@ impl Wide {
             Wide::Tile2 => "2x8",
             Wide::Tile4 => "4x8",
             Wide::Seq => "seq",
-            Wide::SeqL1 => "seq_l1",
+            Wide::Seq32 => "seq32",
+            Wide::Auto => "auto",
         }
     }
 }
 
-/// The `gemm_seq` kernels: `[l1][silu][q8]`.
+/// The `gemm_seq` kernels: `[32 rows][silu][q8]`.
 const GEMM_SEQ: [[[&str; 2]; 2]; 2] = [
     [
         ["gemm_seq_bf16", "gemm_seq_q8"],
         ["gemm_seq_bf16_silu", "gemm_seq_q8_silu"],
     ],
     [
-        ["gemm_seq_bf16_l1", "gemm_seq_q8_l1"],
-        ["gemm_seq_bf16_silu_l1", "gemm_seq_q8_silu_l1"],
+        ["gemm_seq32_bf16", "gemm_seq32_q8"],
+        ["gemm_seq32_bf16_silu", "gemm_seq32_q8_silu"],
     ],
 ];
 
-/// Dynamic shared memory of the `gemm_seq` kernels' X ring (`SEQ_SMEM` in kernels.cu).
+/// Dynamic shared memory of the 64-row `gemm_seq` kernels' X ring (SEQ_XST stages of SEQ_U
+/// chunks of 64 rows x 64 bytes, kernels.cu); the 32-row ones take half.
 const GEMM_SEQ_SMEM: u32 = 4 * 4 * 64 * 4 * 16;
+
+/// The default of `SPECULA_CUDA_SEQ_MIN_N` ([`Wide::Auto`]).
+const SEQ_MIN_N: usize = 16384;
 
 /// Feature x row tiles (128 x 64) a `gemm_seq` launch may split over blocks (the partials
 /// buffer holds this many); launches with more tiles do not split.
