@@ -176,14 +176,21 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
         let mut configs = vec![(Wide::Tile2, blocks), (Wide::Tile4, blocks), (Wide::Auto, blocks)];
         configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq, tiles(64) * ks)));
         configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq32, tiles(32) * ks)));
-        for (w2, b2) in configs {
+        let deep = gpu.seq_deep();
+        for (w2, b2, d2) in configs
+            .into_iter()
+            .map(|(w, b)| (w, b, false))
+            .chain([(Wide::Seq, blocks, true)])
+        {
             gpu.set_wide(w2);
             gpu.set_seq_blocks(b2);
+            gpu.set_seq_deep(d2);
             let other = run(0, mmax);
             gpu.set_wide(wide);
             gpu.set_seq_blocks(blocks);
+            gpu.set_seq_deep(deep);
             if !same_bits(&other?, &full) {
-                differing.push(format!("{} tile ({b2} blocks)", w2.name()));
+                differing.push(format!("{} tile ({b2} blocks, deep {d2})", w2.name()));
             }
         }
         let pass = accurate && differing.is_empty();
@@ -747,6 +754,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         "gemm_path": gemm_path,
         "gemm_wide": m.gpu.wide().name(),
         "gemm_seq_blocks": m.gpu.seq_blocks(),
+        "gemm_seq_deep": m.gpu.seq_deep(),
         "kernel_profile": profile,
         "gemv_reference": gemv_ref,
         "wall_seconds": t0.elapsed().as_secs_f64(),

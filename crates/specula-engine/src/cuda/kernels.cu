@@ -582,19 +582,18 @@ GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 // block 0 writes its running total and the others each slice's partial to P (f32, 256 KB a
 // tile), and the tile's last block to finish (an atomic count in C, zero between launches) adds
 // them in slice order: the same additions in the same order.
-#define SEQ_U 4    // chunks per weight batch (two batches alternate: 8 chunks, 8 KB a warp, in flight)
-#define SEQ_XST 4  // stages of the X ring, SEQ_U chunks each (4 KB a chunk: 64 rows x 64 bytes)
+// U: chunks per weight batch (two batches alternate: 2U chunks, 2U KB a warp, in flight).
+#define SEQ_XST 4  // stages of the X ring, U chunks each (4 KB a chunk of 64 rows: 64 x 64 bytes)
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
 
-template <int NT, bool Q8, bool SILU>
+template <int NT, int U, bool Q8, bool SILU>
 __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                               const bf16_t* __restrict__ X, const float* R, float* Y, int M,
                                               int N, int K, bf16_t* Act, float* P, int* C) {
-  constexpr int U = SEQ_U;
   constexpr int RT = 8 * NT;       // rows a block
   extern __shared__ uint4 xsm[];  // [SEQ_XST][U][RT rows][4 lanes' pieces]
   __shared__ int last;
@@ -798,18 +797,19 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
 
 // 64-row tiles (one block a multiprocessor), and 32-row tiles (two: half the accumulators, and
 // twice the blocks for the few-tile layers; each weight byte is then read by two blocks).
-#define SEQ_KERNEL(NAME, NT, MINB, Q8, SILU)                                                       \
+// (and 64-row tiles with 12 chunks of weights in flight a warp: gemm_seq6).
+#define SEQ_KERNEL(NAME, NT, U, MINB, Q8, SILU)                                                    \
   extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GEMM_ARGS, float* P, int* C) {     \
-    gemm_seq_impl<NT, Q8, SILU>(GEMM_PASS, P, C);                                                  \
+    gemm_seq_impl<NT, U, Q8, SILU>(GEMM_PASS, P, C);                                               \
   }
-SEQ_KERNEL(gemm_seq_bf16, 8, 1, false, false)
-SEQ_KERNEL(gemm_seq_q8, 8, 1, true, false)
-SEQ_KERNEL(gemm_seq_bf16_silu, 8, 1, false, true)
-SEQ_KERNEL(gemm_seq_q8_silu, 8, 1, true, true)
-SEQ_KERNEL(gemm_seq32_bf16, 4, 2, false, false)
-SEQ_KERNEL(gemm_seq32_q8, 4, 2, true, false)
-SEQ_KERNEL(gemm_seq32_bf16_silu, 4, 2, false, true)
-SEQ_KERNEL(gemm_seq32_q8_silu, 4, 2, true, true)
+#define SEQ_KERNELS(NAME, NT, U, MINB)                   \
+  SEQ_KERNEL(NAME##_bf16, NT, U, MINB, false, false)     \
+  SEQ_KERNEL(NAME##_q8, NT, U, MINB, true, false)        \
+  SEQ_KERNEL(NAME##_bf16_silu, NT, U, MINB, false, true) \
+  SEQ_KERNEL(NAME##_q8_silu, NT, U, MINB, true, true)
+SEQ_KERNELS(gemm_seq, 8, 4, 1)
+SEQ_KERNELS(gemm_seq32, 4, 4, 2)
+SEQ_KERNELS(gemm_seq6, 8, 6, 1)
 
 // Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
 // from splitmix64 like fill_uniform_bf16.

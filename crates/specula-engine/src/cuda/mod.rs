@@ -146,6 +146,9 @@ pub struct Gpu {
     /// [`Wide::Auto`]: up to 64 rows, layers at least this wide run `gemm_seq32`, narrower
     /// ones the 2x8 tile (`SPECULA_CUDA_SEQ_MIN_N`).
     seq_min_n: usize,
+    /// The 64-row `gemm_seq` tile with 12 chunks of weights in flight a warp instead of 8
+    /// (`SPECULA_CUDA_SEQ_U=6`).
+    seq_deep: std::cell::Cell<bool>,
     /// [`Wide::Seq`]: the K split across blocks is the smallest of 1, 2, 4, 8 that gives at
     /// least this many blocks (`SPECULA_CUDA_SEQ_BLOCKS`, 1..=[`SEQ_MAX_TILES`]; speed only).
     seq_blocks: std::cell::Cell<usize>,
@@ -287,8 +290,7 @@ impl Gpu {
             ck(unsafe { sys::cuModuleGetFunction(&mut func, module, c.as_ptr()) }, name)?;
             f.insert(name, func);
         }
-        let seq_smem =
-            (GEMM_SEQ.iter().enumerate()).flat_map(|(h, k)| k.iter().flatten().map(move |&n| (n, GEMM_SEQ_SMEM >> h)));
+        let seq_smem = (GEMM_SEQ.iter().zip(GEMM_SEQ_SMEM)).flat_map(|(k, b)| k.iter().flatten().map(move |&n| (n, b)));
         for (name, bytes) in pipes.map(|n| (n, GEMM_PIPE_SMEM)).chain(seq_smem) {
             let r = unsafe {
                 sys::cuFuncSetAttribute(
@@ -338,6 +340,7 @@ impl Gpu {
             wide: std::cell::Cell::new(wide),
             seq_blocks: std::cell::Cell::new(seq_blocks),
             seq_min_n,
+            seq_deep: std::cell::Cell::new(std::env::var("SPECULA_CUDA_SEQ_U").is_ok_and(|v| v == "6")),
             seq_part,
             seq_count,
             pipe: std::cell::Cell::new(pipe),
@@ -411,6 +414,15 @@ impl Gpu {
     /// [`Gpu::seq_blocks`]: blocks a [`Wide::Seq`] GEMM aims for (clamped to 1..=256).
     pub fn set_seq_blocks(&self, blocks: usize) {
         self.seq_blocks.set(blocks.clamp(1, SEQ_MAX_TILES));
+    }
+
+    /// [`Gpu::seq_deep`] (speed only).
+    pub fn set_seq_deep(&self, deep: bool) {
+        self.seq_deep.set(deep);
+    }
+
+    pub fn seq_deep(&self) -> bool {
+        self.seq_deep.get()
     }
 
     pub fn seq_blocks(&self) -> usize {
@@ -667,12 +679,19 @@ impl Gpu {
             while tiles * ks < self.seq_blocks.get() && ks < 8 && tiles <= SEQ_MAX_TILES {
                 ks *= 2;
             }
-            let name = GEMM_SEQ[half as usize][silu as usize][q8 as usize];
+            let kind = if half {
+                1
+            } else if self.seq_deep.get() {
+                2
+            } else {
+                0
+            };
+            let name = GEMM_SEQ[kind][silu as usize][q8 as usize];
             return self.launch3(
                 name,
                 (rows.div_ceil(rt) as u32, n.div_ceil(128) as u32, ks as u32),
                 256,
-                GEMM_SEQ_SMEM >> half as u32,
+                GEMM_SEQ_SMEM[kind],
                 &[
                     A::P(w.0),
                     A::P(w.1),
@@ -808,8 +827,9 @@ impl Wide {
     }
 }
 
-/// The `gemm_seq` kernels: `[32 rows][silu][q8]`.
-const GEMM_SEQ: [[[&str; 2]; 2]; 2] = [
+/// The `gemm_seq` kernels: `[kind][silu][q8]`, kind 0: 64 rows, 1: 32 rows, 2: 64 rows with 12
+/// chunks of weights in flight a warp (not 8).
+const GEMM_SEQ: [[[&str; 2]; 2]; 3] = [
     [
         ["gemm_seq_bf16", "gemm_seq_q8"],
         ["gemm_seq_bf16_silu", "gemm_seq_q8_silu"],
@@ -818,11 +838,15 @@ const GEMM_SEQ: [[[&str; 2]; 2]; 2] = [
         ["gemm_seq32_bf16", "gemm_seq32_q8"],
         ["gemm_seq32_bf16_silu", "gemm_seq32_q8_silu"],
     ],
+    [
+        ["gemm_seq6_bf16", "gemm_seq6_q8"],
+        ["gemm_seq6_bf16_silu", "gemm_seq6_q8_silu"],
+    ],
 ];
 
-/// Dynamic shared memory of the 64-row `gemm_seq` kernels' X ring (SEQ_XST stages of SEQ_U
-/// chunks of 64 rows x 64 bytes, kernels.cu); the 32-row ones take half.
-const GEMM_SEQ_SMEM: u32 = 4 * 4 * 64 * 4 * 16;
+/// Dynamic shared memory of each kind of `gemm_seq` kernel: the X ring, 4 stages of U chunks
+/// of (rows x 64 bytes).
+const GEMM_SEQ_SMEM: [u32; 3] = [4 * 4 * 64 * 64, 4 * 4 * 32 * 64, 4 * 6 * 64 * 64];
 
 /// The default of `SPECULA_CUDA_SEQ_MIN_N` ([`Wide::Auto`]).
 const SEQ_MIN_N: usize = 16384;
