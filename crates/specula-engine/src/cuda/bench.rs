@@ -14,7 +14,7 @@
 //! server would see them.
 
 use super::load::{self, Shape};
-use super::{Gpu, GpuModel, Row, StepOut, Wide};
+use super::{Gpu, GpuModel, Row, SeqWeights, StepOut, Wide};
 use crate::spec::ngram::NgramDrafter;
 use anyhow::Result;
 use serde_json::{json, Value};
@@ -176,21 +176,21 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
         let mut configs = vec![(Wide::Tile2, blocks), (Wide::Tile4, blocks), (Wide::Auto, blocks)];
         configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq, tiles(64) * ks)));
         configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq32, tiles(32) * ks)));
-        let deep = gpu.seq_deep();
-        for (w2, b2, d2) in configs
-            .into_iter()
-            .map(|(w, b)| (w, b, false))
-            .chain([(Wide::Seq, blocks, true)])
-        {
+        let sw = gpu.seq_w();
+        let mut configs: Vec<_> = configs.into_iter().map(|(w, b)| (w, b, SeqWeights::Reg4)).collect();
+        for w in [SeqWeights::Reg6, SeqWeights::Ring] {
+            configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq, tiles(64) * ks, w)));
+        }
+        for (w2, b2, s2) in configs {
             gpu.set_wide(w2);
             gpu.set_seq_blocks(b2);
-            gpu.set_seq_deep(d2);
+            gpu.set_seq_w(s2);
             let other = run(0, mmax);
             gpu.set_wide(wide);
             gpu.set_seq_blocks(blocks);
-            gpu.set_seq_deep(deep);
+            gpu.set_seq_w(sw);
             if !same_bits(&other?, &full) {
-                differing.push(format!("{} tile ({b2} blocks, deep {d2})", w2.name()));
+                differing.push(format!("{} tile ({b2} blocks, weights {})", w2.name(), s2.name()));
             }
         }
         let pass = accurate && differing.is_empty();
@@ -667,12 +667,18 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
 
     log("kernel profile at 1, 8 and 64 rows");
     let mut profile = Vec::new();
-    let keep = m.gpu.wide();
-    let at64 = [Wide::Tile2, Wide::Seq, Wide::Seq32].into_iter().filter(|&w| w != keep);
-    let runs = [(1usize, keep), (8, keep), (64, keep)]
+    let (keep, keep_w) = (m.gpu.wide(), m.gpu.seq_w());
+    // At 64 rows, every wide kernel (the seq tile with each way of holding its weights).
+    let mut at64 = vec![(Wide::Tile2, keep_w), (Wide::Seq32, keep_w)];
+    at64.extend([SeqWeights::Reg4, SeqWeights::Reg6, SeqWeights::Ring].map(|w| (Wide::Seq, w)));
+    let runs = [(1usize, keep, keep_w), (8, keep, keep_w), (64, keep, keep_w)]
         .into_iter()
-        .chain(at64.map(|w| (64, w)));
-    for (r, wide) in runs {
+        .chain(
+            at64.into_iter()
+                .filter(|&(w, sw)| (w, sw) != (keep, keep_w))
+                .map(|(w, sw)| (64, w, sw)),
+        );
+    for (r, wide, sw) in runs {
         let rows: Vec<Row> = (0..r.min(m.slots()))
             .map(|i| Row {
                 token: prompt[i],
@@ -681,13 +687,19 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
             })
             .collect();
         m.gpu.set_wide(wide);
+        m.gpu.set_seq_w(sw);
         let p = m.profile(&rows);
         m.gpu.set_wide(keep);
+        m.gpu.set_seq_w(keep_w);
         let p = p?;
         let total: f64 = p.iter().map(|e| e.2).sum();
+        let label = match wide {
+            Wide::Seq | Wide::Auto => format!("{}/w{}", wide.name(), sw.name()),
+            _ => wide.name().to_string(),
+        };
         profile.push(json!({
             "rows": rows.len(),
-            "gemm_wide": wide.name(),
+            "gemm_wide": label,
             "total_ms": total,
             "kernels": p.iter().map(|(k, n, ms)| json!({"kernel": k, "launches": n, "ms": ms})).collect::<Vec<_>>(),
         }));
@@ -754,7 +766,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         "gemm_path": gemm_path,
         "gemm_wide": m.gpu.wide().name(),
         "gemm_seq_blocks": m.gpu.seq_blocks(),
-        "gemm_seq_deep": m.gpu.seq_deep(),
+        "gemm_seq_weights": m.gpu.seq_w().name(),
         "kernel_profile": profile,
         "gemv_reference": gemv_ref,
         "wall_seconds": t0.elapsed().as_secs_f64(),

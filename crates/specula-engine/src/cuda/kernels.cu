@@ -590,12 +590,17 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
 
-template <int NT, int U, bool Q8, bool SILU>
+// WS > 0 (gemm_seqw): the weights go through shared memory too, in one ring with X of WS stages
+// of U chunks ([WS][U][RT rows][4] X pieces, then [WS][U][2][256 lanes] weight pieces), WS - 1
+// stages ahead: the bytes in flight are no longer capped by the registers the accumulators
+// leave. Each lane reads back only the weight pieces it copied. Same loads, same fold.
+template <int NT, int U, bool Q8, bool SILU, int WS = 0>
 __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                               const bf16_t* __restrict__ X, const float* R, float* Y, int M,
                                               int N, int K, bf16_t* Act, float* P, int* C) {
   constexpr int RT = 8 * NT;       // rows a block
-  extern __shared__ uint4 xsm[];  // [SEQ_XST][U][RT rows][4 lanes' pieces]
+  // [SEQ_XST or WS][U][RT rows][4 lanes' pieces] (then, WS > 0, the weight ring)
+  extern __shared__ uint4 xsm[];
   __shared__ int last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int r0 = blockIdx.x * RT;
@@ -717,25 +722,77 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
     issue_x((b + SEQ_XST - 1) % SEQ_XST, c + (SEQ_XST - 1) * U);
   };
 
-  // Weights are constant: the first two batches load before the wait for the previous kernel.
-  uint4 wa[U][2], wb[U][2];
-  load_w(wa, cb);
-  load_w(wb, cb + U);
-  pdl_wait();
-  pdl_launch();
+  if constexpr (WS > 0) {
+    uint4* wsm = xsm + WS * U * RT * 4;
+    auto wslot = [&](int st, int u, int h) -> uint4* { return wsm + ((st * U + u) * 2 + h) * 256 + threadIdx.x; };
+    // The weight pieces of chunks c .. c + U - 1 into stage `st` (not committed).
+    auto issue_w = [&](int st, int c) {
 #pragma unroll
-  for (int st = 0; st < SEQ_XST - 1; st++) issue_x(st, cb + st * U);
-  int b = 0;
-  for (int c = cb; c < ce; c += 2 * U) {
-    ring_step(b, c);
-    fold(wa, c, b % SEQ_XST);
-    b++;
-    if (c + 2 * U < ce) load_w(wa, c + 2 * U);
-    if (c + U < ce) {
-      ring_step(b, c + U);
-      fold(wb, c + U, b % SEQ_XST);
+      for (int u = 0; u < U; u++) {
+        const int k = (c + u) * 32 + tig * 8;
+        const bool ok = c + u < ce && k < K;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const size_t e = (size_t)(h ? wrow1 : wrow0) * K + k;
+          const void* src = !ok ? Wp
+                            : Q8 ? (const void*)(reinterpret_cast<const signed char*>(Wp) + e)
+                                 : (const void*)(reinterpret_cast<const bf16_t*>(Wp) + e);
+          cp_async_w(wslot(st, u, h), src, ok, Q8);
+        }
+      }
+    };
+    // Weights are constant: the first WS - 1 stages' weights (one commit group each) are in
+    // flight before the wait for the previous kernel; then their X (one group each). Stage b's
+    // weight group always precedes its X group, so "all but the newest WS - 2 groups done"
+    // covers both.
+#pragma unroll
+    for (int st = 0; st < WS - 1; st++) {
+      issue_w(st, cb + st * U);
+      cp_async_commit();
+    }
+    pdl_wait();
+    pdl_launch();
+#pragma unroll
+    for (int st = 0; st < WS - 1; st++) issue_x(st, cb + st * U);
+    int st = 0;
+    uint4 wa[U][2];
+    for (int c = cb; c < ce; c += U) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(WS - 2) : "memory");
+      __syncthreads();
+      const int nx = st == 0 ? WS - 1 : st - 1;
+      issue_w(nx, c + (WS - 1) * U);
+      issue_x(nx, c + (WS - 1) * U);  // commits both
+#pragma unroll
+      for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const uint4 v = *wslot(st, u, h);
+          wa[u][h] = Q8 ? make_uint4(v.x, v.y, 0, 0) : v;
+        }
+      fold(wa, c, st);
+      st = st + 1 == WS ? 0 : st + 1;
+    }
+  } else {
+    // Weights are constant: the first two batches load before the wait for the previous kernel.
+    uint4 wa[U][2], wb[U][2];
+    load_w(wa, cb);
+    load_w(wb, cb + U);
+    pdl_wait();
+    pdl_launch();
+#pragma unroll
+    for (int st = 0; st < SEQ_XST - 1; st++) issue_x(st, cb + st * U);
+    int b = 0;
+    for (int c = cb; c < ce; c += 2 * U) {
+      ring_step(b, c);
+      fold(wa, c, b % SEQ_XST);
       b++;
-      if (c + 3 * U < ce) load_w(wb, c + 3 * U);
+      if (c + 2 * U < ce) load_w(wa, c + 2 * U);
+      if (c + U < ce) {
+        ring_step(b, c + U);
+        fold(wb, c + U, b % SEQ_XST);
+        b++;
+        if (c + 3 * U < ce) load_w(wb, c + 3 * U);
+      }
     }
   }
   // A last slice cut short by K, and empty slices (their zero partials are added, as in
@@ -798,18 +855,21 @@ __device__ __forceinline__ void gemm_seq_impl(const void* __restrict__ Wp, const
 // 64-row tiles (one block a multiprocessor), and 32-row tiles (two: half the accumulators, and
 // twice the blocks for the few-tile layers; each weight byte is then read by two blocks).
 // (and 64-row tiles with 12 chunks of weights in flight a warp: gemm_seq6).
-#define SEQ_KERNEL(NAME, NT, U, MINB, Q8, SILU)                                                    \
+#define SEQ_KERNEL(NAME, NT, U, MINB, Q8, SILU, WS)                                                \
   extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GEMM_ARGS, float* P, int* C) {     \
-    gemm_seq_impl<NT, U, Q8, SILU>(GEMM_PASS, P, C);                                               \
+    gemm_seq_impl<NT, U, Q8, SILU, WS>(GEMM_PASS, P, C);                                           \
   }
-#define SEQ_KERNELS(NAME, NT, U, MINB)                   \
-  SEQ_KERNEL(NAME##_bf16, NT, U, MINB, false, false)     \
-  SEQ_KERNEL(NAME##_q8, NT, U, MINB, true, false)        \
-  SEQ_KERNEL(NAME##_bf16_silu, NT, U, MINB, false, true) \
-  SEQ_KERNEL(NAME##_q8_silu, NT, U, MINB, true, true)
-SEQ_KERNELS(gemm_seq, 8, 4, 1)
-SEQ_KERNELS(gemm_seq32, 4, 4, 2)
-SEQ_KERNELS(gemm_seq6, 8, 6, 1)
+#define SEQ_KERNELS(NAME, NT, U, MINB, WS)                   \
+  SEQ_KERNEL(NAME##_bf16, NT, U, MINB, false, false, WS)     \
+  SEQ_KERNEL(NAME##_q8, NT, U, MINB, true, false, WS)        \
+  SEQ_KERNEL(NAME##_bf16_silu, NT, U, MINB, false, true, WS) \
+  SEQ_KERNEL(NAME##_q8_silu, NT, U, MINB, true, true, WS)
+SEQ_KERNELS(gemm_seq, 8, 4, 1, 0)
+SEQ_KERNELS(gemm_seq32, 4, 4, 2, 0)
+SEQ_KERNELS(gemm_seq6, 8, 6, 1, 0)
+// 64-row tiles with the weights in the ring: 8 stages of 2 chunks, 14 chunks (112 KB a
+// multiprocessor) of weights in flight (192 KB of shared memory).
+SEQ_KERNELS(gemm_seqw, 8, 2, 1, 8)
 
 // Synthetic Q8_0 weights: Q[i] = int8 in [-127, 127], D[j] = scale * (1 + u/2) per 32-chunk,
 // from splitmix64 like fill_uniform_bf16.

@@ -146,9 +146,9 @@ pub struct Gpu {
     /// [`Wide::Auto`]: up to 64 rows, layers at least this wide run `gemm_seq32`, narrower
     /// ones the 2x8 tile (`SPECULA_CUDA_SEQ_MIN_N`).
     seq_min_n: usize,
-    /// The 64-row `gemm_seq` tile with 12 chunks of weights in flight a warp instead of 8
-    /// (`SPECULA_CUDA_SEQ_U=6`).
-    seq_deep: std::cell::Cell<bool>,
+    /// How the 64-row `gemm_seq` tile holds its weights in flight ([`SeqWeights`],
+    /// `SPECULA_CUDA_SEQ_W=4|6|ring`; speed only).
+    seq_w: std::cell::Cell<SeqWeights>,
     /// [`Wide::Seq`]: the K split across blocks is the smallest of 1, 2, 4, 8 that gives at
     /// least this many blocks (`SPECULA_CUDA_SEQ_BLOCKS`, 1..=[`SEQ_MAX_TILES`]; speed only).
     seq_blocks: std::cell::Cell<usize>,
@@ -321,6 +321,12 @@ impl Gpu {
                 .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_SEQ_MIN_N={v}: not a number"))?,
             Err(_) => SEQ_MIN_N,
         };
+        let seq_w = match std::env::var("SPECULA_CUDA_SEQ_W").as_deref() {
+            Err(_) | Ok("4") => SeqWeights::Reg4,
+            Ok("6") => SeqWeights::Reg6,
+            Ok("ring") => SeqWeights::Ring,
+            Ok(other) => bail!("SPECULA_CUDA_SEQ_W={other}: use 4, 6 or ring"),
+        };
         let seq_blocks = match std::env::var("SPECULA_CUDA_SEQ_BLOCKS") {
             Ok(v) => match v.parse::<usize>() {
                 Ok(b @ 1..=SEQ_MAX_TILES) => b,
@@ -340,7 +346,7 @@ impl Gpu {
             wide: std::cell::Cell::new(wide),
             seq_blocks: std::cell::Cell::new(seq_blocks),
             seq_min_n,
-            seq_deep: std::cell::Cell::new(std::env::var("SPECULA_CUDA_SEQ_U").is_ok_and(|v| v == "6")),
+            seq_w: std::cell::Cell::new(seq_w),
             seq_part,
             seq_count,
             pipe: std::cell::Cell::new(pipe),
@@ -416,13 +422,13 @@ impl Gpu {
         self.seq_blocks.set(blocks.clamp(1, SEQ_MAX_TILES));
     }
 
-    /// [`Gpu::seq_deep`] (speed only).
-    pub fn set_seq_deep(&self, deep: bool) {
-        self.seq_deep.set(deep);
+    /// [`Gpu::seq_w`] (speed only).
+    pub fn set_seq_w(&self, w: SeqWeights) {
+        self.seq_w.set(w);
     }
 
-    pub fn seq_deep(&self) -> bool {
-        self.seq_deep.get()
+    pub fn seq_w(&self) -> SeqWeights {
+        self.seq_w.get()
     }
 
     pub fn seq_blocks(&self) -> usize {
@@ -679,12 +685,11 @@ impl Gpu {
             while tiles * ks < self.seq_blocks.get() && ks < 8 && tiles <= SEQ_MAX_TILES {
                 ks *= 2;
             }
-            let kind = if half {
-                1
-            } else if self.seq_deep.get() {
-                2
-            } else {
-                0
+            let kind = match (half, self.seq_w.get()) {
+                (true, _) => 1,
+                (false, SeqWeights::Reg4) => 0,
+                (false, SeqWeights::Reg6) => 2,
+                (false, SeqWeights::Ring) => 3,
             };
             let name = GEMM_SEQ[kind][silu as usize][q8 as usize];
             return self.launch3(
@@ -827,9 +832,31 @@ impl Wide {
     }
 }
 
+/// How the 64-row `gemm_seq` tile keeps weights in flight (kernels.cu, `gemm_seq_impl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqWeights {
+    /// Two alternating register batches of 4 chunks (`gemm_seq`).
+    Reg4,
+    /// Two register batches of 6 chunks (`gemm_seq6`).
+    Reg6,
+    /// A cp.async ring in shared memory with X, 14 chunks ahead (`gemm_seqw`).
+    Ring,
+}
+
+impl SeqWeights {
+    pub fn name(self) -> &'static str {
+        match self {
+            SeqWeights::Reg4 => "4",
+            SeqWeights::Reg6 => "6",
+            SeqWeights::Ring => "ring",
+        }
+    }
+}
+
 /// The `gemm_seq` kernels: `[kind][silu][q8]`, kind 0: 64 rows, 1: 32 rows, 2: 64 rows with 12
-/// chunks of weights in flight a warp (not 8).
-const GEMM_SEQ: [[[&str; 2]; 2]; 3] = [
+/// chunks of weights in flight a warp (not 8), 3: 64 rows with the weights in a shared-memory
+/// ring.
+const GEMM_SEQ: [[[&str; 2]; 2]; 4] = [
     [
         ["gemm_seq_bf16", "gemm_seq_q8"],
         ["gemm_seq_bf16_silu", "gemm_seq_q8_silu"],
@@ -842,11 +869,20 @@ const GEMM_SEQ: [[[&str; 2]; 2]; 3] = [
         ["gemm_seq6_bf16", "gemm_seq6_q8"],
         ["gemm_seq6_bf16_silu", "gemm_seq6_q8_silu"],
     ],
+    [
+        ["gemm_seqw_bf16", "gemm_seqw_q8"],
+        ["gemm_seqw_bf16_silu", "gemm_seqw_q8_silu"],
+    ],
 ];
 
 /// Dynamic shared memory of each kind of `gemm_seq` kernel: the X ring, 4 stages of U chunks
-/// of (rows x 64 bytes).
-const GEMM_SEQ_SMEM: [u32; 3] = [4 * 4 * 64 * 64, 4 * 4 * 32 * 64, 4 * 6 * 64 * 64];
+/// of (rows x 64 bytes); kind 3: 8 stages of 2 chunks of X and weights (256 lanes x 32 bytes).
+const GEMM_SEQ_SMEM: [u32; 4] = [
+    4 * 4 * 64 * 64,
+    4 * 4 * 32 * 64,
+    4 * 6 * 64 * 64,
+    8 * 2 * (64 * 64 + 256 * 32),
+];
 
 /// The default of `SPECULA_CUDA_SEQ_MIN_N` ([`Wide::Auto`]).
 const SEQ_MIN_N: usize = 16384;
