@@ -1292,6 +1292,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep(ATT_ARG
 // Four query heads of one KV head per block (QG above; grid y: kv heads x groups per kv head).
 // Groups of 2 (attention_impl<2, 8, false, 2>) were slower than one head per block on the H200.
 extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
+// The same code held to fewer registers for 3 or 4 blocks a multiprocessor (at 64 rows and a
+// short context the 512 blocks of qwen3-8b are two waves at 2 a multiprocessor, each block a
+// chain of dependent phases): speed only.
+extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
 // attention_rows_deep with qkv_rope_store's work in front (ROPE above), for forwards of one row.
 extern "C" __global__ void __launch_bounds__(256, 2)
     attention_rope_rows_deep(ATT_ARGS, const float* QKV, const float* bias, const bf16_t* qnorm,

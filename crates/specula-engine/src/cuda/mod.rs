@@ -175,7 +175,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-const KERNELS: [&str; 27] = [
+const KERNELS: [&str; 29] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -198,6 +198,8 @@ const KERNELS: [&str; 27] = [
     "attention_rows",
     "attention_rows_deep",
     "attention_rows_g4",
+    "attention_rows_g4_b3",
+    "attention_rows_g4_b4",
     "attention_rope_rows_deep",
     "silu_mul",
     "argmax_rows",
@@ -1108,6 +1110,10 @@ pub(crate) struct KernelOptions {
     /// blocks of a short row's empty ranges are dispatched after the working ones
     /// (`SPECULA_CUDA_ATT_ORDER=range`; speed only).
     pub att_range_last: bool,
+    /// Blocks a multiprocessor the grouped attention kernel is compiled for: 2
+    /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers); `SPECULA_CUDA_ATT_G4=2|3|4`
+    /// (speed only).
+    pub att_g4_blocks: u8,
     /// Timing experiments only (wrong outputs): kernels left out of every forward,
     /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
     pub skip: Vec<String>,
@@ -1142,6 +1148,12 @@ impl KernelOptions {
                 .parse()
                 .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_ATT_GROUP={v}: use 1 or 4"))?,
         };
+        let att_g4_blocks = match std::env::var("SPECULA_CUDA_ATT_G4").as_deref() {
+            Err(_) | Ok("2") => 2,
+            Ok("3") => 3,
+            Ok("4") => 4,
+            Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3 or 4"),
+        };
         if !skip.is_empty() {
             tracing::warn!(
                 "SPECULA_CUDA_SKIP={skip:?}: those kernels are left out, every output is wrong (timing only)"
@@ -1153,6 +1165,7 @@ impl KernelOptions {
             att_group,
             att_deep,
             att_range_last: std::env::var("SPECULA_CUDA_ATT_ORDER").is_ok_and(|v| v == "range"),
+            att_g4_blocks,
             skip,
         })
     }
@@ -1444,7 +1457,11 @@ impl GpuModel {
                 } else if att_deep {
                     "attention_rows_deep"
                 } else if qg == 4 {
-                    "attention_rows_g4"
+                    match fu.att_g4_blocks {
+                        3 => "attention_rows_g4_b3",
+                        4 => "attention_rows_g4_b4",
+                        _ => "attention_rows_g4",
+                    }
                 } else {
                     "attention_rows"
                 };
