@@ -14,7 +14,7 @@
 //! server would see them.
 
 use super::load::{self, Shape};
-use super::{Gpu, GpuModel, Row, SeqWeights, StepOut, Wide};
+use super::{Gpu, GpuModel, Row, SeqWeights, StepOut, Wide, PIPE_NAMES};
 use crate::spec::ngram::NgramDrafter;
 use anyhow::Result;
 use serde_json::{json, Value};
@@ -173,7 +173,7 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
         // 4, 8).
         let (wide, blocks) = (gpu.wide(), gpu.seq_blocks());
         let tiles = |rt: usize| mmax.div_ceil(rt) * n.div_ceil(128);
-        let mut configs = vec![(Wide::Tile2, blocks), (Wide::Tile4, blocks), (Wide::Auto, blocks)];
+        let mut configs = vec![(Wide::Tile2, blocks), (Wide::Tile4, blocks)];
         configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq, tiles(64) * ks)));
         configs.extend([1, 2, 4, 8].map(|ks| (Wide::Seq32, tiles(32) * ks)));
         let sw = gpu.seq_w();
@@ -193,6 +193,18 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
                 differing.push(format!("{} tile ({b2} blocks, weights {})", w2.name(), s2.name()));
             }
         }
+        // The 2x8 tile with each way of streaming its operands.
+        let pipe = gpu.pipe();
+        gpu.set_wide(Wide::Tile2);
+        for p in 0..=super::PIPE_AUTO {
+            gpu.set_pipe(p);
+            let other = run(0, mmax);
+            gpu.set_pipe(pipe);
+            if !same_bits(&other?, &full) {
+                differing.push(format!("2x8 tile (pipe {p})"));
+            }
+        }
+        gpu.set_wide(wide);
         let pass = accurate && differing.is_empty();
         ok &= pass;
         cases.push(json!({
@@ -667,18 +679,24 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
 
     log("kernel profile at 1, 8 and 64 rows");
     let mut profile = Vec::new();
-    let (keep, keep_w) = (m.gpu.wide(), m.gpu.seq_w());
-    // At 64 rows, every wide kernel (the seq tile with each way of holding its weights).
-    let mut at64 = vec![(Wide::Tile2, keep_w), (Wide::Seq32, keep_w)];
-    at64.extend([SeqWeights::Reg4, SeqWeights::Reg6, SeqWeights::Ring].map(|w| (Wide::Seq, w)));
-    let runs = [(1usize, keep, keep_w), (8, keep, keep_w), (64, keep, keep_w)]
-        .into_iter()
-        .chain(
-            at64.into_iter()
-                .filter(|&(w, sw)| (w, sw) != (keep, keep_w))
-                .map(|(w, sw)| (64, w, sw)),
-        );
-    for (r, wide, sw) in runs {
+    let (keep, keep_w, keep_p) = (m.gpu.wide(), m.gpu.seq_w(), m.gpu.pipe());
+    // At 64 rows, every wide kernel (the 2x8 tile with each way of streaming its operands, the
+    // seq tile with each way of holding its weights).
+    let mut at64: Vec<_> = (0..=super::PIPE_AUTO).map(|p| (Wide::Tile2, keep_w, p)).collect();
+    at64.push((Wide::Seq32, keep_w, keep_p));
+    at64.extend([SeqWeights::Reg4, SeqWeights::Reg6, SeqWeights::Ring].map(|w| (Wide::Seq, w, keep_p)));
+    let runs = [
+        (1usize, keep, keep_w, keep_p),
+        (8, keep, keep_w, keep_p),
+        (64, keep, keep_w, keep_p),
+    ]
+    .into_iter()
+    .chain(
+        at64.into_iter()
+            .filter(|&c| c != (keep, keep_w, keep_p))
+            .map(|(w, sw, p)| (64, w, sw, p)),
+    );
+    for (r, wide, sw, pipe) in runs {
         let rows: Vec<Row> = (0..r.min(m.slots()))
             .map(|i| Row {
                 token: prompt[i],
@@ -688,13 +706,16 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
             .collect();
         m.gpu.set_wide(wide);
         m.gpu.set_seq_w(sw);
+        m.gpu.set_pipe(pipe);
         let p = m.profile(&rows);
         m.gpu.set_wide(keep);
         m.gpu.set_seq_w(keep_w);
+        m.gpu.set_pipe(keep_p);
         let p = p?;
         let total: f64 = p.iter().map(|e| e.2).sum();
         let label = match wide {
-            Wide::Seq | Wide::Auto => format!("{}/w{}", wide.name(), sw.name()),
+            Wide::Seq => format!("seq/w{}", sw.name()),
+            Wide::Tile2 => format!("{}/p{}", wide.name(), PIPE_NAMES[pipe as usize]),
             _ => wide.name().to_string(),
         };
         profile.push(json!({
@@ -767,6 +788,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         "gemm_wide": m.gpu.wide().name(),
         "gemm_seq_blocks": m.gpu.seq_blocks(),
         "gemm_seq_weights": m.gpu.seq_w().name(),
+        "gemm_pipe": PIPE_NAMES[m.gpu.pipe() as usize],
         "kernel_profile": profile,
         "gemv_reference": gemv_ref,
         "wall_seconds": t0.elapsed().as_secs_f64(),

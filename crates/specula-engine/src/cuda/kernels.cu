@@ -288,6 +288,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
+// cp.async of 16 bytes into shared memory, zero-filled when `ok` is false (nothing is read then).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
 // cp.async of one lane's weight piece (16 bytes of bf16, or 8 of Q8_0 int8) into shared memory,
 // zero-filled when `ok` is false (nothing is read then).
 __device__ __forceinline__ void cp_async_w(void* dst, const void* src, bool ok, bool q8) {
@@ -310,7 +316,11 @@ __device__ __forceinline__ void cp_async_w(void* dst, const void* src, bool ok, 
 // Act[m, f] = silu_mul1(g, u) (bf16 [M, N / 2]) instead of Y: each output is the same fold, and
 // the values are the silu_mul kernel's. A compile-time switch: the plain kernels keep the code
 // (and the speed) they had without it.
-template <int MT, int NT, int U, bool Q8, int S = 0, bool SILU = false>
+//
+// XR (with S >= 2, the `_px` kernels): the X fragments go through the same ring, each lane
+// copying the 16-byte pieces it later reads ([S][U][NT][256 lanes] x 16 bytes after the
+// weights), so a fold no longer waits on an L2 round trip for its X. Same values, same fold.
+template <int MT, int NT, int U, bool Q8, int S = 0, bool SILU = false, bool XR = false>
 __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                           const bf16_t* __restrict__ X, const float* R, float* Y, int M,
                                           int N, int K, bf16_t* Act) {
@@ -366,16 +376,25 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
   };
   // The math of U chunks from chunk c whose weights are in wa: every X fragment of the U chunks
   // is loaded first (they come from L2), then the mmas run.
-  auto fold = [&](const uint4 (&wa)[U][MT][2], int c) {
+  extern __shared__ uint4 wsm[];
+  // The ring's X piece of (stage, u, nt) for this lane (XR).
+  auto xslot = [&](int stage, int u, int nt) -> uint4* {
+    return wsm + S * U * MT * 2 * 256 + ((stage * U + u) * NT + nt) * 256 + threadIdx.x;
+  };
+  auto fold = [&](const uint4 (&wa)[U][MT][2], int c, int stage = 0) {
     uint4 xb[U][NT];
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int k = (c + u) * 32 + tig * 8;
       const bool ok = c + u < cend && k < K;
 #pragma unroll
-      for (int nt = 0; nt < NT; nt++)
-        xb[u][nt] = (ok && xrow[nt] >= 0) ? __ldg(reinterpret_cast<const uint4*>(X + (size_t)xrow[nt] * K + k))
-                                          : make_uint4(0, 0, 0, 0);
+      for (int nt = 0; nt < NT; nt++) {
+        if constexpr (XR)
+          xb[u][nt] = *xslot(stage, u, nt);
+        else
+          xb[u][nt] = (ok && xrow[nt] >= 0) ? __ldg(reinterpret_cast<const uint4*>(X + (size_t)xrow[nt] * K + k))
+                                            : make_uint4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; u++) {
@@ -442,7 +461,6 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
       }
     }
   } else {
-    extern __shared__ uint4 wsm[];
     auto slot = [&](int stage, int u, int mt, int h) -> uint4* {
       return wsm + ((((stage * U + u) * MT + mt) * 2 + h) * 256 + threadIdx.x);
     };
@@ -465,10 +483,55 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
       }
       cp_async_commit();
     };
+    // XR: the X pieces of chunks c .. c + U - 1 into `stage` (zeros past the slice, K or M).
+    auto issue_x = [&](int stage, int c) {
 #pragma unroll
-    for (int s = 0; s < S - 1; s++) issue(s, cbeg + s * U);
-    pdl_wait();
-    pdl_launch();
+      for (int u = 0; u < U; u++) {
+        const int k = (c + u) * 32 + tig * 8;
+        const bool ok = c + u < cend && k < K;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          const bool in = ok && xrow[nt] >= 0;
+          cp_async16(xslot(stage, u, nt), in ? (const void*)(X + (size_t)xrow[nt] * K + k) : (const void*)X, in);
+        }
+      }
+    };
+    if constexpr (XR) {
+      // Weights are constant: theirs first (one group), then, after the wait for the previous
+      // kernel, the X of the same stages, each stage's X committed with the next stage's
+      // weights (so wait_group S - 2 still covers a stage's X and weights: the ring's first
+      // S - 1 groups are W0..W(S-2) + X0, X1, ..., X(S-2)).
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+          const int k = (cbeg + s * U + u) * 32 + tig * 8;
+          const bool ok = cbeg + s * U + u < cend && k < K;
+#pragma unroll
+          for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+              const size_t e = (size_t)wrow[mt][h] * K + k;
+              const void* src = !ok ? Wp
+                                : Q8 ? (const void*)(reinterpret_cast<const signed char*>(Wp) + e)
+                                     : (const void*)(reinterpret_cast<const bf16_t*>(Wp) + e);
+              cp_async_w(slot(s, u, mt, h), src, ok, Q8);
+            }
+        }
+      }
+      pdl_wait();
+      pdl_launch();
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) {
+        issue_x(s, cbeg + s * U);
+        cp_async_commit();
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < S - 1; s++) issue(s, cbeg + s * U);
+      pdl_wait();
+      pdl_launch();
+    }
     int stage = 0;
     for (int c = cbeg; c < cend; c += U) {
       asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
@@ -481,8 +544,9 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
             const uint4 v = *slot(stage, u, mt, h);
             wa[u][mt][h] = Q8 ? make_uint4(v.x, v.y, 0, 0) : v;
           }
+      if constexpr (XR) issue_x(stage == 0 ? S - 1 : stage - 1, c + (S - 1) * U);
       issue(stage == 0 ? S - 1 : stage - 1, c + (S - 1) * U);
-      fold(wa, c);
+      fold(wa, c, stage);
       stage = stage + 1 == S ? 0 : stage + 1;
     }
   }
@@ -562,11 +626,31 @@ GEMM_DB(1, 1, 4, 2) GEMM_DB(1, 2, 4, 2)
 // 5,714 vs 5,563 tok/s). One chunk per stage, 4 stages and two blocks per multiprocessor (three
 // times the bytes in flight) was slower: 10.71 ms. So the 64-row GEMM is not short of weight bytes
 // in flight; the X fragments each warp reads from L2 (docs/gpu.md) are the next limit.
+// The 2x8 tile with its X through the ring as well (XR; S stages of one chunk: 48 KB each).
+// px2: 2 stages (one chunk ahead) and two blocks a multiprocessor (96 KB each).
+#define GEMM_PX(NAME, S, MINB, Q8, SILU)                                                        \
+  extern "C" __global__ void __launch_bounds__(256, MINB) NAME(GEMM_ARGS) {                     \
+    gemm_impl<2, 8, 1, Q8, S, SILU, true>(GEMM_PASS);                                           \
+  }
+#define GEMM_PXS(NAME, S, MINB)                         \
+  GEMM_PX(gemm_bf16_2x8_##NAME, S, MINB, false, false)  \
+  GEMM_PX(gemm_q8_2x8_##NAME, S, MINB, true, false)     \
+  GEMM_PX(gemm_bf16_2x8_##NAME##_silu, S, MINB, false, true) \
+  GEMM_PX(gemm_q8_2x8_##NAME##_silu, S, MINB, true, true)
+GEMM_PXS(px, 3, 1) GEMM_PXS(px4, 4, 1) GEMM_PXS(px2, 2, 2)
 GEMM_KERNEL(gemm_bf16_2x8_pipe, 2, 8, 2, false, 3, false)
 GEMM_KERNEL(gemm_q8_2x8_pipe, 2, 8, 2, true, 3, false)
 GEMM_KERNEL(gemm_bf16_2x8_pipe_silu, 2, 8, 2, false, 3, true)
 GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 
+// Measured on the H200 (qwen3-8b bf16, session 20) and not the default: at 64 rows every seq
+// kernel was slower than the 2x8 tile with its X through the ring (gate/up 4.60 ms a step with
+// gemm_seq, 4.93 gemm_seq6, 4.95 gemm_seq32, 5.87 gemm_seqw, against 3.22 with _px2), and in
+// prefill too (512 tokens 8,041 against 9,261 tok/s). With one block of 8 warps a
+// multiprocessor, each warp walking all of K, the chain of each warp is long and its stalls
+// are not hidden; the ring for the weights made it slower still. SPECULA_CUDA_GEMM_WIDE=seq
+// picks them.
+//
 // gemm_seq[32]_{bf16,q8}[_silu]: the GEMM above 32 rows, with the bits of gemm_impl and a tile
 // of 128 features x 64 rows (x 32 rows: gemm_seq32). Warp w owns features 16w..16w+15 of the
 // block's 128 and all its rows, and walks the K slices itself, one after the other: a slice's
@@ -585,10 +669,6 @@ GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 // U: chunks per weight batch (two batches alternate: 2U chunks, 2U KB a warp, in flight).
 #define SEQ_XST 4  // stages of the X ring, U chunks each (4 KB a chunk of 64 rows: 64 x 64 bytes)
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
 
 // WS > 0 (gemm_seqw): the weights go through shared memory too, in one ring with X of WS stages
 // of U chunks ([WS][U][RT rows][4] X pieces, then [WS][U][2][256 lanes] weight pieces), WS - 1

@@ -141,11 +141,11 @@ pub struct Gpu {
     f: HashMap<&'static str, sys::CUfunction>,
     /// The projection kernels (`SPECULA_CUDA_GEMM=gemv` picks the reference FMA kernels).
     gemm_path: std::cell::Cell<GemmPath>,
-    /// The GEMM kernel above 32 rows ([`Wide`], `SPECULA_CUDA_GEMM_WIDE=2|4|seq|seq32|auto`).
+    /// The GEMM kernel above 32 rows ([`Wide`], `SPECULA_CUDA_GEMM_WIDE=2|4|seq|seq32`, default
+    /// 2: on the H200 (qwen3-8b bf16, session 20) the 2x8 tile with its operands through the
+    /// ring beat every seq kernel at 64 rows and in prefill, 512 tokens 9,261 tok/s against
+    /// 8,041 with `gemm_seq`).
     wide: std::cell::Cell<Wide>,
-    /// [`Wide::Auto`]: up to 64 rows, layers at least this wide run `gemm_seq32`, narrower
-    /// ones the 2x8 tile (`SPECULA_CUDA_SEQ_MIN_N`).
-    seq_min_n: usize,
     /// How the 64-row `gemm_seq` tile holds its weights in flight ([`SeqWeights`],
     /// `SPECULA_CUDA_SEQ_W=4|6|ring`; speed only).
     seq_w: std::cell::Cell<SeqWeights>,
@@ -157,9 +157,13 @@ pub struct Gpu {
     /// (zero between launches).
     seq_part: DevBuf,
     seq_count: DevBuf,
-    /// The 2x8 tile streams its weights through a cp.async ring ([`GEMM_PIPE`]); false:
-    /// through registers (`SPECULA_CUDA_GEMM_PIPE=0`, speed only).
-    pipe: std::cell::Cell<bool>,
+    /// How the 2x8 tile streams its operands: 0 the weights through registers, 1 + i the ring
+    /// kind i of [`GEMM_PIPE`], [`PIPE_AUTO`] `_px2` for launches of more blocks than
+    /// multiprocessors, else `_px` (`SPECULA_CUDA_GEMM_PIPE=0|w|px|px4|px2|auto`, default auto;
+    /// speed only).
+    pipe: std::cell::Cell<u8>,
+    /// Multiprocessors of the device.
+    sms: usize,
     /// Narrow tiles of at least this many n-tiles (1: 1x1 and 1x2, 2: 1x2 only, 3: none) run
     /// with two alternating register batches ([`GEMM_DB`]; the same bits). On the H200
     /// (qwen3-8b, one call) the 1x1 tile ran 187 against 216 tok/s that way, the 1x2 tile 5-6%
@@ -277,7 +281,7 @@ impl Gpu {
         )?;
         let mut f = HashMap::new();
         let gemms = GEMM_NAMES.iter().flatten().flatten().map(|e| e.2);
-        let pipes = GEMM_PIPE.iter().flatten().copied();
+        let pipes = GEMM_PIPE.iter().flatten().flatten().copied();
         let dbs = GEMM_DB.iter().flatten().flatten().copied();
         let seqs = GEMM_SEQ.iter().flatten().flatten().copied();
         for name in KERNELS
@@ -293,7 +297,9 @@ impl Gpu {
             f.insert(name, func);
         }
         let seq_smem = (GEMM_SEQ.iter().zip(GEMM_SEQ_SMEM)).flat_map(|(k, b)| k.iter().flatten().map(move |&n| (n, b)));
-        for (name, bytes) in pipes.map(|n| (n, GEMM_PIPE_SMEM)).chain(seq_smem) {
+        let pipe_smem =
+            (GEMM_PIPE.iter().zip(GEMM_PIPE_SMEM)).flat_map(|(k, b)| k.iter().flatten().map(move |&n| (n, b)));
+        for (name, bytes) in pipe_smem.chain(seq_smem) {
             let r = unsafe {
                 sys::cuFuncSetAttribute(
                     f[name],
@@ -308,20 +314,25 @@ impl Gpu {
             Ok("mma") | Err(_) => GemmPath::Mma,
             Ok(other) => bail!("SPECULA_CUDA_GEMM={other}: use mma or gemv"),
         };
-        let pipe = std::env::var("SPECULA_CUDA_GEMM_PIPE").map_or(true, |v| v != "0");
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| anyhow::anyhow!("reading the multiprocessor count: {e:?}"))?
+            .max(1) as usize;
+        let pipe = match std::env::var("SPECULA_CUDA_GEMM_PIPE").as_deref() {
+            Ok("0") => 0,
+            Ok("1") | Ok("w") => 1,
+            Ok("px") => 2,
+            Ok("px4") => 3,
+            Ok("px2") => 4,
+            Err(_) | Ok("auto") => PIPE_AUTO,
+            Ok(other) => bail!("SPECULA_CUDA_GEMM_PIPE={other}: use 0, w, px, px4, px2 or auto"),
+        };
         let wide = match std::env::var("SPECULA_CUDA_GEMM_WIDE").as_deref() {
-            Ok("2") => Wide::Tile2,
+            Ok("2") | Err(_) => Wide::Tile2,
             Ok("4") => Wide::Tile4,
             Ok("seq") => Wide::Seq,
             Ok("seq32") => Wide::Seq32,
-            Ok("auto") | Err(_) => Wide::Auto,
-            Ok(other) => bail!("SPECULA_CUDA_GEMM_WIDE={other}: use 2, 4, seq, seq32 or auto"),
-        };
-        let seq_min_n = match std::env::var("SPECULA_CUDA_SEQ_MIN_N") {
-            Ok(v) => v
-                .parse::<usize>()
-                .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_SEQ_MIN_N={v}: not a number"))?,
-            Err(_) => SEQ_MIN_N,
+            Ok(other) => bail!("SPECULA_CUDA_GEMM_WIDE={other}: use 2, 4, seq or seq32"),
         };
         let seq_w = match std::env::var("SPECULA_CUDA_SEQ_W").as_deref() {
             Err(_) | Ok("4") => SeqWeights::Reg4,
@@ -347,11 +358,11 @@ impl Gpu {
             gemm_path: std::cell::Cell::new(gemm_path),
             wide: std::cell::Cell::new(wide),
             seq_blocks: std::cell::Cell::new(seq_blocks),
-            seq_min_n,
             seq_w: std::cell::Cell::new(seq_w),
             seq_part,
             seq_count,
             pipe: std::cell::Cell::new(pipe),
+            sms,
             profile_tag: std::cell::RefCell::new(String::new()),
             db_from_nt: std::cell::Cell::new(match std::env::var("SPECULA_CUDA_GEMM1").as_deref() {
                 Ok("db") => 1,
@@ -422,6 +433,15 @@ impl Gpu {
     /// [`Gpu::seq_blocks`]: blocks a [`Wide::Seq`] GEMM aims for (clamped to 1..=256).
     pub fn set_seq_blocks(&self, blocks: usize) {
         self.seq_blocks.set(blocks.clamp(1, SEQ_MAX_TILES));
+    }
+
+    /// [`Gpu::pipe`] (0..=[`PIPE_AUTO`]; speed only).
+    pub fn set_pipe(&self, p: u8) {
+        self.pipe.set(p.min(PIPE_AUTO));
+    }
+
+    pub fn pipe(&self) -> u8 {
+        self.pipe.get()
     }
 
     /// [`Gpu::seq_w`] (speed only).
@@ -673,12 +693,7 @@ impl Gpu {
             let e = if silu { " +silu" } else { "" };
             *self.profile_tag.borrow_mut() = format!("gemm n{n} k{k}{e}");
         }
-        let wide = match self.wide.get() {
-            Wide::Auto if rows > 64 => Wide::Seq,
-            Wide::Auto if n >= self.seq_min_n => Wide::Seq32,
-            Wide::Auto => Wide::Tile2,
-            w => w,
-        };
+        let wide = self.wide.get();
         if rows > 32 && matches!(wide, Wide::Seq | Wide::Seq32) {
             let half = wide == Wide::Seq32;
             let rt = if half { 32 } else { 64 };
@@ -716,7 +731,15 @@ impl Gpu {
         }
         let (mt, nt) = gemm_tile(rows, if wide == Wide::Tile4 { 4 } else { 2 });
         let (name, smem) = match self.pipe.get() {
-            true if (mt, nt) == (2, 8) => (GEMM_PIPE[silu as usize][q8 as usize], GEMM_PIPE_SMEM),
+            p if p > 0 && (mt, nt) == (2, 8) => {
+                let blocks = rows.div_ceil(64) * n.div_ceil(32);
+                let kind = match p {
+                    PIPE_AUTO if !q8 && blocks > self.sms => 3,
+                    PIPE_AUTO => 1,
+                    p => p as usize - 1,
+                };
+                (GEMM_PIPE[kind][silu as usize][q8 as usize], GEMM_PIPE_SMEM[kind])
+            }
             _ if mt == 1 && nt >= self.db_from_nt.get() => (GEMM_DB[silu as usize][q8 as usize][nt - 1], 0),
             _ => (
                 GEMM_NAMES[silu as usize][q8 as usize]
@@ -808,7 +831,7 @@ fn gemm_tile(rows: usize, wide_mt: usize) -> (usize, usize) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wide {
     /// `gemm_*_2x8` (32 features x 64 rows a block, the 8 K slices in its 8 warps), with its
-    /// weights through a cp.async ring unless `SPECULA_CUDA_GEMM_PIPE=0`.
+    /// weights and X through a cp.async ring ([`Gpu::pipe`]) unless `SPECULA_CUDA_GEMM_PIPE=0`.
     Tile2,
     /// `gemm_*_4x8` (64 features a block, one chunk of weights in flight).
     Tile4,
@@ -817,9 +840,6 @@ pub enum Wide {
     Seq,
     /// `gemm_seq32_*`: the same with 32 rows a block (two blocks a multiprocessor).
     Seq32,
-    /// `Seq` above 64 rows; up to 64, `Seq32` for layers of at least `SPECULA_CUDA_SEQ_MIN_N`
-    /// features, `Tile2` for the others.
-    Auto,
 }
 
 impl Wide {
@@ -829,7 +849,6 @@ impl Wide {
             Wide::Tile4 => "4x8",
             Wide::Seq => "seq",
             Wide::Seq32 => "seq32",
-            Wide::Auto => "auto",
         }
     }
 }
@@ -886,9 +905,6 @@ const GEMM_SEQ_SMEM: [u32; 4] = [
     8 * 2 * (64 * 64 + 256 * 32),
 ];
 
-/// The default of `SPECULA_CUDA_SEQ_MIN_N` ([`Wide::Auto`]).
-const SEQ_MIN_N: usize = 16384;
-
 /// Feature x row tiles (128 x 64) a `gemm_seq` launch may split over blocks (the partials
 /// buffer holds this many); launches with more tiles do not split.
 pub const SEQ_MAX_TILES: usize = 256;
@@ -910,17 +926,46 @@ pub(crate) enum Epilogue {
     SiluMul { act: u64 },
 }
 
-/// The 2x8 tile with its weights streamed through a cp.async ring in shared memory
-/// (`gemm_*_2x8_pipe` in kernels.cu; the same bits as `gemm_*_2x8`): plain, then with the SiLU
-/// epilogue; each bf16, then Q8_0.
-const GEMM_PIPE: [[&str; 2]; 2] = [
-    ["gemm_bf16_2x8_pipe", "gemm_q8_2x8_pipe"],
-    ["gemm_bf16_2x8_pipe_silu", "gemm_q8_2x8_pipe_silu"],
+/// The 2x8 tile with its operands streamed through a cp.async ring in shared memory (kernels.cu;
+/// the same bits as `gemm_*_2x8`), `[kind][silu][q8]`: kind 0 the weights (`_pipe`), 1..3 the
+/// weights and X (`_px`: 3 stages, `_px4`: 4, `_px2`: 2 and two blocks a multiprocessor).
+const GEMM_PIPE: [[[&str; 2]; 2]; 4] = [
+    [
+        ["gemm_bf16_2x8_pipe", "gemm_q8_2x8_pipe"],
+        ["gemm_bf16_2x8_pipe_silu", "gemm_q8_2x8_pipe_silu"],
+    ],
+    [
+        ["gemm_bf16_2x8_px", "gemm_q8_2x8_px"],
+        ["gemm_bf16_2x8_px_silu", "gemm_q8_2x8_px_silu"],
+    ],
+    [
+        ["gemm_bf16_2x8_px4", "gemm_q8_2x8_px4"],
+        ["gemm_bf16_2x8_px4_silu", "gemm_q8_2x8_px4_silu"],
+    ],
+    [
+        ["gemm_bf16_2x8_px2", "gemm_q8_2x8_px2"],
+        ["gemm_bf16_2x8_px2_silu", "gemm_q8_2x8_px2_silu"],
+    ],
 ];
 
-/// Dynamic shared memory of [`GEMM_PIPE`]: 3 stages x 2 chunks x 2 m-tiles x 2 rows x 256 lanes
-/// x 16 bytes.
-const GEMM_PIPE_SMEM: u32 = 3 * 2 * 2 * 2 * 256 * 16;
+/// `SPECULA_CUDA_GEMM_PIPE`'s names of [`Gpu::pipe`]'s values.
+pub const PIPE_NAMES: [&str; 6] = ["0", "w", "px", "px4", "px2", "auto"];
+
+/// [`Gpu::pipe`]'s default: on the H200 (qwen3-8b bf16, 64 rows, session 20) `_px2` ran the
+/// layers of many blocks fastest (gate/up 3.22 ms a step against 3.50 with `_px` and 3.75 with
+/// `_pipe`; QKV 1.07, 1.16, 1.28) and `_px` those of at most one block a multiprocessor (down
+/// 1.81 against 2.06 with `_px2` and 2.01 with `_pipe`; o 0.87, 0.89, 0.94). With Q8_0 weights
+/// `_px` was fastest for every layer (64 rows: 10.06 ms a step against 12.37 with `_px2`).
+pub const PIPE_AUTO: u8 = 5;
+
+/// Dynamic shared memory of each [`GEMM_PIPE`] kind: stages x chunks a stage x (2 m-tiles x 2
+/// rows of weights + 8 n-tiles of X) x 256 lanes x 16 bytes.
+const GEMM_PIPE_SMEM: [u32; 4] = [
+    3 * 2 * 4 * 256 * 16,
+    3 * 12 * 256 * 16,
+    4 * 12 * 256 * 16,
+    2 * 12 * 256 * 16,
+];
 
 /// The GEMM kernel of each (MT, NT) tile.
 type GemmTiles = [(usize, usize, &'static str); 5];
@@ -1112,7 +1157,9 @@ pub(crate) struct KernelOptions {
     pub att_range_last: bool,
     /// Blocks a multiprocessor the grouped attention kernel is compiled for: 2
     /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers); `SPECULA_CUDA_ATT_G4=2|3|4`
-    /// (speed only).
+    /// (speed only). Default 4: on the H200 (qwen3-8b bf16, 64 rows at context 128, session 20)
+    /// its attention took 1.23 ms a step against 1.49 with 2 and 1.54 with 3, and 8k prefill
+    /// ran at 2,215 against 1,765 tok/s (the same GEMMs).
     pub att_g4_blocks: u8,
     /// Timing experiments only (wrong outputs): kernels left out of every forward,
     /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
@@ -1149,9 +1196,9 @@ impl KernelOptions {
                 .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_ATT_GROUP={v}: use 1 or 4"))?,
         };
         let att_g4_blocks = match std::env::var("SPECULA_CUDA_ATT_G4").as_deref() {
-            Err(_) | Ok("2") => 2,
+            Ok("2") => 2,
             Ok("3") => 3,
-            Ok("4") => 4,
+            Err(_) | Ok("4") => 4,
             Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3 or 4"),
         };
         if !skip.is_empty() {
