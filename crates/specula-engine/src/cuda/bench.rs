@@ -193,15 +193,21 @@ fn check_gemm(gpu: &Gpu) -> Result<Value> {
                 differing.push(format!("{} tile ({b2} blocks, weights {})", w2.name(), s2.name()));
             }
         }
-        // The 2x8 tile with each way of streaming its operands.
-        let pipe = gpu.pipe();
+        // The 2x8 tile with each way of streaming its operands, with and without the 2x4 tile
+        // for narrow layers at 33..64 rows (n = 72 is narrow; run at 33..64 rows too).
+        let (pipe, narrow) = (gpu.pipe(), gpu.narrow64());
         gpu.set_wide(Wide::Tile2);
         for p in 0..=super::PIPE_AUTO {
-            gpu.set_pipe(p);
-            let other = run(0, mmax);
-            gpu.set_pipe(pipe);
-            if !same_bits(&other?, &full) {
-                differing.push(format!("2x8 tile (pipe {p})"));
+            for nw in [false, true] {
+                gpu.set_pipe(p);
+                gpu.set_narrow64(nw);
+                let other = run(0, mmax).and_then(|a| Ok((a, run(0, 40)?, run(0, 64)?)));
+                gpu.set_pipe(pipe);
+                gpu.set_narrow64(narrow);
+                let (a, b, c) = other?;
+                if !same_bits(&a, &full) || !same_bits(&b, &full[..40 * n]) || !same_bits(&c, &full[..64 * n]) {
+                    differing.push(format!("2x8 tile (pipe {p}, narrow64 {nw})"));
+                }
             }
         }
         gpu.set_wide(wide);
@@ -679,7 +685,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
 
     log("kernel profile at 1, 8 and 64 rows");
     let mut profile = Vec::new();
-    let (keep, keep_w, keep_p) = (m.gpu.wide(), m.gpu.seq_w(), m.gpu.pipe());
+    let (keep, keep_w, keep_p, keep_n) = (m.gpu.wide(), m.gpu.seq_w(), m.gpu.pipe(), m.gpu.narrow64());
     // At 64 rows, every wide kernel (the 2x8 tile with each way of streaming its operands, the
     // seq tile with each way of holding its weights).
     let mut at64: Vec<_> = (0..=super::PIPE_AUTO).map(|p| (Wide::Tile2, keep_w, p)).collect();
@@ -696,7 +702,11 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
             .filter(|&c| c != (keep, keep_w, keep_p))
             .map(|(w, sw, p)| (64, w, sw, p)),
     );
-    for (r, wide, sw, pipe) in runs {
+    // And the default with the other choice for narrow layers at 64 rows.
+    let runs = runs
+        .map(|(r, w, sw, p)| (r, w, sw, p, keep_n))
+        .chain([(64, keep, keep_w, keep_p, !keep_n)]);
+    for (r, wide, sw, pipe, narrow) in runs {
         let rows: Vec<Row> = (0..r.min(m.slots()))
             .map(|i| Row {
                 token: prompt[i],
@@ -707,15 +717,22 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         m.gpu.set_wide(wide);
         m.gpu.set_seq_w(sw);
         m.gpu.set_pipe(pipe);
+        m.gpu.set_narrow64(narrow);
         let p = m.profile(&rows);
         m.gpu.set_wide(keep);
         m.gpu.set_seq_w(keep_w);
         m.gpu.set_pipe(keep_p);
+        m.gpu.set_narrow64(keep_n);
         let p = p?;
         let total: f64 = p.iter().map(|e| e.2).sum();
         let label = match wide {
             Wide::Seq => format!("seq/w{}", sw.name()),
-            Wide::Tile2 => format!("{}/p{}", wide.name(), PIPE_NAMES[pipe as usize]),
+            Wide::Tile2 => format!(
+                "{}/p{}{}",
+                wide.name(),
+                PIPE_NAMES[pipe as usize],
+                if narrow { "" } else { "/no-narrow64" }
+            ),
             _ => wide.name().to_string(),
         };
         profile.push(json!({
@@ -789,6 +806,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         "gemm_seq_blocks": m.gpu.seq_blocks(),
         "gemm_seq_weights": m.gpu.seq_w().name(),
         "gemm_pipe": PIPE_NAMES[m.gpu.pipe() as usize],
+        "gemm_narrow64": m.gpu.narrow64(),
         "kernel_profile": profile,
         "gemv_reference": gemv_ref,
         "wall_seconds": t0.elapsed().as_secs_f64(),

@@ -638,6 +638,16 @@ GEMM_DB(1, 1, 4, 2) GEMM_DB(1, 2, 4, 2)
   GEMM_PX(gemm_bf16_2x8_##NAME##_silu, S, MINB, false, true) \
   GEMM_PX(gemm_q8_2x8_##NAME##_silu, S, MINB, true, true)
 GEMM_PXS(px, 3, 1) GEMM_PXS(px4, 4, 1) GEMM_PXS(px2, 2, 2)
+// The 2x4 tile (32 rows a block) with both operands through a 3-stage ring (96 KB, two blocks a
+// multiprocessor): at 33..64 rows for layers whose 2x8 grid has at most one block a
+// multiprocessor (down and o of qwen3-8b: 128 blocks), twice the blocks. Slower on the H200
+// (down 2.12 against 1.81 ms a step), so only behind SPECULA_CUDA_NARROW64=1.
+#define GEMM_PX24(NAME, Q8, SILU) \
+  extern "C" __global__ void __launch_bounds__(256, 2) NAME(GEMM_ARGS) { gemm_impl<2, 4, 1, Q8, 3, SILU, true>(GEMM_PASS); }
+GEMM_PX24(gemm_bf16_2x4_px, false, false)
+GEMM_PX24(gemm_q8_2x4_px, true, false)
+GEMM_PX24(gemm_bf16_2x4_px_silu, false, true)
+GEMM_PX24(gemm_q8_2x4_px_silu, true, true)
 GEMM_KERNEL(gemm_bf16_2x8_pipe, 2, 8, 2, false, 3, false)
 GEMM_KERNEL(gemm_q8_2x8_pipe, 2, 8, 2, true, 3, false)
 GEMM_KERNEL(gemm_bf16_2x8_pipe_silu, 2, 8, 2, false, 3, true)

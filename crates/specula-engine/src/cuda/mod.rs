@@ -164,6 +164,12 @@ pub struct Gpu {
     pipe: std::cell::Cell<u8>,
     /// Multiprocessors of the device.
     sms: usize,
+    /// At 33..64 rows, layers whose 2x8 grid has at most one block a multiprocessor run the
+    /// 2x4 tile with its operands through the ring ([`GEMM_PX24`]), twice the blocks
+    /// (`SPECULA_CUDA_NARROW64=1`; speed only). Off by default: on the H200 (qwen3-8b bf16, 64
+    /// rows, session 20) the down GEMM took 2.12 ms a step with it against 1.81 without (o 0.86
+    /// against 0.88), 64 streams 7,191 against 7,642 tok/s.
+    narrow64: std::cell::Cell<bool>,
     /// Narrow tiles of at least this many n-tiles (1: 1x1 and 1x2, 2: 1x2 only, 3: none) run
     /// with two alternating register batches ([`GEMM_DB`]; the same bits). On the H200
     /// (qwen3-8b, one call) the 1x1 tile ran 187 against 216 tok/s that way, the 1x2 tile 5-6%
@@ -287,9 +293,10 @@ impl Gpu {
         for name in KERNELS
             .into_iter()
             .chain(gemms)
-            .chain(pipes.clone())
+            .chain(pipes)
             .chain(dbs)
             .chain(seqs)
+            .chain(GEMM_PX24.iter().flatten().copied())
         {
             let c = CString::new(name)?;
             let mut func = std::ptr::null_mut();
@@ -299,7 +306,8 @@ impl Gpu {
         let seq_smem = (GEMM_SEQ.iter().zip(GEMM_SEQ_SMEM)).flat_map(|(k, b)| k.iter().flatten().map(move |&n| (n, b)));
         let pipe_smem =
             (GEMM_PIPE.iter().zip(GEMM_PIPE_SMEM)).flat_map(|(k, b)| k.iter().flatten().map(move |&n| (n, b)));
-        for (name, bytes) in pipe_smem.chain(seq_smem) {
+        let px24_smem = GEMM_PX24.iter().flatten().map(|&n| (n, GEMM_PX24_SMEM));
+        for (name, bytes) in pipe_smem.chain(seq_smem).chain(px24_smem) {
             let r = unsafe {
                 sys::cuFuncSetAttribute(
                     f[name],
@@ -363,6 +371,7 @@ impl Gpu {
             seq_count,
             pipe: std::cell::Cell::new(pipe),
             sms,
+            narrow64: std::cell::Cell::new(std::env::var("SPECULA_CUDA_NARROW64").is_ok_and(|v| v == "1")),
             profile_tag: std::cell::RefCell::new(String::new()),
             db_from_nt: std::cell::Cell::new(match std::env::var("SPECULA_CUDA_GEMM1").as_deref() {
                 Ok("db") => 1,
@@ -442,6 +451,15 @@ impl Gpu {
 
     pub fn pipe(&self) -> u8 {
         self.pipe.get()
+    }
+
+    /// [`Gpu::narrow64`] (speed only).
+    pub fn set_narrow64(&self, on: bool) {
+        self.narrow64.set(on);
+    }
+
+    pub fn narrow64(&self) -> bool {
+        self.narrow64.get()
     }
 
     /// [`Gpu::seq_w`] (speed only).
@@ -730,7 +748,14 @@ impl Gpu {
             );
         }
         let (mt, nt) = gemm_tile(rows, if wide == Wide::Tile4 { 4 } else { 2 });
+        let narrow = (mt, nt) == (2, 8)
+            && rows <= 64
+            && self.narrow64.get()
+            && self.pipe.get() > 0
+            && n.div_ceil(32) <= self.sms;
+        let (mt, nt) = if narrow { (2, 4) } else { (mt, nt) };
         let (name, smem) = match self.pipe.get() {
+            _ if narrow => (GEMM_PX24[silu as usize][q8 as usize], GEMM_PX24_SMEM),
             p if p > 0 && (mt, nt) == (2, 8) => {
                 let blocks = rows.div_ceil(64) * n.div_ceil(32);
                 let kind = match p {
@@ -947,6 +972,16 @@ const GEMM_PIPE: [[[&str; 2]; 2]; 4] = [
         ["gemm_bf16_2x8_px2_silu", "gemm_q8_2x8_px2_silu"],
     ],
 ];
+
+/// The 2x4 tile with its operands through a 3-stage ring (`gemm_*_2x4_px`), `[silu][q8]`.
+const GEMM_PX24: [[&str; 2]; 2] = [
+    ["gemm_bf16_2x4_px", "gemm_q8_2x4_px"],
+    ["gemm_bf16_2x4_px_silu", "gemm_q8_2x4_px_silu"],
+];
+
+/// Dynamic shared memory of [`GEMM_PX24`]: 3 stages x (2 m-tiles x 2 rows + 4 n-tiles) x 256
+/// lanes x 16 bytes.
+const GEMM_PX24_SMEM: u32 = 3 * 8 * 256 * 16;
 
 /// `SPECULA_CUDA_GEMM_PIPE`'s names of [`Gpu::pipe`]'s values.
 pub const PIPE_NAMES: [&str; 6] = ["0", "w", "px", "px4", "px2", "auto"];
