@@ -464,8 +464,8 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
     auto slot = [&](int stage, int u, int mt, int h) -> uint4* {
       return wsm + ((((stage * U + u) * MT + mt) * 2 + h) * 256 + threadIdx.x);
     };
-    // Copy the weights of chunks c .. c + U - 1 into `stage` (one commit group, maybe empty).
-    auto issue = [&](int stage, int c) {
+    // Copy the weights of chunks c .. c + U - 1 into `stage` (not committed).
+    auto copy_w = [&](int stage, int c) {
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int k = (c + u) * 32 + tig * 8;
@@ -481,6 +481,10 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
             cp_async_w(slot(stage, u, mt, h), src, ok, Q8);
           }
       }
+    };
+    // The same as one commit group (maybe empty).
+    auto issue = [&](int stage, int c) {
+      copy_w(stage, c);
       cp_async_commit();
     };
     // XR: the X pieces of chunks c .. c + U - 1 into `stage` (zeros past the slice, K or M).
@@ -497,28 +501,13 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
       }
     };
     if constexpr (XR) {
-      // Weights are constant: theirs first (one group), then, after the wait for the previous
-      // kernel, the X of the same stages, each stage's X committed with the next stage's
-      // weights (so wait_group S - 2 still covers a stage's X and weights: the ring's first
-      // S - 1 groups are W0..W(S-2) + X0, X1, ..., X(S-2)).
+      // Weights are constant: the first S - 1 stages' weights are copied before the wait for
+      // the previous kernel, then their X after it, one commit group a stage: the first group
+      // holds all those weights and X of stage 0, the next ones X of stages 1 .. S - 2. So a
+      // stage's weights and X are done when its group is, and wait_group S - 2 still covers
+      // both (the loop then commits each stage's X and weights as one group).
 #pragma unroll
-      for (int s = 0; s < S - 1; s++) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-          const int k = (cbeg + s * U + u) * 32 + tig * 8;
-          const bool ok = cbeg + s * U + u < cend && k < K;
-#pragma unroll
-          for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-              const size_t e = (size_t)wrow[mt][h] * K + k;
-              const void* src = !ok ? Wp
-                                : Q8 ? (const void*)(reinterpret_cast<const signed char*>(Wp) + e)
-                                     : (const void*)(reinterpret_cast<const bf16_t*>(Wp) + e);
-              cp_async_w(slot(s, u, mt, h), src, ok, Q8);
-            }
-        }
-      }
+      for (int s = 0; s < S - 1; s++) copy_w(s, cbeg + s * U);
       pdl_wait();
       pdl_launch();
 #pragma unroll
