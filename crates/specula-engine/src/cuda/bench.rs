@@ -731,7 +731,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
                 "{}/p{}{}",
                 wide.name(),
                 PIPE_NAMES[pipe as usize],
-                if narrow { "" } else { "/no-narrow64" }
+                if narrow { "/narrow64" } else { "" }
             ),
             _ => wide.name().to_string(),
         };
