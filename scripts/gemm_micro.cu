@@ -59,17 +59,18 @@ int main(int argc, char** argv) {
   struct Tile {
     const char* name;
     GemmFn plain, silu;
-    int mt, nt, smem;
+    int mt, nt, smem, groups;
   };
   const Tile tiles[] = {
-      {"2x8", gemm_bf16_2x8, gemm_bf16_2x8_silu, 2, 8, 0},
-      {"2x8_pipe", gemm_bf16_2x8_pipe, gemm_bf16_2x8_pipe_silu, 2, 8, 3 * 2 * 2 * 2 * 256 * 16},
-      {"2x8_px", gemm_bf16_2x8_px, gemm_bf16_2x8_px_silu, 2, 8, 3 * 12 * 256 * 16},
-      {"2x8_px4", gemm_bf16_2x8_px4, gemm_bf16_2x8_px4_silu, 2, 8, 4 * 12 * 256 * 16},
-      {"2x8_px2", gemm_bf16_2x8_px2, gemm_bf16_2x8_px2_silu, 2, 8, 2 * 12 * 256 * 16},
-      {"2x4", gemm_bf16_2x4, gemm_bf16_2x4_silu, 2, 4, 0},
-      {"1x2_db", gemm_bf16_1x2_db, gemm_bf16_1x2_silu_db, 1, 2, 0},
-      {"1x1", gemm_bf16_1x1, gemm_bf16_1x1_silu, 1, 1, 0},
+      {"2x8", gemm_bf16_2x8, gemm_bf16_2x8_silu, 2, 8, 0, 1},
+      {"2x8_pipe", gemm_bf16_2x8_pipe, gemm_bf16_2x8_pipe_silu, 2, 8, 3 * 2 * 2 * 2 * 256 * 16, 1},
+      {"2x8_px", gemm_bf16_2x8_px, gemm_bf16_2x8_px_silu, 2, 8, 3 * 12 * 256 * 16, 1},
+      {"2x8_px4", gemm_bf16_2x8_px4, gemm_bf16_2x8_px4_silu, 2, 8, 4 * 12 * 256 * 16, 1},
+      {"2x8_px2", gemm_bf16_2x8_px2, gemm_bf16_2x8_px2_silu, 2, 8, 2 * 12 * 256 * 16, 1},
+      {"2x8_pp", gemm_bf16_2x8_pp, gemm_bf16_2x8_pp_silu, 2, 8, 3 * 16 * 256 * 16, 2},
+      {"2x4", gemm_bf16_2x4, gemm_bf16_2x4_silu, 2, 4, 0, 1},
+      {"1x2_db", gemm_bf16_1x2_db, gemm_bf16_1x2_silu_db, 1, 2, 0, 1},
+      {"1x1", gemm_bf16_1x1, gemm_bf16_1x1_silu, 1, 1, 0, 1},
   };
   struct Seq {
     const char* name;
@@ -90,11 +91,12 @@ int main(int argc, char** argv) {
       if (M > t.nt * 8 * 8 && t.nt < 8) continue;  // narrow tiles only for few rows
       GemmFn f = s.silu ? t.silu : t.plain;
       if (t.smem) CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, t.smem));
-      dim3 grid((M + t.nt * 8 - 1) / (t.nt * 8), (s.n + t.mt * 16 - 1) / (t.mt * 16));
-      for (int w = 0; w < 3; w++) f<<<grid, 256, t.smem>>>(W, nullptr, X, nullptr, Y, M, s.n, s.k, s.silu ? Act : nullptr);
+      dim3 grid((M + t.nt * 8 - 1) / (t.nt * 8), (s.n + t.mt * 16 * t.groups - 1) / (t.mt * 16 * t.groups));
+      const int threads = 256 * t.groups;
+      for (int w = 0; w < 3; w++) f<<<grid, threads, t.smem>>>(W, nullptr, X, nullptr, Y, M, s.n, s.k, s.silu ? Act : nullptr);
       CK(cudaEventRecord(a));
       for (int r = 0; r < reps; r++)
-        f<<<grid, 256, t.smem>>>(W, nullptr, X, nullptr, Y, M, s.n, s.k, s.silu ? Act : nullptr);
+        f<<<grid, threads, t.smem>>>(W, nullptr, X, nullptr, Y, M, s.n, s.k, s.silu ? Act : nullptr);
       CK(cudaEventRecord(b));
       CK(cudaEventSynchronize(b));
       CK(cudaGetLastError());

@@ -320,14 +320,27 @@ __device__ __forceinline__ void cp_async_w(void* dst, const void* src, bool ok, 
 // XR (with S >= 2, the `_px` kernels): the X fragments go through the same ring, each lane
 // copying the 16-byte pieces it later reads ([S][U][NT][256 lanes] x 16 bytes after the
 // weights), so a fold no longer waits on an L2 round trip for its X. Same values, same fold.
-template <int MT, int NT, int U, bool Q8, int S = 0, bool SILU = false, bool XR = false>
+//
+// FG > 1 (with XR, the `_pp` kernels: 256 x FG threads): FG feature groups of 16 MT features a
+// block, warp w folding K slice w % 8 of group w / 8, so the FG warps of one slice read the same
+// X pieces: each copies 1 / FG of them into the ring and a named barrier per slice (the FG warps
+// of it) orders the copies before the reads and the reads before the next copy into that stage.
+// A block streams FG times the weights for the same X bytes. Each warp's fold is the one it has
+// with FG = 1: the same bits.
+template <int MT, int NT, int U, bool Q8, int S = 0, bool SILU = false, bool XR = false, int FG = 1>
 __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const float* __restrict__ Ws,
                                           const bf16_t* __restrict__ X, const float* R, float* Y, int M,
                                           int N, int K, bf16_t* Act) {
-  __shared__ float red[GEMM_SLICES][MT * 16][9];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  static_assert(FG == 1 || (XR && NT % FG == 0), "feature groups share X through the ring");
+  __shared__ float red[FG * GEMM_SLICES][MT * 16][9];
+  const int warp = FG > 1 ? (threadIdx.x >> 5) % GEMM_SLICES : threadIdx.x >> 5, lane = threadIdx.x & 31,
+            gid = lane >> 2, tig = lane & 3;
+  const int fg = FG > 1 ? (threadIdx.x >> 5) / GEMM_SLICES : 0;
+  // The lane's index among the 256 threads of its feature group.
+  const int glane = FG > 1 ? threadIdx.x & 255 : threadIdx.x;
   const int r0 = blockIdx.x * (NT * 8);
-  const int f0 = blockIdx.y * (MT * 16);
+  const int fb = blockIdx.y * (FG * MT * 16);
+  const int f0 = fb + fg * (MT * 16);
   const int nch = (K + 31) >> 5;
   const int per = (nch + GEMM_SLICES - 1) / GEMM_SLICES;
   const int cbeg = min(warp * per, nch), cend = min(cbeg + per, nch);
@@ -379,7 +392,7 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
   extern __shared__ uint4 wsm[];
   // The ring's X piece of (stage, u, nt) for this lane (XR).
   auto xslot = [&](int stage, int u, int nt) -> uint4* {
-    return wsm + S * U * MT * 2 * 256 + ((stage * U + u) * NT + nt) * 256 + threadIdx.x;
+    return wsm + S * U * MT * 2 * 256 * FG + ((stage * U + u) * NT + nt) * 256 + glane;
   };
   auto fold = [&](const uint4 (&wa)[U][MT][2], int c, int stage = 0) {
     uint4 xb[U][NT];
@@ -462,7 +475,7 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
     }
   } else {
     auto slot = [&](int stage, int u, int mt, int h) -> uint4* {
-      return wsm + ((((stage * U + u) * MT + mt) * 2 + h) * 256 + threadIdx.x);
+      return wsm + ((((stage * U + u) * MT + mt) * 2 + h) * (256 * FG) + threadIdx.x);
     };
     // Copy the weights of chunks c .. c + U - 1 into `stage` (not committed).
     auto copy_w = [&](int stage, int c) {
@@ -495,6 +508,7 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
         const bool ok = c + u < cend && k < K;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
+          if (FG > 1 && nt / (NT / FG) != fg) continue;  // another group's warp copies it
           const bool in = ok && xrow[nt] >= 0;
           cp_async16(xslot(stage, u, nt), in ? (const void*)(X + (size_t)xrow[nt] * K + k) : (const void*)X, in);
         }
@@ -524,6 +538,7 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
     int stage = 0;
     for (int c = cbeg; c < cend; c += U) {
       asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
+      if constexpr (FG > 1) asm volatile("bar.sync %0, %1;" ::"r"(1 + warp), "n"(32 * FG) : "memory");
 #pragma unroll
       for (int u = 0; u < U; u++)
 #pragma unroll
@@ -544,37 +559,40 @@ __device__ __forceinline__ void gemm_impl(const void* __restrict__ Wp, const flo
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
     __syncthreads();
+    const int wr = fg * GEMM_SLICES + warp;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-      red[warp][mt * 16 + gid][2 * tig] = acc[mt][nt][0];
-      red[warp][mt * 16 + gid][2 * tig + 1] = acc[mt][nt][1];
-      red[warp][mt * 16 + gid + 8][2 * tig] = acc[mt][nt][2];
-      red[warp][mt * 16 + gid + 8][2 * tig + 1] = acc[mt][nt][3];
+      red[wr][mt * 16 + gid][2 * tig] = acc[mt][nt][0];
+      red[wr][mt * 16 + gid][2 * tig + 1] = acc[mt][nt][1];
+      red[wr][mt * 16 + gid + 8][2 * tig] = acc[mt][nt][2];
+      red[wr][mt * 16 + gid + 8][2 * tig + 1] = acc[mt][nt][3];
     }
     __syncthreads();
     if constexpr (SILU) {
-      for (int i = threadIdx.x; i < MT * 8 * 8; i += blockDim.x) {
-        const int f = i % (MT * 8), r = i / (MT * 8);
-        const int fg = (f / 8) * 16 + f % 8;  // the gate row of pair f; its up row is 8 further
-        const int n = f0 + fg, m = r0 + nt * 8 + r;
+      for (int i = threadIdx.x; i < FG * MT * 8 * 8; i += blockDim.x) {
+        const int fa = i % (FG * MT * 8), r = i / (FG * MT * 8);
+        const int g0 = (fa / (MT * 8)) * GEMM_SLICES, f = fa % (MT * 8);
+        const int fr = (f / 8) * 16 + f % 8;  // the gate row of pair f; its up row is 8 further
+        const int n = fb + (fa / (MT * 8)) * (MT * 16) + fr, m = r0 + nt * 8 + r;
         if (n < N && m < M) {
-          float g = red[0][fg][r], u = red[0][fg + 8][r];
+          float g = red[g0][fr][r], u = red[g0][fr + 8][r];
 #pragma unroll
           for (int w = 1; w < GEMM_SLICES; w++) {
-            g += red[w][fg][r];
-            u += red[w][fg + 8][r];
+            g += red[g0 + w][fr][r];
+            u += red[g0 + w][fr + 8][r];
           }
-          Act[(size_t)m * (N / 2) + f0 / 2 + f] = silu_mul1(g, u);
+          Act[(size_t)m * (N / 2) + fb / 2 + fa] = silu_mul1(g, u);
         }
       }
     } else {
-      for (int i = threadIdx.x; i < MT * 16 * 8; i += blockDim.x) {
-        const int f = i % (MT * 16), r = i / (MT * 16);
-        const int n = f0 + f, m = r0 + nt * 8 + r;
+      for (int i = threadIdx.x; i < FG * MT * 16 * 8; i += blockDim.x) {
+        const int fa = i % (FG * MT * 16), r = i / (FG * MT * 16);
+        const int g0 = (fa / (MT * 16)) * GEMM_SLICES, f = fa % (MT * 16);
+        const int n = fb + fa, m = r0 + nt * 8 + r;
         if (n < N && m < M) {
-          float s = red[0][f][r];
+          float s = red[g0][f][r];
 #pragma unroll
-          for (int w = 1; w < GEMM_SLICES; w++) s += red[w][f][r];
+          for (int w = 1; w < GEMM_SLICES; w++) s += red[g0 + w][f][r];
           const size_t o = (size_t)m * N + n;
           Y[o] = R ? R[o] + s : s;
         }
@@ -627,6 +645,17 @@ GEMM_DB(1, 1, 4, 2) GEMM_DB(1, 2, 4, 2)
   GEMM_PX(gemm_bf16_2x8_##NAME##_silu, S, MINB, false, true) \
   GEMM_PX(gemm_q8_2x8_##NAME##_silu, S, MINB, true, true)
 GEMM_PXS(px, 3, 1) GEMM_PXS(px4, 4, 1) GEMM_PXS(px2, 2, 2)
+// The 2x8 tile in two feature groups sharing X (FG = 2, 512 threads: 64 features x 64 rows a
+// block), both operands through a 3-stage ring (64 KB a stage: 32 of weights, 32 of X), one
+// block a multiprocessor: twice the weight bytes in flight of `_px` for the same X.
+#define GEMM_PP(NAME, Q8, SILU)                                                                 \
+  extern "C" __global__ void __launch_bounds__(512, 1) NAME(GEMM_ARGS) {                        \
+    gemm_impl<2, 8, 1, Q8, 3, SILU, true, 2>(GEMM_PASS);                                        \
+  }
+GEMM_PP(gemm_bf16_2x8_pp, false, false)
+GEMM_PP(gemm_q8_2x8_pp, true, false)
+GEMM_PP(gemm_bf16_2x8_pp_silu, false, true)
+GEMM_PP(gemm_q8_2x8_pp_silu, true, true)
 // The 2x4 tile (32 rows a block) with both operands through a 3-stage ring (96 KB, two blocks a
 // multiprocessor): at 33..64 rows for layers whose 2x8 grid has at most one block a
 // multiprocessor (down and o of qwen3-8b: 128 blocks), twice the blocks. Slower on the H200

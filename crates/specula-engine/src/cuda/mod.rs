@@ -158,9 +158,9 @@ pub struct Gpu {
     seq_part: DevBuf,
     seq_count: DevBuf,
     /// How the 2x8 tile streams its operands: 0 the weights through registers, 1 + i the ring
-    /// kind i of [`GEMM_PIPE`], [`PIPE_AUTO`] `_px2` for launches of more blocks than
-    /// multiprocessors, else `_px` (`SPECULA_CUDA_GEMM_PIPE=0|w|px|px4|px2|auto`, default auto;
-    /// speed only).
+    /// kind i of [`GEMM_PIPE`], [`PIPE_AUTO`] `_pp` for layers whose `_pp` grid has at least a
+    /// block a multiprocessor, else `_px2` for launches of more blocks than multiprocessors,
+    /// else `_px` (`SPECULA_CUDA_GEMM_PIPE=0|w|px|px4|px2|pp|auto`, default auto; speed only).
     pipe: std::cell::Cell<u8>,
     /// Multiprocessors of the device.
     sms: usize,
@@ -332,8 +332,9 @@ impl Gpu {
             Ok("px") => 2,
             Ok("px4") => 3,
             Ok("px2") => 4,
+            Ok("pp") => 5,
             Err(_) | Ok("auto") => PIPE_AUTO,
-            Ok(other) => bail!("SPECULA_CUDA_GEMM_PIPE={other}: use 0, w, px, px4, px2 or auto"),
+            Ok(other) => bail!("SPECULA_CUDA_GEMM_PIPE={other}: use 0, w, px, px4, px2, pp or auto"),
         };
         let wide = match std::env::var("SPECULA_CUDA_GEMM_WIDE").as_deref() {
             Ok("2") | Err(_) => Wide::Tile2,
@@ -754,15 +755,21 @@ impl Gpu {
             && self.pipe.get() > 0
             && n.div_ceil(32) <= self.sms;
         let (mt, nt) = if narrow { (2, 4) } else { (mt, nt) };
+        // Feature groups a block (the `_pp` kind: 2).
+        let mut groups = 1;
         let (name, smem) = match self.pipe.get() {
             _ if narrow => (GEMM_PX24[silu as usize][q8 as usize], GEMM_PX24_SMEM),
             p if p > 0 && (mt, nt) == (2, 8) => {
                 let blocks = rows.div_ceil(64) * n.div_ceil(32);
                 let kind = match p {
+                    PIPE_AUTO if rows.div_ceil(64) * n.div_ceil(64) >= self.sms => PIPE_PP,
                     PIPE_AUTO if !q8 && blocks > self.sms => 3,
                     PIPE_AUTO => 1,
                     p => p as usize - 1,
                 };
+                if kind == PIPE_PP {
+                    groups = 2;
+                }
                 (GEMM_PIPE[kind][silu as usize][q8 as usize], GEMM_PIPE_SMEM[kind])
             }
             _ if mt == 1 && nt >= self.db_from_nt.get() => (GEMM_DB[silu as usize][q8 as usize][nt - 1], 0),
@@ -777,8 +784,8 @@ impl Gpu {
         };
         self.launch_smem(
             name,
-            (rows.div_ceil(8 * nt) as u32, n.div_ceil(16 * mt) as u32),
-            256,
+            (rows.div_ceil(8 * nt) as u32, n.div_ceil(16 * mt * groups) as u32),
+            256 * groups as u32,
             smem,
             &[
                 A::P(w.0),
@@ -953,8 +960,9 @@ pub(crate) enum Epilogue {
 
 /// The 2x8 tile with its operands streamed through a cp.async ring in shared memory (kernels.cu;
 /// the same bits as `gemm_*_2x8`), `[kind][silu][q8]`: kind 0 the weights (`_pipe`), 1..3 the
-/// weights and X (`_px`: 3 stages, `_px4`: 4, `_px2`: 2 and two blocks a multiprocessor).
-const GEMM_PIPE: [[[&str; 2]; 2]; 4] = [
+/// weights and X (`_px`: 3 stages, `_px4`: 4, `_px2`: 2 and two blocks a multiprocessor), 4
+/// `_pp`: two feature groups a block sharing X (512 threads, 64 features, 3 stages).
+const GEMM_PIPE: [[[&str; 2]; 2]; 5] = [
     [
         ["gemm_bf16_2x8_pipe", "gemm_q8_2x8_pipe"],
         ["gemm_bf16_2x8_pipe_silu", "gemm_q8_2x8_pipe_silu"],
@@ -971,7 +979,14 @@ const GEMM_PIPE: [[[&str; 2]; 2]; 4] = [
         ["gemm_bf16_2x8_px2", "gemm_q8_2x8_px2"],
         ["gemm_bf16_2x8_px2_silu", "gemm_q8_2x8_px2_silu"],
     ],
+    [
+        ["gemm_bf16_2x8_pp", "gemm_q8_2x8_pp"],
+        ["gemm_bf16_2x8_pp_silu", "gemm_q8_2x8_pp_silu"],
+    ],
 ];
+
+/// The [`GEMM_PIPE`] kind of the `_pp` kernels.
+const PIPE_PP: usize = 4;
 
 /// The 2x4 tile with its operands through a 3-stage ring (`gemm_*_2x4_px`), `[silu][q8]`.
 const GEMM_PX24: [[&str; 2]; 2] = [
@@ -984,22 +999,24 @@ const GEMM_PX24: [[&str; 2]; 2] = [
 const GEMM_PX24_SMEM: u32 = 3 * 8 * 256 * 16;
 
 /// `SPECULA_CUDA_GEMM_PIPE`'s names of [`Gpu::pipe`]'s values.
-pub const PIPE_NAMES: [&str; 6] = ["0", "w", "px", "px4", "px2", "auto"];
+pub const PIPE_NAMES: [&str; 7] = ["0", "w", "px", "px4", "px2", "pp", "auto"];
 
 /// [`Gpu::pipe`]'s default: on the H200 (qwen3-8b bf16, 64 rows, session 20) `_px2` ran the
 /// layers of many blocks fastest (gate/up 3.22 ms a step against 3.50 with `_px` and 3.75 with
 /// `_pipe`; QKV 1.07, 1.16, 1.28) and `_px` those of at most one block a multiprocessor (down
 /// 1.81 against 2.06 with `_px2` and 2.01 with `_pipe`; o 0.87, 0.89, 0.94). With Q8_0 weights
 /// `_px` was fastest for every layer (64 rows: 10.06 ms a step against 12.37 with `_px2`).
-pub const PIPE_AUTO: u8 = 5;
+pub const PIPE_AUTO: u8 = 6;
 
 /// Dynamic shared memory of each [`GEMM_PIPE`] kind: stages x chunks a stage x (2 m-tiles x 2
+/// rows of weights + 8 n-tiles of X) x 256 lanes x 16 bytes; `_pp`: 3 stages x (2 groups x 4
 /// rows of weights + 8 n-tiles of X) x 256 lanes x 16 bytes.
-const GEMM_PIPE_SMEM: [u32; 4] = [
+const GEMM_PIPE_SMEM: [u32; 5] = [
     3 * 2 * 4 * 256 * 16,
     3 * 12 * 256 * 16,
     4 * 12 * 256 * 16,
     2 * 12 * 256 * 16,
+    3 * 16 * 256 * 16,
 ];
 
 /// The GEMM kernel of each (MT, NT) tile.
