@@ -1405,6 +1405,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS)
 // chain of dependent phases): speed only.
 extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
+// The same at 4 blocks a multiprocessor with more key (KU) or value (VU) passes unrolled, so
+// more of a block's K / V loads are in flight at once (same operations in the same order).
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4(ATT_ARGS) { attention_impl<4, 8, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k8(ATT_ARGS) { attention_impl<8, 8, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4v16(ATT_ARGS) { attention_impl<4, 16, false, 4>(ATT_PASS); }
 // attention_rows_deep with qkv_rope_store's work in front (ROPE above), for forwards of one row.
 extern "C" __global__ void __launch_bounds__(256, 2)
     attention_rope_rows_deep(ATT_ARGS, const float* QKV, const float* bias, const bf16_t* qnorm,

@@ -185,7 +185,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-const KERNELS: [&str; 29] = [
+const KERNELS: [&str; 32] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -210,6 +210,9 @@ const KERNELS: [&str; 29] = [
     "attention_rows_g4",
     "attention_rows_g4_b3",
     "attention_rows_g4_b4",
+    "attention_rows_g4_b4_k4",
+    "attention_rows_g4_b4_k8",
+    "attention_rows_g4_b4_k4v16",
     "attention_rope_rows_deep",
     "silu_mul",
     "argmax_rows",
@@ -1208,7 +1211,8 @@ pub(crate) struct KernelOptions {
     /// (`SPECULA_CUDA_ATT_ORDER=range`; speed only).
     pub att_range_last: bool,
     /// Blocks a multiprocessor the grouped attention kernel is compiled for: 2
-    /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers); `SPECULA_CUDA_ATT_G4=2|3|4`
+    /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers); 5, 6, 7: `_b4` with 4 or 8
+    /// key passes or 4 key and 16 value passes unrolled; `SPECULA_CUDA_ATT_G4=2|3|4|4k4|4k8|4k4v16`
     /// (speed only). Default 4: on the H200 (qwen3-8b bf16, 64 rows at context 128, session 20)
     /// its attention took 1.23 ms a step against 1.49 with 2 and 1.54 with 3, and 8k prefill
     /// ran at 2,215 against 1,765 tok/s (the same GEMMs).
@@ -1251,7 +1255,10 @@ impl KernelOptions {
             Ok("2") => 2,
             Ok("3") => 3,
             Err(_) | Ok("4") => 4,
-            Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3 or 4"),
+            Ok("4k4") => 5,
+            Ok("4k8") => 6,
+            Ok("4k4v16") => 7,
+            Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3, 4, 4k4, 4k8 or 4k4v16"),
         };
         if !skip.is_empty() {
             tracing::warn!(
@@ -1559,6 +1566,9 @@ impl GpuModel {
                     match fu.att_g4_blocks {
                         3 => "attention_rows_g4_b3",
                         4 => "attention_rows_g4_b4",
+                        5 => "attention_rows_g4_b4_k4",
+                        6 => "attention_rows_g4_b4_k8",
+                        7 => "attention_rows_g4_b4_k4v16",
                         _ => "attention_rows_g4",
                     }
                 } else {
