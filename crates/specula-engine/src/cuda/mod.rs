@@ -158,9 +158,10 @@ pub struct Gpu {
     seq_part: DevBuf,
     seq_count: DevBuf,
     /// How the 2x8 tile streams its operands: 0 the weights through registers, 1 + i the ring
-    /// kind i of [`GEMM_PIPE`], [`PIPE_AUTO`] `_pp` for layers whose `_pp` grid has at least a
-    /// block a multiprocessor, else `_px2` for launches of more blocks than multiprocessors,
-    /// else `_px` (`SPECULA_CUDA_GEMM_PIPE=0|w|px|px4|px2|pp|auto`, default auto; speed only).
+    /// kind i of [`GEMM_PIPE`], [`PIPE_AUTO`] (bf16) `_pp` for layers whose `_pp` grid has at
+    /// least a block a multiprocessor, else `_px2` for launches of more blocks than
+    /// multiprocessors, else `_px`; Q8_0 `_px` (`SPECULA_CUDA_GEMM_PIPE=0|w|px|px4|px2|pp|auto`,
+    /// default auto; speed only).
     pipe: std::cell::Cell<u8>,
     /// Multiprocessors of the device.
     sms: usize,
@@ -765,7 +766,7 @@ impl Gpu {
             p if p > 0 && (mt, nt) == (2, 8) => {
                 let blocks = rows.div_ceil(64) * n.div_ceil(32);
                 let kind = match p {
-                    PIPE_AUTO if rows.div_ceil(64) * n.div_ceil(64) >= self.sms => PIPE_PP,
+                    PIPE_AUTO if !q8 && rows.div_ceil(64) * n.div_ceil(64) >= self.sms => PIPE_PP,
                     PIPE_AUTO if !q8 && blocks > self.sms => 3,
                     PIPE_AUTO => 1,
                     p => p as usize - 1,
@@ -1009,6 +1010,11 @@ pub const PIPE_NAMES: [&str; 7] = ["0", "w", "px", "px4", "px2", "pp", "auto"];
 /// `_pipe`; QKV 1.07, 1.16, 1.28) and `_px` those of at most one block a multiprocessor (down
 /// 1.81 against 2.06 with `_px2` and 2.01 with `_pipe`; o 0.87, 0.89, 0.94). With Q8_0 weights
 /// `_px` was fastest for every layer (64 rows: 10.06 ms a step against 12.37 with `_px2`).
+/// Session 21 (same call as session 20's binary): `_pp` for the bf16 layers whose `_pp` grid
+/// has at least a block a multiprocessor (gate/up 3.07 ms against 3.21 with `_px2`, LM head
+/// 0.44 against 0.49; 64 streams 7,833 against 7,613 tok/s); down, o and QKV slower with it
+/// (2.46, 1.15, 1.11 ms against 1.80, 0.88, 1.08). With Q8_0 weights `_pp` lost (64 streams
+/// 6,279 against 7,057 with `_px`).
 pub const PIPE_AUTO: u8 = 6;
 
 /// Dynamic shared memory of each [`GEMM_PIPE`] kind: stages x chunks a stage x (2 m-tiles x 2
