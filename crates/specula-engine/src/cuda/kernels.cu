@@ -1122,7 +1122,9 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 #define ATT_SPLITS 16
 #define ATT_MIN_KEYS 256
 #define ATT_SMEM_KEYS 2048
-// KU / VU: key passes / V positions unrolled (their loads issued together); speed only.
+// KB / VB: key passes (32 keys each) / V positions of a warp whose loads are issued together
+// before their math; NCL: 16-byte K chunks a lane holds per key (head_dim <= 64 NCL; 2 or 4).
+// Speed only: the operations and their order are the same for any of them.
 //
 // ROPE (`attention_rope_rows_deep`, forwards of one row): the block also does qkv_rope_store's
 // work for its row with the same device functions (so the same bits): q of head h from QKV into
@@ -1132,7 +1134,7 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 // and group), loading each K and V row once for all of them; per head it runs the operations of
 // QG = 1 in the same order (every per-head value below is what QG = 1 computes), so the bits do
 // not depend on QG. Needs hd <= 128.
-template <int KU, int VU, bool ROPE = false, int QG = 1>
+template <int KB, int VB, int NCL, bool ROPE = false, int QG = 1, int PF = 3>
 __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc, const bf16_t* Vc, const int* pos,
                                                const int* slot, float* S, float* P, int* C, bf16_t* O, int nh,
                                                int nkv, int hd, int max_ctx, float scale, int G,
@@ -1141,7 +1143,9 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
                                                const float* inv_freq = nullptr, float eps = 0.0f,
                                                int interleaved = 0) {
   static_assert(!ROPE || QG == 1, "the fused RoPE takes one head per block");
-  constexpr int QD = QG == 1 ? 256 : 128;  // head_dim capacity of q[] and part[]
+  static_assert(NCL == 2 || NCL == 4, "head_dim up to 128 or 256");
+  static_assert(QG == 1 || NCL == 2, "the grouped kernel takes head_dim up to 128");
+  constexpr int QD = 64 * NCL;  // head_dim capacity of q[] and part[]
   constexpr int SK = ATT_SMEM_KEYS / QG;   // scores per head kept in shared memory
   __shared__ float sh[QG][32];
   __shared__ float q[QG][QD];
@@ -1174,8 +1178,8 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
       const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);
       for (int i = threadIdx.x; i < (b - a) * lines; i += blockDim.x) {
         const size_t e = (size_t)(a + i / lines) * stride + (i % lines) * 64;
-        prefetch_l2(kb + e);
-        prefetch_l2(vb + e);
+        if (PF & 1) prefetch_l2(kb + e);
+        if (PF & 2) prefetch_l2(vb + e);
       }
     }
   }
@@ -1226,8 +1230,19 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
     }
     __syncthreads();  // part[] read; q, k and v written (visible to the block from here)
   } else {
-    for (int j = 0; j < nq; j++)
-      for (int d = threadIdx.x; d < hd; d += blockDim.x) q[j][d] = Q[((size_t)r * nh + h0 + j) * hd + d];
+    // The block's nq heads of q, all loads first (nq * hd <= 256 QL).
+    constexpr int QL = (QG * QD + 255) / 256;
+    float qv[QL];
+#pragma unroll
+    for (int u = 0; u < QL; u++) {
+      const int i = threadIdx.x + 256 * u;
+      qv[u] = i < nq * hd ? Q[((size_t)r * nh + h0) * hd + i] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < QL; u++) {
+      const int i = threadIdx.x + 256 * u;
+      if (i < nq * hd) q[i / hd][i % hd] = qv[u];
+    }
   }
   for (int z = g; z < na; z += G) {
     const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);
@@ -1242,39 +1257,48 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
     float mx[QG];
 #pragma unroll
     for (int j = 0; j < QG; j++) mx[j] = -INFINITY;
-#pragma unroll KU
-    for (int t0 = a; t0 < b; t0 += 32) {
-      const int t = t0 + grp;
-      float acc[QG];
+    // KB passes (32 keys each) at a time: all their K loads are issued first, predicated, and
+    // only then folded, pass by pass in key order (a loop that loads inside each pass's branch
+    // gets one memory round trip per pass: the compiler does not hoist loads across them).
+    for (int t0 = a; t0 < b; t0 += 32 * KB) {
+      uint4 kr[KB][NCL];
 #pragma unroll
-      for (int j = 0; j < QG; j++) acc[j] = 0.0f;
-      if (t < b) {
-        const uint4* k = reinterpret_cast<const uint4*>(kb + (size_t)t * stride);
-        uint4 kr[4];
+      for (int u = 0; u < KB; u++) {
+        const int t = t0 + 32 * u + grp;
+        const uint4* k = reinterpret_cast<const uint4*>(kb + (size_t)min(t, b - 1) * stride);
 #pragma unroll
-        for (int i = 0; i < 4; i++) kr[i] = kl + 8 * i < nc ? k[kl + 8 * i] : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          const int c = kl + 8 * i;
-          if (c < nc) {
-            float kf[8];
-            unpack8(kr[i], kf);
-#pragma unroll
-            for (int j = 0; j < QG; j++)
-#pragma unroll
-              for (int e = 0; e < 8; e++) acc[j] = __fmaf_rn(q[j][c * 8 + e], kf[e], acc[j]);
-          }
-        }
+        for (int i = 0; i < NCL; i++) kr[u][i] = t < b && kl + 8 * i < nc ? k[kl + 8 * i] : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
-      for (int j = 0; j < QG; j++) {
-        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 4);
-        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 2);
-        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 1);
-        acc[j] *= scale;
+      for (int u = 0; u < KB; u++) {
+        const int t = t0 + 32 * u + grp;
+        float acc[QG];
+#pragma unroll
+        for (int j = 0; j < QG; j++) acc[j] = 0.0f;
         if (t < b) {
-          if (kl == 0 && j < nq) sc[j][t - a] = acc[j];
-          mx[j] = fmaxf(mx[j], acc[j]);
+#pragma unroll
+          for (int i = 0; i < NCL; i++) {
+            const int c = kl + 8 * i;
+            if (c < nc) {
+              float kf[8];
+              unpack8(kr[u][i], kf);
+#pragma unroll
+              for (int j = 0; j < QG; j++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[j] = __fmaf_rn(q[j][c * 8 + e], kf[e], acc[j]);
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < QG; j++) {
+          acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 4);
+          acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 2);
+          acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 1);
+          acc[j] *= scale;
+          if (t < b) {
+            if (kl == 0 && j < nq) sc[j][t - a] = acc[j];
+            mx[j] = fmaxf(mx[j], acc[j]);
+          }
         }
       }
     }
@@ -1293,7 +1317,7 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
     block_reduce_n<QG, false>(sum, sh);  // and these the exponentials
     // The weighted sum of V: warp w takes positions a + w, a + w + 8, ... in order; lane l
     // holds dimensions 4 l .. 4 l + 3 (and 128 further for head_dim > 128).
-    constexpr int VJ = QG == 1 ? 2 : 1;  // groups of 32 lanes x 4 dimensions: hd <= 128 VJ
+    constexpr int VJ = NCL / 2;  // groups of 32 lanes x 4 dimensions: hd <= 128 VJ
     float acc[QG][VJ][4];
 #pragma unroll
     for (int j = 0; j < QG; j++)
@@ -1302,23 +1326,40 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[j][i][e] = 0.0f;
     const int nv = hd / 4;
-#pragma unroll VU
-    for (int t = a + warp; t < b; t += 8) {
-      float p[QG];
+    // VB positions of a warp at a time: their V loads first (predicated), then the folds in
+    // position order.
+    for (int t0 = a + warp; t0 < b; t0 += 8 * VB) {
+      uint2 vr[VB][VJ];
 #pragma unroll
-      for (int j = 0; j < QG; j++) p[j] = j < nq ? sc[j][t - a] : 0.0f;
-      const uint2* v = reinterpret_cast<const uint2*>(vb + (size_t)t * stride);
+      for (int u = 0; u < VB; u++) {
+        const int t = t0 + 8 * u;
+        const uint2* v = reinterpret_cast<const uint2*>(vb + (size_t)min(t, b - 1) * stride);
 #pragma unroll
-      for (int i = 0; i < VJ; i++) {
-        const int c = lane + 32 * i;
-        if (c < nv) {
-          const uint2 u = v[c];
+        for (int i = 0; i < VJ; i++) {
+          const int c = lane + 32 * i;
+          vr[u][i] = t < b && c < nv ? v[c] : make_uint2(0, 0);
+        }
+      }
 #pragma unroll
-          for (int j = 0; j < QG; j++) {
-            acc[j][i][0] = __fmaf_rn(p[j], bf_lo(u.x), acc[j][i][0]);
-            acc[j][i][1] = __fmaf_rn(p[j], bf_hi(u.x), acc[j][i][1]);
-            acc[j][i][2] = __fmaf_rn(p[j], bf_lo(u.y), acc[j][i][2]);
-            acc[j][i][3] = __fmaf_rn(p[j], bf_hi(u.y), acc[j][i][3]);
+      for (int u = 0; u < VB; u++) {
+        const int t = t0 + 8 * u;
+        if (t < b) {
+          float p[QG];
+#pragma unroll
+          for (int j = 0; j < QG; j++) p[j] = j < nq ? sc[j][t - a] : 0.0f;
+#pragma unroll
+          for (int i = 0; i < VJ; i++) {
+            const int c = lane + 32 * i;
+            if (c < nv) {
+              const uint2 w = vr[u][i];
+#pragma unroll
+              for (int j = 0; j < QG; j++) {
+                acc[j][i][0] = __fmaf_rn(p[j], bf_lo(w.x), acc[j][i][0]);
+                acc[j][i][1] = __fmaf_rn(p[j], bf_hi(w.x), acc[j][i][1]);
+                acc[j][i][2] = __fmaf_rn(p[j], bf_lo(w.y), acc[j][i][2]);
+                acc[j][i][3] = __fmaf_rn(p[j], bf_hi(w.y), acc[j][i][3]);
+              }
+            }
           }
         }
       }
@@ -1393,28 +1434,40 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
   const float *Q, const bf16_t *Kc, const bf16_t *Vc, const int *pos, const int *slot, float *S, float *P, \
       int *C, bf16_t *O, int nh, int nkv, int hd, int max_ctx, float scale, int G
 #define ATT_PASS Q, Kc, Vc, pos, slot, S, P, C, O, nh, nkv, hd, max_ctx, scale, G
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(ATT_ARGS) { attention_impl<2, 8>(ATT_PASS); }
+// `_h128`: the same kernels for head_dim <= 128 (NCL 2: half the registers for K chunks, so
+// more key passes in flight).
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows(ATT_ARGS) { attention_impl<1, 4, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_h128(ATT_ARGS) { attention_impl<2, 8, 2>(ATT_PASS); }
 // More loads in flight per thread, half the blocks per multiprocessor: faster for a few rows
 // (docs/gpu.md), slower for many (GpuModel::enqueue picks; SPECULA_CUDA_ATT overrides).
-extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep(ATT_ARGS) { attention_impl<8, 16>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep(ATT_ARGS) { attention_impl<2, 8, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep_h128(ATT_ARGS) { attention_impl<4, 16, 2>(ATT_PASS); }
 // Four query heads of one KV head per block (QG above; grid y: kv heads x groups per kv head).
-// Groups of 2 (attention_impl<2, 8, false, 2>) were slower than one head per block on the H200.
-extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
+// Groups of 2 were slower than one head per block on the H200.
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
 // The same code held to fewer registers for 3 or 4 blocks a multiprocessor (at 64 rows and a
 // short context the 512 blocks of qwen3-8b are two waves at 2 a multiprocessor, each block a
-// chain of dependent phases): speed only.
-extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4(ATT_ARGS) { attention_impl<2, 8, false, 4>(ATT_PASS); }
-// The same at 4 blocks a multiprocessor with more key (KU) or value (VU) passes unrolled, so
-// more of a block's K / V loads are in flight at once (same operations in the same order).
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4(ATT_ARGS) { attention_impl<4, 8, false, 4>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k8(ATT_ARGS) { attention_impl<8, 8, false, 4>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4v16(ATT_ARGS) { attention_impl<4, 16, false, 4>(ATT_PASS); }
+// chain of dependent phases), and with more key (k4) or value (v16) loads in flight: speed only.
+extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3_k4v16(ATT_ARGS) { attention_impl<4, 16, 2, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4(ATT_ARGS) { attention_impl<4, 8, 2, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_v16(ATT_ARGS) { attention_impl<2, 16, 2, false, 4>(ATT_PASS); }
+// Prefetch experiments (PF: 0 none, 1 K only, 2 V only; speed only).
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_pf0(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 0>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_pf1(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 1>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_pf2(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 2>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4pf0(ATT_ARGS) { attention_impl<4, 8, 2, false, 4, 0>(ATT_PASS); }
 // attention_rows_deep with qkv_rope_store's work in front (ROPE above), for forwards of one row.
-extern "C" __global__ void __launch_bounds__(256, 2)
-    attention_rope_rows_deep(ATT_ARGS, const float* QKV, const float* bias, const bf16_t* qnorm,
-                             const bf16_t* knorm, const float* inv_freq, float eps, int interleaved) {
-  attention_impl<8, 16, true>(ATT_PASS, QKV, bias, qnorm, knorm, inv_freq, eps, interleaved);
+#define ATT_ROPE_ARGS                                                                             \
+  ATT_ARGS, const float *QKV, const float *bias, const bf16_t *qnorm, const bf16_t *knorm,        \
+      const float *inv_freq, float eps, int interleaved
+#define ATT_ROPE_PASS ATT_PASS, QKV, bias, qnorm, knorm, inv_freq, eps, interleaved
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rope_rows_deep(ATT_ROPE_ARGS) {
+  attention_impl<2, 8, 4, true>(ATT_ROPE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) attention_rope_rows_deep_h128(ATT_ROPE_ARGS) {
+  attention_impl<4, 16, 2, true>(ATT_ROPE_PASS);
 }
 
 // A[r, i] = bf16(silu(G) * U), GU f32 [rows, 2I] with the gate and up features interleaved in

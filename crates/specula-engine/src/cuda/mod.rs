@@ -186,7 +186,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-const KERNELS: [&str; 32] = [
+const KERNELS: [&str; 35] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -207,14 +207,17 @@ const KERNELS: [&str; 32] = [
     "rmsnorm_bf16",
     "qkv_rope_store",
     "attention_rows",
+    "attention_rows_h128",
     "attention_rows_deep",
+    "attention_rows_deep_h128",
     "attention_rows_g4",
     "attention_rows_g4_b3",
+    "attention_rows_g4_b3_k4v16",
     "attention_rows_g4_b4",
     "attention_rows_g4_b4_k4",
-    "attention_rows_g4_b4_k8",
-    "attention_rows_g4_b4_k4v16",
+    "attention_rows_g4_b4_v16",
     "attention_rope_rows_deep",
+    "attention_rope_rows_deep_h128",
     "silu_mul",
     "argmax_rows",
     "fill_uniform_bf16",
@@ -1216,13 +1219,13 @@ pub(crate) struct KernelOptions {
     /// blocks of a short row's empty ranges are dispatched after the working ones
     /// (`SPECULA_CUDA_ATT_ORDER=range`; speed only).
     pub att_range_last: bool,
-    /// Blocks a multiprocessor the grouped attention kernel is compiled for: 2
-    /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers); 5, 6, 7: `_b4` with 4 or 8
-    /// key passes or 4 key and 16 value passes unrolled; `SPECULA_CUDA_ATT_G4=2|3|4|4k4|4k8|4k4v16`
-    /// (speed only). Default 4: on the H200 (qwen3-8b bf16, 64 rows at context 128, session 20)
-    /// its attention took 1.23 ms a step against 1.49 with 2 and 1.54 with 3, and 8k prefill
-    /// ran at 2,215 against 1,765 tok/s (the same GEMMs).
-    pub att_g4_blocks: u8,
+    /// The grouped attention kernel: compiled for 2 blocks a multiprocessor
+    /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers), with 2 key passes (32 keys
+    /// each) and 8 V positions a warp loaded at once, or 4 (`k4`) and 16 (`v16`);
+    /// `SPECULA_CUDA_ATT_G4=2|3|4|4k4|4v16|3k4v16` (speed only). Default 4: on the H200 (qwen3-8b
+    /// bf16, 64 rows at context 128, session 20) its attention took 1.23 ms a step against 1.49
+    /// with 2 and 1.54 with 3, and 8k prefill ran at 2,215 against 1,765 tok/s (the same GEMMs).
+    pub att_g4: &'static str,
     /// Timing experiments only (wrong outputs): kernels left out of every forward,
     /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
     pub skip: Vec<String>,
@@ -1257,14 +1260,14 @@ impl KernelOptions {
                 .parse()
                 .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_ATT_GROUP={v}: use 1 or 4"))?,
         };
-        let att_g4_blocks = match std::env::var("SPECULA_CUDA_ATT_G4").as_deref() {
-            Ok("2") => 2,
-            Ok("3") => 3,
-            Err(_) | Ok("4") => 4,
-            Ok("4k4") => 5,
-            Ok("4k8") => 6,
-            Ok("4k4v16") => 7,
-            Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3, 4, 4k4, 4k8 or 4k4v16"),
+        let att_g4 = match std::env::var("SPECULA_CUDA_ATT_G4").as_deref() {
+            Ok("2") => "attention_rows_g4",
+            Ok("3") => "attention_rows_g4_b3",
+            Err(_) | Ok("4") => "attention_rows_g4_b4",
+            Ok("4k4") => "attention_rows_g4_b4_k4",
+            Ok("4v16") => "attention_rows_g4_b4_v16",
+            Ok("3k4v16") => "attention_rows_g4_b3_k4v16",
+            Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3, 4, 4k4, 4v16 or 3k4v16"),
         };
         if !skip.is_empty() {
             tracing::warn!(
@@ -1277,7 +1280,7 @@ impl KernelOptions {
             att_group,
             att_deep,
             att_range_last: std::env::var("SPECULA_CUDA_ATT_ORDER").is_ok_and(|v| v == "range"),
-            att_g4_blocks,
+            att_g4,
             skip,
         })
     }
@@ -1562,21 +1565,26 @@ impl GpuModel {
                 args.extend([A::P(s.scores.at(0)), A::P(s.att_part.at(0)), A::P(s.att_count.at(0))]);
                 args.extend([A::P(s.ao.at(0)), nh_a, nkv_a, hd_a, ctx_a]);
                 args.extend([A::F(1.0 / (hd as f32).sqrt()), A::I(att_blocks as i32)]);
+                // `_h128`: the same kernel with half the registers for K chunks.
+                let h128 = hd <= 128;
                 let name = if fuse_rope {
                     args.extend(rope_args);
                     args.extend([A::F(c.rms_eps), A::I(c.interleaved_rope as i32)]);
-                    "attention_rope_rows_deep"
-                } else if att_deep {
-                    "attention_rows_deep"
-                } else if qg == 4 {
-                    match fu.att_g4_blocks {
-                        3 => "attention_rows_g4_b3",
-                        4 => "attention_rows_g4_b4",
-                        5 => "attention_rows_g4_b4_k4",
-                        6 => "attention_rows_g4_b4_k8",
-                        7 => "attention_rows_g4_b4_k4v16",
-                        _ => "attention_rows_g4",
+                    if h128 {
+                        "attention_rope_rows_deep_h128"
+                    } else {
+                        "attention_rope_rows_deep"
                     }
+                } else if att_deep {
+                    if h128 {
+                        "attention_rows_deep_h128"
+                    } else {
+                        "attention_rows_deep"
+                    }
+                } else if qg == 4 {
+                    fu.att_g4
+                } else if h128 {
+                    "attention_rows_h128"
                 } else {
                     "attention_rows"
                 };
