@@ -20,6 +20,20 @@ namespace old {
 }
 #endif
 
+// Experimental instantiations (micro only): batch sizes, register budgets, prefetch.
+#define XATT(NAME, MINB, ...) \
+  __global__ void __launch_bounds__(256, MINB) NAME(ATT_ARGS) { attention_impl<__VA_ARGS__>(ATT_PASS); }
+#define XROPE(NAME, MINB, ...) \
+  __global__ void __launch_bounds__(256, MINB) NAME(ATT_ROPE_ARGS) { attention_impl<__VA_ARGS__>(ATT_ROPE_PASS); }
+XATT(x_g4_b4_pf1, 4, 2, 8, 2, false, 4, 1)
+XATT(x_g4_b3_k4v16, 3, 4, 16, 2, false, 4, 0)
+XATT(x_g4_b2_k4v16, 2, 4, 16, 2, false, 4, 0)
+XATT(x_g4_b2_k8v16, 2, 8, 16, 2, false, 4, 0)
+XATT(x_deep_h128_pf0, 2, 4, 16, 2, false, 1, 0)
+XROPE(x_rope_deep_h128_pf0, 2, 4, 16, 2, true, 1, 0)
+XROPE(x_rope_deep_h128_pf1, 2, 4, 16, 2, true, 1, 1)
+XROPE(x_rope_deep_h128_k8, 2, 8, 16, 2, true, 1, 3)
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -46,11 +60,14 @@ typedef void (*RopeFn)(const float*, const bf16_t*, const bf16_t*, const int*, c
                        bf16_t*, int, int, int, int, float, int, const float*, const float*, const bf16_t*,
                        const bf16_t*, const float*, float, int);
 
+typedef void (*StoreFn)(const float*, const float*, const bf16_t*, const bf16_t*, const float*, const int*,
+                        const int*, float*, bf16_t*, bf16_t*, int, int, int, int, float, int);
 struct Kern {
   const char* name;
   AttFn f;
   RopeFn rf;
   int qg;
+  StoreFn store = nullptr;  // launched first (qkv_rope_store), as the unfused forward does
 };
 
 constexpr int NH = 32, NKV = 8, HD = 128, LAYERS = 36;
@@ -112,6 +129,9 @@ int main(int argc, char** argv) {
     const int G = std::max(1, std::min(ATT_SPLITS, 528 / std::max(1, rows * heads)));
     const bf16_t *kc = K + layer * li, *vc = V + layer * li;
     dim3 grid(rows * G, heads);
+    if (k.store)
+      k.store<<<dim3(rows, NH + 2 * NKV), HD>>>(QKV, nullptr, qn, kn, invf, pos, slot, Q, K + layer * li,
+                                               V + layer * li, NH, NKV, HD, maxc, 1e-6f, 0);
     if (k.rf)
       k.rf<<<grid, 256>>>(Q, kc, vc, pos, slot, S, P, C, O, NH, NKV, HD, maxc, scale, G, QKV, nullptr, qn, kn, invf,
                          1e-6f, 0);
@@ -126,32 +146,43 @@ int main(int argc, char** argv) {
 #ifdef OLD_KERNELS
 #define OLDK(n, qg) {"old " #n, old::n, nullptr, qg}
 #define OLDR(n) {"old " #n, nullptr, old::n, 1}
+#define OLDS(n, qg) {"old qkv_rope_store + " #n, old::n, nullptr, qg, old::qkv_rope_store}
 #else
+#define OLDS(n, qg) {"cur qkv_rope_store + " #n, n, nullptr, qg, qkv_rope_store}
 #define OLDK(n, qg) {"cur " #n, n, nullptr, qg}
 #define OLDR(n) {"cur " #n, nullptr, n, 1}
 #endif
   const std::vector<Kern> g4 = {OLDK(attention_rows_g4_b4, 4),
                                 {"attention_rows_g4_b4", attention_rows_g4_b4, nullptr, 4},
+                                {"attention_rows_g4_b4_pf", attention_rows_g4_b4_pf, nullptr, 4},
                                 {"attention_rows_g4_b4_k4", attention_rows_g4_b4_k4, nullptr, 4},
-                                {"attention_rows_g4_b4_v16", attention_rows_g4_b4_v16, nullptr, 4},
-                                {"attention_rows_g4_b4_pf0", attention_rows_g4_b4_pf0, nullptr, 4},
-                                {"attention_rows_g4_b4_pf1", attention_rows_g4_b4_pf1, nullptr, 4},
-                                {"attention_rows_g4_b4_pf2", attention_rows_g4_b4_pf2, nullptr, 4},
-                                {"attention_rows_g4_b4_k4pf0", attention_rows_g4_b4_k4pf0, nullptr, 4},
+                                {"x_g4_b4_pf1", x_g4_b4_pf1, nullptr, 4},
+                                {"x_g4_b3_k4v16", x_g4_b3_k4v16, nullptr, 4},
+                                {"x_g4_b2_k4v16", x_g4_b2_k4v16, nullptr, 4},
+                                {"x_g4_b2_k8v16", x_g4_b2_k8v16, nullptr, 4},
                                 {"attention_rows_g4_b3", attention_rows_g4_b3, nullptr, 4},
-                                {"attention_rows_g4_b3_k4v16", attention_rows_g4_b3_k4v16, nullptr, 4},
                                 {"attention_rows_g4", attention_rows_g4, nullptr, 4},
-                                {"attention_rows_h128", attention_rows_h128, nullptr, 1},
-                                {"attention_rows", attention_rows, nullptr, 1}};
+                                {"attention_rows_h128", attention_rows_h128, nullptr, 1}};
+  const std::vector<Kern> g4r = {OLDS(attention_rows_g4_b4, 4),
+                                 {"attention_rope_rows_g4_b4", nullptr, attention_rope_rows_g4_b4, 4},
+                                 {"attention_rope_rows_g4_b4_k4", nullptr, attention_rope_rows_g4_b4_k4, 4},
+                                 {"qkv_rope_store + attention_rows_g4_b4", attention_rows_g4_b4, nullptr, 4,
+                                  qkv_rope_store}};
   const std::vector<Kern> one = {OLDR(attention_rope_rows_deep),
                                  {"attention_rope_rows_deep_h128", nullptr, attention_rope_rows_deep_h128, 1},
-                                 {"attention_rope_rows_deep", nullptr, attention_rope_rows_deep, 1}};
+                                 {"attention_rope_rows_deep", nullptr, attention_rope_rows_deep, 1},
+                                 {"x_rope_deep_h128_pf0", nullptr, x_rope_deep_h128_pf0, 1},
+                                 {"x_rope_deep_h128_pf1", nullptr, x_rope_deep_h128_pf1, 1},
+                                 {"x_rope_deep_h128_k8", nullptr, x_rope_deep_h128_k8, 1}};
   const std::vector<Kern> few = {OLDK(attention_rows_deep, 1),
                                  {"attention_rows_deep_h128", attention_rows_deep_h128, nullptr, 1},
                                  {"attention_rows_deep", attention_rows_deep, nullptr, 1},
+                                 {"x_deep_h128_pf0", x_deep_h128_pf0, nullptr, 1},
                                  {"attention_rows_h128", attention_rows_h128, nullptr, 1}};
   const std::vector<Case> cases = {
-      {"64 rows ctx 128-191", 64, 128, 1, g4},  {"64 rows ctx 64-127", 64, 64, 1, g4},  {"64 rows ctx 1000-1063", 64, 1000, 7, g4},
+      {"64 rows ctx 128-191", 64, 128, 1, g4},  {"64 rows ctx 64-127", 64, 64, 1, g4},
+      {"64 rows rope 128-191", 64, 128, 1, g4r}, {"32 rows rope 300-363", 32, 300, 2, g4r},
+      {"64 rows rope 1000", 64, 1000, 7, g4r},  {"64 rows ctx 1000-1063", 64, 1000, 7, g4},
       {"16 rows ctx 128-143", 16, 128, 1, few}, {"4 rows ctx 128-131", 4, 128, 1, few},
       {"4 rows ctx 3000", 4, 3000, 1, few},     {"1 row ctx 128", 1, 127, 0, one},
       {"1 row ctx 300", 1, 299, 0, one},        {"1 row ctx 4096", 1, 4095, 0, one}};
@@ -162,18 +193,30 @@ int main(int argc, char** argv) {
     for (size_t ki = 0; ki < c.ks.size(); ki++) {
       const Kern& k = c.ks[ki];
       CK(cudaMemset(O, 0, on * 2));
+      if (ki > 0 && (k.rf || k.store)) {
+        // Poison the rows' k / v (the previous kernel wrote them), so this one must write them.
+        std::vector<int> p0(c.rows);
+        CK(cudaMemcpy(p0.data(), pos, 4 * c.rows, cudaMemcpyDeviceToHost));
+        for (int r = 0; r < c.rows; r++) {
+          const size_t row = ((size_t)r * maxc + p0[r]) * NKV * HD;
+          CK(cudaMemset(K + row, 0x7f, NKV * HD * 2));
+          CK(cudaMemset(V + row, 0x7f, NKV * HD * 2));
+        }
+      }
       run(k, c.rows, 0);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       CK(cudaMemcpy(out.data(), O, (size_t)c.rows * NH * HD * 2, cudaMemcpyDeviceToHost));
-      // The RoPE kernels write row 0's k / v at its position: compare those too.
-      std::vector<unsigned short> kv(2 * NKV * HD);
-      if (k.rf) {
-        std::vector<int> p0(1);
-        CK(cudaMemcpy(p0.data(), pos, 4, cudaMemcpyDeviceToHost));
-        const size_t row = (size_t)p0[0] * NKV * HD;
-        CK(cudaMemcpy(kv.data(), K + row, NKV * HD * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(kv.data() + NKV * HD, V + row, NKV * HD * 2, cudaMemcpyDeviceToHost));
+      // The RoPE kernels write each row's k / v at its slot and position: compare those too.
+      std::vector<unsigned short> kv(2 * NKV * HD * c.rows);
+      if (k.rf || k.store) {
+        std::vector<int> p0(c.rows);
+        CK(cudaMemcpy(p0.data(), pos, 4 * c.rows, cudaMemcpyDeviceToHost));
+        for (int r = 0; r < c.rows; r++) {
+          const size_t row = ((size_t)r * maxc + p0[r]) * NKV * HD;
+          CK(cudaMemcpy(kv.data() + 2 * r * NKV * HD, K + row, NKV * HD * 2, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(kv.data() + (2 * r + 1) * NKV * HD, V + row, NKV * HD * 2, cudaMemcpyDeviceToHost));
+        }
       }
       const char* verdict = "reference";
       if (ki == 0) {

@@ -1123,13 +1123,15 @@ extern "C" __global__ void qkv_rope_store(const float* QKV, const float* bias, c
 #define ATT_MIN_KEYS 256
 #define ATT_SMEM_KEYS 2048
 // KB / VB: key passes (32 keys each) / V positions of a warp whose loads are issued together
-// before their math; NCL: 16-byte K chunks a lane holds per key (head_dim <= 64 NCL; 2 or 4).
+// before their math; NCL: 16-byte K chunks a lane holds per key (head_dim <= 64 NCL; 2 or 4);
+// PF: which of the range's K (1) and V (2) lines the block asks L2 for first.
 // Speed only: the operations and their order are the same for any of them.
 //
-// ROPE (`attention_rope_rows_deep`, forwards of one row): the block also does qkv_rope_store's
-// work for its row with the same device functions (so the same bits): q of head h from QKV into
-// shared memory, and, in the block that takes the range holding position pos (the only one that
-// reads it), k and v of head kvh into the cache. Needs 2 * round_up(hd, 32) <= 256.
+// ROPE (`attention_rope_rows_*`, forwards whose rows are all of different sequences): the block
+// also does qkv_rope_store's work for its row with the same device functions (so the same bits):
+// its q heads from QKV into shared memory, and, in a block that takes the range holding position
+// pos (the only blocks that read it), k and v of head kvh into the cache (every such block of
+// the KV head writes the same bytes, then reads its own). Needs 2 * round_up(hd, 32) <= 256.
 // QG > 1 (`attention_rows_g4`, QG = 4): one block takes QG query heads of one KV head (grid y: kv head
 // and group), loading each K and V row once for all of them; per head it runs the operations of
 // QG = 1 in the same order (every per-head value below is what QG = 1 computes), so the bits do
@@ -1142,7 +1144,6 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
                                                const bf16_t* qnorm = nullptr, const bf16_t* knorm = nullptr,
                                                const float* inv_freq = nullptr, float eps = 0.0f,
                                                int interleaved = 0) {
-  static_assert(!ROPE || QG == 1, "the fused RoPE takes one head per block");
   static_assert(NCL == 2 || NCL == 4, "head_dim up to 128 or 256");
   static_assert(QG == 1 || NCL == 2, "the grouped kernel takes head_dim up to 128");
   constexpr int QD = 64 * NCL;  // head_dim capacity of q[] and part[]
@@ -1183,51 +1184,69 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
       }
     }
   }
-  // Threads [0, hp): q head h0 (and v); [hp, 2 hp): k head kvh (ROPE). Their constants (bias,
-  // norm weight, rotation) load before the wait too.
-  const int hp = (hd + 31) & ~31, part_of = threadIdx.x / hp, hdx = threadIdx.x % hp;
-  const bool ractive = ROPE && part_of < 2 && hdx < hd;
-  const int col = (part_of == 0 ? h0 : nh + kvh) * hd + hdx;
-  const int vcol = (nh + nkv + kvh) * hd + hdx;
-  float bq = 0.0f, bv = 0.0f;
-  HeadConst hc = {false, 1.0f, 1.0f, 0.0f};
-  if (ractive) {
-    if (bias) bq = bias[col];
-    if (bias && part_of == 0) bv = bias[vcol];
-    hc = head_const(part_of == 0 ? qnorm : knorm, inv_freq, hdx, hd, L - 1, interleaved);
+  // ROPE: the block's heads e = 0 .. QG (q heads h0 + e, then k head kvh at e = QG), 256 / hp
+  // of them a pass (thread t takes head p * 256 / hp + t / hp of pass p, element t % hp); v by
+  // threads [0, hd). Their constants (bias, norm weight, rotation) load before the wait too.
+  constexpr int NP = (QG + 2) / 2;  // passes (at least two heads a pass: 2 round_up(hd, 32) <= 256)
+  const int hp = (hd + 31) & ~31, per = 256 / hp, part_of = threadIdx.x / hp, hdx = threadIdx.x % hp;
+  const bool ractive = ROPE && part_of < per && hdx < hd;
+  int hcol[NP];
+  float hb[NP];
+  float bv = 0.0f;
+  HeadConst hcq = {false, 1.0f, 1.0f, 0.0f}, hck = hcq;
+#pragma unroll
+  for (int p = 0; p < NP; p++) {
+    const int e = p * per + part_of;
+    hcol[p] = ractive && (e < nq || e == QG) ? (e < QG ? h0 + e : nh + kvh) * hd + hdx : -1;
+    hb[p] = hcol[p] >= 0 && bias ? bias[hcol[p]] : 0.0f;
   }
+  if (ractive) {
+    hcq = head_const(qnorm, inv_freq, hdx, hd, L - 1, interleaved);
+    hck = head_const(knorm, inv_freq, hdx, hd, L - 1, interleaved);
+  }
+  const int vcol = (nh + nkv + kvh) * hd + threadIdx.x;
+  if (ROPE && bias && threadIdx.x < hd) bv = bias[vcol];
   pdl_wait();
   pdl_launch();
   if constexpr (ROPE) {
     const int d = hdx;
-    const bool active = ractive;
     const int width = (nh + 2 * nkv) * hd;
-    float v = 0.0f, vv = 0.0f;
-    if (active) {
-      v = QKV[(size_t)r * width + col];
-      if (bias) v += bq;
-      if (part_of == 0) {
-        vv = QKV[(size_t)r * width + vcol];
-        if (bias) vv += bv;
+    float hv[NP], vv = 0.0f;
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+      hv[p] = 0.0f;
+      if (hcol[p] >= 0) {
+        hv[p] = QKV[(size_t)r * width + hcol[p]];
+        if (bias) hv[p] += hb[p];
       }
     }
-    if (qnorm || knorm) {
-      const float ss = group_sum(v * v, sh[0], hp / 32);
-      if (active) v = head_norm(v, ss, hc, hd, eps);
+    if (threadIdx.x < hd) {
+      vv = QKV[(size_t)r * width + vcol];
+      if (bias) vv += bv;
     }
-    if (active) part[0][part_of][d] = v;
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+      const int e = p * per + part_of;
+      if (qnorm || knorm) {
+        const float ss = group_sum(hv[p] * hv[p], sh[0], hp / 32);
+        if (hcol[p] >= 0) hv[p] = head_norm(hv[p], ss, e < QG ? hcq : hck, hd, eps);
+      }
+      if (hcol[p] >= 0) part[0][e][d] = hv[p];
+    }
     __syncthreads();
     const bool writes = (na - 1) % G == g;  // this block takes the range holding position pos
     const size_t cache_row = ((size_t)slot[r] * max_ctx + pos[r]) * nkv + kvh;
-    if (active) {
-      const float out = rope_at(part[0][part_of], d, hd, hc, interleaved);
-      if (part_of == 0) {
-        q[0][d] = out;
-        if (writes) const_cast<bf16_t*>(Vc)[cache_row * hd + d] = f2bf(vv);
-      } else if (writes) {
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+      const int e = p * per + part_of;
+      if (hcol[p] < 0) continue;
+      const float out = rope_at(part[0][e], d, hd, e < QG ? hcq : hck, interleaved);
+      if (e < QG)
+        q[e][d] = out;
+      else if (writes)
         const_cast<bf16_t*>(Kc)[cache_row * hd + d] = f2bf(out);
-      }
     }
+    if (writes && threadIdx.x < hd) const_cast<bf16_t*>(Vc)[cache_row * hd + threadIdx.x] = f2bf(vv);
     __syncthreads();  // part[] read; q, k and v written (visible to the block from here)
   } else {
     // The block's nq heads of q, all loads first (nq * hd <= 256 QL).
@@ -1447,17 +1466,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_deep_h128(AT
 extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
 // The same code held to fewer registers for 3 or 4 blocks a multiprocessor (at 64 rows and a
 // short context the 512 blocks of qwen3-8b are two waves at 2 a multiprocessor, each block a
-// chain of dependent phases), and with more key (k4) or value (v16) loads in flight: speed only.
+// chain of dependent phases): speed only. At 4 (the default), without the L2 prefetch of the
+// block's K and V lines (PF 0: at 64 rows a layer's K and V are about the size of L2, and the
+// prefetches cost the block time; session 22), with it (`_pf`), or with 4 key passes loaded at
+// once (`_k4`).
 extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3_k4v16(ATT_ARGS) { attention_impl<4, 16, 2, false, 4>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4(ATT_ARGS) { attention_impl<4, 8, 2, false, 4>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_v16(ATT_ARGS) { attention_impl<2, 16, 2, false, 4>(ATT_PASS); }
-// Prefetch experiments (PF: 0 none, 1 K only, 2 V only; speed only).
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_pf0(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 0>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_pf1(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 1>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_pf2(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 2>(ATT_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4pf0(ATT_ARGS) { attention_impl<4, 8, 2, false, 4, 0>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 0>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_pf(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4_k4(ATT_ARGS) { attention_impl<4, 8, 2, false, 4, 0>(ATT_PASS); }
 // attention_rows_deep with qkv_rope_store's work in front (ROPE above), for forwards of one row.
 #define ATT_ROPE_ARGS                                                                             \
   ATT_ARGS, const float *QKV, const float *bias, const bf16_t *qnorm, const bf16_t *knorm,        \
@@ -1468,6 +1484,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) attention_rope_rows_deep(AT
 }
 extern "C" __global__ void __launch_bounds__(256, 2) attention_rope_rows_deep_h128(ATT_ROPE_ARGS) {
   attention_impl<4, 16, 2, true>(ATT_ROPE_PASS);
+}
+// attention_rows_g4_b4 with qkv_rope_store's work in front, for forwards whose rows are all of
+// different sequences (no row reads a position another row of the forward writes).
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rope_rows_g4_b4(ATT_ROPE_ARGS) {
+  attention_impl<2, 8, 2, true, 4, 0>(ATT_ROPE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) attention_rope_rows_g4_b4_k4(ATT_ROPE_ARGS) {
+  attention_impl<4, 8, 2, true, 4, 0>(ATT_ROPE_PASS);
 }
 
 // A[r, i] = bf16(silu(G) * U), GU f32 [rows, 2I] with the gate and up features interleaved in

@@ -186,7 +186,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-const KERNELS: [&str; 35] = [
+const KERNELS: [&str; 36] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -212,12 +212,13 @@ const KERNELS: [&str; 35] = [
     "attention_rows_deep_h128",
     "attention_rows_g4",
     "attention_rows_g4_b3",
-    "attention_rows_g4_b3_k4v16",
     "attention_rows_g4_b4",
+    "attention_rows_g4_b4_pf",
     "attention_rows_g4_b4_k4",
-    "attention_rows_g4_b4_v16",
     "attention_rope_rows_deep",
     "attention_rope_rows_deep_h128",
+    "attention_rope_rows_g4_b4",
+    "attention_rope_rows_g4_b4_k4",
     "silu_mul",
     "argmax_rows",
     "fill_uniform_bf16",
@@ -1212,19 +1213,24 @@ pub(crate) struct KernelOptions {
     /// its K/V loads) where the model has a multiple of 4 per KV head, unless
     /// `SPECULA_CUDA_ATT_GROUP` is below 4 (one per block).
     pub att_group: usize,
-    /// One-row forwards do `qkv_rope_store`'s work in the attention kernel
-    /// (`attention_rope_rows_deep`); `SPECULA_CUDA_FUSE_ROPE=0` launches it separately.
+    /// Forwards of up to [`ATT_DEEP_ROWS`] rows, all of different sequences, do
+    /// `qkv_rope_store`'s work in the attention kernel (`attention_rope_rows_deep`);
+    /// `SPECULA_CUDA_FUSE_ROPE=0` launches it separately for every forward.
     pub rope: bool,
+    /// `SPECULA_CUDA_FUSE_ROPE=wide`: the grouped attention's widths too
+    /// (`attention_rope_rows_g4_b4`). Off by default: on the H200 (qwen3-8b bf16, session 22)
+    /// 64 streams ran at 8,036 / 8,012 tok/s with it and 8,072 without, in one call.
+    pub rope_wide: bool,
     /// Launch the attention with the key-range index as the slowest grid dimension, so the
     /// blocks of a short row's empty ranges are dispatched after the working ones
     /// (`SPECULA_CUDA_ATT_ORDER=range`; speed only).
     pub att_range_last: bool,
     /// The grouped attention kernel: compiled for 2 blocks a multiprocessor
-    /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers), with 2 key passes (32 keys
-    /// each) and 8 V positions a warp loaded at once, or 4 (`k4`) and 16 (`v16`);
-    /// `SPECULA_CUDA_ATT_G4=2|3|4|4k4|4v16|3k4v16` (speed only). Default 4: on the H200 (qwen3-8b
-    /// bf16, 64 rows at context 128, session 20) its attention took 1.23 ms a step against 1.49
-    /// with 2 and 1.54 with 3, and 8k prefill ran at 2,215 against 1,765 tok/s (the same GEMMs).
+    /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers); at 4 without the L2
+    /// prefetch of its K / V lines (the default), with it (`_pf`), or with 4 key passes (32 keys
+    /// each) loaded at once instead of 2 (`_k4`); `SPECULA_CUDA_ATT_G4=2|3|4|4k4|4pf` (speed
+    /// only). On the H200 (qwen3-8b bf16, 64 rows at context 128, session 20) 4 blocks took the
+    /// attention to 1.23 ms a step against 1.49 with 2 and 1.54 with 3.
     pub att_g4: &'static str,
     /// Timing experiments only (wrong outputs): kernels left out of every forward,
     /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
@@ -1245,6 +1251,7 @@ impl KernelOptions {
     fn from_env() -> Result<Self> {
         let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
         let (silu, rope) = (on("SPECULA_CUDA_FUSE_SILU"), on("SPECULA_CUDA_FUSE_ROPE"));
+        let rope_wide = std::env::var("SPECULA_CUDA_FUSE_ROPE").is_ok_and(|v| v == "wide");
         let skip: Vec<String> = std::env::var("SPECULA_CUDA_SKIP")
             .map(|v| v.split(',').filter(|k| !k.is_empty()).map(str::to_string).collect())
             .unwrap_or_default();
@@ -1265,9 +1272,8 @@ impl KernelOptions {
             Ok("3") => "attention_rows_g4_b3",
             Err(_) | Ok("4") => "attention_rows_g4_b4",
             Ok("4k4") => "attention_rows_g4_b4_k4",
-            Ok("4v16") => "attention_rows_g4_b4_v16",
-            Ok("3k4v16") => "attention_rows_g4_b3_k4v16",
-            Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3, 4, 4k4, 4v16 or 3k4v16"),
+            Ok("4pf") => "attention_rows_g4_b4_pf",
+            Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3, 4, 4k4 or 4pf"),
         };
         if !skip.is_empty() {
             tracing::warn!(
@@ -1277,6 +1283,7 @@ impl KernelOptions {
         Ok(Self {
             silu,
             rope,
+            rope_wide,
             att_group,
             att_deep,
             att_range_last: std::env::var("SPECULA_CUDA_ATT_ORDER").is_ok_and(|v| v == "range"),
@@ -1318,7 +1325,8 @@ pub struct GpuModel {
     inv_freq: DevBuf,
     s: Scratch,
     kv: Kv,
-    graphs: HashMap<usize, Graph>,
+    /// Captured graphs by (rows, whether every row is of another sequence).
+    graphs: HashMap<(usize, bool), Graph>,
     /// Per slot: positions written by [`crate::device::DeviceTarget::forward`] (the engine's
     /// contract: a row's position is at most its slot's written length, so it never attends
     /// stale K/V).
@@ -1490,7 +1498,10 @@ impl GpuModel {
     }
 
     /// Enqueue the forward of `n` rows whose inputs are in the io buffer.
-    fn enqueue(&self, n: usize, logits: LogitsRows) -> Result<()> {
+    /// Launch an `n`-row forward. `distinct`: no two rows share a KV slot, so no row reads a
+    /// position another row of this forward writes, and the attention kernels may write each
+    /// row's k and v themselves (`attention_rope_rows_*`).
+    fn enqueue(&self, n: usize, logits: LogitsRows, distinct: bool) -> Result<()> {
         let g = &self.gpu;
         let c = &self.config;
         let s = &self.s;
@@ -1524,10 +1535,16 @@ impl GpuModel {
         )?;
         let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
         let mma = g.gemm_path() == GemmPath::Mma;
-        // One-row forwards (batch-1 decode) do the RoPE / KV write in the attention kernel: the
-        // same device code, so the same bits as the separate kernel every other row count runs
-        // (which the verify-row checks compare).
-        let fuse_rope = n == 1 && att_deep && fu.rope && 2 * hd.next_multiple_of(32) <= 256;
+        // Forwards of rows of different sequences (batch-1 decode, decode batches) do the RoPE /
+        // KV write in the attention kernel: the same device code, so the same bits as the
+        // separate kernel the other forwards run (which the verify-row checks compare).
+        let rope_fits = fu.rope && distinct && 2 * hd.next_multiple_of(32) <= 256;
+        let rope_g4 = match fu.att_g4 {
+            "attention_rows_g4_b4" => Some("attention_rope_rows_g4_b4"),
+            "attention_rows_g4_b4_k4" => Some("attention_rope_rows_g4_b4_k4"),
+            _ => None,
+        };
+        let fuse_rope = rope_fits && (att_deep || (qg == 4 && fu.rope_wide && rope_g4.is_some()));
         for (li, l) in self.w.layers.iter().enumerate() {
             if !fu.skips("norm") {
                 g.rmsnorm(s.x.at(0), l.attn_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
@@ -1570,7 +1587,9 @@ impl GpuModel {
                 let name = if fuse_rope {
                     args.extend(rope_args);
                     args.extend([A::F(c.rms_eps), A::I(c.interleaved_rope as i32)]);
-                    if h128 {
+                    if let (4, Some(k)) = (qg, rope_g4) {
+                        k
+                    } else if h128 {
                         "attention_rope_rows_deep_h128"
                     } else {
                         "attention_rope_rows_deep"
@@ -1639,7 +1658,7 @@ impl GpuModel {
         )
     }
 
-    fn capture(&self, n: usize) -> Result<Graph> {
+    fn capture(&self, n: usize, distinct: bool) -> Result<Graph> {
         let st = self.gpu.stream;
         self.gpu.synchronize()?;
         trace_always(&format!("capturing a graph for {n} rows"));
@@ -1648,7 +1667,7 @@ impl GpuModel {
             "cuStreamBeginCapture",
         )?;
         self.gpu.capturing.set(true);
-        let enq = self.enqueue(n, LogitsRows::All);
+        let enq = self.enqueue(n, LogitsRows::All, distinct);
         let mut graph = std::ptr::null_mut();
         let end = ck(unsafe { sys::cuStreamEndCapture(st, &mut graph) }, "cuStreamEndCapture");
         self.gpu.capturing.set(false);
@@ -1685,22 +1704,24 @@ impl GpuModel {
         self.check_rows(rows)?;
         let n = rows.len();
         self.write_io(rows)?;
+        let distinct = distinct_slots(rows);
         if self.use_graphs && n <= GRAPH_MAX_ROWS {
-            self.launch_graph(n)?;
+            self.launch_graph(n, distinct)?;
         } else {
-            self.enqueue(n, LogitsRows::All)?;
+            self.enqueue(n, LogitsRows::All, distinct)?;
         }
         self.read_out(n, want_logits)
     }
 
     /// Replay the captured graph of an `n`-row forward (all logits rows), capturing it first
     /// if this width has none yet.
-    fn launch_graph(&mut self, n: usize) -> Result<()> {
-        if !self.graphs.contains_key(&n) {
-            let g = self.capture(n)?;
-            self.graphs.insert(n, g);
+    fn launch_graph(&mut self, n: usize, distinct: bool) -> Result<()> {
+        let key = (n, distinct);
+        if !self.graphs.contains_key(&key) {
+            let g = self.capture(n, distinct)?;
+            self.graphs.insert(key, g);
         }
-        let exec = self.graphs[&n].exec;
+        let exec = self.graphs[&key].exec;
         trace_always("cuGraphLaunch");
         ck(unsafe { sys::cuGraphLaunch(exec, self.gpu.stream) }, "cuGraphLaunch")?;
         trace_always("launched");
@@ -1721,9 +1742,10 @@ impl GpuModel {
         self.write_io(rows)?;
         let wanted = need.iter().filter(|&&w| w != RowNeed::None).count();
         let only_last = wanted == 0 || (wanted == 1 && need[n - 1] != RowNeed::None);
+        let distinct = distinct_slots(rows);
         // Logits row r of the buffer holds input row `first + r`.
         let first = if self.use_graphs && n <= GRAPH_MAX_ROWS {
-            self.launch_graph(n)?;
+            self.launch_graph(n, distinct)?;
             0
         } else if only_last {
             let mode = if wanted == 0 {
@@ -1731,10 +1753,10 @@ impl GpuModel {
             } else {
                 LogitsRows::Last
             };
-            self.enqueue(n, mode)?;
+            self.enqueue(n, mode, distinct)?;
             n - 1
         } else {
-            self.enqueue(n, LogitsRows::All)?;
+            self.enqueue(n, LogitsRows::All, distinct)?;
             0
         };
         let v = self.config.vocab;
@@ -1780,7 +1802,7 @@ impl GpuModel {
         self.write_io(rows)?;
         self.gpu.synchronize()?;
         self.gpu.start_profile();
-        let r = self.enqueue(rows.len(), LogitsRows::All);
+        let r = self.enqueue(rows.len(), LogitsRows::All, distinct_slots(rows));
         let p = self.gpu.finish_profile();
         r?;
         p
@@ -1828,13 +1850,21 @@ impl GpuModel {
             self.check_rows(&rows)?;
             self.write_io(&rows)?;
             let last = ci + 1 == chunks;
-            self.enqueue(rows.len(), if last { LogitsRows::Last } else { LogitsRows::None })?;
+            let logits = if last { LogitsRows::Last } else { LogitsRows::None };
+            self.enqueue(rows.len(), logits, rows.len() == 1)?;
             if last {
                 out = self.read_out(1, want_logits)?;
             }
         }
         Ok(out)
     }
+}
+
+/// Whether no two rows share a KV slot (then no row reads a position another writes).
+fn distinct_slots(rows: &[Row]) -> bool {
+    let mut s: Vec<u32> = rows.iter().map(|r| r.slot).collect();
+    s.sort_unstable();
+    s.windows(2).all(|w| w[0] != w[1])
 }
 
 impl Drop for GpuModel {
