@@ -1497,10 +1497,10 @@ impl GpuModel {
         self.gpu.upload(self.s.io.at(0), &io)
     }
 
-    /// Enqueue the forward of `n` rows whose inputs are in the io buffer.
-    /// Launch an `n`-row forward. `distinct`: no two rows share a KV slot, so no row reads a
-    /// position another row of this forward writes, and the attention kernels may write each
-    /// row's k and v themselves (`attention_rope_rows_*`).
+    /// Enqueue the forward of `n` rows whose inputs are in the io buffer. `distinct`: no two
+    /// rows share a KV slot, so no row reads a position another row of this forward writes,
+    /// and the attention kernels may write each row's k and v themselves
+    /// (`attention_rope_rows_*`).
     fn enqueue(&self, n: usize, logits: LogitsRows, distinct: bool) -> Result<()> {
         let g = &self.gpu;
         let c = &self.config;
@@ -1535,9 +1535,10 @@ impl GpuModel {
         )?;
         let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
         let mma = g.gemm_path() == GemmPath::Mma;
-        // Forwards of rows of different sequences (batch-1 decode, decode batches) do the RoPE /
-        // KV write in the attention kernel: the same device code, so the same bits as the
-        // separate kernel the other forwards run (which the verify-row checks compare).
+        // Forwards of rows of different sequences (batch-1 decode; up to ATT_DEEP_ROWS rows, or
+        // the grouped widths with SPECULA_CUDA_FUSE_ROPE=wide) do the RoPE / KV write in the
+        // attention kernel: the same device code, so the same bits as the separate kernel the
+        // other forwards run (which the verify-row checks compare).
         let rope_fits = fu.rope && distinct && 2 * hd.next_multiple_of(32) <= 256;
         let rope_g4 = match fu.att_g4 {
             "attention_rows_g4_b4" => Some("attention_rope_rows_g4_b4"),
