@@ -111,7 +111,8 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&eb));
   const float scale = 1.0f / sqrtf((float)HD);
 
-  // Rows at positions base + (r * spread) % 64 (slot r each), as decode rows of the bench.
+  // Rows at positions base + (r * spread) % 64 (slot r each), as decode rows of the bench;
+  // returns the positions.
   auto set_rows = [&](int rows, int base, int spread) {
     std::vector<int> p(rows), s(rows);
     for (int r = 0; r < rows; r++) {
@@ -120,9 +121,7 @@ int main(int argc, char** argv) {
     }
     CK(cudaMemcpy(pos, p.data(), rows * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(slot, s.data(), rows * 4, cudaMemcpyHostToDevice));
-    long long keys = 0;
-    for (int r = 0; r < rows; r++) keys += p[r] + 1;
-    return keys;
+    return p;
   };
   auto run = [&](const Kern& k, int rows, int li) {
     const int heads = k.qg == 1 ? NH : NKV;
@@ -189,18 +188,19 @@ int main(int argc, char** argv) {
   const size_t on = (size_t)maxr * NH * HD;
   std::vector<unsigned short> ref(on), out(on), kref, kout;
   for (const Case& c : cases) {
-    const long long keys = set_rows(c.rows, c.base, c.spread);
+    const std::vector<int> p = set_rows(c.rows, c.base, c.spread);
+    long long keys = 0;
+    for (int r = 0; r < c.rows; r++) keys += p[r] + 1;
+    // Element offset of row r's k / v (slot r, its position) in layer 0 of the cache.
+    auto kv_row = [&](int r) { return ((size_t)r * maxc + p[r]) * NKV * HD; };
     for (size_t ki = 0; ki < c.ks.size(); ki++) {
       const Kern& k = c.ks[ki];
       CK(cudaMemset(O, 0, on * 2));
       if (ki > 0 && (k.rf || k.store)) {
         // Poison the rows' k / v (the previous kernel wrote them), so this one must write them.
-        std::vector<int> p0(c.rows);
-        CK(cudaMemcpy(p0.data(), pos, 4 * c.rows, cudaMemcpyDeviceToHost));
         for (int r = 0; r < c.rows; r++) {
-          const size_t row = ((size_t)r * maxc + p0[r]) * NKV * HD;
-          CK(cudaMemset(K + row, 0x7f, NKV * HD * 2));
-          CK(cudaMemset(V + row, 0x7f, NKV * HD * 2));
+          CK(cudaMemset(K + kv_row(r), 0x7f, NKV * HD * 2));
+          CK(cudaMemset(V + kv_row(r), 0x7f, NKV * HD * 2));
         }
       }
       run(k, c.rows, 0);
@@ -210,12 +210,9 @@ int main(int argc, char** argv) {
       // The RoPE kernels write each row's k / v at its slot and position: compare those too.
       std::vector<unsigned short> kv(2 * NKV * HD * c.rows);
       if (k.rf || k.store) {
-        std::vector<int> p0(c.rows);
-        CK(cudaMemcpy(p0.data(), pos, 4 * c.rows, cudaMemcpyDeviceToHost));
         for (int r = 0; r < c.rows; r++) {
-          const size_t row = ((size_t)r * maxc + p0[r]) * NKV * HD;
-          CK(cudaMemcpy(kv.data() + 2 * r * NKV * HD, K + row, NKV * HD * 2, cudaMemcpyDeviceToHost));
-          CK(cudaMemcpy(kv.data() + (2 * r + 1) * NKV * HD, V + row, NKV * HD * 2, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(kv.data() + 2 * r * NKV * HD, K + kv_row(r), NKV * HD * 2, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(kv.data() + (2 * r + 1) * NKV * HD, V + kv_row(r), NKV * HD * 2, cudaMemcpyDeviceToHost));
         }
       }
       const char* verdict = "reference";

@@ -1173,7 +1173,7 @@ __device__ __forceinline__ void attention_impl(const float* Q, const bf16_t* Kc,
   const int kl = threadIdx.x & 7, grp = threadIdx.x >> 3, nc = hd / 8;
   // Ask L2 for the block's K and V rows (128-byte lines) first: the score phase's loads and,
   // overlapped with it, the V phase's then wait on L2 rather than on DRAM.
-  {
+  if constexpr (PF != 0) {
     const int lines = (hd * 2 + 127) / 128;
     for (int z = g; z < na; z += G) {
       const int a = (int)((long long)z * L / na), b = (int)((long long)(z + 1) * L / na);

@@ -1232,6 +1232,9 @@ pub(crate) struct KernelOptions {
     /// only). On the H200 (qwen3-8b bf16, 64 rows at context 128, session 20) 4 blocks took the
     /// attention to 1.23 ms a step against 1.49 with 2 and 1.54 with 3.
     pub att_g4: &'static str,
+    /// The same kernel with the RoPE / KV write inside (`attention_rope_rows_g4_b4[_k4]`), where
+    /// it has one; used with [`KernelOptions::rope_wide`].
+    pub att_g4_rope: Option<&'static str>,
     /// Timing experiments only (wrong outputs): kernels left out of every forward,
     /// `SPECULA_CUDA_SKIP=norm,rope,attn,silu` (any of them).
     pub skip: Vec<String>,
@@ -1267,12 +1270,12 @@ impl KernelOptions {
                 .parse()
                 .map_err(|_| anyhow::anyhow!("SPECULA_CUDA_ATT_GROUP={v}: use 1 or 4"))?,
         };
-        let att_g4 = match std::env::var("SPECULA_CUDA_ATT_G4").as_deref() {
-            Ok("2") => "attention_rows_g4",
-            Ok("3") => "attention_rows_g4_b3",
-            Err(_) | Ok("4") => "attention_rows_g4_b4",
-            Ok("4k4") => "attention_rows_g4_b4_k4",
-            Ok("4pf") => "attention_rows_g4_b4_pf",
+        let (att_g4, att_g4_rope) = match std::env::var("SPECULA_CUDA_ATT_G4").as_deref() {
+            Ok("2") => ("attention_rows_g4", None),
+            Ok("3") => ("attention_rows_g4_b3", None),
+            Err(_) | Ok("4") => ("attention_rows_g4_b4", Some("attention_rope_rows_g4_b4")),
+            Ok("4k4") => ("attention_rows_g4_b4_k4", Some("attention_rope_rows_g4_b4_k4")),
+            Ok("4pf") => ("attention_rows_g4_b4_pf", None),
             Ok(v) => bail!("SPECULA_CUDA_ATT_G4={v}: use 2, 3, 4, 4k4 or 4pf"),
         };
         if !skip.is_empty() {
@@ -1288,6 +1291,7 @@ impl KernelOptions {
             att_deep,
             att_range_last: std::env::var("SPECULA_CUDA_ATT_ORDER").is_ok_and(|v| v == "range"),
             att_g4,
+            att_g4_rope,
             skip,
         })
     }
@@ -1540,12 +1544,8 @@ impl GpuModel {
         // attention kernel: the same device code, so the same bits as the separate kernel the
         // other forwards run (which the verify-row checks compare).
         let rope_fits = fu.rope && distinct && 2 * hd.next_multiple_of(32) <= 256;
-        let rope_g4 = match fu.att_g4 {
-            "attention_rows_g4_b4" => Some("attention_rope_rows_g4_b4"),
-            "attention_rows_g4_b4_k4" => Some("attention_rope_rows_g4_b4_k4"),
-            _ => None,
-        };
-        let fuse_rope = rope_fits && (att_deep || (qg == 4 && fu.rope_wide && rope_g4.is_some()));
+        let rope_g4 = fu.att_g4_rope.filter(|_| fu.rope_wide);
+        let fuse_rope = rope_fits && (att_deep || (qg == 4 && rope_g4.is_some()));
         for (li, l) in self.w.layers.iter().enumerate() {
             if !fu.skips("norm") {
                 g.rmsnorm(s.x.at(0), l.attn_norm.at(0), s.xn.at(0), n, h, c.rms_eps)?;
