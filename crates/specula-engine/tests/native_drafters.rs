@@ -200,7 +200,15 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
         "training lowered the loss: {first_loss} -> {}",
         r.final_loss
     );
-    assert!(r.held_out_top1.is_some());
+    assert!(r.held_out_top1.is_some() && r.held_out_top1_answers.is_some());
+    // The answers are a part of the held-out rows: the prompts are held out too, but only as
+    // context.
+    assert!(
+        r.held_out_answer_rows > 0 && r.held_out_answer_rows < r.held_out_rows,
+        "{} answer rows of {}",
+        r.held_out_answer_rows,
+        r.held_out_rows
+    );
 
     // Interrupted after 12 steps, then resumed: the same head, bit for bit.
     let parts = dir.path().join("parts");

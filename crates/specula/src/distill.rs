@@ -89,6 +89,10 @@ pub struct DistillArgs {
     /// draft, fed the head's own output as when drafting).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=2))]
     chain_depth: u64,
+    /// Also train on the prompt rows (by default the loss covers the answers only: the head
+    /// drafts after generated tokens, never inside a prompt).
+    #[arg(long)]
+    prompt_loss: bool,
     /// Which target hidden state the head reads.
     #[arg(long, value_enum, default_value = "pre-norm")]
     hidden_source: Source,
@@ -139,6 +143,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
             Source::PostNorm => HiddenSource::PostNorm,
         },
         chain_depth: a.chain_depth as usize,
+        prompt_loss: a.prompt_loss,
         block_size: a.block_size,
         block_layers: a.block_layers,
         block_taps: a.target_layers.clone(),
@@ -232,10 +237,14 @@ pub fn run(a: DistillArgs) -> Result<()> {
     }
     if report.finished {
         eprintln!(
-            "trained {} steps in {:.0} s: final loss {:.4}, held-out top-1 agreement with the target {}; head written to {}",
+            "trained {} steps in {:.0} s: final loss {:.4}, held-out top-1 agreement with the target {} on answers ({} rows), {} on all rows; head written to {}",
             report.steps_done,
             report.seconds,
             report.final_loss,
+            report
+                .held_out_top1_answers
+                .map_or("n/a".to_string(), |a| format!("{a:.3}")),
+            report.held_out_answer_rows,
             report
                 .held_out_top1
                 .map_or("n/a".to_string(), |a| format!("{a:.3}")),

@@ -17,6 +17,11 @@ use crate::Engine;
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Sequences {
     pub sequences: Vec<Vec<u32>>,
+    /// Per sequence, the index of its first generated token: the prompt's length for the
+    /// target's answers, 0 for user text (every token counts as text to draft). Empty (a cache
+    /// written before this field) means 0 everywhere.
+    #[serde(default)]
+    pub answer_starts: Vec<usize>,
     /// Human-readable description of the sources (for the training record).
     pub sources: Vec<String>,
 }
@@ -24,6 +29,21 @@ pub struct Sequences {
 impl Sequences {
     pub fn tokens(&self) -> usize {
         self.sequences.iter().map(Vec::len).sum()
+    }
+
+    /// The first generated token of sequence `s` (0 when it is all user text).
+    pub fn answer_start(&self, s: usize) -> usize {
+        self.answer_starts.get(s).copied().unwrap_or(0)
+    }
+
+    /// Append `other`'s sequences and sources.
+    pub fn extend(&mut self, other: Sequences) {
+        let n = self.sequences.len();
+        self.answer_starts.resize(n, 0);
+        self.answer_starts
+            .extend((0..other.sequences.len()).map(|s| other.answer_start(s)));
+        self.sequences.extend(other.sequences);
+        self.sources.extend(other.sources);
     }
 }
 
@@ -445,6 +465,7 @@ pub fn generate_answers(
                 let seq = active.swap_remove(i);
                 let mut tokens = seq.request().prompt_tokens.clone();
                 let o = engine.retire(seq, true);
+                out.answer_starts.push(tokens.len());
                 tokens.extend_from_slice(&o.token_ids);
                 out.sequences.push(tokens);
                 done += 1;
@@ -475,6 +496,8 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
         "answer_tokens": opts.answer_tokens,
         "model": engine.model_id(),
         "builtin_prompts": builtin_fingerprint(),
+        // 2: sequences record where each answer starts (`answer_starts`).
+        "format": 2,
     });
     if path.exists() && !opts.restart {
         let text = std::fs::read_to_string(&path)?;
@@ -493,8 +516,7 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
     let mut all = from_files(engine, &opts.data, 1024)?;
     if opts.prompts > 0 {
         let gen = generate_answers(engine, opts.prompts, opts.answer_tokens, progress)?;
-        all.sequences.extend(gen.sequences);
-        all.sources.extend(gen.sources);
+        all.extend(gen);
     }
     if all.sequences.is_empty() {
         bail!("no training data: give --data files or --prompts N > 0");

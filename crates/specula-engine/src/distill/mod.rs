@@ -65,6 +65,10 @@ pub struct DistillOptions {
     /// draft, fed the head's own output as at drafting time), the second weighted 0.5. Default 1:
     /// on SmolLM2, 2 raised second-draft acceptance but lowered the first's (docs/perf.md).
     pub chain_depth: usize,
+    /// Train on the prompt rows too (rows whose input token is in a prompt). Default false:
+    /// the head only ever drafts after generated tokens, so the loss covers the answers and
+    /// the prompts are context (as EAGLE-style heads mask the loss to the assistant's turns).
+    pub prompt_loss: bool,
     /// Block drafters: tokens per block (drafts `block_size - 1` per pass), drafter layers, and
     /// the target layers read (`None`: [`default_block_taps`]).
     pub block_size: usize,
@@ -96,6 +100,7 @@ impl Default for DistillOptions {
             restart: false,
             hidden_source: HiddenSource::PreNorm,
             chain_depth: 1,
+            prompt_loss: false,
             block_size: 8,
             block_layers: 1,
             block_taps: None,

@@ -24,6 +24,9 @@ pub struct Teacher {
     pub tokens: Vec<u32>,
     /// Sequence `s` is `tokens[offsets[s] .. offsets[s + 1]]`.
     pub offsets: Vec<usize>,
+    /// Per sequence, the global position of its first generated token (`offsets[s]` for user
+    /// text): training rows whose input token comes before it are context, not drafts.
+    pub answer_from: Vec<usize>,
     /// `[N, taps × hidden]`: the tapped hidden states after each token.
     pub hidden: Vec<f16>,
     /// `[N, top_k]`: the target's most likely next tokens after each position, and their
@@ -79,7 +82,8 @@ fn fingerprint(seqs: &Sequences, taps: &[usize], top_k: usize) -> u64 {
         }
     }
     eat(top_k as u64);
-    for s in &seqs.sequences {
+    for (i, s) in seqs.sequences.iter().enumerate() {
+        eat(seqs.answer_start(i) as u64);
         eat(s.len() as u64);
         for &t in s {
             eat(t as u64);
@@ -116,6 +120,7 @@ pub fn teacher(
         taps: taps.to_vec(),
         tokens: Vec::new(),
         offsets: vec![0],
+        answer_from: Vec::new(),
         hidden: Vec::new(),
         label_ids: Vec::new(),
         label_p: Vec::new(),
@@ -142,6 +147,8 @@ pub fn teacher(
                 }
             }
         }
+        t.answer_from
+            .push(t.tokens.len() + seqs.answer_start(si).min(seq.len()));
         t.tokens.extend_from_slice(seq);
         t.offsets.push(t.tokens.len());
         let secs = started.elapsed().as_secs_f64();
@@ -162,6 +169,7 @@ fn write_cache(path: &Path, key: u64, t: &Teacher) -> Result<()> {
     let dev = Device::Cpu;
     let n = t.positions();
     let offsets: Vec<i64> = t.offsets.iter().map(|&o| o as i64).collect();
+    let answer_from: Vec<i64> = t.answer_from.iter().map(|&o| o as i64).collect();
     let mut meta: Vec<i64> = vec![key as i64, t.top_k as i64, t.hidden_size as i64, t.taps.len() as i64];
     meta.extend(t.taps.iter().map(|&x| x as i64));
     let n_meta = meta.len();
@@ -169,6 +177,7 @@ fn write_cache(path: &Path, key: u64, t: &Teacher) -> Result<()> {
         ("meta", Tensor::from_vec(meta, n_meta, &dev)?),
         ("tokens", Tensor::from_vec(t.tokens.clone(), n, &dev)?),
         ("offsets", Tensor::from_vec(offsets, t.offsets.len(), &dev)?),
+        ("answer_from", Tensor::from_vec(answer_from, t.answer_from.len(), &dev)?),
         ("hidden", Tensor::from_vec(t.hidden.clone(), (n, t.width()), &dev)?),
         ("label_ids", Tensor::from_vec(t.label_ids.clone(), (n, t.top_k), &dev)?),
         ("label_p", Tensor::from_vec(t.label_p.clone(), (n, t.top_k), &dev)?),
@@ -206,21 +215,31 @@ fn read_cache(path: &Path, key: u64) -> Result<Option<Teacher>> {
             meta[4..].iter().map(|&x| x as usize).collect(),
         )
     };
+    let offsets: Vec<usize> = get("offsets")?
+        .to_vec1::<i64>()?
+        .into_iter()
+        .map(|o| o as usize)
+        .collect();
+    let answer_from: Vec<usize> = get("answer_from")?
+        .to_vec1::<i64>()?
+        .into_iter()
+        .map(|o| o as usize)
+        .collect();
     let t = Teacher {
         hidden_size: h,
         top_k,
         taps,
         tokens: get("tokens")?.to_vec1::<u32>()?,
-        offsets: get("offsets")?
-            .to_vec1::<i64>()?
-            .into_iter()
-            .map(|o| o as usize)
-            .collect(),
+        offsets,
+        answer_from,
         hidden: get("hidden")?.flatten_all()?.to_vec1::<f16>()?,
         label_ids: get("label_ids")?.flatten_all()?.to_vec1::<u32>()?,
         label_p: get("label_p")?.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<f16>()?,
     };
-    if t.hidden.len() != t.positions() * t.width() || t.label_ids.len() != t.positions() * top_k {
+    if t.hidden.len() != t.positions() * t.width()
+        || t.label_ids.len() != t.positions() * top_k
+        || t.answer_from.len() + 1 != t.offsets.len()
+    {
         bail!("{}: inconsistent teacher cache (delete it)", path.display());
     }
     Ok(Some(t))
