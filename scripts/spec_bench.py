@@ -8,8 +8,10 @@ draft position, and the measured costs that explain the ratio: the mean (k+1)-ro
 and the drafter's time per draft token, both in units of one 1-row target decode step, and the
 gain they predict, tau / (verify_cost + k_mean * draft_cost).
 
-Configurations are MODE:K[:fixed], MODE one of ngram, draft, mtp, block, on (adaptive unless
-:fixed); mtp and block take the drafter from --mtp / --block.
+Configurations are MODE:K[:fixed][@BINARY], MODE one of ngram, draft, mtp, block, on (adaptive
+unless :fixed); mtp and block take the drafter from --mtp / --block. A configuration ending in
+@BINARY runs that binary instead of --binary (for an old build side by side with a new one; both
+are compared with the same AR run of --binary).
 
     python3 scripts/spec_bench.py --model smollm2-135m-instruct --kinds easy_code,long_context \\
         --configs ngram:4,ngram:8,ngram:8:fixed
@@ -28,8 +30,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run(a, prompt, max_tokens, mode, k, fixed):
-    cmd = [a.binary, "generate", "--model", a.model, "--chat", "--prompt", prompt, "--max-tokens", str(max_tokens),
+def run(a, prompt, max_tokens, mode, k, fixed, binary=None):
+    cmd = [binary or a.binary, "generate", "--model", a.model, "--chat", "--prompt", prompt, "--max-tokens", str(max_tokens),
            "--temperature", "0", "--json", "--spec", mode, "--draft-max", str(k)]
     if fixed:
         cmd.append("--fixed-k")
@@ -93,7 +95,7 @@ class Agg:
         one = self.fw.get(1)
         t1 = one[1] / one[0] if one and one[0] else None
         verify = [(r, c, ms) for r, (c, ms) in sorted(self.fw.items()) if r > 1]
-        line = f"{kind:13s} {cfg:15s} speed {speed:4.2f}x AR | tau {tau:4.2f} | acceptance {self.accepted / max(self.drafted, 1):4.2f}"
+        line = f"{kind:13s} {cfg:15.40s} speed {speed:4.2f}x AR | tau {tau:4.2f} | acceptance {self.accepted / max(self.drafted, 1):4.2f}"
         line += " | by position " + " ".join(f"{a / d:.2f}" for d, a in self.by_pos if d)
         if t1 and verify:
             n_verify = sum(c for _, c, _ in verify)
@@ -127,8 +129,9 @@ def main():
         kinds = ["prose", "qa", "code", "easy_code", "json", "long_context"]
     configs = []
     for c in a.configs.split(","):
-        parts = c.split(":")
-        configs.append((c, parts[0], int(parts[1]), len(parts) > 2 and parts[2] == "fixed"))
+        spec, _, binary = c.partition("@")
+        parts = spec.split(":")
+        configs.append((c, parts[0], int(parts[1]), len(parts) > 2 and parts[2] == "fixed", binary or None))
     prompts = [json.loads(line) for line in open(ROOT / "tests/fixtures/prompts.jsonl")]
     aggs = {}
     for p in prompts:
@@ -137,8 +140,8 @@ def main():
         text = p["messages"][-1]["content"]
         ar = run(a, text, p["max_tokens"], "off", 1, False)
         row = [p["id"], p["kind"], f"AR {decode_rate(ar):6.1f} tok/s"]
-        for name, mode, k, fixed in configs:
-            sp = run(a, text, p["max_tokens"], mode, k, fixed)
+        for name, mode, k, fixed, binary in configs:
+            sp = run(a, text, p["max_tokens"], mode, k, fixed, binary)
             if sp["text"] != ar["text"]:
                 sys.exit(f"{p['id']}: speculative output differs from AR ({name})")
             s = sp["speculative"]

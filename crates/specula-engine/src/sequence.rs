@@ -348,9 +348,13 @@ impl Sequence {
         if self.is_prefilling() || self.emitter.finished().is_some() || self.draft.is_empty() {
             return None;
         }
+        let alphas = match &self.draft.confidence {
+            Some(c) if self.k_ctl.confidence_driven() => self.k_ctl.calibrated(c),
+            _ => self.k_ctl.alphas(self.draft.len()),
+        };
         Some(crate::spec::controller::PendingDraft {
             len: self.draft.len(),
-            alpha: self.k_ctl.alpha(),
+            alphas,
             trimmable: self.k_ctl.adaptive(),
         })
     }
@@ -538,6 +542,9 @@ impl Sequence {
         if !draft.is_empty() {
             self.stats.spec.record(draft.len(), accepted);
             self.k_ctl.update(draft.len(), accepted);
+            if let Some(c) = &draft.confidence {
+                self.k_ctl.observe_confidence(c, accepted);
+            }
         }
         let mut block = draft.tokens[..accepted].to_vec();
         block.push(next);
@@ -582,7 +589,12 @@ impl Sequence {
         let mut proposal = match self.drafter.as_mut() {
             Some(d) if k > 0 => {
                 let td = Instant::now();
-                let p = d.propose(&self.context, k)?;
+                let ctl = &self.k_ctl;
+                let p = if ctl.confidence_driven() {
+                    d.propose_while(&self.context, k, &mut |c| ctl.go_on(c))?
+                } else {
+                    d.propose(&self.context, k)?
+                };
                 let secs = td.elapsed().as_secs_f64();
                 self.stats.spec.draft_s += secs;
                 // Catch-up after a pause is paid once per probe, not per draft token.
@@ -592,6 +604,16 @@ impl Sequence {
             _ => Proposal::default(),
         };
         proposal.truncate(k);
+        if let Some(c) = proposal
+            .confidence
+            .as_deref()
+            .filter(|_| self.k_ctl.confidence_driven())
+        {
+            // Verify the prefix the drafter's confidences say pays (the rest is trimmed).
+            let keep = self.k_ctl.cut(c);
+            self.stats.spec.trimmed += proposal.len() - keep;
+            proposal.truncate(keep);
+        }
         if let Some(c) = self.constraint.as_mut() {
             // A draft token the grammar does not allow would be rejected: do not verify it.
             let valid = c.valid_prefix(&proposal.tokens);

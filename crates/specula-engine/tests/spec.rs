@@ -307,7 +307,7 @@ fn trimmed_drafts_in_a_batch_still_equal_ar() {
     while seqs.iter().any(|s| s.finished().is_none()) {
         for (i, s) in seqs.iter_mut().enumerate() {
             if let Some(d) = s.pending_draft() {
-                assert!(d.len > 0 && (0.0..=1.0).contains(&d.alpha));
+                assert!(d.len > 0 && d.alphas.len() == d.len && d.alphas.iter().all(|a| (0.0..=1.0).contains(a)));
                 assert_eq!(d.trimmable, reqs[i].spec.adaptive);
                 s.trim_draft((step + i) % (d.len + 1));
             }
@@ -620,10 +620,18 @@ fn smollm2_ngram_greedy_is_byte_identical_to_ar() {
 }
 
 /// G-gate of the trained MTP head committed for SmolLM2 (`heads/`): greedy output on every
-/// shared prompt is byte-identical to AR, drafting 3 tokens per step (chained depth 3).
+/// shared prompt is byte-identical to AR, drafting 3 tokens per step (chained depth 3), and
+/// with the adaptive controller (drafts cut by the head's calibrated confidence).
 #[test]
 fn smollm2_trained_mtp_head_greedy_is_byte_identical_to_ar() {
-    gate("smollm2-135m-instruct", None, SpecMode::Mtp, &[], &[(3, false)], None);
+    gate(
+        "smollm2-135m-instruct",
+        None,
+        SpecMode::Mtp,
+        &[],
+        &[(3, false), (4, true)],
+        None,
+    );
 }
 
 /// G-gate of the trained block drafter committed for SmolLM2: every shared prompt, a full block

@@ -386,14 +386,17 @@ impl Drafter for BlockDrafter {
         let vr = logits.len() / k;
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
+        let mut confidence = Vec::with_capacity(k);
         for row in logits.chunks_exact(vr) {
-            let (t, q) = self.model.vocab.pick(row, self.sampler.as_mut());
+            let (t, q, c) = self.model.vocab.pick_with_confidence(row, self.sampler.as_mut());
             tokens.push(t);
             qs.extend(q);
+            confidence.push(c);
         }
         Ok(Proposal {
             tokens,
             q: self.sampler.is_some().then_some(qs),
+            confidence: Some(confidence),
         })
     }
 

@@ -1,19 +1,29 @@
 //! Draft-length controller: chooses k for each target step from the measured acceptance and the
 //! measured costs of verifying and drafting, and stops drafting when it does not pay.
 //!
-//! Model (Leviathan et al. 2023, §3.1 and §3.4): with per-token acceptance probability α, a step
-//! that drafts k tokens commits on average `E(k) = (1 - α^(k+1)) / (1 - α)` tokens (accepted
-//! drafts plus the target's own token), and costs `V(k+1) + k·D` where `V(r)` is the time of an
-//! r-row target forward and `D` the drafter's time per token. Plain decoding commits one token
-//! per `V(1)`. The controller picks the k in `1..=draft_max` with the best predicted speed-up
+//! Model (Leviathan et al. 2023, §3.1 and §3.4, with the acceptance made per draft position as
+//! in SpecDec++ / the "acceptance by position" of EAGLE's reports): with `α_j` the probability
+//! that the j-th draft token is accepted given that the ones before it were, a step that drafts
+//! k tokens commits on average `E(k) = Σ_{i=0..=k} Π_{j≤i} α_j` tokens (accepted drafts plus the
+//! target's own token), and costs `V(k+1) + k·D` where `V(r)` is the time of an r-row target
+//! forward and `D` the drafter's time per token. Plain decoding commits one token per `V(1)`.
+//! The controller picks the k in `1..=draft_max` with the best predicted speed-up
 //! `E(k)·V(1) / (V(k+1) + k·D)`; when no k beats 1.0, it pauses drafting for a number of steps
 //! that doubles while probes keep failing (up to [`MAX_PAUSE`], or the drafter's own maximum) and
 //! resets after a probe that
 //! accepts something.
 //!
-//! Estimates: α is `(accepted + 1) / (tested + 2)` over exponentially decayed counts, where a
-//! step's tested positions are its accepted drafts plus the rejected one (positions after the
-//! first rejection were never tested). `V(r)` and `D` are exponential moving averages of the
+//! Estimates: `α_1` is `(accepted + 1) / (tested + 2)` over exponentially decayed counts of the
+//! first draft position; `α_j` for a later position is its own decayed counts plus
+//! [`LATER_PRIOR`] pseudo-observations at `α_{j-1}`, so a position never tested is taken to be as
+//! good as the one before it (a geometric law: the estimate starts where a single pooled α
+//! would). A step's tested positions are its accepted drafts plus the rejected one (positions
+//! after the first rejection were never tested); a position a step did not test keeps its counts
+//! but lets them fade by [`UNTESTED_DECAY`], so after a run of short drafts a longer one is tried
+//! again. One α for all positions would be wrong for the drafters whose later positions differ
+//! from the first: a chained MTP head accepts its second draft at about half the rate of its
+//! first, and n-gram lookup's continuation of a confirmed match is accepted more often than the
+//! match's first token. `V(r)` and `D` are exponential moving averages of the
 //! timings the engine reports; a `V(r)` not yet measured is interpolated linearly between
 //! measured row counts (prior slope: 10% of `V(1)` per extra row, the weights being read once).
 //! Timing noise changes only k, never the committed tokens.
@@ -27,8 +37,12 @@
 
 /// Longest pause (in target steps) between probes when drafts keep failing.
 pub const MAX_PAUSE: usize = 32;
-/// Decay of the acceptance counts per drafting step.
+/// Decay of a draft position's acceptance counts per step that tests it.
 const ACCEPT_DECAY: f64 = 0.9;
+/// Decay of a draft position's acceptance counts per drafting step that does not test it.
+const UNTESTED_DECAY: f64 = 0.97;
+/// Pseudo-observations at the previous position's rate in a later position's estimate.
+pub const LATER_PRIOR: f64 = 1.0;
 /// Weight of a new timing in the moving averages.
 const TIME_ALPHA: f64 = 0.25;
 /// Prior cost of one extra verify row, as a fraction of a one-row forward.
@@ -45,6 +59,58 @@ const CATCH_UP_DECAY: f64 = 0.97;
 
 /// Weight of the older steps in the [`BatchCost`] fit, per step.
 const BATCH_DECAY: f64 = 0.97;
+
+/// Confidence buckets of [`Calibration`] (equal widths over `[0, 1]`).
+const CAL_BUCKETS: usize = 10;
+/// Draft-position groups of [`Calibration`]: the first draft, the second, the rest (a chained
+/// head's later drafts are less reliable than their confidence says).
+const CAL_GROUPS: usize = 3;
+/// Pseudo-observations at the raw confidence in a bucket's estimate.
+const CAL_PRIOR: f64 = 2.0;
+/// Decay of a bucket's counts per tested token that falls in it.
+const CAL_DECAY: f64 = 0.995;
+
+/// Acceptance as a function of the drafter's own confidence ([`super::Proposal::confidence`]),
+/// learned online: decayed (accepted, tested) counts per draft-position group and confidence
+/// bucket, each estimate pulled towards the raw confidence by [`CAL_PRIOR`] pseudo-observations
+/// (so a new drafter starts by trusting its confidence). A token is tested when every draft
+/// before it was accepted.
+#[derive(Debug, Clone, Default)]
+struct Calibration {
+    counts: [[(f64, f64); CAL_BUCKETS]; CAL_GROUPS],
+    /// Whether the drafter reports confidences (set by the first observation).
+    seen: bool,
+}
+
+impl Calibration {
+    fn cell(position: usize, confidence: f32) -> (usize, usize) {
+        let c = f64::from(confidence).clamp(0.0, 1.0);
+        (
+            position.min(CAL_GROUPS - 1),
+            ((c * CAL_BUCKETS as f64) as usize).min(CAL_BUCKETS - 1),
+        )
+    }
+
+    /// Estimated probability that a draft at 0-based `position` with `confidence` is accepted,
+    /// given that the drafts before it were.
+    fn estimate(&self, position: usize, confidence: f32) -> f64 {
+        let (g, b) = Self::cell(position, confidence);
+        let (a, t) = self.counts[g][b];
+        ((a + CAL_PRIOR * f64::from(confidence).clamp(0.0, 1.0)) / (t + CAL_PRIOR)).clamp(0.0, 0.999)
+    }
+
+    /// Feed a verified draft's confidences and how many of its tokens were accepted.
+    fn update(&mut self, confidence: &[f32], accepted: usize) {
+        self.seen = true;
+        let tested = (accepted + 1).min(confidence.len());
+        for (j, &c) in confidence.iter().enumerate().take(tested) {
+            let (g, b) = Self::cell(j, c);
+            let (a, t) = &mut self.counts[g][b];
+            *a = CAL_DECAY * *a + f64::from(u8::from(j < accepted));
+            *t = CAL_DECAY * *t + 1.0;
+        }
+    }
+}
 
 /// What drafting costs a sequence that shares the target forward with others (continuous
 /// batching): the marginal seconds of one more row in the batched forward, and the seconds per
@@ -173,13 +239,14 @@ impl BatchCost {
 }
 
 /// One sequence's draft in a batched step, as [`draft_budget`] weighs it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PendingDraft {
     /// Draft tokens the sequence would verify.
     pub len: usize,
-    /// Its controller's per-token acceptance estimate ([`DraftLength::alpha`]): the `j`-th
-    /// draft token (1-based) is committed with probability `alpha^j`.
-    pub alpha: f64,
+    /// Its controller's conditional acceptance estimates ([`DraftLength::alphas`], `len`
+    /// entries; a shorter list repeats its last): the `j`-th draft token (1-based) is committed
+    /// with probability `alphas[0]·…·alphas[j-1]`.
+    pub alphas: Vec<f64>,
     /// False for a fixed draft length (`adaptive = false`): kept whole.
     pub trimmable: bool,
 }
@@ -190,7 +257,7 @@ pub struct PendingDraft {
 /// cost; the forward's real cost curve `T(R)` has steps (a row past a row-group boundary starts
 /// another pass over the weights), and a step is paid once by the whole batch however many of
 /// its sequences draft. So the step as a whole keeps the `m` most valuable draft tokens (the
-/// `j`-th of a sequence is worth `alpha^j` expected committed tokens; a sequence keeps a prefix
+/// `j`-th of a sequence is worth `Π_{i≤j} α_i` expected committed tokens; a sequence keeps a prefix
 /// of its draft) that maximise the step's expected tokens per second,
 /// `(decoding + value(m)) / T(fixed_rows + m)`, with `T` from `cost` ([`BatchCost::time`], made
 /// non-decreasing in R). `m = 0` is plain decoding for the trimmable sequences, so a kept draft
@@ -202,7 +269,12 @@ pub struct PendingDraft {
 /// Verification is untouched: trimming a draft changes only how many tokens a step can commit.
 pub fn draft_budget(fixed_rows: usize, decoding: usize, drafts: &[PendingDraft], cost: &BatchCost) -> Vec<usize> {
     let mut keep: Vec<usize> = drafts.iter().map(|d| if d.trimmable { 0 } else { d.len }).collect();
-    let value = |d: &PendingDraft, j: usize| d.alpha.clamp(0.0, 1.0).powi(j as i32);
+    let value = |d: &PendingDraft, j: usize| {
+        let last = d.alphas.last().copied().unwrap_or(0.0);
+        (0..j)
+            .map(|i| d.alphas.get(i).copied().unwrap_or(last).clamp(0.0, 1.0))
+            .product::<f64>()
+    };
     let mut rows = fixed_rows + keep.iter().sum::<usize>();
     let mut tokens = decoding as f64
         + drafts
@@ -248,9 +320,10 @@ pub fn draft_budget(fixed_rows: usize, decoding: usize, drafts: &[PendingDraft],
 pub struct DraftLength {
     max: usize,
     adaptive: bool,
-    /// Decayed counts of accepted and tested draft positions.
-    accepted: f64,
-    tested: f64,
+    /// Decayed counts of accepted and tested drafts, per draft position (index j - 1 for the
+    /// j-th draft token of a step).
+    accepted: Vec<f64>,
+    tested: Vec<f64>,
     /// Moving average of the seconds of an r-row target forward, at index r - 1.
     forward_s: Vec<Option<f64>>,
     /// Moving average of the drafter's seconds per proposed token.
@@ -267,6 +340,8 @@ pub struct DraftLength {
     load: Option<Load>,
     /// Longest pause between probes ([`MAX_PAUSE`] unless the drafter sets another).
     max_pause: usize,
+    /// Acceptance by the drafter's confidence, for drafters that report one.
+    calibration: Calibration,
 }
 
 impl DraftLength {
@@ -277,8 +352,8 @@ impl DraftLength {
             max,
             adaptive,
             // Optimistic prior: drafting is tried from the first step.
-            accepted: 1.5,
-            tested: 2.0,
+            accepted: (0..max).map(|j| if j == 0 { 1.5 } else { 0.0 }).collect(),
+            tested: (0..max).map(|j| if j == 0 { 2.0 } else { 0.0 }).collect(),
             forward_s: vec![None; max + 1],
             draft_token_s: None,
             catch_up_s: 0.0,
@@ -289,6 +364,7 @@ impl DraftLength {
             since_one_row: 0,
             load: None,
             max_pause: MAX_PAUSE,
+            calibration: Calibration::default(),
         }
     }
 
@@ -300,11 +376,14 @@ impl DraftLength {
         if !self.adaptive {
             return;
         }
-        self.accepted = prior.accepted;
-        self.tested = prior.tested;
+        for (j, (a, t)) in self.accepted.iter_mut().zip(self.tested.iter_mut()).enumerate() {
+            *a = prior.accepted.get(j).copied().unwrap_or(0.0);
+            *t = prior.tested.get(j).copied().unwrap_or(0.0);
+        }
         for (mine, theirs) in self.forward_s.iter_mut().zip(&prior.forward_s) {
             *mine = *theirs;
         }
+        self.calibration = prior.calibration.clone();
         self.draft_token_s = prior.draft_token_s;
         self.catch_up_s = prior.catch_up_s;
         self.drafted = prior.drafted;
@@ -319,15 +398,35 @@ impl DraftLength {
         self.adaptive
     }
 
-    /// The estimated per-token acceptance probability α.
+    /// The estimated acceptance probability of the first draft token, `α_1`.
     pub fn alpha(&self) -> f64 {
-        ((self.accepted + 1.0) / (self.tested + 2.0)).clamp(0.0, 0.999)
+        self.alphas(1)[0]
     }
 
-    /// Expected tokens committed by a step that drafts `k` tokens: `sum_{i=0..=k} α^i`.
+    /// The estimated conditional acceptance probabilities `α_1..α_n` (index j - 1: the j-th draft
+    /// token is accepted given that the ones before it were), in `[0, 0.999]`; positions past
+    /// `draft_max` repeat the last.
+    pub fn alphas(&self, n: usize) -> Vec<f64> {
+        let mut out = Vec::with_capacity(n);
+        let mut prev = ((self.accepted[0] + 1.0) / (self.tested[0] + 2.0)).clamp(0.0, 0.999);
+        for j in 0..n {
+            if j > 0 && j < self.max {
+                prev = ((self.accepted[j] + LATER_PRIOR * prev) / (self.tested[j] + LATER_PRIOR)).clamp(0.0, 0.999);
+            }
+            out.push(prev);
+        }
+        out
+    }
+
+    /// Expected tokens committed by a step that drafts `k` tokens: `Σ_{i=0..=k} Π_{j≤i} α_j`.
     pub fn expected_tokens(&self, k: usize) -> f64 {
-        let a = self.alpha();
-        (0..=k).map(|i| a.powi(i as i32)).sum()
+        let mut reach = 1.0;
+        let mut sum = 1.0;
+        for a in self.alphas(k) {
+            reach *= a;
+            sum += reach;
+        }
+        sum
     }
 
     /// Estimated seconds of an r-row target forward, relative to a one-row forward.
@@ -393,12 +492,85 @@ impl DraftLength {
     /// `E(k)·V(1) / (V(k+1) + k·D)`. Under a [`Load`]: `E(k)·c / (c + k·(b + D))`, with `c` plain
     /// decoding's seconds per token at this concurrency and `b` the marginal seconds of a row.
     pub fn predicted_speedup(&self, k: usize) -> f64 {
+        self.speedup(self.expected_tokens(k), k, k)
+    }
+
+    /// The speed-up of a step that commits `expected` tokens on average, verifies `rows` draft
+    /// tokens and drafted `drafted` (all in units of plain decoding, as in
+    /// [`DraftLength::predicted_speedup`]).
+    fn speedup(&self, expected: f64, rows: usize, drafted: usize) -> f64 {
         if let Some(l) = self.load {
             let d = self.draft_cost_per_token();
-            return self.expected_tokens(k) * l.token_s / (l.token_s + k as f64 * (l.row_s + d));
+            return expected * l.token_s / (l.token_s + rows as f64 * l.row_s + drafted as f64 * d);
         }
-        let cost = self.relative_forward_cost(k + 1) + k as f64 * self.relative_draft_cost();
-        self.expected_tokens(k) / cost
+        let cost = self.relative_forward_cost(rows + 1) + drafted as f64 * self.relative_draft_cost();
+        expected / cost
+    }
+
+    /// Whether the drafter reports confidences ([`super::Proposal::confidence`]) and they have
+    /// been seen: then the draft's length follows them ([`DraftLength::go_on`],
+    /// [`DraftLength::cut`]) up to `draft_max`.
+    pub fn confidence_driven(&self) -> bool {
+        self.adaptive && self.calibration.seen
+    }
+
+    /// The conditional acceptance estimates of a draft whose tokens have these confidences
+    /// (index j: the (j+1)-th token is accepted given the ones before it were), from the
+    /// learned calibration.
+    pub fn calibrated(&self, confidence: &[f32]) -> Vec<f64> {
+        confidence
+            .iter()
+            .enumerate()
+            .map(|(j, &c)| self.calibration.estimate(j, c))
+            .collect()
+    }
+
+    /// While drafting token by token: whether one more token is worth drafting after the
+    /// tokens with these confidences. It is when the step's predicted speed-up with it
+    /// (its acceptance taken as the position's average, `α_{j+1}`, and its draft cost paid)
+    /// beats the speed-up without it.
+    pub fn go_on(&self, confidence: &[f32]) -> bool {
+        if !self.adaptive {
+            return true;
+        }
+        let n = confidence.len();
+        if n >= self.max {
+            return false;
+        }
+        let mut reach = 1.0;
+        let mut expected = 1.0;
+        for a in self.calibrated(confidence) {
+            reach *= a;
+            expected += reach;
+        }
+        let next = self.alphas(n + 1)[n];
+        self.speedup(expected + reach * next, n + 1, n + 1) > self.speedup(expected, n, n)
+    }
+
+    /// How many tokens of a drafted proposal with these confidences to verify: the prefix
+    /// whose expected committed tokens per unit of time is highest, the drafting itself being
+    /// paid already. 0 drops the draft (a plain decoding step). A fixed k keeps everything.
+    pub fn cut(&self, confidence: &[f32]) -> usize {
+        let n = confidence.len();
+        if !self.adaptive || n == 0 {
+            return n;
+        }
+        let (mut reach, mut expected) = (1.0, 1.0);
+        let mut best = (0, self.speedup(1.0, 0, n));
+        for (m, a) in self.calibrated(confidence).into_iter().enumerate() {
+            reach *= a;
+            expected += reach;
+            let s = self.speedup(expected, m + 1, n);
+            if s > best.1 {
+                best = (m + 1, s);
+            }
+        }
+        best.0
+    }
+
+    /// Feed the confidences of a verified draft and how many of its tokens were accepted.
+    pub fn observe_confidence(&mut self, confidence: &[f32], accepted: usize) {
+        self.calibration.update(confidence, accepted);
     }
 
     /// Seconds a drafted token costs the drafter: its own time plus the probes' catch-up.
@@ -445,7 +617,9 @@ impl DraftLength {
             self.since_one_row = 0;
             return 0;
         }
-        let (k, gain) = self.best();
+        let (best_k, gain) = self.best();
+        // A drafter with calibrated confidences decides its own length up to draft_max.
+        let k = if self.calibration.seen { self.max } else { best_k };
         if self.probing && self.hopeless_under_load() {
             // A probe measures acceptance, and under this load no acceptance would pay: skip it.
             self.probing = false;
@@ -488,9 +662,16 @@ impl DraftLength {
         if drafted == 0 {
             return;
         }
-        let tested = (accepted + usize::from(accepted < drafted)) as f64;
-        self.accepted = ACCEPT_DECAY * self.accepted + accepted as f64;
-        self.tested = ACCEPT_DECAY * self.tested + tested;
+        let tested = accepted + usize::from(accepted < drafted);
+        for j in 0..self.max {
+            if j < tested {
+                self.accepted[j] = ACCEPT_DECAY * self.accepted[j] + f64::from(u8::from(j < accepted));
+                self.tested[j] = ACCEPT_DECAY * self.tested[j] + 1.0;
+            } else {
+                self.accepted[j] *= UNTESTED_DECAY;
+                self.tested[j] *= UNTESTED_DECAY;
+            }
+        }
         if self.probing {
             self.probing = false;
             // A probe ends the pause only if drafting now pays by the measured costs (accepted
@@ -586,7 +767,7 @@ mod tests {
     fn draft(len: usize, alpha: f64) -> PendingDraft {
         PendingDraft {
             len,
-            alpha,
+            alphas: vec![alpha],
             trimmable: true,
         }
     }
@@ -658,7 +839,7 @@ mod tests {
             draft(4, 0.1),
             PendingDraft {
                 len: 3,
-                alpha: 0.1,
+                alphas: vec![0.1],
                 trimmable: false,
             },
             draft(4, 0.55),
@@ -682,11 +863,10 @@ mod tests {
 
     #[test]
     fn under_load_drafting_stops_where_rows_are_dear() {
-        // Solo, acceptance 0.5 and a cheap verify: drafting pays.
+        // Solo, acceptance 0.5 at every position and a cheap verify: drafting pays.
         let mut c = measured(4, 0.1, 0.0);
-        for _ in 0..20 {
-            c.update(2, 1);
-        }
+        feed(&mut c, 2, &[0.5, 0.5], 40);
+        assert!((c.alpha() - 0.5).abs() < 0.1, "{}", c.alpha());
         assert!(c.best().1 > 1.0);
         // 16 sequences on a CPU: a row costs 0.3 of a one-row forward, plain decoding 0.38 per
         // token (the measured SmolLM2 shape): k = 1 would commit 1.5 tokens for 1.8x the time.
@@ -702,6 +882,97 @@ mod tests {
             token_s: 0.0038,
         }));
         assert!(c.best().1 > 1.0);
+    }
+
+    /// Feed `steps` drafting steps of `k` tokens whose outcomes follow the conditional
+    /// acceptance rates `alphas` exactly in proportion (a deterministic pattern: of every 100
+    /// steps, the first `100·α_1` accept the first token, and so on).
+    fn feed(c: &mut DraftLength, k: usize, alphas: &[f64], steps: usize) {
+        for s in 0..steps {
+            let u = ((s * 37) % 100) as f64 / 100.0;
+            let mut reach = 1.0;
+            let mut accepted = 0;
+            for &a in alphas.iter().take(k) {
+                reach *= a;
+                if u >= reach {
+                    break;
+                }
+                accepted += 1;
+            }
+            c.update(k, accepted);
+        }
+    }
+
+    #[test]
+    fn acceptance_is_estimated_per_draft_position() {
+        // A chained MTP head: the second draft is accepted at 0.3 once the first was, the
+        // third at 0.1 (SmolLM2's head on prose). One pooled α (0.40 here) would overrate
+        // the later drafts when measured at k = 1 and underrate the first at k = 3.
+        let mut c = measured(3, 0.15, 0.12);
+        feed(&mut c, 3, &[0.5, 0.3, 0.1], 200);
+        let a = c.alphas(3);
+        assert!(
+            (a[0] - 0.5).abs() < 0.1 && (a[1] - 0.3).abs() < 0.12 && a[2] < 0.25,
+            "{a:?}"
+        );
+        // E(1) = 1.5 for 1.27 steps, E(2) = 1.65 for 1.54: k = 1.
+        assert_eq!(c.best().0, 1, "{:?} {:?}", c.best(), a);
+        assert!(c.best().1 > 1.1, "{:?}", c.best());
+        // n-gram lookup on a copy: a match's first token is a coin flip, its continuation
+        // nearly sure. The long draft pays where a geometric law at 0.5 would say k = 1..2.
+        let mut c = measured(8, 0.05, 0.0);
+        feed(&mut c, 8, &[0.5, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95, 0.95], 200);
+        assert!(c.expected_tokens(8) > 3.5, "{}", c.expected_tokens(8));
+        assert_eq!(c.best().0, 8, "{:?} {:?}", c.best(), c.alphas(8));
+        // A position not tested lately relaxes towards the one before it: after a long run
+        // of one-token drafts the second position is worth trying again.
+        let mut c = DraftLength::new(2, true);
+        feed(&mut c, 2, &[0.9, 0.1], 100);
+        let before = c.alphas(2)[1];
+        feed(&mut c, 1, &[0.9], 150);
+        let after = c.alphas(2)[1];
+        assert!(before < 0.3 && after > 0.6, "{before} -> {after}");
+    }
+
+    #[test]
+    fn confidence_is_calibrated_and_cuts_drafts() {
+        // Verify rows cost 0.1 of a step each, a draft token 0.05.
+        let mut c = measured(6, 0.1, 0.05);
+        assert!(!c.confidence_driven());
+        // Until observed, a confidence is taken at its word.
+        assert!((c.calibrated(&[0.7])[0] - 0.7).abs() < 1e-6);
+        // A head that is overconfident in the 0.5 bucket (accepted a fifth of the time) and
+        // right in the 0.9 bucket.
+        for i in 0..200 {
+            c.observe_confidence(&[0.95], 1);
+            c.observe_confidence(&[0.55], usize::from(i % 5 == 0));
+        }
+        assert!(c.confidence_driven());
+        let a = c.calibrated(&[0.95, 0.55]);
+        assert!(a[0] > 0.9, "{a:?}");
+        // The second entry is the second position's group: not observed yet, so raw.
+        assert!((a[1] - 0.55).abs() < 1e-6, "{a:?}");
+        let first = c.calibrated(&[0.55])[0];
+        assert!((first - 0.2).abs() < 0.05, "{first}");
+        // Cut: two sure tokens, then one the calibration says fails, then a sure one that can
+        // only count if the failing one passes.
+        assert_eq!(c.cut(&[0.95, 0.95, 0.05, 0.95]), 2);
+        assert_eq!(c.cut(&[0.95, 0.95, 0.95]), 3);
+        // A first token that will likely fail: no draft is worth its row.
+        for _ in 0..200 {
+            c.observe_confidence(&[0.05], 0);
+        }
+        assert_eq!(c.cut(&[0.05, 0.95]), 0);
+        // While drafting: go on after sure tokens, stop after a doubtful one, stop at draft_max.
+        c.update(3, 3);
+        assert!(c.go_on(&[0.95]));
+        assert!(c.go_on(&[0.95, 0.95]));
+        assert!(!c.go_on(&[0.95, 0.05]));
+        assert!(!c.go_on(&[0.95; 6]));
+        // A fixed k ignores confidences.
+        let f = DraftLength::new(4, false);
+        assert_eq!(f.cut(&[0.01, 0.01]), 2);
+        assert!(f.go_on(&[0.01]));
     }
 
     #[test]
@@ -738,10 +1009,11 @@ mod tests {
         }
         assert!(pauses.windows(2).all(|w| w[1] >= w[0]), "{pauses:?}");
         assert!(*pauses.last().unwrap() >= 16, "{pauses:?}");
-        // Probes that succeed raise the acceptance estimate until drafting pays again; then the
-        // back-off resets and drafting resumes.
+        // Probes that succeed raise the acceptance estimate until drafting pays again (here
+        // that takes α_1 >= 0.85: each probe is one more observation of the first position);
+        // then the back-off resets and drafting resumes.
         let mut resumed = false;
-        for _ in 0..12 {
+        for _ in 0..24 {
             while c.next_k() == 0 {}
             c.update(2, 2);
             if c.best().1 >= 1.0 {

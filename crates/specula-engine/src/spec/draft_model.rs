@@ -150,6 +150,10 @@ impl DraftModelDrafter {
 
 impl Drafter for DraftModelDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
+        self.propose_while(context, k, &mut |_| true)
+    }
+
+    fn propose_while(&mut self, context: &[u32], k: usize, go_on: &mut dyn FnMut(&[f32]) -> bool) -> Result<Proposal> {
         self.catch_up_s = 0.0;
         if k == 0 || context.is_empty() {
             return Ok(Proposal::default());
@@ -191,24 +195,32 @@ impl Drafter for DraftModelDrafter {
         };
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
+        let mut confidence = Vec::with_capacity(k);
         for i in 0..k {
-            let t = match self.sampler.as_mut() {
-                None => argmax(&logits),
+            let (t, c) = match self.sampler.as_mut() {
+                None => {
+                    let t = argmax(&logits);
+                    (t, super::softmax_probability(&logits, t as usize))
+                }
                 Some(s) => {
                     let dist = s.distribution(&logits);
                     let t = s.draw(&dist);
+                    let c = dist.iter().find(|&&(id, _)| id == t).map_or(0.0, |&(_, p)| p);
                     qs.push(dist);
-                    t
+                    (t, c)
                 }
             };
             tokens.push(t);
-            if i + 1 < k {
-                logits = self.feed(&[t])?;
+            confidence.push(c);
+            if i + 1 == k || !go_on(&confidence) {
+                break;
             }
+            logits = self.feed(&[t])?;
         }
         Ok(Proposal {
             tokens,
             q: self.sampler.is_some().then_some(qs),
+            confidence: Some(confidence),
         })
     }
 

@@ -429,6 +429,8 @@ pub fn block_tensors(b: &HeadBlock, prefix: &str) -> Vec<(String, Tensor)> {
 
 /// A draft token and, when it was sampled, the sparse distribution it was drawn from.
 pub type DraftPick = (u32, Option<Vec<(u32, f32)>>);
+/// A [`DraftPick`] with the drafter's probability of the token ([`super::Proposal::confidence`]).
+pub type ConfidentPick = (u32, Option<Vec<(u32, f32)>>, f32);
 
 /// The draft LM head: rows of the target's LM head (all of them, or a frequency-ranked subset,
 /// FR-Spec: Zhao et al. 2025), as a dense `[rows, hidden]` f32 matrix, and the token id of each
@@ -497,12 +499,28 @@ impl DraftVocab {
     /// The draft token of one logits row: its argmax (greedy), or a draw from `sampler`'s
     /// processed distribution over the full vocabulary, returned as the proposal's q.
     pub fn pick(&self, row: &[f32], sampler: Option<&mut crate::sampling::Sampler>) -> DraftPick {
+        let (t, q, _) = self.pick_with_confidence(row, sampler);
+        (t, q)
+    }
+
+    /// [`DraftVocab::pick`] and the drafter's probability of the picked token
+    /// ([`super::Proposal::confidence`]): the softmax of `row` (over the draft vocabulary) at
+    /// the argmax when greedy, `q(token)` when sampling.
+    pub fn pick_with_confidence(
+        &self,
+        row: &[f32],
+        sampler: Option<&mut crate::sampling::Sampler>,
+    ) -> ConfidentPick {
         match sampler {
-            None => (self.token(crate::sampling::argmax(row) as usize), None),
+            None => {
+                let i = crate::sampling::argmax(row) as usize;
+                (self.token(i), None, super::softmax_probability(row, i))
+            }
             Some(s) => {
                 let dist = s.distribution(&self.full_row(row));
                 let t = s.draw(&dist);
-                (t, Some(dist))
+                let c = dist.iter().find(|&&(id, _)| id == t).map_or(0.0, |&(_, p)| p);
+                (t, Some(dist), c)
             }
         }
     }

@@ -103,12 +103,23 @@ pub struct Proposal {
     /// `(token id, probability)` pairs (zero-probability tokens omitted). `None` for a
     /// deterministic drafter (q one-hot on each proposed token).
     pub q: Option<Vec<Vec<(u32, f32)>>>,
+    /// The drafter's own probability of each proposed token (`[0, 1]`, one per token): its
+    /// softmax at temperature 1 for a greedy draft, `q(token)` for a sampled one. `None` for a
+    /// drafter without a distribution (n-gram lookup). The draft-length controller learns how
+    /// it maps to acceptance ([`controller::DraftLength::calibrated`]) and cuts drafts by it
+    /// (EAGLE-2, Li et al. 2024, §4: draft confidence approximates acceptance); it never changes
+    /// what is committed.
+    pub confidence: Option<Vec<f32>>,
 }
 
 impl Proposal {
     /// A deterministic proposal (q one-hot).
     pub fn deterministic(tokens: Vec<u32>) -> Self {
-        Self { tokens, q: None }
+        Self {
+            tokens,
+            q: None,
+            confidence: None,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -125,7 +136,25 @@ impl Proposal {
         if let Some(q) = self.q.as_mut() {
             q.truncate(k);
         }
+        if let Some(c) = self.confidence.as_mut() {
+            c.truncate(k);
+        }
     }
+}
+
+/// The softmax probability (temperature 1) of entry `i` of a logits row: `exp(x_i - max) /
+/// Σ exp(x_j - max)`, in `[0, 1]`; 0 for an index outside the row or a row without a finite
+/// entry.
+pub fn softmax_probability(row: &[f32], i: usize) -> f32 {
+    let Some(&xi) = row.get(i) else {
+        return 0.0;
+    };
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return 0.0;
+    }
+    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    ((xi - max).exp() / sum).clamp(0.0, 1.0)
 }
 
 /// A drafter: proposes up to k tokens continuing the committed context.
@@ -137,6 +166,19 @@ impl Proposal {
 pub trait Drafter: Send {
     /// Propose up to `k` tokens continuing `context`. May return fewer, or none.
     fn propose(&mut self, context: &[u32], k: usize) -> anyhow::Result<Proposal>;
+    /// [`Drafter::propose`], but a drafter that drafts token by token and knows its
+    /// [`Proposal::confidence`] asks `go_on` with the confidences so far before each further
+    /// token, and stops when it answers false (the draft-length controller's judgement that one
+    /// more token would not pay). The default ignores `go_on`.
+    fn propose_while(
+        &mut self,
+        context: &[u32],
+        k: usize,
+        go_on: &mut dyn FnMut(&[f32]) -> bool,
+    ) -> anyhow::Result<Proposal> {
+        let _ = go_on;
+        self.propose(context, k)
+    }
     /// A short name for stats and logs.
     fn name(&self) -> &'static str;
     /// The target hidden states this drafter reads, as [`crate::model::Model::forward`] tap
@@ -179,7 +221,9 @@ pub struct SpecStats {
     /// Draft tokens accepted.
     pub accepted: usize,
     /// Draft tokens proposed but not verified: the batch's draft budget
-    /// ([`controller::draft_budget`]) dropped them because the step was cheaper without them.
+    /// ([`controller::draft_budget`]) dropped them because the step was cheaper without them,
+    /// or the controller cut them by the drafter's calibrated confidence
+    /// ([`controller::DraftLength::cut`]).
     pub trimmed: usize,
     /// Target forward passes after prefill.
     pub target_steps: usize,

@@ -351,17 +351,22 @@ impl MtpDrafter {
             .to_vec1::<f32>()?)
     }
 
-    /// The next draft token from `h'` (one row), and its distribution when sampling.
-    fn pick(&mut self, h_last: &[f32]) -> Result<super::head::DraftPick> {
+    /// The next draft token from `h'` (one row), its distribution when sampling, and the
+    /// head's probability of it.
+    fn pick(&mut self, h_last: &[f32]) -> Result<super::head::ConfidentPick> {
         let eps = self.head.weights.block.shape.rms_norm_eps;
         let normed = rms_rows(h_last, &self.head.weights.norm.to_vec1::<f32>()?, eps);
         let row = self.head.vocab.logits_rows(&normed, 1)?;
-        Ok(self.head.vocab.pick(&row, self.sampler.as_mut()))
+        Ok(self.head.vocab.pick_with_confidence(&row, self.sampler.as_mut()))
     }
 }
 
 impl Drafter for MtpDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
+        self.propose_while(context, k, &mut |_| true)
+    }
+
+    fn propose_while(&mut self, context: &[u32], k: usize, go_on: &mut dyn FnMut(&[f32]) -> bool) -> Result<Proposal> {
         let n = context.len();
         let hs = self.hidden_size();
         // The head at position j reads h_j and t_{j+1}: committed rows j = base .. n - 2.
@@ -394,23 +399,27 @@ impl Drafter for MtpDrafter {
         let mut h_last = out[(rows - 1) * hs..].to_vec();
         let mut tokens = Vec::with_capacity(k);
         let mut qs = Vec::with_capacity(k);
+        let mut confidence = Vec::with_capacity(k);
         for i in 0..k {
-            let (t, q) = self.pick(&h_last)?;
+            let (t, q, c) = self.pick(&h_last)?;
             tokens.push(t);
+            confidence.push(c);
             if let Some(q) = q {
                 qs.push(q);
             }
-            if i + 1 < k {
-                let emb = self.embed(&[t])?;
-                h_last = self
-                    .head
-                    .weights
-                    .forward_rows(&emb, &h_last, n - 1 + i, &mut self.cache)?;
+            if i + 1 == k || !go_on(&confidence) {
+                break;
             }
+            let emb = self.embed(&[t])?;
+            h_last = self
+                .head
+                .weights
+                .forward_rows(&emb, &h_last, n - 1 + i, &mut self.cache)?;
         }
         Ok(Proposal {
             tokens,
             q: self.sampler.is_some().then_some(qs),
+            confidence: Some(confidence),
         })
     }
 
