@@ -348,8 +348,10 @@ impl Sequence {
         if self.is_prefilling() || self.emitter.finished().is_some() || self.draft.is_empty() {
             return None;
         }
+        // A sampled draft is never kept or dropped by its own confidence
+        // (`DraftLength::verified_prefix`): the budget prices it by position only.
         let alphas = match &self.draft.confidence {
-            Some(c) if self.k_ctl.confidence_driven() => self.k_ctl.calibrated(c),
+            Some(c) if self.k_ctl.confidence_driven() && self.draft.q.is_none() => self.k_ctl.calibrated(c),
             _ => self.k_ctl.alphas(self.draft.len()),
         };
         Some(crate::spec::controller::PendingDraft {
@@ -604,16 +606,11 @@ impl Sequence {
             _ => Proposal::default(),
         };
         proposal.truncate(k);
-        if let Some(c) = proposal
-            .confidence
-            .as_deref()
-            .filter(|_| self.k_ctl.confidence_driven())
-        {
-            // Verify the prefix the drafter's confidences say pays (the rest is trimmed).
-            let keep = self.k_ctl.cut(c);
-            self.stats.spec.trimmed += proposal.len() - keep;
-            proposal.truncate(keep);
-        }
+        // Verify the prefix the drafter's confidences say pays (greedy drafts only; the rest
+        // is trimmed).
+        let keep = self.k_ctl.verified_prefix(&proposal);
+        self.stats.spec.trimmed += proposal.len() - keep;
+        proposal.truncate(keep);
         if let Some(c) = self.constraint.as_mut() {
             // A draft token the grammar does not allow would be rejected: do not verify it.
             let valid = c.valid_prefix(&proposal.tokens);

@@ -418,3 +418,77 @@ fn planted_defects_are_caught() {
         }
     }
 }
+
+/// The law of the token committed at a position where one sampled draft `d ~ q` may be verified
+/// (vocab 2, target `p`): `keep(d, q(d))` says whether the draft is verified (production
+/// [`accept_sampled`] on it) or dropped (the token is drawn from `p`, as a step without a
+/// draft does).
+fn one_draft_law(p: &Dist, q: &Dist, keep: &dyn Fn(u32, f32) -> bool) -> [f64; 2] {
+    let mut law = [0.0; 2];
+    for &(d, qd) in q {
+        if !keep(d, qd) {
+            for &(t, pt) in p {
+                law[t as usize] += qd as f64 * pt as f64;
+            }
+            continue;
+        }
+        let mut e = Enumerator::default();
+        loop {
+            e.pos = 0;
+            e.weight = 1.0;
+            let (accepted, next) = accept_sampled(&[d], Some(&[q.clone()]), &mut |_| p.clone(), &mut e);
+            // The committed token at this position: the draft, or the residual draw.
+            let t = if accepted == 1 { d } else { next };
+            law[t as usize] += qd as f64 * e.weight;
+            if !e.advance() {
+                break;
+            }
+        }
+    }
+    law
+}
+
+/// A draft-length policy that drops sampled drafts by their own confidence would bias the law
+/// (q = (0.9, 0.1), p = (0.5, 0.5): 0.55 / 0.45; to f32 rounding, 0.9 being inexact in f32);
+/// the production policy
+/// (`DraftLength::verified_prefix`, with a calibration that would cut a 0.1-confidence greedy
+/// draft) keeps every sampled draft, and the law is p's.
+#[test]
+fn a_confidence_cut_of_sampled_drafts_would_bias_the_law() {
+    use specula_engine::spec::{DraftLength, Proposal};
+    let p: Dist = vec![(0, 0.5), (1, 0.5)];
+    let q: Dist = vec![(0, 0.9), (1, 0.1)];
+    // A controller that has learned that low-confidence first drafts fail, with verify rows
+    // that are not free: it cuts a greedy 0.1-confidence draft and keeps a 0.9 one.
+    let mut ctl = DraftLength::new(4, true);
+    for r in 1..=5 {
+        ctl.observe_forward(r, 0.01 * (1.0 + 0.3 * (r - 1) as f64));
+    }
+    ctl.observe_draft(1, 0.001, 0.0);
+    for _ in 0..100 {
+        ctl.observe_confidence(&[0.95], 1);
+        ctl.observe_confidence(&[0.05], 0);
+    }
+    let greedy = |c: f32| Proposal {
+        tokens: vec![0],
+        q: None,
+        confidence: Some(vec![c]),
+    };
+    assert_eq!(ctl.verified_prefix(&greedy(0.1)), 0, "the greedy draft is cut");
+    assert_eq!(ctl.verified_prefix(&greedy(0.9)), 1);
+    // The planted defect: the same cut applied to sampled drafts.
+    let biased = one_draft_law(&p, &q, &|_, c| ctl.cut(&[c]) == 1);
+    assert!((biased[0] - 0.55).abs() < 1e-6, "{biased:?}");
+    // Production: a sampled proposal is verified whole.
+    let production = one_draft_law(&p, &q, &|d, c| {
+        ctl.verified_prefix(&Proposal {
+            tokens: vec![d],
+            q: Some(vec![q.clone()]),
+            confidence: Some(vec![c]),
+        }) == 1
+    });
+    assert!(
+        (production[0] - 0.5).abs() < 1e-6 && (production[1] - 0.5).abs() < 1e-6,
+        "{production:?}"
+    );
+}

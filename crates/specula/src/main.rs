@@ -261,6 +261,9 @@ struct SpecArgs {
 enum EngineBenchMode {
     Off,
     Ngram,
+    Mtp,
+    Block,
+    Draft,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
@@ -429,7 +432,7 @@ struct BenchArgs {
     device: String,
     /// Benchmark the serving engine on --model and --device: aggregate decode tok/s of
     /// --streams concurrent greedy requests stepped together (continuous batching, no HTTP), with
-    /// plain decoding and with n-gram speculation. On the GPU this runs the real model instead of
+    /// each of --modes (plain decoding, n-gram speculation, a native drafter or a draft model). On the GPU this runs the real model instead of
     /// synthetic weights.
     #[arg(long)]
     engine: bool,
@@ -442,9 +445,16 @@ struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     streams: Vec<usize>,
     /// With `--engine`: the decoding modes run at each level, alternating run by run (`off`:
-    /// plain decoding; `ngram`: n-gram speculation, adaptive k).
+    /// plain decoding; `ngram`: n-gram speculation; `mtp` / `block`: the native drafter of
+    /// --drafter; `draft`: the draft model of --draft-model; all adaptive k).
     #[arg(long, value_delimiter = ',', default_value = "off,ngram")]
     modes: Vec<EngineBenchMode>,
+    /// With `--engine` and mode `mtp` or `block`: the native drafter's folder.
+    #[arg(long)]
+    drafter: Option<PathBuf>,
+    /// With `--engine` and mode `draft`: the draft model (same tokenizer as --model).
+    #[arg(long)]
+    draft_model: Option<String>,
     /// With `--device cuda:N`: prompt lengths of the prefill measurement.
     #[arg(long, value_delimiter = ',', default_value = "512,8192")]
     prefill_lens: Vec<usize>,
@@ -801,6 +811,32 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
     let mut engine = load(&a.model, None)?;
     let model_path = pull::resolve_model(&a.model, false).ok();
     attach_device(&mut engine, &a.device, model_path.as_deref(), slots)?;
+    for m in &a.modes {
+        match (m, &a.drafter, &a.draft_model) {
+            (EngineBenchMode::Mtp, None, _) | (EngineBenchMode::Block, None, _) => {
+                bail!("--modes mtp / block need --drafter DIR")
+            }
+            (EngineBenchMode::Draft, _, None) => bail!("--modes draft needs --draft-model M"),
+            _ => {}
+        }
+    }
+    if let Some(m) = &a.draft_model {
+        let path: PathBuf = pull::resolve_model(m, true)?;
+        engine
+            .attach_draft_model(&path, m)
+            .with_context(|| format!("loading draft model {}", path.display()))?;
+    }
+    if let Some(p) = &a.drafter {
+        if is_block_drafter(p) {
+            engine
+                .attach_block_drafter(p)
+                .with_context(|| format!("loading the block drafter {}", p.display()))?;
+        } else {
+            engine
+                .attach_mtp_head(p)
+                .with_context(|| format!("loading the MTP head {}", p.display()))?;
+        }
+    }
     if let Some(s) = engine.device_slots() {
         if s.slots() < slots {
             bail!("{} KV slots fit on the device, --streams asks for {slots}", s.slots());
@@ -832,6 +868,9 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
         .map(|m| match m {
             EngineBenchMode::Off => specula_engine::spec::SpecMode::Off,
             EngineBenchMode::Ngram => specula_engine::spec::SpecMode::Ngram,
+            EngineBenchMode::Mtp => specula_engine::spec::SpecMode::Mtp,
+            EngineBenchMode::Block => specula_engine::spec::SpecMode::Block,
+            EngineBenchMode::Draft => specula_engine::spec::SpecMode::Draft,
         })
         .collect();
     for &n in &a.streams {

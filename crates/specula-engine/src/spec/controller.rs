@@ -568,6 +568,21 @@ impl DraftLength {
         best.0
     }
 
+    /// How many tokens of `proposal` to verify: [`DraftLength::cut`] by its confidences when
+    /// the drafts are deterministic (greedy: the target decides every committed token, so any
+    /// cut is exact), all of them when they were sampled. Rejection sampling commits p's law
+    /// only if each verified draft `d_j` is distributed as its `q_j`; keeping a sampled `d_j`
+    /// because `q_j(d_j)` is high draws it from `q_j` restricted to the confident tokens
+    /// instead (`tests/slaw.rs`, `a_confidence_cut_of_sampled_drafts_would_bias_the_law`).
+    /// Whether a sampled draft is drafted at all may depend on the drafts before it
+    /// ([`DraftLength::go_on`]): those are committed whenever it is reached.
+    pub fn verified_prefix(&self, proposal: &super::Proposal) -> usize {
+        match (&proposal.confidence, &proposal.q) {
+            (Some(c), None) if self.confidence_driven() => self.cut(c).min(proposal.len()),
+            _ => proposal.len(),
+        }
+    }
+
     /// Feed the confidences of a verified draft and how many of its tokens were accepted.
     pub fn observe_confidence(&mut self, confidence: &[f32], accepted: usize) {
         self.calibration.update(confidence, accepted);

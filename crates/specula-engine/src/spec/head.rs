@@ -506,11 +506,7 @@ impl DraftVocab {
     /// [`DraftVocab::pick`] and the drafter's probability of the picked token
     /// ([`super::Proposal::confidence`]): the softmax of `row` (over the draft vocabulary) at
     /// the argmax when greedy, `q(token)` when sampling.
-    pub fn pick_with_confidence(
-        &self,
-        row: &[f32],
-        sampler: Option<&mut crate::sampling::Sampler>,
-    ) -> ConfidentPick {
+    pub fn pick_with_confidence(&self, row: &[f32], sampler: Option<&mut crate::sampling::Sampler>) -> ConfidentPick {
         match sampler {
             None => {
                 let i = crate::sampling::argmax(row) as usize;

@@ -108,7 +108,8 @@ pub struct Proposal {
     /// drafter without a distribution (n-gram lookup). The draft-length controller learns how
     /// it maps to acceptance ([`controller::DraftLength::calibrated`]) and cuts drafts by it
     /// (EAGLE-2, Li et al. 2024, §4: draft confidence approximates acceptance); it never changes
-    /// what is committed.
+    /// what is committed. A sampled draft token's own confidence never decides whether it is
+    /// verified (that would bias rejection sampling): only the confidences before it do.
     pub confidence: Option<Vec<f32>>,
 }
 
