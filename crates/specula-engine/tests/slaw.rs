@@ -436,7 +436,7 @@ fn one_draft_law(p: &Dist, q: &Dist, keep: &dyn Fn(u32, f32) -> bool) -> [f64; 2
         loop {
             e.pos = 0;
             e.weight = 1.0;
-            let (accepted, next) = accept_sampled(&[d], Some(&[q.clone()]), &mut |_| p.clone(), &mut e);
+            let (accepted, next) = accept_sampled(&[d], Some(std::slice::from_ref(q)), &mut |_| p.clone(), &mut e);
             // The committed token at this position: the draft, or the residual draw.
             let t = if accepted == 1 { d } else { next };
             law[t as usize] += qd as f64 * e.weight;
