@@ -323,8 +323,11 @@ fn trimmed_drafts_in_a_batch_still_equal_ar() {
         let out = e.retire(s, true);
         assert_eq!(out.token_ids, solo[i], "stream {i} ({:?})", reqs[i].spec);
         let sp = &out.stats.spec;
+        // A fixed-k stream verifies what is left after every trim; an adaptive one may also
+        // pause drafting when its timings (noisy on a loaded machine) say drafts do not pay.
+        let verified = sp.drafted > 0 || reqs[i].spec.adaptive;
         assert!(
-            sp.drafted > 0 && sp.trimmed > 0,
+            verified && sp.trimmed > 0,
             "stream {i}: drafted {} trimmed {}",
             sp.drafted,
             sp.trimmed
