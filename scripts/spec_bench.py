@@ -11,7 +11,8 @@ gain they predict, tau / (verify_cost + k_mean * draft_cost).
 Configurations are MODE:K[:fixed][@BINARY], MODE one of ngram, draft, mtp, block, on (adaptive
 unless :fixed); mtp and block take the drafter from --mtp / --block. A configuration ending in
 @BINARY runs that binary instead of --binary (for an old build side by side with a new one; both
-are compared with the same AR run of --binary).
+are compared with the same AR run of --binary); one ending in +DRAFTER (after any @BINARY) uses
+that MTP head or block drafter instead of --mtp / --block (two heads side by side).
 
     python3 scripts/spec_bench.py --model smollm2-135m-instruct --kinds easy_code,long_context \\
         --configs ngram:4,ngram:8,ngram:8:fixed
@@ -30,7 +31,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run(a, prompt, max_tokens, mode, k, fixed, binary=None):
+def run(a, prompt, max_tokens, mode, k, fixed, binary=None, drafter=None):
     cmd = [binary or a.binary, "generate", "--model", a.model, "--chat", "--prompt", prompt, "--max-tokens", str(max_tokens),
            "--temperature", "0", "--json", "--spec", mode, "--draft-max", str(k)]
     if fixed:
@@ -41,9 +42,11 @@ def run(a, prompt, max_tokens, mode, k, fixed, binary=None):
         cmd += ["--draft-vocab", a.draft_vocab]
         if a.draft_vocab_size:
             cmd += ["--draft-vocab-size", str(a.draft_vocab_size)]
-    if mode == "mtp" and a.mtp:
+    if drafter and mode in ("mtp", "block"):
+        cmd += ["--drafter", drafter]
+    elif mode == "mtp" and a.mtp:
         cmd += ["--drafter", a.mtp]
-    if mode == "block" and a.block:
+    elif mode == "block" and a.block:
         cmd += ["--drafter", a.block]
     if a.threads:
         cmd += ["--threads", str(a.threads)]
@@ -129,9 +132,11 @@ def main():
         kinds = ["prose", "qa", "code", "easy_code", "json", "long_context"]
     configs = []
     for c in a.configs.split(","):
-        spec, _, binary = c.partition("@")
+        c_head, _, drafter = c.partition("+")
+        spec, _, binary = c_head.partition("@")
         parts = spec.split(":")
-        configs.append((c, parts[0], int(parts[1]), len(parts) > 2 and parts[2] == "fixed", binary or None))
+        configs.append((c, parts[0], int(parts[1]), len(parts) > 2 and parts[2] == "fixed", binary or None,
+                        drafter or None))
     prompts = [json.loads(line) for line in open(ROOT / "tests/fixtures/prompts.jsonl")]
     aggs = {}
     for p in prompts:
@@ -140,8 +145,8 @@ def main():
         text = p["messages"][-1]["content"]
         ar = run(a, text, p["max_tokens"], "off", 1, False)
         row = [p["id"], p["kind"], f"AR {decode_rate(ar):6.1f} tok/s"]
-        for name, mode, k, fixed, binary in configs:
-            sp = run(a, text, p["max_tokens"], mode, k, fixed, binary)
+        for name, mode, k, fixed, binary, drafter in configs:
+            sp = run(a, text, p["max_tokens"], mode, k, fixed, binary, drafter)
             if sp["text"] != ar["text"]:
                 sys.exit(f"{p['id']}: speculative output differs from AR ({name})")
             s = sp["speculative"]
