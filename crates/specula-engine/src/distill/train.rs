@@ -44,6 +44,8 @@ pub struct TrainReport {
     #[serde(default)]
     pub held_out_answer_rows: usize,
     pub train_rows: usize,
+    /// Wall seconds of training (the teacher pass excluded), summed over every run that
+    /// resumed the checkpoint.
     pub seconds: f64,
     pub finished: bool,
 }
@@ -204,6 +206,10 @@ struct CheckpointMeta {
     /// Options and data that must match for a resume.
     key: serde_json::Value,
     loss_history: Vec<(usize, f64)>,
+    /// Training seconds up to this checkpoint, over every run that resumed it (absent in
+    /// checkpoints written before it was kept).
+    #[serde(default)]
+    seconds: f64,
 }
 
 fn checkpoint_dir(out: &Path) -> PathBuf {
@@ -354,6 +360,7 @@ pub fn train(
     let ck = checkpoint_dir(&opts.out);
     let mut step = 0;
     let mut loss_history = Vec::new();
+    let mut seconds_before = 0.0;
     let mut moments: Option<NamedTensors> = None;
     let weights: HashMap<String, Tensor> = if ck.join("state.json").exists() && !opts.restart {
         let meta: CheckpointMeta = serde_json::from_str(&std::fs::read_to_string(ck.join("state.json"))?)
@@ -371,6 +378,7 @@ pub fn train(
         spec.build(&t, target)?;
         step = meta.step;
         loss_history = meta.loss_history;
+        seconds_before = meta.seconds;
         progress(Progress::Note(format!(
             "resuming from the checkpoint at step {step} of {total_steps}"
         )));
@@ -625,6 +633,7 @@ pub fn train(
                 step,
                 key: key.clone(),
                 loss_history: loss_history.clone(),
+                seconds: seconds_before + started.elapsed().as_secs_f64(),
             };
             save_checkpoint(&opts.out, &params, vocab_ids.as_deref(), &meta)?;
         }
@@ -661,7 +670,7 @@ pub fn train(
         held_out_top1_answers: answer_rows.rate(),
         held_out_answer_rows: answer_rows.total,
         train_rows: train_w.iter().map(|w| w.len).sum(),
-        seconds: started.elapsed().as_secs_f64(),
+        seconds: seconds_before + started.elapsed().as_secs_f64(),
         finished,
     };
     if finished {

@@ -212,15 +212,33 @@ impl BatchCost {
             .rev()
             .find_map(|r| self.measured(r).map(|t| (r, t)));
         Some(match below {
-            Some((r, t)) => t + b * (rows - r) as f64,
+            Some((r, t)) => t + self.slope_past(r, b) * (rows - r) as f64,
             None => a + b * rows as f64,
         })
+    }
+
+    /// Seconds per row past the measured row count `rows`: the fit's slope `b`, or the measured
+    /// curve's own slope from a quarter of the way below (the secant to the nearest measured
+    /// count at most `3·rows/4`) where that is steeper. Past a few dozen rows on two cores the
+    /// curve bends up (plain decoding of the Qwen 0.5B ran 368 tok/s at 32 rows and 328-380 at
+    /// 64): there the fit's average slope, mostly from smaller batches, underprices a row, while
+    /// plain decoding's token is priced by the measured `T(rows)/rows`, so drafts at 88%
+    /// acceptance looked worth a row and lowered the aggregate (`docs/perf.md`, session 24).
+    fn slope_past(&self, rows: usize, b: f64) -> f64 {
+        let Some(t) = self.measured(rows) else {
+            return b;
+        };
+        (1..=rows * 3 / 4)
+            .rev()
+            .find_map(|r| self.measured(r).map(|u| (t - u) / (rows - r) as f64))
+            .map_or(b, |s| s.max(b))
     }
 
     /// The [`Load`] each of `sequences` sequences sharing a forward sees (None alone, or before
     /// the fit is determined: the controller then uses its own timings): plain decoding's
     /// seconds per token (the measured `sequences`-row forward, else the fit's), and per extra
-    /// row the fit's slope.
+    /// row the fit's slope, or the measured curve's where it is steeper there
+    /// ([`BatchCost::slope_past`]).
     ///
     /// The slope prices a row on average; the steps of the real curve (a row past a row-group
     /// boundary costs several rows' worth, the rows after it little) are shared by every
@@ -232,7 +250,7 @@ impl BatchCost {
         let (a, b) = self.last?;
         let n = sequences as f64;
         Some(Load {
-            row_s: b,
+            row_s: self.slope_past(sequences, b),
             token_s: self.measured(sequences).unwrap_or(a + b * n) / n,
         })
     }
@@ -808,6 +826,45 @@ mod tests {
         let mut drafts = vec![draft(0, 0.6); 8];
         drafts[5] = draft(2, 0.7);
         assert_eq!(draft_budget(8, 8, &drafts, &bc)[5], 2);
+    }
+
+    /// Plain decoding at 32 and 64 rows as the Qwen 0.5B ran it on two cores (368 and 330
+    /// tok/s: the curve bends up), the fit from prefill chunks of 256 and 512 rows at a lower
+    /// slope, and `t64` the 64-row forward's seconds.
+    fn bent_cost(t64: f64) -> BatchCost {
+        let mut bc = BatchCost::default();
+        for _ in 0..4 {
+            bc.observe(256, 0.400);
+            bc.observe(512, 0.760);
+        }
+        for _ in 0..MEASURED_MIN {
+            bc.observe(32, 32.0 / 368.0);
+            bc.observe(64, t64);
+        }
+        bc
+    }
+
+    #[test]
+    fn rows_past_a_bent_curve_cost_its_own_slope() {
+        let bc = bent_cost(64.0 / 330.0);
+        let (_, b) = bc.fit().unwrap();
+        let token_s = 64.0 / 330.0 / 64.0;
+        let secant = (64.0 / 330.0 - 32.0 / 368.0) / 32.0;
+        // The premise: priced at the fit's slope, a draft accepted 88% of the time looked
+        // worth its row (0.88 tokens at 3.03 ms a token against 1.34 ms a row) ...
+        assert!(0.88 * token_s > b && secant > token_s, "{b} {token_s} {secant}");
+        // ... but the measured curve's 65th row costs 3.35 ms, more than plain decoding's
+        // token: nothing drafted at 64 streams pays, and the sequences see that slope.
+        assert!((bc.time(65).unwrap() - (64.0 / 330.0 + secant)).abs() < 1e-12);
+        assert!((bc.load(64).unwrap().row_s - secant).abs() < 1e-12);
+        let mut drafts = vec![draft(0, 0.5); 64];
+        drafts[..8].fill(draft(2, 0.88));
+        assert_eq!(draft_budget(64, 64, &drafts, &bc)[..9], [0; 9]);
+        // Where the curve does not bend (64 rows in 1.5× the time of 32: 1.36 ms a row past
+        // 64 against 2.04 ms a token), the same drafts are kept.
+        let bc = bent_cost(1.5 * 32.0 / 368.0);
+        assert!(bc.load(64).unwrap().row_s < 0.0018);
+        assert_eq!(draft_budget(64, 64, &drafts, &bc)[..9], [2, 2, 2, 2, 2, 2, 2, 2, 0]);
     }
 
     #[test]
