@@ -218,10 +218,9 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
     assert!(!r1.finished && r1.steps_done == 12);
     assert!(!parts.join("model.safetensors").exists());
     // The checkpoint keeps the training seconds so far, and the resumed run's record adds its own.
-    let state: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(parts.join("checkpoint/state.json")).expect("checkpoint state"),
-    )
-    .expect("state.json");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(parts.join("checkpoint/state.json")).expect("checkpoint state"))
+            .expect("state.json");
     let before = state["seconds"].as_f64().expect("seconds in the checkpoint");
     assert!(before > 0.0 && before <= r1.seconds, "{before} {}", r1.seconds);
     o.stop_after = None;
