@@ -609,6 +609,19 @@ impl Sequence {
         // Verify the prefix the drafter's confidences say pays (greedy drafts only; the rest
         // is trimmed).
         let keep = self.k_ctl.verified_prefix(&proposal);
+        if tracing::enabled!(tracing::Level::TRACE) {
+            tracing::trace!(
+                position = self.kv.len(),
+                k,
+                proposed = proposal.len(),
+                verified = keep,
+                confidence = ?proposal.confidence,
+                alphas = ?self.k_ctl.alphas(k.max(1)),
+                verify_2_rows = self.k_ctl.relative_forward_cost(2),
+                draft_cost = self.k_ctl.relative_draft_cost(),
+                "draft step"
+            );
+        }
         self.stats.spec.trimmed += proposal.len() - keep;
         proposal.truncate(keep);
         if let Some(c) = self.constraint.as_mut() {

@@ -49,6 +49,8 @@ const TIME_ALPHA: f64 = 0.25;
 const PRIOR_ROW_SLOPE: f64 = 0.1;
 /// Drafting steps between two one-row (no draft) steps that re-measure the unit of every cost.
 const RECALIBRATE_EVERY: usize = 32;
+/// Target forwards after which a row count's timing is stale ([`DraftLength::timing_stale`]).
+const STALE_FORWARDS: usize = 16;
 
 /// Draft seconds per token, as a fraction of a plain decoding token's, above which a drafter
 /// whose draft the batch budget dropped backs off ([`DraftLength::note_trimmed`]).
@@ -344,6 +346,11 @@ pub struct DraftLength {
     tested: Vec<f64>,
     /// Moving average of the seconds of an r-row target forward, at index r - 1.
     forward_s: Vec<Option<f64>>,
+    /// The value of `forwards` when each `forward_s` entry was last fed by this request (None:
+    /// not yet; a warm start's entries are the prior's).
+    forward_fed: Vec<Option<usize>>,
+    /// Target forwards observed.
+    forwards: usize,
     /// Moving average of the drafter's seconds per proposed token.
     draft_token_s: Option<f64>,
     /// Decayed sums of the catch-up seconds probes paid and of the tokens drafted.
@@ -373,6 +380,8 @@ impl DraftLength {
             accepted: (0..max).map(|j| if j == 0 { 1.5 } else { 0.0 }).collect(),
             tested: (0..max).map(|j| if j == 0 { 2.0 } else { 0.0 }).collect(),
             forward_s: vec![None; max + 1],
+            forward_fed: vec![None; max + 1],
+            forwards: 0,
             draft_token_s: None,
             catch_up_s: 0.0,
             drafted: 0.0,
@@ -401,6 +410,8 @@ impl DraftLength {
         for (mine, theirs) in self.forward_s.iter_mut().zip(&prior.forward_s) {
             *mine = *theirs;
         }
+        // The prior's timings were taken at another context length: each is replaced by this
+        // request's first measurement of its row count (`observe_forward`).
         self.calibration = prior.calibration.clone();
         self.draft_token_s = prior.draft_token_s;
         self.catch_up_s = prior.catch_up_s;
@@ -583,6 +594,11 @@ impl DraftLength {
                 best = (m + 1, s);
             }
         }
+        // A cut to nothing on a stale 2-row timing would keep it stale: verify one token,
+        // which re-measures it (alone only: under load the batch's costs decide).
+        if best.0 == 0 && self.load.is_none() && self.timing_stale(2) && self.forward_s[0].is_some() {
+            return 1;
+        }
         best.0
     }
 
@@ -645,8 +661,10 @@ impl DraftLength {
         // Every cost is relative to a one-row forward, which a sequence that always drafts never
         // runs: measure one (a step without drafts) before the first decision on measured
         // multi-row costs, and again every RECALIBRATE_EVERY drafting steps.
-        let multi_row_measured = self.forward_s.iter().skip(1).any(Option::is_some);
-        if multi_row_measured && (self.forward_s[0].is_none() || self.since_one_row >= RECALIBRATE_EVERY) {
+        // A warm start's one-row timing is another request's, at another context length: it
+        // counts as unmeasured until this request measures it.
+        let multi_row_measured = self.forward_fed.iter().skip(1).any(Option::is_some);
+        if multi_row_measured && (self.forward_fed[0].is_none() || self.since_one_row >= RECALIBRATE_EVERY) {
             self.since_one_row = 0;
             return 0;
         }
@@ -718,13 +736,38 @@ impl DraftLength {
         }
     }
 
-    /// Feed the seconds of an r-row target forward.
+    /// Feed the seconds of an r-row target forward. A multi-row count whose estimate is stale
+    /// ([`DraftLength::timing_stale`]), or any count this request has not fed yet (a warm
+    /// start's), takes the new timing as it is; otherwise it is averaged in. The one-row
+    /// timing, the unit of every cost, is re-measured on a schedule (`RECALIBRATE_EVERY`) and
+    /// always averaged, so one noisy step does not move every relative cost at once.
     pub fn observe_forward(&mut self, rows: usize, seconds: f64) {
+        self.forwards += 1;
         if rows == 0 || rows > self.forward_s.len() {
             return;
         }
+        let replace = self.forward_fed[rows - 1].is_none() || (rows > 1 && self.timing_stale(rows));
         let e = &mut self.forward_s[rows - 1];
-        *e = Some(e.map_or(seconds, |m| m + TIME_ALPHA * (seconds - m)));
+        *e = Some(match *e {
+            Some(m) if !replace => m + TIME_ALPHA * (seconds - m),
+            _ => seconds,
+        });
+        self.forward_fed[rows - 1] = Some(self.forwards);
+    }
+
+    /// Whether the timing of an r-row forward is unknown or stale: not fed by this request, or
+    /// not in its last [`STALE_FORWARDS`] forwards. A forward's cost moves with the context
+    /// length (at 1,570 positions SmolLM2's one-row step costs twice a short prompt's), and a
+    /// row count the controller has stopped choosing is never re-measured: a 2-row timing taken
+    /// once, slow, right after a long prompt's prefill kept a 2-row verify at 1.3-1.8 one-row
+    /// steps in the controller's eyes (1.0-1.1 measured with k fixed), so it cut or paused
+    /// every draft on the long_context prompts (docs/perf.md, session 25).
+    pub fn timing_stale(&self, rows: usize) -> bool {
+        rows == 0
+            || self
+                .forward_fed
+                .get(rows - 1)
+                .is_none_or(|f| f.is_none_or(|f| self.forwards.saturating_sub(f) >= STALE_FORWARDS))
     }
 
     /// Feed the seconds the drafter took to propose `tokens` tokens, `catch_up` of which it spent
@@ -1045,6 +1088,53 @@ mod tests {
         let f = DraftLength::new(4, false);
         assert_eq!(f.cut(&[0.01, 0.01]), 2);
         assert!(f.go_on(&[0.01]));
+    }
+
+    #[test]
+    fn a_stale_verify_timing_is_measured_again() {
+        // Every r-row forward measured once: a 2-row verify at 1.8 one-row steps (taken slow,
+        // as right after a long prompt's prefill), a draft token at 0.05; first drafts of
+        // confidence 0.35 accepted 30% of the time.
+        let mut c = measured(4, 0.8, 0.05);
+        for i in 0..200 {
+            c.observe_confidence(&[0.35], usize::from(i % 10 < 3));
+        }
+        // Fresh: such a draft is not worth a 1.8-step verify.
+        assert!(!c.timing_stale(2));
+        assert_eq!(c.cut(&[0.35]), 0);
+        // STALE_FORWARDS one-row forwards later the 2-row timing is stale: one draft token is
+        // verified, which measures it again ...
+        for _ in 0..STALE_FORWARDS {
+            c.observe_forward(1, 0.01);
+        }
+        assert!(c.timing_stale(2) && !c.timing_stale(1));
+        assert_eq!(c.cut(&[0.35]), 1);
+        // ... and the new timing replaces the stale one (averaged, it would move a quarter of
+        // the way, to 1.61); at 1.05 steps the same draft pays.
+        c.observe_forward(2, 0.0105);
+        assert!((c.relative_forward_cost(2) - 1.05).abs() < 1e-9);
+        assert!(!c.timing_stale(2));
+        assert_eq!(c.cut(&[0.35]), 1);
+        // A fresh timing averages a new one in: one noisy step moves it a quarter of the way.
+        c.observe_forward(2, 0.0205);
+        assert!((c.relative_forward_cost(2) - 1.3).abs() < 1e-9);
+        // Under load the batch's costs decide: no exploring cut.
+        let mut l = c.clone();
+        for _ in 0..STALE_FORWARDS {
+            l.observe_forward(1, 0.01);
+        }
+        l.set_load(Some(Load {
+            row_s: 0.02,
+            token_s: 0.01,
+        }));
+        assert_eq!(l.cut(&[0.35]), 0);
+        // A warm start's timings (another request's, at another context length) are replaced
+        // by this request's first measurement of each row count.
+        let mut w = DraftLength::new(4, true);
+        w.warm_start(&c);
+        assert!((w.relative_forward_cost(2) - 1.3).abs() < 1e-9);
+        w.observe_forward(2, 0.012);
+        assert!((w.relative_forward_cost(2) - 1.2).abs() < 1e-9);
     }
 
     #[test]
