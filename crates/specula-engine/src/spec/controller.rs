@@ -746,7 +746,11 @@ impl DraftLength {
         if rows == 0 || rows > self.forward_s.len() {
             return;
         }
-        let replace = self.forward_fed[rows - 1].is_none() || (rows > 1 && self.timing_stale(rows));
+        let replace = if rows == 1 {
+            self.forward_fed[0].is_none()
+        } else {
+            self.timing_stale(rows)
+        };
         let e = &mut self.forward_s[rows - 1];
         *e = Some(match *e {
             Some(m) if !replace => m + TIME_ALPHA * (seconds - m),
@@ -763,11 +767,8 @@ impl DraftLength {
     /// steps in the controller's eyes (1.0-1.1 measured with k fixed), so it cut or paused
     /// every draft on the long_context prompts (docs/perf.md, session 25).
     pub fn timing_stale(&self, rows: usize) -> bool {
-        rows == 0
-            || self
-                .forward_fed
-                .get(rows - 1)
-                .is_none_or(|f| f.is_none_or(|f| self.forwards.saturating_sub(f) >= STALE_FORWARDS))
+        let fed = self.forward_fed.get(rows.wrapping_sub(1)).copied().flatten();
+        fed.is_none_or(|f| self.forwards.saturating_sub(f) >= STALE_FORWARDS)
     }
 
     /// Feed the seconds the drafter took to propose `tokens` tokens, `catch_up` of which it spent
