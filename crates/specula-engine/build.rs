@@ -1,4 +1,4 @@
-//! With the `cuda` feature: compile `src/cuda/kernels.cu` with nvcc into a fat binary (sm_90
+//! With the `cuda` (or `cuda-train`) feature: compile `src/cuda/kernels.cu` with nvcc into a fat binary (sm_90
 //! machine code plus compute_90 PTX) that `cuda::Gpu::open` loads at run time. Without the
 //! feature this does nothing. `SPECULA_CUDA_STUB=1`
 //! embeds no kernels (for checking the host code where there is no nvcc, as CI does).
@@ -8,7 +8,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+    if std::env::var_os("CARGO_FEATURE_CUDA_BACKEND").is_none() {
         return;
     }
     println!("cargo:rerun-if-changed=src/cuda/kernels.cu");

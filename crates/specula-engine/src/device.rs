@@ -71,6 +71,16 @@ pub trait DeviceTarget: Send {
     /// Errors: more than [`DeviceTarget::max_rows`] rows, `need` of another length, a slot,
     /// position or token out of range, a device failure.
     fn forward(&mut self, rows: &[DeviceRow], need: &[RowNeed]) -> Result<Vec<RowOut>>;
+
+    /// One forward over `rows` (as [`DeviceTarget::forward`], KV written the same way) that
+    /// returns every row's f32 logits `[rows, vocab]` and the last block's output, the hidden
+    /// state before the final norm (the `pre_norm` tap of [`Model::forward`]), f32
+    /// `[rows, hidden]`, both row-major. It is the teacher pass of `specula distill` on a
+    /// device. Errors: as `forward`, or a target without hidden-state output (the default).
+    fn forward_hidden(&mut self, rows: &[DeviceRow]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let _ = rows;
+        bail!("{}: this device target has no hidden-state output", self.device_name())
+    }
 }
 
 /// The KV slots of a [`DeviceTarget`]: which are free, and which tokens a free slot's KV still
@@ -395,23 +405,7 @@ impl DeviceTarget for CpuSlots {
         let mut i = 0;
         while i < rows.len() {
             // A run of consecutive positions of one slot.
-            let r0 = rows[i];
-            let mut j = i + 1;
-            while j < rows.len() && rows[j].slot == r0.slot && rows[j].pos == rows[j - 1].pos + 1 {
-                j += 1;
-            }
-            let Some(kv) = self.caches.get_mut(r0.slot as usize) else {
-                bail!("slot {} out of range ({} slots)", r0.slot, self.caches.len());
-            };
-            if r0.pos as usize > kv.len() {
-                bail!(
-                    "slot {}: position {} past the {} positions written",
-                    r0.slot,
-                    r0.pos,
-                    kv.len()
-                );
-            }
-            kv.truncate(r0.pos as usize);
+            let (kv, j) = run_of(&mut self.caches, rows, i)?;
             let tokens: Vec<u32> = rows[i..j].iter().map(|r| r.token).collect();
             let logits = self.model.forward(&tokens, kv, LogitsRows::All, &[])?.logits;
             let logits = logits.to_vec2::<f32>()?;
@@ -426,4 +420,48 @@ impl DeviceTarget for CpuSlots {
         }
         Ok(out)
     }
+
+    fn forward_hidden(&mut self, rows: &[DeviceRow]) -> Result<(Vec<f32>, Vec<f32>)> {
+        if rows.len() > self.max_rows {
+            bail!("cpu slots: {} rows, at most {}", rows.len(), self.max_rows);
+        }
+        let tap = self.model.config.num_layers - 1;
+        let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+        let mut i = 0;
+        while i < rows.len() {
+            let (kv, j) = run_of(&mut self.caches, rows, i)?;
+            let tokens: Vec<u32> = rows[i..j].iter().map(|r| r.token).collect();
+            let out = self.model.forward(&tokens, kv, LogitsRows::All, &[tap])?;
+            logits.extend(out.logits.flatten_all()?.to_vec1::<f32>()?);
+            for h in &out.hidden {
+                hidden.extend(h.flatten_all()?.to_vec1::<f32>()?);
+            }
+            i = j;
+        }
+        Ok((logits, hidden))
+    }
+}
+
+/// The run of consecutive positions of one slot that starts at `rows[i]`: that slot's cache,
+/// rolled back to the run's first position, and the end of the run.
+fn run_of<'a>(caches: &'a mut [KvCache], rows: &[DeviceRow], i: usize) -> Result<(&'a mut KvCache, usize)> {
+    let r0 = rows[i];
+    let mut j = i + 1;
+    while j < rows.len() && rows[j].slot == r0.slot && rows[j].pos == rows[j - 1].pos + 1 {
+        j += 1;
+    }
+    let slots = caches.len();
+    let Some(kv) = caches.get_mut(r0.slot as usize) else {
+        bail!("slot {} out of range ({slots} slots)", r0.slot);
+    };
+    if r0.pos as usize > kv.len() {
+        bail!(
+            "slot {}: position {} past the {} positions written",
+            r0.slot,
+            r0.pos,
+            kv.len()
+        );
+    }
+    kv.truncate(r0.pos as usize);
+    Ok((kv, j))
 }

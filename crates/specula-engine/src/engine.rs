@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use crate::bundle::{self, LoadedBundle};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::constraint::{Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningConstraint};
-use crate::device::{DeviceSegment, DeviceTarget, RowOut, SlotPool};
+use crate::device::{DeviceRow, DeviceSegment, DeviceTarget, RowOut, SlotPool};
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig, Segment};
 use crate::prefix_cache::PrefixCache;
@@ -85,6 +85,35 @@ struct DeviceState {
     name: String,
     max_ctx: usize,
     batch_invariant: bool,
+}
+
+/// [`Engine::device_forward_hidden`] on the attached device `d`.
+fn forward_hidden_in_slot(d: &DeviceState, tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>)> {
+    if tokens.len() > d.max_ctx {
+        anyhow::bail!("a {}-token sequence: a KV slot holds {}", tokens.len(), d.max_ctx);
+    }
+    // An empty prompt: the slot's held tokens are not reused, and forgotten.
+    let Some((lease, _)) = d.slots.lease(&[]) else {
+        anyhow::bail!("every KV slot of the device is held");
+    };
+    let mut target = d.target.lock().unwrap_or_else(|e| e.into_inner());
+    let step = target.max_rows().max(1);
+    let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+    for (c, chunk) in tokens.chunks(step).enumerate() {
+        let rows: Vec<DeviceRow> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| DeviceRow {
+                token,
+                slot: lease.slot(),
+                pos: (c * step + i) as u32,
+            })
+            .collect();
+        let (l, h) = target.forward_hidden(&rows)?;
+        logits.extend(l);
+        hidden.extend(h);
+    }
+    Ok((logits, hidden))
 }
 
 impl std::fmt::Debug for Engine {
@@ -191,6 +220,16 @@ impl Engine {
         }
         self.context_cap = Some(tokens);
         Ok(())
+    }
+
+    /// The attached device's logits `[n, vocab]` and last-block hidden states `[n, hidden]`
+    /// (f32, row-major; [`DeviceTarget::forward_hidden`]) over a whole sequence `tokens` at
+    /// positions `0..n`, fed in forwards of at most the device's row limit through a KV slot of
+    /// its own. `None` without a device. Errors: the sequence is longer than a slot, every slot
+    /// is held, or the device fails.
+    pub fn device_forward_hidden(&self, tokens: &[u32]) -> Option<Result<(Vec<f32>, Vec<f32>)>> {
+        let d = self.device.as_ref()?;
+        Some(forward_hidden_in_slot(d, tokens))
     }
 
     /// The attached device ([`Engine::attach_device`]) by name.

@@ -8,7 +8,7 @@ pub mod cache;
 pub mod catalog;
 pub mod chat;
 pub mod constraint;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 pub mod cuda;
 pub mod device;
 pub mod distill;

@@ -3,6 +3,7 @@
 //! targets; a head that does not fit its target is refused with the file and tensor named.
 
 use candle_core::quantized::GgmlDType;
+use specula_engine::device::CpuSlots;
 use specula_engine::model::Family;
 use specula_engine::spec::mtp::MtpLayout;
 use specula_engine::spec::{SpecMode, SpecOptions};
@@ -252,6 +253,67 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
         }
     }
     assert!(accepted > 0, "a trained head drafts tokens the target accepts");
+}
+
+/// `specula distill` on a target attached to a device: the answers are decoded there and the
+/// teacher pass reads the device's logits and last-block hidden states
+/// ([`specula_engine::device::DeviceTarget::forward_hidden`]). Through [`CpuSlots`] (the CPU
+/// model behind the device interface, 3 slots of at most 8 rows per forward) every stage must
+/// give the CPU path's bits: the same teacher tensors and the same head, byte for byte.
+#[test]
+fn distill_through_a_device_target_matches_the_cpu_path() {
+    let (dir, path, mut cpu) = tiny_with_path(Family::Llama);
+    let model = std::sync::Arc::new(
+        specula_engine::bundle::load(&path, &candle_core::Device::Cpu)
+            .expect("load")
+            .model,
+    );
+    let mut dev = Engine::load(&path, "tiny", LoadOptions::default()).expect("load");
+    dev.attach_device(Box::new(CpuSlots::new(model, 3, 8)))
+        .expect("attach device");
+    let (a, b) = (dir.path().join("cpu"), dir.path().join("dev"));
+    let ra = specula_engine::distill::run_mtp(&mut cpu, &path, None, &distill_opts(&a, 12), &mut |_| {}).expect("cpu");
+    let mut notes = Vec::new();
+    let rb = specula_engine::distill::run_mtp(&mut dev, &path, None, &distill_opts(&b, 12), &mut |p| {
+        if let specula_engine::distill::Progress::Note(n) = p {
+            notes.push(n)
+        }
+    })
+    .expect("device");
+    assert!(ra.finished && rb.finished);
+    assert!(notes.iter().all(|n| !n.contains("runs on the CPU")), "{notes:?}");
+    let read = |d: &std::path::Path| {
+        candle_core::safetensors::load(d.join("data/teacher.safetensors"), &candle_core::Device::Cpu).expect("teacher")
+    };
+    let (ta, tb) = (read(&a), read(&b));
+    for name in ["tokens", "offsets", "answer_from", "hidden", "label_ids", "label_p"] {
+        let bytes = |t: &std::collections::HashMap<String, candle_core::Tensor>| {
+            let t = &t[name];
+            (
+                t.dims().to_vec(),
+                t.flatten_all()
+                    .expect("flat")
+                    .to_dtype(candle_core::DType::F64)
+                    .expect("f64")
+                    .to_vec1::<f64>()
+                    .expect("vec"),
+            )
+        };
+        let (x, y) = (bytes(&ta), bytes(&tb));
+        let first = x.1.iter().zip(&y.1).position(|(p, q)| p.to_bits() != q.to_bits());
+        assert!(
+            x.0 == y.0 && first.is_none(),
+            "teacher tensor {name}: shapes {:?} {:?}, first difference at {first:?}",
+            x.0,
+            y.0
+        );
+    }
+    assert!(ta["tokens"].dim(0).expect("dim") > 100);
+    assert_eq!(
+        std::fs::read(a.join("model.safetensors")).expect("cpu head"),
+        std::fs::read(b.join("model.safetensors")).expect("device head"),
+        "the head trained on the device's teacher pass is the CPU path's"
+    );
 }
 
 /// Training refuses, before any step, a head to start from that does not fit the target.

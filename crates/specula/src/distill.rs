@@ -98,6 +98,27 @@ pub struct DistillArgs {
     hidden_source: Source,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Where the work runs: cpu, or cuda:N. On cuda:N the target's answers are generated on that
+    /// GPU (a build with `--features cuda`) and the head is trained there (candle's CUDA
+    /// backend: a build with `--features cuda-train`, docs/gpu.md); the teacher pass reads the
+    /// target's hidden states on the CPU.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+/// The candle device training runs on for `--device` (cpu or cuda:N). Errors: an unknown
+/// device name, or cuda:N in a build whose candle has no CUDA backend (`--features cuda-train`).
+fn train_device(device: &str) -> Result<candle_core::Device> {
+    if device == "cpu" {
+        return Ok(candle_core::Device::Cpu);
+    }
+    let ordinal = crate::cuda_ordinal(device)?;
+    if !candle_core::utils::cuda_is_available() {
+        bail!(
+            "training on {device} needs candle's CUDA backend: build with `cargo build --release --features cuda-train` (docs/gpu.md)"
+        );
+    }
+    candle_core::Device::new_cuda(ordinal).map_err(|e| anyhow::anyhow!("{device}: {e}"))
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
@@ -117,8 +138,15 @@ pub fn run(a: DistillArgs) -> Result<()> {
     if a.batch == 0 || a.seq_len < 2 {
         bail!("--batch must be at least 1 and --seq-len at least 2");
     }
+    // The training device first: a build that cannot train there fails before anything runs.
+    let device = train_device(&a.device)?;
+    if a.device != "cpu" {
+        crate::check_device(&a.device)?;
+    }
     let path = crate::pull::resolve_model(&a.target, true)?;
     let mut engine = crate::load(&a.target, None)?;
+    // Answers are generated in batches of up to 64 sequences, one KV slot each.
+    crate::attach_device(&mut engine, &a.device, Some(&path), 64)?;
     let opts = DistillOptions {
         out: a.out.clone(),
         data: a.data.clone(),
@@ -148,6 +176,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
         block_layers: a.block_layers,
         block_taps: a.target_layers.clone(),
         seed: a.seed,
+        device,
     };
     let mut bar: Option<ProgressBar> = None;
     // Without a terminal (a log file), a line per stage and every 15 s instead of a bar.
@@ -270,4 +299,20 @@ pub fn run(a: DistillArgs) -> Result<()> {
     }
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn training_devices_are_checked_before_anything_runs() {
+        assert!(matches!(train_device("cpu"), Ok(candle_core::Device::Cpu)));
+        let e = format!("{:#}", train_device("tpu:0").expect_err("unknown"));
+        assert!(e.contains("unknown device 'tpu:0'"), "{e}");
+        if !candle_core::utils::cuda_is_available() {
+            let e = format!("{:#}", train_device("cuda:0").expect_err("no CUDA in this build"));
+            assert!(e.contains("--features cuda-train"), "{e}");
+        }
+    }
 }

@@ -1106,16 +1106,16 @@ fn check_device(device: &str) -> Result<()> {
         return Ok(());
     }
     let ordinal = cuda_ordinal(device)?;
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-backend")]
     {
         let _ = ordinal;
         specula_engine::cuda::check_available()
     }
-    #[cfg(not(feature = "cuda"))]
+    #[cfg(not(feature = "cuda-backend"))]
     bail!("this specula was built without CUDA: build with `cargo build --release --features cuda` (docs/gpu.md) for --device cuda:{ordinal}")
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 fn attach_cuda(engine: &mut Engine, ordinal: usize, path: &std::path::Path, slots: usize) -> Result<()> {
     let t = std::time::Instant::now();
     let m = specula_engine::cuda::load::engine_target(ordinal, path, engine.config(), slots, engine.context_length())
@@ -1132,12 +1132,12 @@ fn attach_cuda(engine: &mut Engine, ordinal: usize, path: &std::path::Path, slot
     engine.attach_device(Box::new(m))
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-backend"))]
 fn attach_cuda(_: &mut Engine, ordinal: usize, _: &std::path::Path, _: usize) -> Result<()> {
     check_device(&format!("cuda:{ordinal}"))
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 fn bench_gpu(a: &BenchArgs) -> Result<()> {
     use specula_engine::cuda::{bench, load};
     let ordinal = cuda_ordinal(&a.device)?;
@@ -1178,7 +1178,7 @@ fn bench_gpu(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "cuda-backend"))]
 fn bench_gpu(a: &BenchArgs) -> Result<()> {
     cuda_ordinal(&a.device)?;
     bail!(

@@ -55,6 +55,8 @@ pub fn check_available() -> Result<()> {
     if FATBIN.is_empty() {
         bail!("this specula was built with SPECULA_CUDA_STUB=1: it has no GPU kernels (docs/gpu.md)");
     }
+    // A `cuda-train` build links the driver library: it would not have started without it.
+    #[cfg(feature = "cuda")]
     if !unsafe { sys::is_culib_present() } {
         bail!("no CUDA driver library (libcuda.so) found: is there an NVIDIA GPU and driver on this machine, and is its library folder on LD_LIBRARY_PATH? (docs/gpu.md)");
     }
@@ -1911,7 +1913,38 @@ impl crate::device::DeviceTarget for GpuModel {
 
     fn forward(&mut self, rows: &[crate::device::DeviceRow], want: &[RowNeed]) -> Result<Vec<RowOut>> {
         self.gpu.bind()?;
-        // Rows of a slot come in position order, each at most one past what the slot holds.
+        let (rows, written) = self.device_rows(rows)?;
+        let out = self.forward_select(&rows, want)?;
+        self.written = written;
+        Ok(out)
+    }
+
+    fn forward_hidden(&mut self, rows: &[crate::device::DeviceRow]) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.gpu.bind()?;
+        let (rows, written) = self.device_rows(rows)?;
+        self.check_rows(&rows)?;
+        let n = rows.len();
+        self.write_io(&rows)?;
+        let distinct = distinct_slots(&rows);
+        if self.use_graphs && n <= GRAPH_MAX_ROWS {
+            self.launch_graph(n, distinct)?;
+        } else {
+            self.enqueue(n, LogitsRows::All, distinct)?;
+        }
+        // The residual stream `x` holds the last block's output: the final norm writes `xn`.
+        let mut logits = vec![0f32; n * self.config.vocab];
+        self.gpu.download(&mut logits, self.s.logits.at(0))?;
+        let mut hidden = vec![0f32; n * self.config.hidden];
+        self.gpu.download(&mut hidden, self.s.x.at(0))?;
+        self.written = written;
+        Ok((logits, hidden))
+    }
+}
+
+impl GpuModel {
+    /// Device rows as the forward's rows, and what each slot holds after them. Rows of a slot
+    /// come in position order, each at most one past what the slot holds (errors otherwise).
+    fn device_rows(&self, rows: &[crate::device::DeviceRow]) -> Result<(Vec<Row>, Vec<u32>)> {
         let mut written = self.written.clone();
         for r in rows {
             let Some(w) = written.get_mut(r.slot as usize) else {
@@ -1930,8 +1963,6 @@ impl crate::device::DeviceTarget for GpuModel {
                 pos: r.pos,
             })
             .collect();
-        let out = self.forward_select(&rows, want)?;
-        self.written = written;
-        Ok(out)
+        Ok((rows, written))
     }
 }

@@ -430,8 +430,13 @@ pub fn generate_answers(
     let mut queue = (0..n).rev().collect::<Vec<_>>();
     let mut active: Vec<crate::sequence::Sequence> = Vec::new();
     let mut out = Sequences::default();
+    // The built-in prompt index of each active sequence, and the finished ones (in prompt
+    // order at the end, whatever order they finish in).
+    let mut prompt_of: Vec<usize> = Vec::new();
+    let mut done_seqs: Vec<(usize, usize, Vec<u32>)> = Vec::new();
     let mut done = 0u64;
-    let batch = 16;
+    // Sequences decoded together: 16 on the CPU, a device's KV slots (up to 64) on a device.
+    let batch = engine.device_slots().map_or(16, |s| s.slots().clamp(1, 64));
     while !queue.is_empty() || !active.is_empty() {
         while active.len() < batch {
             let Some(i) = queue.pop() else { break };
@@ -449,6 +454,7 @@ pub fn generate_answers(
                 spec: SpecOptions::default(),
             };
             active.push(engine.start_sequence(&req, None).map_err(|e| anyhow::anyhow!("{e}"))?);
+            prompt_of.push(i);
         }
         let results = {
             let mut refs: Vec<&mut crate::sequence::Sequence> = active.iter_mut().collect();
@@ -463,11 +469,12 @@ pub fn generate_answers(
         while i < active.len() {
             if active[i].finished().is_some() {
                 let seq = active.swap_remove(i);
+                let (p, seq) = (prompt_of.swap_remove(i), seq);
                 let mut tokens = seq.request().prompt_tokens.clone();
                 let o = engine.retire(seq, true);
-                out.answer_starts.push(tokens.len());
+                let start = tokens.len();
                 tokens.extend_from_slice(&o.token_ids);
-                out.sequences.push(tokens);
+                done_seqs.push((p, start, tokens));
                 done += 1;
                 progress(Progress::Advance {
                     done,
@@ -478,6 +485,11 @@ pub fn generate_answers(
                 i += 1;
             }
         }
+    }
+    done_seqs.sort_by_key(|d| d.0);
+    for (_, start, tokens) in done_seqs {
+        out.answer_starts.push(start);
+        out.sequences.push(tokens);
     }
     out.sources.push(format!(
         "greedy answers of the target to {n} built-in prompts (at most {answer_tokens} tokens each): {} tokens with prompts",

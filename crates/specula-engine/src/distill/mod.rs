@@ -75,6 +75,10 @@ pub struct DistillOptions {
     pub block_layers: usize,
     pub block_taps: Option<Vec<usize>>,
     pub seed: u64,
+    /// Where training runs (candle autograd): the CPU, or a CUDA GPU in a build with
+    /// `--features cuda-train` (`candle_core::Device::new_cuda`). The data and teacher
+    /// stages run on the engine's own devices; checkpoints and the head are written from the host.
+    pub device: candle_core::Device,
 }
 
 impl Default for DistillOptions {
@@ -105,6 +109,7 @@ impl Default for DistillOptions {
             block_layers: 1,
             block_taps: None,
             seed: 0,
+            device: candle_core::Device::Cpu,
         }
     }
 }
@@ -244,7 +249,7 @@ pub fn run(
     std::fs::create_dir_all(&opts.out)?;
     let seqs = data::sequences(engine, opts, progress)?;
     let teacher = teacher::teacher(
-        engine.model(),
+        engine,
         &seqs,
         &taps,
         opts.top_k.max(1),

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::data::Sequences;
 use super::Progress;
-use crate::model::{LogitsRows, Model};
+use crate::model::LogitsRows;
 
 /// Teacher outputs for every position of every sequence.
 #[derive(Debug, Clone)]
@@ -68,12 +68,16 @@ pub fn top_probs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
-fn fingerprint(seqs: &Sequences, taps: &[usize], top_k: usize) -> u64 {
+fn fingerprint(seqs: &Sequences, taps: &[usize], top_k: usize, on_device: bool) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |x: u64| {
         h ^= x;
         h = h.wrapping_mul(0x100_0000_01b3);
     };
+    // A device's pass (other kernels, bf16 weights) is another teacher than the CPU model's.
+    if on_device {
+        eat(0xd3_71ce);
+    }
     if let [one] = taps {
         eat(*one as u64);
     } else {
@@ -94,15 +98,27 @@ fn fingerprint(seqs: &Sequences, taps: &[usize], top_k: usize) -> u64 {
 
 /// Run the target over `seqs` (or read the cache in `dir`), keeping the hidden states at `taps`
 /// and the top `top_k` next-token probabilities of every position.
+///
+/// On the engine's attached device ([`crate::Engine::device_forward_hidden`]) when it has one
+/// and `taps` is the last block's output alone (an MTP head's `pre_norm` source); else on the
+/// CPU model. Errors: the device or the model fails, or the cache cannot be written.
 pub fn teacher(
-    model: &Model,
+    engine: &crate::Engine,
     seqs: &Sequences,
     taps: &[usize],
     top_k: usize,
     dir: &Path,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Teacher> {
-    let key = fingerprint(seqs, taps, top_k);
+    let model = engine.model();
+    let last = model.config().num_layers - 1;
+    let on_device = engine.device_name().is_some() && taps == [last];
+    if let (Some(d), false) = (engine.device_name(), on_device) {
+        progress(Progress::Note(format!(
+            "the teacher pass runs on the CPU: {d} returns only the last block's hidden state, and these taps are {taps:?}"
+        )));
+    }
+    let key = fingerprint(seqs, taps, top_k, on_device);
     let path = dir.join("teacher.safetensors");
     if let Some(t) = read_cache(&path, key)? {
         progress(Progress::Note(format!(
@@ -114,6 +130,7 @@ pub fn teacher(
     }
     let h = model.config().hidden_size;
     let ctx = model.config().context_length;
+    let vocab = model.config().vocab_size;
     let mut t = Teacher {
         hidden_size: h,
         top_k,
@@ -132,18 +149,29 @@ pub fn teacher(
     let started = std::time::Instant::now();
     for (si, seq) in seqs.sequences.iter().enumerate() {
         let seq = &seq[..seq.len().min(ctx)];
-        let mut kv = model.new_kv_cache();
-        for chunk in seq.chunks(256) {
-            let out = model.forward(chunk, &mut kv, LogitsRows::All, taps)?;
-            let logits = out.logits.to_vec2::<f32>()?;
-            let hid = Tensor::cat(&out.hidden, 1)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut push = |logits: &[f32], hid: &[f32]| {
             t.hidden.extend(hid.iter().map(|&x| f16::from_f32(x)));
-            let labels: Vec<Vec<(u32, f32)>> = logits.par_iter().map(|row| top_probs(row, top_k)).collect();
+            let labels: Vec<Vec<(u32, f32)>> = logits.par_chunks(vocab).map(|row| top_probs(row, top_k)).collect();
             for l in labels {
                 for i in 0..top_k {
                     let (id, p) = l.get(i).copied().unwrap_or((0, 0.0));
                     t.label_ids.push(id);
                     t.label_p.push(f16::from_f32(p));
+                }
+            }
+        };
+        match on_device.then(|| engine.device_forward_hidden(seq)).flatten() {
+            Some(out) => {
+                let (logits, hid) = out?;
+                push(&logits, &hid);
+            }
+            None => {
+                let mut kv = model.new_kv_cache();
+                for chunk in seq.chunks(256) {
+                    let out = model.forward(chunk, &mut kv, LogitsRows::All, taps)?;
+                    let logits = out.logits.flatten_all()?.to_vec1::<f32>()?;
+                    let hid = Tensor::cat(&out.hidden, 1)?.flatten_all()?.to_vec1::<f32>()?;
+                    push(&logits, &hid);
                 }
             }
         }

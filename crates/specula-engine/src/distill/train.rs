@@ -220,10 +220,11 @@ fn save_checkpoint(out: &Path, params: &[Param], vocab: Option<&[u32]>, meta: &C
     let dir = checkpoint_dir(out);
     std::fs::create_dir_all(&dir)?;
     let mut map: HashMap<String, Tensor> = HashMap::new();
+    let host = |t: &Tensor| t.to_device(&Device::Cpu);
     for p in params {
-        map.insert(p.name.clone(), p.var.as_tensor().clone());
-        map.insert(format!("adam_m.{}", p.name), p.m.clone());
-        map.insert(format!("adam_v.{}", p.name), p.v.clone());
+        map.insert(p.name.clone(), host(p.var.as_tensor())?);
+        map.insert(format!("adam_m.{}", p.name), host(&p.m)?);
+        map.insert(format!("adam_v.{}", p.name), host(&p.v)?);
     }
     if let Some(ids) = vocab {
         map.insert("draft_vocab".into(), DraftVocab::ids_tensor(ids)?);
@@ -303,7 +304,7 @@ pub fn train(
     opts: &DistillOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<TrainReport> {
-    let dev = Device::Cpu;
+    let dev = opts.device.clone();
     let c = target.config();
     let h = c.hidden_size;
     if teacher.hidden_size != h {
@@ -449,11 +450,13 @@ pub fn train(
     let mut params = Vec::with_capacity(names.len());
     let mut var_map = HashMap::new();
     for name in names {
-        let t = weights[&name].to_dtype(DType::F32)?.contiguous()?;
+        let t = weights[&name].to_dtype(DType::F32)?.to_device(&dev)?.contiguous()?;
         let (m, v) = match &moments {
             Some(ck) => (
-                ck.get(&format!("adam_m.{name}"), t.dims(), "an Adam moment")?,
-                ck.get(&format!("adam_v.{name}"), t.dims(), "an Adam moment")?,
+                ck.get(&format!("adam_m.{name}"), t.dims(), "an Adam moment")?
+                    .to_device(&dev)?,
+                ck.get(&format!("adam_v.{name}"), t.dims(), "an Adam moment")?
+                    .to_device(&dev)?,
             ),
             None => (t.zeros_like()?, t.zeros_like()?),
         };
@@ -474,7 +477,8 @@ pub fn train(
         },
         target,
     )?;
-    let vocab = DraftVocab::from_target(target, vocab_ids.clone())?;
+    let mut vocab = DraftVocab::from_target(target, vocab_ids.clone())?;
+    vocab.rows = vocab.rows.to_device(&dev)?;
     let vrows = vocab.rows.dim(0)?;
     // Full id → draft row.
     let mut to_row = vec![u32::MAX; c.vocab_size];
@@ -529,7 +533,8 @@ pub fn train(
             .collect();
         let (loss, rows) = match (&head, spec) {
             (Built::Mtp(head), _) => {
-                let (emb, hid, labels, n_rows) = batch_tensors(teacher, &ws, opts.seq_len, embedding, &to_row, vrows)?;
+                let (emb, hid, labels, n_rows) =
+                    batch_tensors(teacher, &ws, opts.seq_len, embedding, &to_row, vrows, &dev)?;
                 let (out, k1, v1) = head.forward(&emb, &hid, 0, None)?;
                 let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
                 let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
@@ -540,7 +545,7 @@ pub fn train(
                     // position j + 1, and sees the first step's rows up to j and itself, as a
                     // chained step sees the committed rows and itself when drafting.
                     let tl = emb.dim(1)?;
-                    let (emb2, labels2, n2) = chain_tensors(teacher, &ws, tl, embedding, &to_row, vrows)?;
+                    let (emb2, labels2, n2) = chain_tensors(teacher, &ws, tl, embedding, &to_row, vrows, &dev)?;
                     let mut bias = vec![-1e9f32; tl * 2 * tl];
                     for i in 0..tl {
                         for j in 0..=i {
@@ -577,6 +582,7 @@ pub fn train(
                     embedding,
                     &to_row,
                     vrows,
+                    &dev,
                 )?;
                 let logp = block_logp(bw, &vocab, &bb)?;
                 let loss = ((bb.labels * logp)?.sum_all()? * (-1.0 / bb.rows.max(1) as f64))?;
@@ -720,8 +726,8 @@ fn batch_tensors(
     embedding: &crate::model::Embedding,
     to_row: &[u32],
     vrows: usize,
+    dev: &Device,
 ) -> Result<(Tensor, Tensor, Tensor, usize)> {
-    let dev = Device::Cpu;
     let longest = ws.iter().map(|w| w.len).max().unwrap_or(1);
     let (b, tl, h) = (ws.len(), longest.min(seq_len.max(1)), t.width());
     let mut ids = vec![0u32; b * tl];
@@ -746,13 +752,19 @@ fn batch_tensors(
             }
         }
     }
-    let emb = embedding.forward(&ids, &dev)?.reshape((b, tl, t.hidden_size))?;
+    let emb = embed(embedding, &ids, dev)?.reshape((b, tl, t.hidden_size))?;
     Ok((
         emb,
-        Tensor::from_vec(hid, (b, tl, h), &dev)?,
-        Tensor::from_vec(lab, (b, tl, vrows), &dev)?,
+        Tensor::from_vec(hid, (b, tl, h), dev)?,
+        Tensor::from_vec(lab, (b, tl, vrows), dev)?,
         n,
     ))
+}
+
+/// The target's embeddings of `ids` `[n, hidden]` on `dev` (looked up on the host: the target's
+/// embedding table lives there, quantized or not).
+fn embed(embedding: &crate::model::Embedding, ids: &[u32], dev: &Device) -> Result<Tensor> {
+    Ok(embedding.forward(ids, &Device::Cpu)?.to_device(dev)?)
 }
 
 /// Add the teacher's soft labels after position `l` (its top entries inside the draft
@@ -779,8 +791,8 @@ fn chain_tensors(
     embedding: &crate::model::Embedding,
     to_row: &[u32],
     vrows: usize,
+    dev: &Device,
 ) -> Result<(Tensor, Tensor, usize)> {
-    let dev = Device::Cpu;
     let b = ws.len();
     let mut ids = vec![0u32; b * tl];
     let mut lab = vec![0f32; b * tl * vrows];
@@ -797,8 +809,8 @@ fn chain_tensors(
         }
     }
     Ok((
-        embedding.forward(&ids, &dev)?.reshape((b, tl, t.hidden_size))?,
-        Tensor::from_vec(lab, (b, tl, vrows), &dev)?,
+        embed(embedding, &ids, dev)?.reshape((b, tl, t.hidden_size))?,
+        Tensor::from_vec(lab, (b, tl, vrows), dev)?,
         n,
     ))
 }
@@ -836,7 +848,15 @@ fn evaluate(
 ) -> Result<(Agreement, Agreement)> {
     let (mut all, mut answers) = (Agreement::default(), Agreement::default());
     for chunk in ws.chunks(4) {
-        let (emb, hid, _, _) = batch_tensors(t, chunk, seq_len, embedding, to_row, vocab.rows.dim(0)?)?;
+        let (emb, hid, _, _) = batch_tensors(
+            t,
+            chunk,
+            seq_len,
+            embedding,
+            to_row,
+            vocab.rows.dim(0)?,
+            vocab.rows.device(),
+        )?;
         let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
         let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
         let best = logits.argmax(D::Minus1)?.to_vec2::<u32>()?;
@@ -868,7 +888,7 @@ fn write_head(
     let c = target.config();
     let mut map: HashMap<String, Tensor> = HashMap::new();
     for (k, v) in head.tensors(c.num_layers) {
-        map.insert(k, v.detach().to_dtype(DType::F16)?);
+        map.insert(k, v.detach().to_dtype(DType::F16)?.to_device(&Device::Cpu)?);
     }
     if let Some(ids) = vocab {
         map.insert("draft_vocab".into(), DraftVocab::ids_tensor(ids)?);
@@ -957,8 +977,8 @@ fn block_batch(
     embedding: &crate::model::Embedding,
     to_row: &[u32],
     vrows: usize,
+    dev: &Device,
 ) -> Result<BlockBatch> {
-    let dev = Device::Cpu;
     let longest = ws.iter().map(|w| w.len).max().unwrap_or(1).min(seq_len.max(1));
     let (b, tl, wd, k) = (ws.len(), longest, t.width(), t.top_k);
     let stride = (bs / 2).max(1);
@@ -1021,13 +1041,13 @@ fn block_batch(
             }
         }
     }
-    let x = embedding.forward(&ids, &dev)?.reshape((b, r_all, t.hidden_size))?;
+    let x = embed(embedding, &ids, dev)?.reshape((b, r_all, t.hidden_size))?;
     Ok(BlockBatch {
-        ctx: Tensor::from_vec(ctx, (b, tl, wd), &dev)?,
+        ctx: Tensor::from_vec(ctx, (b, tl, wd), dev)?,
         x,
         positions,
-        bias: Tensor::from_vec(bias, (r_all, tl + r_all), &dev)?,
-        labels: Tensor::from_vec(lab, (b, r_all, vrows), &dev)?,
+        bias: Tensor::from_vec(bias, (r_all, tl + r_all), dev)?,
+        labels: Tensor::from_vec(lab, (b, r_all, vrows), dev)?,
         rows: labelled.len(),
         labelled,
     })
@@ -1068,6 +1088,7 @@ fn evaluate_block(
             embedding,
             to_row,
             vocab.rows.dim(0)?,
+            vocab.rows.device(),
         )?;
         let best = block_logp(bw, vocab, &bb)?.argmax(D::Minus1)?.to_vec2::<u32>()?;
         for &(wi, row, depth, l) in &bb.labelled {
@@ -1110,7 +1131,7 @@ fn write_block(
     let c = target.config();
     let mut map: HashMap<String, Tensor> = HashMap::new();
     for (k, v) in bw.tensors() {
-        map.insert(k, v.detach().to_dtype(DType::F16)?);
+        map.insert(k, v.detach().to_dtype(DType::F16)?.to_device(&Device::Cpu)?);
     }
     if let Some(ids) = vocab {
         map.insert("draft_vocab".into(), DraftVocab::ids_tensor(ids)?);
