@@ -2,6 +2,8 @@
 //! and random block drafters load from test bundles, draft, and pass the G-gate (greedy output byte-identical to AR) on tiny random
 //! targets; a head that does not fit its target is refused with the file and tensor named.
 
+mod common;
+
 use candle_core::quantized::GgmlDType;
 use specula_engine::device::CpuSlots;
 use specula_engine::model::Family;
@@ -569,4 +571,29 @@ fn native_drafters_with_an_attention_window_stay_exact() {
             assert_eq!(out.token_ids, ar.token_ids, "{mode:?} k={k}");
         }
     }
+}
+
+/// `specula distill --self-prompts`: SmolLM2 writes its own user prompts (Magpie), cut from the
+/// chat template at the start of a user turn. The same seed gives the same prompts; they are
+/// plain user text (no chat markers), distinct, and most of them end within the token limit.
+#[test]
+fn smollm2_writes_its_own_training_prompts() {
+    let path = common::model_path("smollm2-135m-instruct");
+    let mut e = specula_engine::Engine::load(&path, "smollm2-135m-instruct", specula_engine::LoadOptions::default())
+        .expect("model loads");
+    let a = specula_engine::distill::data::self_prompts(&mut e, 6, 7, &mut |_| {}).expect("prompts");
+    let b = specula_engine::distill::data::self_prompts(&mut e, 6, 7, &mut |_| {}).expect("prompts again");
+    assert_eq!(a, b, "the same seed writes the same prompts");
+    assert!(a.len() >= 4, "{a:?}");
+    let distinct: std::collections::HashSet<&String> = a.iter().collect();
+    assert_eq!(distinct.len(), a.len());
+    for p in &a {
+        assert!(
+            !p.trim().is_empty() && !p.contains("<|im_") && !p.starts_with("user"),
+            "{p:?}"
+        );
+    }
+    // Another seed writes other prompts.
+    let c = specula_engine::distill::data::self_prompts(&mut e, 6, 8, &mut |_| {}).expect("prompts");
+    assert_ne!(a, c);
 }

@@ -43,6 +43,11 @@ pub struct DistillArgs {
     /// (0 = only --data).
     #[arg(long, default_value_t = 400)]
     prompts: usize,
+    /// User prompts the target writes for itself (Magpie: sampled from the chat template's
+    /// opening of a user turn, at temperature 1, top-p 0.95) and then answers greedily, as more
+    /// training text beside --prompts (0 = none).
+    #[arg(long, default_value_t = 0)]
+    self_prompts: usize,
     /// Most tokens per generated answer.
     #[arg(long, default_value_t = 256)]
     answer_tokens: usize,
@@ -151,6 +156,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
         out: a.out.clone(),
         data: a.data.clone(),
         prompts: a.prompts,
+        self_prompts: a.self_prompts,
         answer_tokens: a.answer_tokens,
         seq_len: a.seq_len,
         batch: a.batch,

@@ -414,6 +414,92 @@ fn builtin_fingerprint() -> u64 {
     h
 }
 
+/// Decode `reqs` with continuous batching (16 sequences at a time on the CPU, up to 64 KV slots
+/// on a device) and return each request's prompt and output, in request order whatever order
+/// they finish in. `what` names the work in errors.
+fn decode_all(
+    engine: &mut Engine,
+    reqs: Vec<GenerateRequest>,
+    what: &str,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Vec<(Vec<u32>, crate::types::GenerateOutput)>> {
+    let batch = engine.device_slots().map_or(16, |s| s.slots().clamp(1, 64));
+    let mut queue: Vec<(usize, GenerateRequest)> = reqs.into_iter().enumerate().rev().collect();
+    let mut active: Vec<(usize, crate::sequence::Sequence)> = Vec::new();
+    let mut done: Vec<(usize, Vec<u32>, crate::types::GenerateOutput)> = Vec::new();
+    while !queue.is_empty() || !active.is_empty() {
+        while active.len() < batch {
+            let Some((i, req)) = queue.pop() else { break };
+            let seq = engine
+                .start_sequence(&req, None)
+                .map_err(|e| anyhow::anyhow!("{what}: request {i}: {e}"))?;
+            active.push((i, seq));
+        }
+        let results = {
+            let mut refs: Vec<&mut crate::sequence::Sequence> = active.iter_mut().map(|(_, s)| s).collect();
+            engine.step(&mut refs)
+        };
+        if let Some(Err(e)) = results.into_iter().find(|r| r.is_err()) {
+            bail!("{what}: {e}");
+        }
+        let mut i = 0;
+        while i < active.len() {
+            if active[i].1.finished().is_some() {
+                let (at, seq) = active.swap_remove(i);
+                let prompt = seq.request().prompt_tokens.clone();
+                done.push((at, prompt, engine.retire(seq, true)));
+                progress(Progress::Advance {
+                    done: done.len() as u64,
+                    loss: None,
+                    tokens_per_s: None,
+                });
+            } else {
+                i += 1;
+            }
+        }
+    }
+    done.sort_by_key(|d| d.0);
+    Ok(done.into_iter().map(|(_, p, o)| (p, o)).collect())
+}
+
+/// The target's greedy answers to `prompts` (user turns, each in the chat template), at most
+/// `answer_tokens` tokens each: one sequence of prompt + answer per prompt, in order.
+pub fn answers_to(
+    engine: &mut Engine,
+    prompts: &[String],
+    answer_tokens: usize,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Sequences> {
+    progress(Progress::Stage {
+        name: "generating target answers",
+        total: prompts.len() as u64,
+    });
+    let mut reqs = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        let prompt = engine
+            .chat_prompt_tokens(&[ChatMessage::new("user", p)])
+            .map_err(|e| anyhow::anyhow!("training prompt {i}: {e}"))?;
+        let room = engine.context_length().saturating_sub(prompt.len() + 1);
+        reqs.push(GenerateRequest {
+            prompt_tokens: prompt,
+            sampling: SamplingParams::greedy(),
+            max_tokens: Some(answer_tokens.min(room).max(1)),
+            stop: vec![],
+            logprobs: None,
+            ignore_eos: false,
+            spec: SpecOptions::default(),
+        });
+    }
+    let mut out = Sequences::default();
+    for (prompt, o) in decode_all(engine, reqs, "generating training answers", progress)? {
+        out.answer_starts.push(prompt.len());
+        let mut tokens = prompt;
+        tokens.extend_from_slice(&o.token_ids);
+        out.sequences.push(tokens);
+    }
+    Ok(out)
+}
+
 /// The target's greedy answers to the first `n` built-in prompts (prompt + answer per sequence),
 /// decoded with continuous batching.
 pub fn generate_answers(
@@ -423,78 +509,69 @@ pub fn generate_answers(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Sequences> {
     let n = n.min(builtin_prompts());
-    progress(Progress::Stage {
-        name: "generating target answers",
-        total: n as u64,
-    });
-    let mut queue = (0..n).rev().collect::<Vec<_>>();
-    let mut active: Vec<crate::sequence::Sequence> = Vec::new();
-    let mut out = Sequences::default();
-    // The built-in prompt index of each active sequence, and the finished ones (in prompt
-    // order at the end, whatever order they finish in).
-    let mut prompt_of: Vec<usize> = Vec::new();
-    let mut done_seqs: Vec<(usize, usize, Vec<u32>)> = Vec::new();
-    let mut done = 0u64;
-    // Sequences decoded together: 16 on the CPU, a device's KV slots (up to 64) on a device.
-    let batch = engine.device_slots().map_or(16, |s| s.slots().clamp(1, 64));
-    while !queue.is_empty() || !active.is_empty() {
-        while active.len() < batch {
-            let Some(i) = queue.pop() else { break };
-            let prompt = engine
-                .chat_prompt_tokens(&[ChatMessage::new("user", &builtin_prompt(i))])
-                .map_err(|e| anyhow::anyhow!("built-in prompt {i}: {e}"))?;
-            let room = engine.context_length().saturating_sub(prompt.len() + 1);
-            let req = GenerateRequest {
-                prompt_tokens: prompt,
-                sampling: SamplingParams::greedy(),
-                max_tokens: Some(answer_tokens.min(room).max(1)),
-                stop: vec![],
-                logprobs: None,
-                ignore_eos: false,
-                spec: SpecOptions::default(),
-            };
-            active.push(engine.start_sequence(&req, None).map_err(|e| anyhow::anyhow!("{e}"))?);
-            prompt_of.push(i);
-        }
-        let results = {
-            let mut refs: Vec<&mut crate::sequence::Sequence> = active.iter_mut().collect();
-            engine.step(&mut refs)
-        };
-        for r in &results {
-            if let Err(e) = r {
-                bail!("generating training answers: {e}");
-            }
-        }
-        let mut i = 0;
-        while i < active.len() {
-            if active[i].finished().is_some() {
-                let seq = active.swap_remove(i);
-                let (p, seq) = (prompt_of.swap_remove(i), seq);
-                let mut tokens = seq.request().prompt_tokens.clone();
-                let o = engine.retire(seq, true);
-                let start = tokens.len();
-                tokens.extend_from_slice(&o.token_ids);
-                done_seqs.push((p, start, tokens));
-                done += 1;
-                progress(Progress::Advance {
-                    done,
-                    loss: None,
-                    tokens_per_s: None,
-                });
-            } else {
-                i += 1;
-            }
-        }
-    }
-    done_seqs.sort_by_key(|d| d.0);
-    for (_, start, tokens) in done_seqs {
-        out.answer_starts.push(start);
-        out.sequences.push(tokens);
-    }
+    let prompts: Vec<String> = (0..n).map(builtin_prompt).collect();
+    let mut out = answers_to(engine, &prompts, answer_tokens, progress)?;
     out.sources.push(format!(
         "greedy answers of the target to {n} built-in prompts (at most {answer_tokens} tokens each): {} tokens with prompts",
         out.tokens()
     ));
+    Ok(out)
+}
+
+/// Most tokens of a user prompt the target writes for itself ([`self_prompts`]).
+const SELF_PROMPT_TOKENS: usize = 96;
+
+/// `n` user prompts written by the target itself (Magpie: Xu et al. 2024, "Magpie: Alignment
+/// Data Synthesis from Scratch by Prompting Aligned LLMs with Nothing"): the chat template up to
+/// the start of a user turn, sampled at temperature 1 with top-p 0.95 (seed `seed + i` for the
+/// `i`-th) until the model ends the turn. Prompts that do not end within
+/// [`SELF_PROMPT_TOKENS`] tokens, blank ones and repeats are dropped, so fewer than `n` can
+/// come back. Errors: the chat template has no user turn the prompt can be cut from, or
+/// decoding fails.
+pub fn self_prompts(
+    engine: &mut Engine,
+    n: usize,
+    seed: u64,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<Vec<String>> {
+    // The template around an empty user turn; the turn's end is the last end-of-generation
+    // token before the assistant's header.
+    let full = engine
+        .chat_prompt_tokens(&[ChatMessage::new("user", "")])
+        .map_err(|e| anyhow::anyhow!("the chat template: {e}"))?;
+    let eos = engine.eos_ids().to_vec();
+    let Some(cut) = full.iter().rposition(|t| eos.contains(t)) else {
+        bail!("the chat template ends no user turn with an end-of-generation token: --self-prompts cannot cut a user turn from it");
+    };
+    let prefix = full[..cut].to_vec();
+    progress(Progress::Stage {
+        name: "the target writing its own prompts",
+        total: n as u64,
+    });
+    let reqs = (0..n)
+        .map(|i| GenerateRequest {
+            prompt_tokens: prefix.clone(),
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_p: 0.95,
+                seed: Some(seed.wrapping_add(i as u64)),
+                ..SamplingParams::default()
+            },
+            max_tokens: Some(SELF_PROMPT_TOKENS),
+            stop: vec![],
+            logprobs: None,
+            ignore_eos: false,
+            spec: SpecOptions::default(),
+        })
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for (_, o) in decode_all(engine, reqs, "writing training prompts", progress)? {
+        let text = o.text.trim().to_string();
+        if o.finish_reason == crate::types::FinishReason::Stop && !text.is_empty() && seen.insert(text.clone()) {
+            out.push(text);
+        }
+    }
     Ok(out)
 }
 
@@ -505,6 +582,7 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
     let key = serde_json::json!({
         "data": opts.data,
         "prompts": opts.prompts,
+        "self_prompts": opts.self_prompts,
         "answer_tokens": opts.answer_tokens,
         "model": engine.model_id(),
         "builtin_prompts": builtin_fingerprint(),
@@ -530,8 +608,20 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
         let gen = generate_answers(engine, opts.prompts, opts.answer_tokens, progress)?;
         all.extend(gen);
     }
+    if opts.self_prompts > 0 {
+        let prompts = self_prompts(engine, opts.self_prompts, opts.seed, progress)?;
+        let mut gen = answers_to(engine, &prompts, opts.answer_tokens, progress)?;
+        gen.sources.push(format!(
+            "greedy answers of the target to {} prompts it wrote itself (Magpie; {} asked for, at most {} tokens each): {} tokens with prompts",
+            prompts.len(),
+            opts.self_prompts,
+            opts.answer_tokens,
+            gen.tokens()
+        ));
+        all.extend(gen);
+    }
     if all.sequences.is_empty() {
-        bail!("no training data: give --data files or --prompts N > 0");
+        bail!("no training data: give --data files, --prompts N > 0 or --self-prompts N > 0");
     }
     std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
     std::fs::write(

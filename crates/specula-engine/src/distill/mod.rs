@@ -34,6 +34,9 @@ pub struct DistillOptions {
     pub data: Vec<PathBuf>,
     /// Prompts of the built-in set whose greedy answers are generated (0 = none).
     pub prompts: usize,
+    /// User prompts the target writes itself (Magpie: sampled from the chat template's opening
+    /// of a user turn) and then answers greedily, as more training text (0 = none).
+    pub self_prompts: usize,
     /// Most tokens per generated answer.
     pub answer_tokens: usize,
     /// Rows per training window.
@@ -87,6 +90,7 @@ impl Default for DistillOptions {
             out: PathBuf::from("mtp-head"),
             data: Vec::new(),
             prompts: 400,
+            self_prompts: 0,
             answer_tokens: 256,
             seq_len: 256,
             batch: 4,
