@@ -39,6 +39,10 @@ pub struct DistillArgs {
     /// Text files or directories to train on (repeatable).
     #[arg(long)]
     data: Vec<PathBuf>,
+    /// Token sequences made by another distill run (its OUT/data/sequences.json: say, answers
+    /// decoded on a GPU), to train on here (repeatable). Their prompts stay context.
+    #[arg(long)]
+    sequences: Vec<PathBuf>,
     /// Built-in prompts whose greedy answers by the target are generated as training text
     /// (0 = only --data).
     #[arg(long, default_value_t = 400)]
@@ -155,6 +159,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
     let opts = DistillOptions {
         out: a.out.clone(),
         data: a.data.clone(),
+        sequences: a.sequences.clone(),
         prompts: a.prompts,
         self_prompts: a.self_prompts,
         answer_tokens: a.answer_tokens,

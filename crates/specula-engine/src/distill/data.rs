@@ -575,12 +575,64 @@ pub fn self_prompts(
     Ok(out)
 }
 
+/// Training sequences made elsewhere (`--sequences`): a `data/sequences.json` of another
+/// distill run (for example the target's answers decoded on a GPU), or a bare [`Sequences`]
+/// object. Errors name the file: unreadable, not that JSON, a token outside the vocabulary of
+/// `vocab` ids, or an answer start past its sequence.
+pub fn read_sequences(path: &Path, vocab: usize) -> Result<Sequences> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let body = v.get("sequences").filter(|s| s.is_object()).cloned().unwrap_or(v);
+    let mut s: Sequences = serde_json::from_value(body).with_context(|| {
+        format!(
+            "{}: not training sequences (a distill run's data/sequences.json, or {{\"sequences\": [[ids]], \"answer_starts\": [..], \"sources\": [..]}})",
+            path.display()
+        )
+    })?;
+    for (i, seq) in s.sequences.iter().enumerate() {
+        if let Some(&t) = seq.iter().find(|&&t| t as usize >= vocab) {
+            bail!(
+                "{}: sequence {i} holds token {t}, outside the target's {vocab} ids",
+                path.display()
+            );
+        }
+        if s.answer_start(i) > seq.len() {
+            bail!(
+                "{}: sequence {i} starts its answer past its {} tokens",
+                path.display(),
+                seq.len()
+            );
+        }
+    }
+    if !s.answer_starts.is_empty() && s.answer_starts.len() != s.sequences.len() {
+        bail!(
+            "{}: {} answer starts for {} sequences",
+            path.display(),
+            s.answer_starts.len(),
+            s.sequences.len()
+        );
+    }
+    s.sources = vec![format!(
+        "{} sequences ({} tokens) from {}{}",
+        s.sequences.len(),
+        s.tokens(),
+        path.display(),
+        if s.sources.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", s.sources.join("; "))
+        }
+    )];
+    Ok(s)
+}
+
 /// The training sequences for `opts`, from the cache in `opts.out` when it was made with the same
 /// data options, else built and cached.
 pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn FnMut(Progress)) -> Result<Sequences> {
     let path = opts.out.join("data").join("sequences.json");
     let key = serde_json::json!({
         "data": opts.data,
+        "sequences": opts.sequences,
         "prompts": opts.prompts,
         "self_prompts": opts.self_prompts,
         "answer_tokens": opts.answer_tokens,
@@ -604,6 +656,9 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
         }
     }
     let mut all = from_files(engine, &opts.data, 1024)?;
+    for p in &opts.sequences {
+        all.extend(read_sequences(p, engine.config().vocab_size)?);
+    }
     if opts.prompts > 0 {
         let gen = generate_answers(engine, opts.prompts, opts.answer_tokens, progress)?;
         all.extend(gen);
@@ -621,7 +676,7 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
         all.extend(gen);
     }
     if all.sequences.is_empty() {
-        bail!("no training data: give --data files, --prompts N > 0 or --self-prompts N > 0");
+        bail!("no training data: give --data files, --sequences files, --prompts N > 0 or --self-prompts N > 0");
     }
     std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
     std::fs::write(
@@ -634,6 +689,42 @@ pub fn sequences(engine: &mut Engine, opts: &DistillOptions, progress: &mut dyn 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sequences_from_another_run_are_read_and_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let seqs = Sequences {
+            sequences: vec![vec![1, 2, 3, 4], vec![5, 6]],
+            answer_starts: vec![2, 1],
+            sources: vec!["answers decoded elsewhere".into()],
+        };
+        // A run's cache ({"key", "sequences"}) and a bare object read the same.
+        let cache = dir.path().join("cache.json");
+        std::fs::write(
+            &cache,
+            serde_json::json!({"key": {"prompts": 2}, "sequences": seqs}).to_string(),
+        )
+        .expect("write");
+        let bare = dir.path().join("bare.json");
+        std::fs::write(&bare, serde_json::to_string(&seqs).expect("json")).expect("write");
+        for p in [&cache, &bare] {
+            let s = read_sequences(p, 10).expect("read");
+            assert_eq!(s.sequences, seqs.sequences);
+            assert_eq!((s.answer_start(0), s.answer_start(1)), (2, 1));
+            assert!(s.sources[0].contains("answers decoded elsewhere") && s.sources[0].contains("2 sequences"));
+        }
+        let err = |v: serde_json::Value| {
+            let p = dir.path().join("bad.json");
+            std::fs::write(&p, v.to_string()).expect("write");
+            format!("{:#}", read_sequences(&p, 10).expect_err("refused"))
+        };
+        let e = err(serde_json::json!({"sequences": [[1, 12]], "answer_starts": [0], "sources": []}));
+        assert!(e.contains("bad.json") && e.contains("token 12"), "{e}");
+        let e = err(serde_json::json!({"sequences": [[1, 2]], "answer_starts": [3], "sources": []}));
+        assert!(e.contains("past its 2 tokens"), "{e}");
+        let e = err(serde_json::json!({"tokens": [1, 2]}));
+        assert!(e.contains("not training sequences"), "{e}");
+    }
 
     #[test]
     fn builtin_prompts_are_distinct_and_not_benchmark_prompts() {

@@ -32,6 +32,9 @@ pub struct DistillOptions {
     pub out: PathBuf,
     /// Text files or directories to train on.
     pub data: Vec<PathBuf>,
+    /// Training sequences made by another run (its `data/sequences.json`), e.g. answers decoded
+    /// on a GPU ([`data::read_sequences`]).
+    pub sequences: Vec<PathBuf>,
     /// Prompts of the built-in set whose greedy answers are generated (0 = none).
     pub prompts: usize,
     /// User prompts the target writes itself (Magpie: sampled from the chat template's opening
@@ -89,6 +92,7 @@ impl Default for DistillOptions {
         Self {
             out: PathBuf::from("mtp-head"),
             data: Vec::new(),
+            sequences: Vec::new(),
             prompts: 400,
             self_prompts: 0,
             answer_tokens: 256,
