@@ -23,6 +23,7 @@ pub struct Sequences {
     #[serde(default)]
     pub answer_starts: Vec<usize>,
     /// Human-readable description of the sources (for the training record).
+    #[serde(default)]
     pub sources: Vec<String>,
 }
 
@@ -718,7 +719,7 @@ mod tests {
             std::fs::write(&p, v.to_string()).expect("write");
             format!("{:#}", read_sequences(&p, 10).expect_err("refused"))
         };
-        let e = err(serde_json::json!({"sequences": [[1, 12]], "answer_starts": [0], "sources": []}));
+        let e = err(serde_json::json!({"sequences": [[1, 12]]}));
         assert!(e.contains("bad.json") && e.contains("token 12"), "{e}");
         let e = err(serde_json::json!({"sequences": [[1, 2]], "answer_starts": [3], "sources": []}));
         assert!(e.contains("past its 2 tokens"), "{e}");
