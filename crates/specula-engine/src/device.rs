@@ -402,22 +402,16 @@ impl DeviceTarget for CpuSlots {
             );
         }
         let mut out = Vec::new();
-        let mut i = 0;
-        while i < rows.len() {
-            // A run of consecutive positions of one slot.
-            let (kv, j) = run_of(&mut self.caches, rows, i)?;
-            let tokens: Vec<u32> = rows[i..j].iter().map(|r| r.token).collect();
-            let logits = self.model.forward(&tokens, kv, LogitsRows::All, &[])?.logits;
-            let logits = logits.to_vec2::<f32>()?;
-            for (l, w) in logits.into_iter().zip(&want[i..j]) {
+        self.each_run(rows, &[], |range, f| {
+            for (l, w) in f.logits.to_vec2::<f32>()?.into_iter().zip(&want[range]) {
                 match w {
                     RowNeed::None => {}
                     RowNeed::Argmax => out.push(RowOut::Argmax(crate::sampling::argmax(&l))),
                     RowNeed::Logits => out.push(RowOut::Logits(l)),
                 }
             }
-            i = j;
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -427,18 +421,35 @@ impl DeviceTarget for CpuSlots {
         }
         let tap = self.model.config.num_layers - 1;
         let (mut logits, mut hidden) = (Vec::new(), Vec::new());
+        self.each_run(rows, &[tap], |_, f| {
+            logits.extend(f.logits.flatten_all()?.to_vec1::<f32>()?);
+            for h in &f.hidden {
+                hidden.extend(h.flatten_all()?.to_vec1::<f32>()?);
+            }
+            Ok(())
+        })?;
+        Ok((logits, hidden))
+    }
+}
+
+impl CpuSlots {
+    /// One model forward per run of consecutive positions of one slot in `rows` (that slot's
+    /// cache rolled back to the run's first position first), with hidden states at `taps`;
+    /// `f` gets each run's row range and output, in order.
+    fn each_run(
+        &mut self,
+        rows: &[DeviceRow],
+        taps: &[usize],
+        mut f: impl FnMut(std::ops::Range<usize>, crate::model::ForwardOutput) -> Result<()>,
+    ) -> Result<()> {
         let mut i = 0;
         while i < rows.len() {
             let (kv, j) = run_of(&mut self.caches, rows, i)?;
             let tokens: Vec<u32> = rows[i..j].iter().map(|r| r.token).collect();
-            let out = self.model.forward(&tokens, kv, LogitsRows::All, &[tap])?;
-            logits.extend(out.logits.flatten_all()?.to_vec1::<f32>()?);
-            for h in &out.hidden {
-                hidden.extend(h.flatten_all()?.to_vec1::<f32>()?);
-            }
+            f(i..j, self.model.forward(&tokens, kv, LogitsRows::All, taps)?)?;
             i = j;
         }
-        Ok((logits, hidden))
+        Ok(())
     }
 }
 

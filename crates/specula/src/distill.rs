@@ -107,10 +107,10 @@ pub struct DistillArgs {
     hidden_source: Source,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Where the work runs: cpu, or cuda:N. On cuda:N the target's answers are generated on that
-    /// GPU (a build with `--features cuda`) and the head is trained there (candle's CUDA
-    /// backend: a build with `--features cuda-train`, docs/gpu.md); the teacher pass reads the
-    /// target's hidden states on the CPU.
+    /// Where the work runs: cpu, or cuda:N (a build with `--features cuda-train`, docs/gpu.md).
+    /// On cuda:N the target's answers are generated on that GPU, the teacher pass reads its
+    /// logits and last-block hidden states there (an MTP head's taps; a block drafter's run on
+    /// the CPU), and the head trains there on candle's CUDA backend.
     #[arg(long, default_value = "cpu")]
     device: String,
 }
