@@ -73,12 +73,14 @@ pub trait DeviceTarget: Send {
     fn forward(&mut self, rows: &[DeviceRow], need: &[RowNeed]) -> Result<Vec<RowOut>>;
 
     /// One forward over `rows` (as [`DeviceTarget::forward`], KV written the same way) that
-    /// returns every row's f32 logits `[rows, vocab]` and the last block's output, the hidden
-    /// state before the final norm (the `pre_norm` tap of [`Model::forward`]), f32
-    /// `[rows, hidden]`, both row-major. It is the teacher pass of `specula distill` on a
-    /// device. Errors: as `forward`, or a target without hidden-state output (the default).
-    fn forward_hidden(&mut self, rows: &[DeviceRow]) -> Result<(Vec<f32>, Vec<f32>)> {
-        let _ = rows;
+    /// returns every row's f32 logits `[rows, vocab]` and the outputs of the blocks `taps`
+    /// (block indices below the layer count, as [`Model::forward`]'s taps; the last block's is
+    /// the `pre_norm` hidden state), f32 `[rows, taps × hidden]` with each row's taps
+    /// concatenated in the order given, both row-major. It is the teacher pass of `specula
+    /// distill` on a device. Errors: as `forward`, a tap past the last block, or a target
+    /// without hidden-state output (the default).
+    fn forward_hidden(&mut self, rows: &[DeviceRow], taps: &[usize]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let _ = (rows, taps);
         bail!("{}: this device target has no hidden-state output", self.device_name())
     }
 }
@@ -415,21 +417,42 @@ impl DeviceTarget for CpuSlots {
         Ok(out)
     }
 
-    fn forward_hidden(&mut self, rows: &[DeviceRow]) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn forward_hidden(&mut self, rows: &[DeviceRow], taps: &[usize]) -> Result<(Vec<f32>, Vec<f32>)> {
         if rows.len() > self.max_rows {
             bail!("cpu slots: {} rows, at most {}", rows.len(), self.max_rows);
         }
-        let tap = self.model.config.num_layers - 1;
+        let (layers, h) = (self.model.config.num_layers, self.model.config.hidden_size);
+        if let Some(&bad) = taps.iter().find(|&&t| t >= layers) {
+            bail!("cpu slots: hidden states of blocks 0..{layers} only, not tap {bad}");
+        }
         let (mut logits, mut hidden) = (Vec::new(), Vec::new());
-        self.each_run(rows, &[tap], |_, f| {
+        self.each_run(rows, taps, |range, f| {
             logits.extend(f.logits.flatten_all()?.to_vec1::<f32>()?);
-            for h in &f.hidden {
-                hidden.extend(h.flatten_all()?.to_vec1::<f32>()?);
-            }
+            let per_tap = f
+                .hidden
+                .iter()
+                .map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+                .collect::<Result<Vec<_>>>()?;
+            hidden.extend(interleave_taps(&per_tap, range.len(), h));
             Ok(())
         })?;
         Ok((logits, hidden))
     }
+}
+
+/// Rows with their taps side by side: `per_tap[i]` holds `n` rows of `h` values of tap `i`;
+/// the result is `n` rows of `per_tap.len() × h` values (row-major, taps in order).
+pub fn interleave_taps(per_tap: &[Vec<f32>], n: usize, h: usize) -> Vec<f32> {
+    if let [one] = per_tap {
+        return one.clone();
+    }
+    let mut out = Vec::with_capacity(n * h * per_tap.len());
+    for r in 0..n {
+        for t in per_tap {
+            out.extend_from_slice(&t[r * h..(r + 1) * h]);
+        }
+    }
+    out
 }
 
 impl CpuSlots {

@@ -88,7 +88,7 @@ struct DeviceState {
 }
 
 /// [`Engine::device_forward_hidden`] on the attached device `d`.
-fn forward_hidden_in_slot(d: &DeviceState, tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>)> {
+fn forward_hidden_in_slot(d: &DeviceState, tokens: &[u32], taps: &[usize]) -> Result<(Vec<f32>, Vec<f32>)> {
     if tokens.len() > d.max_ctx {
         anyhow::bail!("a {}-token sequence: a KV slot holds {}", tokens.len(), d.max_ctx);
     }
@@ -109,7 +109,7 @@ fn forward_hidden_in_slot(d: &DeviceState, tokens: &[u32]) -> Result<(Vec<f32>, 
                 pos: (c * step + i) as u32,
             })
             .collect();
-        let (l, h) = target.forward_hidden(&rows)?;
+        let (l, h) = target.forward_hidden(&rows, taps)?;
         logits.extend(l);
         hidden.extend(h);
     }
@@ -222,14 +222,15 @@ impl Engine {
         Ok(())
     }
 
-    /// The attached device's logits `[n, vocab]` and last-block hidden states `[n, hidden]`
-    /// (f32, row-major; [`DeviceTarget::forward_hidden`]) over a whole sequence `tokens` at
-    /// positions `0..n`, fed in forwards of at most the device's row limit through a KV slot of
-    /// its own. `None` without a device. Errors: the sequence is longer than a slot, every slot
-    /// is held, or the device fails.
-    pub fn device_forward_hidden(&self, tokens: &[u32]) -> Option<Result<(Vec<f32>, Vec<f32>)>> {
+    /// The attached device's logits `[n, vocab]` and the outputs of blocks `taps`
+    /// `[n, taps × hidden]` (f32, row-major, each row's taps side by side;
+    /// [`DeviceTarget::forward_hidden`]) over a whole sequence `tokens` at positions `0..n`,
+    /// fed in forwards of at most the device's row limit through a KV slot of its own. `None`
+    /// without a device. Errors: the sequence is longer than a slot, every slot is held, a tap
+    /// past the last block, or the device fails.
+    pub fn device_forward_hidden(&self, tokens: &[u32], taps: &[usize]) -> Option<Result<(Vec<f32>, Vec<f32>)>> {
         let d = self.device.as_ref()?;
-        Some(forward_hidden_in_slot(d, tokens))
+        Some(forward_hidden_in_slot(d, tokens, taps))
     }
 
     /// The attached device ([`Engine::attach_device`]) by name.

@@ -384,6 +384,19 @@ pub fn write_random_mtp_head(
     draft_vocab: Option<&[u32]>,
     seed: u64,
 ) -> Result<()> {
+    write_random_fused_mtp_head(dir, target, layout, draft_vocab, None, seed)
+}
+
+/// [`write_random_mtp_head`], reading fused features (EAGLE-3) of the target layers `fused`
+/// when given: a random `hidden_fc.weight` `[h, len × h]` and `target_layer_ids` in the config.
+pub fn write_random_fused_mtp_head(
+    dir: &Path,
+    target: &crate::model::Model,
+    layout: crate::spec::mtp::MtpLayout,
+    draft_vocab: Option<&[u32]>,
+    fused: Option<&[usize]>,
+    seed: u64,
+) -> Result<()> {
     use crate::spec::mtp::MtpLayout;
     std::fs::create_dir_all(dir)?;
     let mut u = Uniform::new(seed);
@@ -418,19 +431,25 @@ pub fn write_random_mtp_head(
     map.insert(format!("{p}{}", names[1]), u.norm(h, 0.1)?);
     map.insert(format!("{p}{}", names[2]), u.tensor(&[h, 2 * h], 0.3)?);
     map.insert(format!("{p}{}", names[3]), u.norm(h, 0.1)?);
+    if let Some(layers) = fused {
+        map.insert(format!("{p}hidden_fc.weight"), u.tensor(&[h, layers.len() * h], 0.3)?);
+    }
     if let Some(ids) = draft_vocab {
         let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
         let n = ids.len();
         map.insert("draft_vocab".into(), Tensor::from_vec(ids, n, &Device::Cpu)?);
     }
     candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "model_type": "specula_mtp",
         "num_nextn_predict_layers": 1,
         "num_hidden_layers": c.num_layers,
         "vocab_size": c.vocab_size,
         "hidden_source": "pre_norm",
     });
+    if let Some(layers) = fused {
+        config["target_layer_ids"] = serde_json::json!(layers);
+    }
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     Ok(())
 }

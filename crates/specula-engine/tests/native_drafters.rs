@@ -9,7 +9,9 @@ use specula_engine::device::CpuSlots;
 use specula_engine::model::Family;
 use specula_engine::spec::mtp::MtpLayout;
 use specula_engine::spec::{SpecMode, SpecOptions};
-use specula_engine::testing::{write_random_block_drafter, write_random_mtp_head, write_tiny_gguf, TinySpec};
+use specula_engine::testing::{
+    write_random_block_drafter, write_random_fused_mtp_head, write_random_mtp_head, write_tiny_gguf, TinySpec,
+};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 
 fn tiny(family: Family, dtype: GgmlDType) -> (tempfile::TempDir, Engine) {
@@ -146,6 +148,134 @@ fn mtp_head_that_does_not_fit_is_refused_naming_file_and_tensor() {
     assert!(e.generate(&r, &mut |_| true).is_err());
 }
 
+/// A fused-feature MTP head (EAGLE-3: several target layers' outputs through `hidden_fc`) in
+/// either layout reads every listed tap, drafts, and greedy output with it is AR's, alone and
+/// batched beside a one-tap request; a head whose file and config disagree is refused.
+#[test]
+fn fused_feature_mtp_heads_draft_and_match_ar() {
+    for (family, layout) in [
+        (Family::Llama, MtpLayout::DeepseekV3),
+        (Family::Qwen2, MtpLayout::Qwen3Next),
+    ] {
+        let (dir, mut e) = tiny(family, GgmlDType::Q8_0);
+        let layers = e.config().num_layers;
+        let taps = [0, layers - 1];
+        let head_dir = dir.path().join("fused");
+        write_random_fused_mtp_head(&head_dir, e.model(), layout, None, Some(&taps), 11).expect("write head");
+        e.attach_mtp_head(&head_dir).expect("attach");
+        let head = e.mtp_head().expect("attached");
+        assert_eq!(head.taps, taps.to_vec());
+        assert!(head.weights.hidden_fc.is_some());
+        let prompt = e.tokenize("the then the thin the then").expect("tokenize");
+        let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
+        for k in [1, 3] {
+            let what = format!("{family:?} {layout:?} k={k}");
+            let sp = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, k, SamplingParams::greedy()));
+            assert_eq!(sp.stats.spec.decode_path, "mtp", "{what}");
+            assert!(sp.stats.spec.drafted > 0, "{what}: the head drafted nothing");
+            assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{what}: text");
+            assert_eq!(ar.token_ids, sp.token_ids, "{what}: token ids");
+            assert_eq!(ar.logprobs, sp.logprobs, "{what}: logprobs");
+        }
+        // Batched with an n-gram request (no taps) and a plain one: the same outputs.
+        let reqs = [
+            req(prompt.clone(), SpecMode::Mtp, 3, SamplingParams::greedy()),
+            req(prompt.clone(), SpecMode::Ngram, 3, SamplingParams::greedy()),
+            req(prompt[..4].to_vec(), SpecMode::Mtp, 2, SamplingParams::greedy()),
+        ];
+        let solo: Vec<GenerateOutput> = reqs.iter().map(|r| run(&mut e, r)).collect();
+        let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+        let mut steps = 0;
+        while seqs.iter().any(|s| s.finished().is_none()) {
+            let mut refs: Vec<_> = seqs.iter_mut().collect();
+            for r in e.step(&mut refs) {
+                r.expect("step");
+            }
+            steps += 1;
+            assert!(steps < 500, "no progress");
+        }
+        for (i, s) in seqs.into_iter().enumerate() {
+            let out = e.retire(s, true);
+            assert_eq!(out.token_ids, solo[i].token_ids, "{family:?} request {i}");
+            assert_eq!(
+                out.stats.spec.drafted, solo[i].stats.spec.drafted,
+                "{family:?} request {i}"
+            );
+        }
+    }
+
+    let (dir, mut e) = tiny(Family::Llama, GgmlDType::Q8_0);
+    let layers = e.config().num_layers;
+    // `inspect` finds a fused head given as the drafter (its config lists `target_layer_ids`,
+    // as a block drafter's does, but it is an MTP head) and checks `hidden_fc`'s shape.
+    let good = dir.path().join("good");
+    write_random_fused_mtp_head(&good, e.model(), MtpLayout::DeepseekV3, None, Some(&[0, 1]), 2).expect("write");
+    let opts = |d: &std::path::Path| specula_engine::inspect::InspectOptions {
+        drafter: Some(d.to_path_buf()),
+        ..Default::default()
+    };
+    let report = specula_engine::inspect::inspect(&dir.path().join("tiny.gguf"), &opts(&good)).expect("inspect");
+    assert_eq!(
+        report.capabilities.mtp.status,
+        specula_engine::inspect::MtpStatus::Present,
+        "{:?}",
+        report.diagnostics
+    );
+    assert!(report.capabilities.block_drafter.is_none());
+    let h = e.config().hidden_size;
+    let bad_fc = dir.path().join("bad-fc");
+    std::fs::create_dir_all(&bad_fc).expect("dir");
+    std::fs::copy(good.join("config.json"), bad_fc.join("config.json")).expect("copy");
+    let mut t =
+        candle_core::safetensors::load(good.join("model.safetensors"), &candle_core::Device::Cpu).expect("load");
+    let fc = format!("model.layers.{layers}.hidden_fc.weight");
+    t.insert(
+        fc.clone(),
+        candle_core::Tensor::zeros((h, 2 * h + 3), candle_core::DType::F32, &candle_core::Device::Cpu).expect("zeros"),
+    );
+    candle_core::safetensors::save(&t, bad_fc.join("model.safetensors")).expect("save");
+    let report = specula_engine::inspect::inspect(&dir.path().join("tiny.gguf"), &opts(&bad_fc)).expect("inspect");
+    assert_eq!(
+        report.capabilities.mtp.status,
+        specula_engine::inspect::MtpStatus::Invalid
+    );
+    assert!(
+        report.diagnostics.iter().any(|d| d.subject == fc),
+        "{:?}",
+        report.diagnostics
+    );
+    // The file has `hidden_fc` but the config lists no target layers.
+    let no_ids = dir.path().join("no-ids");
+    write_random_fused_mtp_head(&no_ids, e.model(), MtpLayout::DeepseekV3, None, Some(&[0, 1]), 2).expect("write");
+    let cfg_path = no_ids.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).expect("config")).expect("json");
+    cfg.as_object_mut().expect("object").remove("target_layer_ids");
+    std::fs::write(&cfg_path, cfg.to_string()).expect("write config");
+    let err = format!("{:#}", e.attach_mtp_head(&no_ids).expect_err("must be refused"));
+    assert!(
+        err.contains("hidden_fc.weight") && err.contains("target_layer_ids"),
+        "{err}"
+    );
+    // Three layers listed, two in the file.
+    cfg["target_layer_ids"] = serde_json::json!([0, 1, 1]);
+    std::fs::write(&cfg_path, cfg.to_string()).expect("write config");
+    let err = format!("{:#}", e.attach_mtp_head(&no_ids).expect_err("must be refused"));
+    assert!(
+        err.contains("hidden_fc.weight") && err.contains("model.safetensors"),
+        "{err}"
+    );
+    // A layer the target does not have.
+    cfg["target_layer_ids"] = serde_json::json!([0, layers]);
+    std::fs::write(&cfg_path, cfg.to_string()).expect("write config");
+    let err = format!("{:#}", e.attach_mtp_head(&no_ids).expect_err("must be refused"));
+    assert!(
+        err.contains("target_layer_ids") && err.contains(&layers.to_string()),
+        "{err}"
+    );
+    assert!(e.mtp_head().is_none());
+}
+
 fn distill_opts(out: &std::path::Path, steps: usize) -> specula_engine::distill::DistillOptions {
     specula_engine::distill::DistillOptions {
         out: out.to_path_buf(),
@@ -257,6 +387,88 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
     assert!(accepted > 0, "a trained head drafts tokens the target accepts");
 }
 
+/// `specula distill --target-layers` on an MTP head: a fused-feature head (EAGLE-3) trains on
+/// the listed layers, says so in its config, loads and drafts exactly; a one-tap head given as
+/// `--init` becomes its starting point (the deepest tap passed through); a fused head cannot
+/// continue as a one-tap head.
+#[test]
+fn distill_trains_a_fused_feature_mtp_head() {
+    use specula_engine::spec::head::NamedTensors;
+    let (dir, path, mut e) = tiny_with_path(Family::Llama);
+    let layers = e.config().num_layers;
+    let h = e.config().hidden_size;
+    let taps = vec![0, layers - 1];
+    let fused_opts = |out: &std::path::Path, steps: usize| specula_engine::distill::DistillOptions {
+        target_layers: Some(taps.clone()),
+        ..distill_opts(out, steps)
+    };
+    let fused = dir.path().join("fused");
+    let r = specula_engine::distill::run_mtp(&mut e, &path, None, &fused_opts(&fused, 30), &mut |_| {})
+        .expect("distill fused");
+    assert!(r.finished && r.final_loss.is_finite(), "{r:?}");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fused.join("config.json")).expect("config")).expect("json");
+    assert_eq!(cfg["target_layer_ids"], serde_json::json!(taps));
+    let t = NamedTensors::read(&fused).expect("read head");
+    let fc = format!("model.layers.{layers}.hidden_fc.weight");
+    assert_eq!(t.map[&fc].dims(), &[h, 2 * h]);
+    e.attach_mtp_head(&fused).expect("attach");
+    assert_eq!(e.mtp_head().expect("head").taps, taps);
+    for text in ["the then the thin the then", "in the thin then"] {
+        let prompt = e.tokenize(text).expect("tokenize");
+        let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
+        let sp = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, 3, SamplingParams::greedy()));
+        assert!(sp.stats.spec.drafted > 0);
+        assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{text:?}");
+    }
+
+    // A one-tap head as the start, at learning rate 0: every shared tensor is the start's, bit
+    // for bit, and the projection passes the deepest tap through.
+    let one = dir.path().join("one-tap");
+    specula_engine::distill::run_mtp(&mut e, &path, None, &distill_opts(&one, 6), &mut |_| {}).expect("one-tap");
+    let grown = dir.path().join("grown");
+    let o = specula_engine::distill::DistillOptions {
+        lr: 0.0,
+        ..fused_opts(&grown, 2)
+    };
+    specula_engine::distill::run_mtp(&mut e, &path, Some(&one), &o, &mut |_| {}).expect("grow");
+    let (a, b) = (
+        NamedTensors::read(&one).expect("one"),
+        NamedTensors::read(&grown).expect("grown"),
+    );
+    for (name, w) in &a.map {
+        let (x, y) = (w.to_dtype(candle_core::DType::F32).expect("f32"), &b.map[name]);
+        let y = y.to_dtype(candle_core::DType::F32).expect("f32");
+        let diff = (x - y).expect("sub").abs().expect("abs").max_all().expect("max");
+        assert_eq!(diff.to_scalar::<f32>().expect("scalar"), 0.0, "{name} changed");
+    }
+    let fc_w = b.map[&fc].to_dtype(candle_core::DType::F32).expect("f32");
+    let deepest = fc_w.narrow(1, h, h).expect("narrow");
+    let eye = candle_core::Tensor::eye(h, candle_core::DType::F32, &candle_core::Device::Cpu).expect("eye");
+    let diff = (deepest - eye)
+        .expect("sub")
+        .abs()
+        .expect("abs")
+        .max_all()
+        .expect("max");
+    assert_eq!(diff.to_scalar::<f32>().expect("scalar"), 0.0);
+
+    // A fused head does not continue as a one-tap head.
+    let back = dir.path().join("back");
+    let err = specula_engine::distill::run_mtp(&mut e, &path, Some(&fused), &distill_opts(&back, 2), &mut |_| {})
+        .expect_err("refused");
+    assert!(format!("{err:#}").contains("--target-layers"), "{err:#}");
+    // Bad layer lists fail before any work.
+    for bad in [vec![], vec![1, 0], vec![0, layers]] {
+        let o = specula_engine::distill::DistillOptions {
+            target_layers: Some(bad.clone()),
+            ..distill_opts(&back, 2)
+        };
+        let err = specula_engine::distill::run_mtp(&mut e, &path, None, &o, &mut |_| {}).expect_err("bad layers");
+        assert!(format!("{err:#}").contains("--target-layers"), "{bad:?}: {err:#}");
+    }
+}
+
 /// `specula distill` on a target attached to a device: the answers are decoded there and the
 /// teacher pass reads the device's logits and last-block hidden states
 /// ([`specula_engine::device::DeviceTarget::forward_hidden`]). Through [`CpuSlots`] (the CPU
@@ -273,49 +485,64 @@ fn distill_through_a_device_target_matches_the_cpu_path() {
     let mut dev = Engine::load(&path, "tiny", LoadOptions::default()).expect("load");
     dev.attach_device(Box::new(CpuSlots::new(model, 3, 8)))
         .expect("attach device");
-    let (a, b) = (dir.path().join("cpu"), dir.path().join("dev"));
-    let ra = specula_engine::distill::run_mtp(&mut cpu, &path, None, &distill_opts(&a, 12), &mut |_| {}).expect("cpu");
-    let mut notes = Vec::new();
-    let rb = specula_engine::distill::run_mtp(&mut dev, &path, None, &distill_opts(&b, 12), &mut |p| {
-        if let specula_engine::distill::Progress::Note(n) = p {
-            notes.push(n)
-        }
-    })
-    .expect("device");
-    assert!(ra.finished && rb.finished);
-    assert!(notes.iter().all(|n| !n.contains("runs on the CPU")), "{notes:?}");
-    let read = |d: &std::path::Path| {
-        candle_core::safetensors::load(d.join("data/teacher.safetensors"), &candle_core::Device::Cpu).expect("teacher")
-    };
-    let (ta, tb) = (read(&a), read(&b));
-    for name in ["tokens", "offsets", "answer_from", "hidden", "label_ids", "label_p"] {
-        let bytes = |t: &std::collections::HashMap<String, candle_core::Tensor>| {
-            let t = &t[name];
-            (
-                t.dims().to_vec(),
-                t.flatten_all()
-                    .expect("flat")
-                    .to_dtype(candle_core::DType::F64)
-                    .expect("f64")
-                    .to_vec1::<f64>()
-                    .expect("vec"),
-            )
+    let layers = cpu.config().num_layers;
+    // A one-tap head, and a fused-feature head reading two blocks (each row's taps side by side).
+    for fused in [None, Some(vec![0, layers - 1])] {
+        let name = if fused.is_some() { "fused" } else { "one-tap" };
+        let (a, b) = (
+            dir.path().join(format!("cpu-{name}")),
+            dir.path().join(format!("dev-{name}")),
+        );
+        let opts = |out: &std::path::Path| specula_engine::distill::DistillOptions {
+            target_layers: fused.clone(),
+            ..distill_opts(out, 12)
         };
-        let (x, y) = (bytes(&ta), bytes(&tb));
-        let first = x.1.iter().zip(&y.1).position(|(p, q)| p.to_bits() != q.to_bits());
-        assert!(
-            x.0 == y.0 && first.is_none(),
-            "teacher tensor {name}: shapes {:?} {:?}, first difference at {first:?}",
-            x.0,
-            y.0
+        let ra = specula_engine::distill::run_mtp(&mut cpu, &path, None, &opts(&a), &mut |_| {}).expect("cpu");
+        let mut notes = Vec::new();
+        let rb = specula_engine::distill::run_mtp(&mut dev, &path, None, &opts(&b), &mut |p| {
+            if let specula_engine::distill::Progress::Note(n) = p {
+                notes.push(n)
+            }
+        })
+        .expect("device");
+        assert!(ra.finished && rb.finished);
+        assert!(notes.iter().all(|n| !n.contains("runs on the CPU")), "{notes:?}");
+        let read = |d: &std::path::Path| {
+            candle_core::safetensors::load(d.join("data/teacher.safetensors"), &candle_core::Device::Cpu)
+                .expect("teacher")
+        };
+        let (ta, tb) = (read(&a), read(&b));
+        for tensor in ["tokens", "offsets", "answer_from", "hidden", "label_ids", "label_p"] {
+            let bytes = |t: &std::collections::HashMap<String, candle_core::Tensor>| {
+                let t = &t[tensor];
+                (
+                    t.dims().to_vec(),
+                    t.flatten_all()
+                        .expect("flat")
+                        .to_dtype(candle_core::DType::F64)
+                        .expect("f64")
+                        .to_vec1::<f64>()
+                        .expect("vec"),
+                )
+            };
+            let (x, y) = (bytes(&ta), bytes(&tb));
+            let first = x.1.iter().zip(&y.1).position(|(p, q)| p.to_bits() != q.to_bits());
+            assert!(
+                x.0 == y.0 && first.is_none(),
+                "{name}: teacher tensor {tensor}: shapes {:?} {:?}, first difference at {first:?}",
+                x.0,
+                y.0
+            );
+        }
+        assert!(ta["tokens"].dim(0).expect("dim") > 100);
+        let width = fused.as_ref().map_or(1, Vec::len) * cpu.config().hidden_size;
+        assert_eq!(ta["hidden"].dims()[1], width, "{name}");
+        assert_eq!(
+            std::fs::read(a.join("model.safetensors")).expect("cpu head"),
+            std::fs::read(b.join("model.safetensors")).expect("device head"),
+            "{name}: the head trained on the device's teacher pass is the CPU path's"
         );
     }
-    assert!(ta["tokens"].dim(0).expect("dim") > 100);
-    assert_eq!(
-        std::fs::read(a.join("model.safetensors")).expect("cpu head"),
-        std::fs::read(b.join("model.safetensors")).expect("device head"),
-        "the head trained on the device's teacher pass is the CPU path's"
-    );
 }
 
 /// Training refuses, before any step, a head to start from that does not fit the target.
@@ -416,7 +643,7 @@ fn distilled_block_drafter_is_accepted_and_exact() {
     let out = dir.path().join("block");
     let mut o = distill_opts(&out, 40);
     o.block_size = 4;
-    o.block_taps = Some(vec![0, 1]);
+    o.target_layers = Some(vec![0, 1]);
     let r = specula_engine::distill::run(
         &mut e,
         &path,

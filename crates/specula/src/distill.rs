@@ -28,8 +28,10 @@ pub struct DistillArgs {
     /// Block drafter: transformer layers.
     #[arg(long, default_value_t = 1)]
     block_layers: usize,
-    /// Block drafter: the target layers whose hidden states it reads, comma-separated
-    /// (default: a third, two thirds and the last).
+    /// The target layers whose outputs the head reads, comma-separated, shallow to deep.
+    /// Block drafter: default a third, two thirds and the last. MTP head: given, the head reads
+    /// fused features (EAGLE-3: these layers' outputs concatenated and projected), e.g.
+    /// `2,15,29` for a 30-layer target; default the one hidden state of --hidden-source.
     #[arg(long, value_delimiter = ',')]
     target_layers: Option<Vec<usize>>,
     /// Output directory: the head (config.json + model.safetensors), the training record, and
@@ -109,10 +111,21 @@ pub struct DistillArgs {
     seed: u64,
     /// Where the work runs: cpu, or cuda:N (a build with `--features cuda-train`, docs/gpu.md).
     /// On cuda:N the target's answers are generated on that GPU, the teacher pass reads its
-    /// logits and last-block hidden states there (an MTP head's taps; a block drafter's run on
-    /// the CPU), and the head trains there on candle's CUDA backend.
+    /// logits and block outputs there (unless --teacher cpu; a post-norm tap runs on the CPU),
+    /// and the head trains there on candle's CUDA backend.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Where the teacher pass runs with --device cuda:N: `device` (fast), or `cpu`: the CPU
+    /// model's own hidden states and distributions, the bits a head drafting on the CPU reads
+    /// (the GPU's bf16 forward differs from them slightly).
+    #[arg(long, value_enum, default_value = "device")]
+    teacher: TeacherOn,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum TeacherOn {
+    Device,
+    Cpu,
 }
 
 /// The candle device training runs on for `--device` (cpu or cuda:N). Errors: an unknown
@@ -185,7 +198,8 @@ pub fn run(a: DistillArgs) -> Result<()> {
         prompt_loss: a.prompt_loss,
         block_size: a.block_size,
         block_layers: a.block_layers,
-        block_taps: a.target_layers.clone(),
+        target_layers: a.target_layers.clone(),
+        teacher_on_cpu: a.teacher == TeacherOn::Cpu,
         seed: a.seed,
         device,
     };

@@ -394,15 +394,12 @@ fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
     found
 }
 
-/// Is `p` a block-drafter folder (its config.json has `block_size`, `target_layer_ids` or
-/// `dflash_config`)?
+/// Is `p` a block-drafter folder ([`specula_engine::spec::block::is_block_drafter_config`])?
 fn is_block_drafter(p: &std::path::Path) -> bool {
     std::fs::read_to_string(p.join("config.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .is_some_and(|j| {
-            j.get("block_size").is_some() || j.get("target_layer_ids").is_some() || j.get("dflash_config").is_some()
-        })
+        .is_some_and(|j| specula_engine::spec::block::is_block_drafter_config(&j))
 }
 
 #[derive(Args, Debug)]

@@ -1342,6 +1342,11 @@ pub struct GpuModel {
     pub use_graphs: bool,
     /// Kernel choices (from the environment; speed only).
     pub(crate) kernels: KernelOptions,
+    /// Hidden-state taps of the forward being enqueued: after block `layer`, the residual
+    /// stream's rows are copied to the device address (set by `forward_hidden` only).
+    tap_dst: Vec<(usize, u64)>,
+    /// Where those copies go: `taps × MAX_ROWS × hidden` f32, grown on demand.
+    tap_buf: Option<DevBuf>,
     /// Last: fields drop in order, and graphs and buffers must go while the context lives.
     pub gpu: Gpu,
 }
@@ -1401,6 +1406,8 @@ impl GpuModel {
             written: Vec::new(),
             use_graphs: std::env::var("SPECULA_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             kernels: KernelOptions::from_env()?,
+            tap_dst: Vec::new(),
+            tap_buf: None,
         };
         m.resize_kv(slots, max_ctx)?;
         Ok(m)
@@ -1637,6 +1644,9 @@ impl GpuModel {
                 }
             }
             g.gemm(l.down.ptrs(), s.act.at(0), Some(x), x, n, h, inter)?;
+            for &(_, dst) in self.tap_dst.iter().filter(|(tl, _)| *tl == li) {
+                g.copy(dst, x, n * h * 4)?;
+            }
         }
         let (first, m) = match logits {
             LogitsRows::None => return Ok(()),
@@ -1919,23 +1929,60 @@ impl crate::device::DeviceTarget for GpuModel {
         Ok(out)
     }
 
-    fn forward_hidden(&mut self, rows: &[crate::device::DeviceRow]) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn forward_hidden(&mut self, rows: &[crate::device::DeviceRow], taps: &[usize]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (h, layers) = (self.config.hidden, self.config.layers);
+        if let Some(&bad) = taps.iter().find(|&&t| t >= layers) {
+            bail!(
+                "{}: hidden states of blocks 0..{layers} only, not tap {bad}",
+                self.gpu.name()
+            );
+        }
         self.gpu.bind()?;
         let (rows, written) = self.device_rows(rows)?;
         self.check_rows(&rows)?;
         let n = rows.len();
         self.write_io(&rows)?;
         let distinct = distinct_slots(&rows);
-        if self.use_graphs && n <= GRAPH_MAX_ROWS {
+        let last_only = taps == [layers - 1];
+        if last_only && self.use_graphs && n <= GRAPH_MAX_ROWS {
             self.launch_graph(n, distinct)?;
-        } else {
+        } else if last_only {
             self.enqueue(n, LogitsRows::All, distinct)?;
+        } else {
+            // Other blocks' outputs are copied out of the residual stream as the forward
+            // passes them (outside captured graphs).
+            let stride = MAX_ROWS * h * 4;
+            if self.tap_buf.as_ref().is_none_or(|b| b.bytes < taps.len() * stride) {
+                self.tap_buf = None;
+                self.tap_buf = Some(DevBuf::new(taps.len() * stride)?);
+            }
+            let base = self.tap_buf.as_ref().map_or(0, |b| b.at(0));
+            self.tap_dst = taps
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| (t, base + (i * stride) as u64))
+                .collect();
+            let r = self.enqueue(n, LogitsRows::All, distinct);
+            self.tap_dst.clear();
+            r?;
         }
-        // The residual stream `x` holds the last block's output: the final norm writes `xn`.
         let mut logits = vec![0f32; n * self.config.vocab];
         self.gpu.download(&mut logits, self.s.logits.at(0))?;
-        let mut hidden = vec![0f32; n * self.config.hidden];
-        self.gpu.download(&mut hidden, self.s.x.at(0))?;
+        let hidden = if last_only {
+            // The residual stream `x` holds the last block's output: the final norm writes `xn`.
+            let mut hidden = vec![0f32; n * h];
+            self.gpu.download(&mut hidden, self.s.x.at(0))?;
+            hidden
+        } else {
+            let mut per_tap = Vec::with_capacity(taps.len());
+            for (_, dst) in taps.iter().zip(0..) {
+                let mut v = vec![0f32; n * h];
+                let base = self.tap_buf.as_ref().map_or(0, |b| b.at(dst * MAX_ROWS * h * 4));
+                self.gpu.download(&mut v, base)?;
+                per_tap.push(v);
+            }
+            crate::device::interleave_taps(&per_tap, n, h)
+        };
         self.written = written;
         Ok((logits, hidden))
     }

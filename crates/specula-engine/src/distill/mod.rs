@@ -75,11 +75,16 @@ pub struct DistillOptions {
     /// the head only ever drafts after generated tokens, so the loss covers the answers and
     /// the prompts are context (as EAGLE-style heads mask the loss to the assistant's turns).
     pub prompt_loss: bool,
-    /// Block drafters: tokens per block (drafts `block_size - 1` per pass), drafter layers, and
-    /// the target layers read (`None`: [`default_block_taps`]).
+    /// Block drafters: tokens per block (drafts `block_size - 1` per pass) and drafter layers.
     pub block_size: usize,
     pub block_layers: usize,
-    pub block_taps: Option<Vec<usize>>,
+    /// The target layers the head reads, shallow to deep. Block drafters: `None` is
+    /// [`default_block_taps`]. MTP heads: `Some` trains a fused-feature head (EAGLE-3) on these
+    /// layers' outputs; `None` reads the one hidden state of `hidden_source`.
+    pub target_layers: Option<Vec<usize>>,
+    /// Run the teacher pass on the CPU model even when the engine has a device attached (the
+    /// hidden states a head drafting on the CPU reads, bit for bit).
+    pub teacher_on_cpu: bool,
     pub seed: u64,
     /// Where training runs (candle autograd): the CPU, or a CUDA GPU in a build with
     /// `--features cuda-train` (`candle_core::Device::new_cuda`). The data and teacher
@@ -115,7 +120,8 @@ impl Default for DistillOptions {
             prompt_loss: false,
             block_size: 8,
             block_layers: 1,
-            block_taps: None,
+            target_layers: None,
+            teacher_on_cpu: false,
             seed: 0,
             device: candle_core::Device::Cpu,
         }
@@ -232,13 +238,23 @@ pub fn run(
             if let Some(p) = init {
                 crate::spec::mtp::MtpHead::load(p, engine.model())?;
             }
-            (train::HeadSpec::Mtp, vec![opts.hidden_source.tap(layers)])
+            match &opts.target_layers {
+                Some(fused) => {
+                    check_layers(fused, layers)?;
+                    let spec = train::HeadSpec::Mtp {
+                        fused: Some(fused.clone()),
+                    };
+                    (spec, fused.clone())
+                }
+                None => (
+                    train::HeadSpec::Mtp { fused: None },
+                    vec![opts.hidden_source.tap(layers)],
+                ),
+            }
         }
         HeadKind::Block => {
-            let taps = opts.block_taps.clone().unwrap_or_else(|| default_block_taps(layers));
-            if let Some(&bad) = taps.iter().find(|&&t| t >= layers) {
-                anyhow::bail!("--target-layers names layer {bad}, but the target has layers 0..{layers}");
-            }
+            let taps = opts.target_layers.clone().unwrap_or_else(|| default_block_taps(layers));
+            check_layers(&taps, layers)?;
             if opts.block_size < 2 {
                 anyhow::bail!("--block-size must be at least 2");
             }
@@ -260,6 +276,7 @@ pub fn run(
         engine,
         &seqs,
         &taps,
+        !opts.teacher_on_cpu,
         opts.top_k.max(1),
         &opts.out.join("data"),
         progress,
@@ -278,6 +295,20 @@ pub fn run(
         )?;
     }
     Ok(report)
+}
+
+/// `--target-layers`: at least one layer, each inside the target, shallow to deep, no repeats.
+fn check_layers(taps: &[usize], layers: usize) -> anyhow::Result<()> {
+    if taps.is_empty() {
+        anyhow::bail!("--target-layers is empty");
+    }
+    if let Some(&bad) = taps.iter().find(|&&t| t >= layers) {
+        anyhow::bail!("--target-layers names layer {bad}, but the target has layers 0..{layers}");
+    }
+    if taps.windows(2).any(|w| w[0] >= w[1]) {
+        anyhow::bail!("--target-layers must go from shallow to deep without repeats: {taps:?}");
+    }
+    Ok(())
 }
 
 /// The block drafter's mask token: a special token the chat format does not use (the first

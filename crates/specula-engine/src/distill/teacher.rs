@@ -33,6 +33,8 @@ pub struct Teacher {
     /// probabilities (softmax at temperature 1 over the full vocabulary).
     pub label_ids: Vec<u32>,
     pub label_p: Vec<f16>,
+    /// Where the pass ran: `cpu`, or the attached device's name.
+    pub made_on: String,
 }
 
 impl Teacher {
@@ -99,28 +101,35 @@ fn fingerprint(seqs: &Sequences, taps: &[usize], top_k: usize, on_device: bool) 
 /// Run the target over `seqs` (or read the cache in `dir`), keeping the hidden states at `taps`
 /// and the top `top_k` next-token probabilities of every position.
 ///
-/// On the engine's attached device ([`crate::Engine::device_forward_hidden`]) when it has one
-/// and `taps` is the last block's output alone (an MTP head's `pre_norm` source); else on the
-/// CPU model. Errors: the device or the model fails, or the cache cannot be written.
+/// On the engine's attached device ([`crate::Engine::device_forward_hidden`]) when it has one,
+/// `use_device` allows it and every tap is a block's output (not `post_norm`); else on the CPU
+/// model. Errors: the device or the model fails, or the cache cannot be written.
 pub fn teacher(
     engine: &crate::Engine,
     seqs: &Sequences,
     taps: &[usize],
+    use_device: bool,
     top_k: usize,
     dir: &Path,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<Teacher> {
     let model = engine.model();
-    let last = model.config().num_layers - 1;
-    let on_device = engine.device_name().is_some() && taps == [last];
-    if let (Some(d), false) = (engine.device_name(), on_device) {
+    let layers = model.config().num_layers;
+    let on_device = use_device && engine.device_name().is_some() && taps.iter().all(|&t| t < layers);
+    if let (Some(d), false, true) = (engine.device_name(), on_device, use_device) {
         progress(Progress::Note(format!(
-            "the teacher pass runs on the CPU: {d} returns only the last block's hidden state, and these taps are {taps:?}"
+            "the teacher pass runs on the CPU: {d} returns block outputs only, and these taps are {taps:?} (the post-norm tap is {layers})"
         )));
     }
     let key = fingerprint(seqs, taps, top_k, on_device);
     let path = dir.join("teacher.safetensors");
-    if let Some(t) = read_cache(&path, key)? {
+    let made_on = match (on_device, engine.device_name()) {
+        (true, Some(d)) => d.to_string(),
+        _ => "cpu".to_string(),
+    };
+    if let Some(mut t) = read_cache(&path, key)? {
+        // The key covers where the pass ran.
+        t.made_on = made_on;
         progress(Progress::Note(format!(
             "reusing the teacher pass ({} positions) from {}",
             t.positions(),
@@ -132,6 +141,7 @@ pub fn teacher(
     let ctx = model.config().context_length;
     let vocab = model.config().vocab_size;
     let mut t = Teacher {
+        made_on,
         hidden_size: h,
         top_k,
         taps: taps.to_vec(),
@@ -149,7 +159,13 @@ pub fn teacher(
     let started = std::time::Instant::now();
     for (si, seq) in seqs.sequences.iter().enumerate() {
         let seq = &seq[..seq.len().min(ctx)];
-        let mut push = |logits: &[f32], hid: &[f32]| {
+        let mut push = |logits: &[f32], hid: &[f32]| -> Result<()> {
+            // The cache keeps hidden states in f16: a value past its range would train on inf.
+            if let Some(&x) = hid.iter().find(|x| x.is_nan() || x.abs() > f16::MAX.to_f32()) {
+                anyhow::bail!(
+                    "sequence {si}: a hidden state at taps {taps:?} is {x}, outside f16's range (the teacher cache's type)"
+                );
+            }
             t.hidden.extend(hid.iter().map(|&x| f16::from_f32(x)));
             let labels: Vec<Vec<(u32, f32)>> = logits.par_chunks(vocab).map(|row| top_probs(row, top_k)).collect();
             for l in labels {
@@ -159,11 +175,12 @@ pub fn teacher(
                     t.label_p.push(f16::from_f32(p));
                 }
             }
+            Ok(())
         };
-        match on_device.then(|| engine.device_forward_hidden(seq)).flatten() {
+        match on_device.then(|| engine.device_forward_hidden(seq, taps)).flatten() {
             Some(out) => {
                 let (logits, hid) = out?;
-                push(&logits, &hid);
+                push(&logits, &hid)?;
             }
             None => {
                 let mut kv = model.new_kv_cache();
@@ -171,7 +188,7 @@ pub fn teacher(
                     let out = model.forward(chunk, &mut kv, LogitsRows::All, taps)?;
                     let logits = out.logits.flatten_all()?.to_vec1::<f32>()?;
                     let hid = Tensor::cat(&out.hidden, 1)?.flatten_all()?.to_vec1::<f32>()?;
-                    push(&logits, &hid);
+                    push(&logits, &hid)?;
                 }
             }
         }
@@ -254,6 +271,7 @@ fn read_cache(path: &Path, key: u64) -> Result<Option<Teacher>> {
         .map(|o| o as usize)
         .collect();
     let t = Teacher {
+        made_on: "cpu".into(),
         hidden_size: h,
         top_k,
         taps,

@@ -191,6 +191,23 @@ pub fn initial_weights(target: &Model, model_path: &Path, prefix: &str, seed: u6
     Ok(m)
 }
 
+/// The initial fused-feature projection of an MTP head reading `n_taps` target layers
+/// (`[h, n_taps × h]`): the deepest tap passed through (identity), so training starts from the
+/// one-tap head, plus small random weights on the shallower taps.
+pub fn initial_fused_fc(h: usize, n_taps: usize, seed: u64) -> Result<Tensor> {
+    let dev = Device::Cpu;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x00fc);
+    let mut parts = Vec::with_capacity(n_taps);
+    for i in 0..n_taps {
+        parts.push(if i + 1 == n_taps {
+            Tensor::eye(h, DType::F32, &dev)?
+        } else {
+            Tensor::from_vec(normal(&mut rng, h * h, 0.002), (h, h), &dev)?
+        });
+    }
+    Ok(Tensor::cat(&parts, 1)?)
+}
+
 /// AdamW state for one parameter.
 struct Param {
     name: String,
@@ -246,8 +263,9 @@ pub fn layer_prefix(target: &Model) -> String {
 /// What kind of head to train.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HeadSpec {
-    /// An MTP head ([`crate::spec::mtp`]).
-    Mtp,
+    /// An MTP head ([`crate::spec::mtp`]); `fused`: the target layers of a fused-feature head
+    /// (EAGLE-3), `None` for a head reading one hidden state.
+    Mtp { fused: Option<Vec<usize>> },
     /// A block drafter ([`crate::spec::block`]) of `layers` layers drafting `block_size - 1`
     /// tokens per pass from the target taps `taps`, with `mask_token` filling the block.
     Block {
@@ -268,7 +286,7 @@ impl HeadSpec {
     /// The prefix of the head's tensor names.
     fn prefix(&self, target: &Model) -> String {
         match self {
-            HeadSpec::Mtp => layer_prefix(target),
+            HeadSpec::Mtp { .. } => layer_prefix(target),
             HeadSpec::Block { .. } => String::new(),
         }
     }
@@ -277,7 +295,12 @@ impl HeadSpec {
     fn build(&self, t: &NamedTensors, target: &Model) -> Result<Built> {
         let shape = BlockShape::of_target(target);
         Ok(match self {
-            HeadSpec::Mtp => Built::Mtp(Box::new(MtpWeights::from_named(t, &self.prefix(target), &shape)?)),
+            HeadSpec::Mtp { fused } => Built::Mtp(Box::new(MtpWeights::from_named(
+                t,
+                &self.prefix(target),
+                &shape,
+                fused.as_ref().map(Vec::len),
+            )?)),
             HeadSpec::Block { taps, layers, .. } => Built::Block(BlockWeights::from_named(
                 t,
                 "",
@@ -424,14 +447,45 @@ pub fn train(
             .min()
             .with_context(|| format!("{}: not an MTP head in the DeepSeek-V3 layout", t.file))?;
         let from = format!("model.layers.{layer}.");
-        MtpWeights::from_named(&t, &from, &shape)?;
-        t.map
+        let init_taps = match t.map.get(&format!("{from}hidden_fc.weight")) {
+            Some(fc) => Some(fc.dim(1)? / h),
+            None => None,
+        };
+        let init_fused = init_taps.is_some();
+        let fused = match spec {
+            HeadSpec::Mtp { fused } => fused.as_ref().map(Vec::len),
+            HeadSpec::Block { .. } => None,
+        };
+        MtpWeights::from_named(&t, &from, &shape, init_taps)?;
+        let mut w: HashMap<String, Tensor> = t
+            .map
             .iter()
             .filter_map(|(k, v)| k.strip_prefix(&from).map(|r| (format!("{prefix}{r}"), v.clone())))
-            .collect()
+            .collect();
+        match (fused, init_fused) {
+            // A one-tap head grows fused features that start as the deepest tap alone.
+            (Some(l), false) => {
+                w.insert(format!("{prefix}hidden_fc.weight"), initial_fused_fc(h, l, opts.seed)?);
+            }
+            (None, true) => bail!(
+                "{}: a fused-feature head (hidden_fc.weight) cannot continue as a one-tap head; pass its --target-layers",
+                t.file
+            ),
+            _ => {}
+        }
+        w
     } else {
         match spec {
-            HeadSpec::Mtp => initial_weights(target, model_path, &prefix, opts.seed)?,
+            HeadSpec::Mtp { fused } => {
+                let mut w = initial_weights(target, model_path, &prefix, opts.seed)?;
+                if let Some(f) = fused {
+                    w.insert(
+                        format!("{prefix}hidden_fc.weight"),
+                        initial_fused_fc(h, f.len(), opts.seed)?,
+                    );
+                }
+                w
+            }
             HeadSpec::Block { taps, layers, .. } => {
                 initial_block_weights(target, model_path, taps.len(), *layers, opts.seed)?
             }
@@ -535,7 +589,7 @@ pub fn train(
             (Built::Mtp(head), _) => {
                 let (emb, hid, labels, n_rows) =
                     batch_tensors(teacher, &ws, opts.seq_len, embedding, &to_row, vrows, &dev)?;
-                let (out, k1, v1) = head.forward(&emb, &hid, 0, None)?;
+                let (out, k1, v1) = head.forward(&emb, &head.features(&hid)?, 0, None)?;
                 let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
                 let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
                 let mut loss = ((labels * logp)?.sum_all()? * (-1.0 / n_rows.max(1) as f64))?;
@@ -680,26 +734,10 @@ pub fn train(
         finished,
     };
     if finished {
+        let record = training_record(&report, opts, init, teacher, vocab_ids.as_deref(), &loss_history);
         match (&head, spec) {
-            (Built::Mtp(head), _) => write_head(
-                &opts.out,
-                target,
-                head,
-                vocab_ids.as_deref(),
-                opts,
-                &report,
-                &loss_history,
-            )?,
-            (Built::Block(bw), _) => write_block(
-                &opts.out,
-                target,
-                bw,
-                spec,
-                vocab_ids.as_deref(),
-                opts,
-                &report,
-                &loss_history,
-            )?,
+            (Built::Mtp(head), _) => write_head(&opts.out, target, spec, head, vocab_ids.as_deref(), opts, record)?,
+            (Built::Block(bw), _) => write_block(&opts.out, target, bw, spec, vocab_ids.as_deref(), opts, record)?,
         }
     }
     Ok(report)
@@ -857,7 +895,7 @@ fn evaluate(
             vocab.rows.dim(0)?,
             vocab.rows.device(),
         )?;
-        let (out, _, _) = head.forward(&emb, &hid, 0, None)?;
+        let (out, _, _) = head.forward(&emb, &head.features(&hid)?, 0, None)?;
         let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
         let best = logits.argmax(D::Minus1)?.to_vec2::<u32>()?;
         for (w, row) in chunk.iter().zip(&best) {
@@ -879,11 +917,11 @@ fn evaluate(
 fn write_head(
     out: &Path,
     target: &Model,
+    spec: &HeadSpec,
     head: &MtpWeights,
     vocab: Option<&[u32]>,
     opts: &DistillOptions,
-    report: &TrainReport,
-    loss_history: &[(usize, f64)],
+    record: serde_json::Value,
 ) -> Result<()> {
     let c = target.config();
     let mut map: HashMap<String, Tensor> = HashMap::new();
@@ -899,11 +937,15 @@ fn write_head(
         model_type: Some("specula_mtp".into()),
         num_nextn_predict_layers: Some(1),
         hidden_source: opts.hidden_source,
+        target_layer_ids: match spec {
+            HeadSpec::Mtp { fused } => fused.clone(),
+            HeadSpec::Block { .. } => None,
+        },
         shape: Some(BlockShape::of_target(target)),
         num_hidden_layers: Some(c.num_layers),
         vocab_size: Some(c.vocab_size),
         attention_window: Some(opts.seq_len),
-        training: Some(training_record(report, opts, vocab, loss_history)),
+        training: Some(record),
     };
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     Ok(())
@@ -1108,7 +1150,6 @@ fn evaluate_block(
 
 /// Write a trained block drafter: `model.safetensors` (f16, with `draft_vocab`) and
 /// `config.json` (block size, target layers, mask token, shape, training record).
-#[allow(clippy::too_many_arguments)]
 fn write_block(
     out: &Path,
     target: &Model,
@@ -1116,8 +1157,7 @@ fn write_block(
     spec: &HeadSpec,
     vocab: Option<&[u32]>,
     opts: &DistillOptions,
-    report: &TrainReport,
-    loss_history: &[(usize, f64)],
+    record: serde_json::Value,
 ) -> Result<()> {
     let HeadSpec::Block {
         block_size,
@@ -1148,7 +1188,7 @@ fn write_block(
         shape: Some(BlockShape::of_target(target)),
         dflash_config: None,
         attention_window: Some(opts.seq_len),
-        training: Some(training_record(report, opts, vocab, loss_history)),
+        training: Some(record),
     };
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     Ok(())
@@ -1158,10 +1198,15 @@ fn write_block(
 fn training_record(
     report: &TrainReport,
     opts: &DistillOptions,
+    init: Option<&Path>,
+    teacher: &Teacher,
     vocab: Option<&[u32]>,
     loss_history: &[(usize, f64)],
 ) -> serde_json::Value {
     serde_json::json!({
+        "init": init.map(|p| p.display().to_string()),
+        "teacher_on": teacher.made_on,
+        "trained_on": format!("{:?}", opts.device),
         "steps": report.steps_done,
         "final_loss": report.final_loss,
         "held_out_top1_agreement": report.held_out_top1,
@@ -1193,6 +1238,7 @@ mod tests {
     /// of user text (positions 10..16, all "answer": nothing is a prompt).
     fn teacher() -> Teacher {
         Teacher {
+            made_on: "cpu".into(),
             hidden_size: 1,
             top_k: 1,
             taps: vec![0],

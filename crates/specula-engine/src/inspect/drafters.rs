@@ -6,7 +6,9 @@
 //! - DeepSeek-V3 (also GLM-4.5, MiMo-style converters): trailing layers
 //!   `model.layers.{num_hidden_layers + i}.` holding `enorm.weight` `[h]`, `hnorm.weight` `[h]`,
 //!   `eh_proj.weight` `[h, 2h]`, `shared_head.norm.weight` `[h]`, optionally
-//!   `shared_head.head.weight` `[vocab, h]`, plus a transformer block (`self_attn.*`, `mlp.*`);
+//!   `shared_head.head.weight` `[vocab, h]` and, for a fused-feature head (EAGLE-3, Specula's
+//!   `distill --target-layers`), `hidden_fc.weight` `[h, L × h]`, plus a transformer block
+//!   (`self_attn.*`, `mlp.*`);
 //!   in GGUF (llama.cpp), `blk.{n}.nextn.{enorm,hnorm,eh_proj,shared_head_norm,shared_head_head,
 //!   embed_tokens}.weight` on the last `{arch}.nextn_predict_layers` blocks.
 //! - Qwen3-Next: `mtp.fc.weight` `[h, 2h]`, `mtp.pre_fc_norm_embedding.weight` `[h]`,
@@ -347,6 +349,23 @@ fn validate_mtp(
                         }
                     }
                 }
+                // Fused features (EAGLE-3): `[h, L × h]` for L tapped target layers.
+                if let (Some(t), Some(h)) = (get("hidden_fc.weight"), h) {
+                    let fits = t.dims.len() == 2 && t.dims[0] == h && t.dims[1] >= h && t.dims[1] % h == 0;
+                    if !fits {
+                        push(
+                            diags,
+                            c,
+                            Severity::Error,
+                            file,
+                            &t.name,
+                            format!(
+                                "has shape {:?}, expected [{h}, L × {h}] (hidden × tapped target layers × hidden, the fused features)",
+                                t.dims
+                            ),
+                        );
+                    }
+                }
                 let has_block = ts.iter().any(|(_, r)| {
                     [
                         "self_attn.",
@@ -531,10 +550,7 @@ fn sibling_names(target: &Part, suffix: &str, plain: &str) -> PathBuf {
 }
 
 fn is_block_drafter_dir(p: &Path) -> bool {
-    p.is_dir()
-        && read_json(&p.join("config.json")).is_ok_and(|j| {
-            j.get("block_size").is_some() || j.get("dflash_config").is_some() || j.get("target_layer_ids").is_some()
-        })
+    p.is_dir() && read_json(&p.join("config.json")).is_ok_and(|j| crate::spec::block::is_block_drafter_config(&j))
 }
 
 /// The MTP report: trunk first, then sidecars (`mtp/` or `mtp.safetensors` in a bundle

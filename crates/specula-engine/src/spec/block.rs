@@ -60,6 +60,15 @@ pub struct BlockConfig {
     pub training: Option<serde_json::Value>,
 }
 
+/// Whether a drafter folder's `config.json` (`j`) describes a block drafter: it has
+/// `block_size` or `dflash_config`, or `target_layer_ids` without an MTP marker
+/// (`num_nextn_predict_layers`; a fused-feature MTP head also lists `target_layer_ids`).
+pub fn is_block_drafter_config(j: &serde_json::Value) -> bool {
+    j.get("block_size").is_some()
+        || j.get("dflash_config").is_some()
+        || (j.get("target_layer_ids").is_some() && j.get("num_nextn_predict_layers").is_none())
+}
+
 /// The weights of a block drafter (dense f32 for training, Q8_0 copies for drafting).
 #[derive(Debug, Clone)]
 pub struct BlockWeights {

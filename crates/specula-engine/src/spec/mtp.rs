@@ -8,7 +8,11 @@
 //!
 //! Which target hidden state feeds the head is part of its contract (`hidden_source` in the
 //! head's config): `pre_norm` (the last block's output, DeepSeek-V3's choice, the default) or
-//! `post_norm` (after the target's final norm).
+//! `post_norm` (after the target's final norm). A head may instead read *fused features*
+//! (EAGLE-3, Li et al. 2025, §3): the outputs of several target blocks (`target_layer_ids`,
+//! shallow to deep) concatenated and projected by `hidden_fc` (`[hidden, L × hidden]`) to one
+//! hidden state, which then takes `h_j`'s place; chained steps feed the head's own `h'` as
+//! before.
 //!
 //! Tensor layouts (see [`crate::inspect`]): DeepSeek-V3 (`model.layers.{L}.enorm`, `hnorm`,
 //! `eh_proj`, `shared_head.norm`, optional `shared_head.head`, and the block under the same
@@ -70,6 +74,10 @@ pub struct MtpConfig {
     pub num_nextn_predict_layers: Option<usize>,
     #[serde(default)]
     pub hidden_source: HiddenSource,
+    /// Fused features (EAGLE-3): the target blocks whose outputs the head reads, shallow to
+    /// deep, through `hidden_fc`. `None`: the one hidden state `hidden_source` names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_layer_ids: Option<Vec<usize>>,
     #[serde(default, flatten)]
     pub shape: Option<BlockShape>,
     /// The target's layer count (DeepSeek-V3 names the MTP layer after the trunk's layers).
@@ -93,6 +101,9 @@ pub struct MtpWeights {
     pub hnorm: Tensor,
     /// `[hidden, 2 × hidden]`, input `[embedding ; hidden state]`.
     pub eh_proj: Dense,
+    /// Fused features: `[hidden, L × hidden]`, the `L` tapped target hidden states
+    /// (concatenated, shallow to deep) → the hidden state the head reads. `None`: one tap.
+    pub hidden_fc: Option<Dense>,
     pub block: HeadBlock,
     /// The norm before the LM head (`shared_head.norm`).
     pub norm: Tensor,
@@ -100,10 +111,12 @@ pub struct MtpWeights {
 
 impl MtpWeights {
     /// The weights under `prefix` in DeepSeek-V3 names (`enorm`, `hnorm`, `eh_proj`,
-    /// `shared_head.norm`, the block). Errors name the file, the tensor and the shapes.
-    pub fn from_named(t: &NamedTensors, prefix: &str, shape: &BlockShape) -> Result<Self> {
+    /// `shared_head.norm`, the block, and `hidden_fc` for a head of `fused` taps). Errors name
+    /// the file, the tensor and the shapes.
+    pub fn from_named(t: &NamedTensors, prefix: &str, shape: &BlockShape, fused: Option<usize>) -> Result<Self> {
         let (p, h) = (prefix, shape.hidden_size);
         Ok(Self {
+            hidden_fc: hidden_fc(t, &format!("{p}hidden_fc.weight"), h, fused)?,
             enorm: t.get(&format!("{p}enorm.weight"), &[h], "the embedding norm")?,
             hnorm: t.get(&format!("{p}hnorm.weight"), &[h], "the hidden-state norm")?,
             eh_proj: Dense::new(
@@ -117,6 +130,33 @@ impl MtpWeights {
             block: t.block(p, shape)?,
             norm: t.get(&format!("{p}shared_head.norm.weight"), &[h], "the final norm")?,
         })
+    }
+
+    /// The hidden state the head's first step reads, from the tapped target hidden states
+    /// `taps` (`[.., L × hidden]`, concatenated shallow to deep): `hidden_fc(taps)` for a
+    /// fused-feature head, else `taps` itself (`L` = 1).
+    pub fn features(&self, taps: &Tensor) -> Result<Tensor> {
+        match &self.hidden_fc {
+            Some(fc) => fc.forward(taps),
+            None => Ok(taps.clone()),
+        }
+    }
+
+    /// [`MtpWeights::features`] on `n` rows (the drafting path).
+    pub fn features_rows(&self, taps: &[f32], n: usize) -> Result<Vec<f32>> {
+        match &self.hidden_fc {
+            Some(fc) => fc.rows(taps, n),
+            None => Ok(taps.to_vec()),
+        }
+    }
+
+    /// Use Q8_0 copies of the projections for drafting ([`Dense::quantize_for_drafting`]).
+    pub fn quantize_for_drafting(&mut self) -> Result<()> {
+        self.eh_proj.quantize_for_drafting()?;
+        if let Some(fc) = self.hidden_fc.as_mut() {
+            fc.quantize_for_drafting()?;
+        }
+        self.block.quantize_for_drafting()
     }
 
     /// One step of the head: `emb`, `hidden` (`[b, n, h]`, rows at positions `pos0 ..`) →
@@ -175,7 +215,31 @@ impl MtpWeights {
         v.push((format!("{p}hnorm.weight"), self.hnorm.clone()));
         v.push((format!("{p}eh_proj.weight"), self.eh_proj.w.clone()));
         v.push((format!("{p}shared_head.norm.weight"), self.norm.clone()));
+        if let Some(fc) = &self.hidden_fc {
+            v.push((format!("{p}hidden_fc.weight"), fc.w.clone()));
+        }
         v
+    }
+}
+
+/// The fused-feature projection `name` (`[h, fused × h]`) of a head that reads `fused` taps;
+/// for a one-tap head, an error if the file has one anyway (its config would be missing
+/// `target_layer_ids`).
+fn hidden_fc(t: &NamedTensors, name: &str, h: usize, fused: Option<usize>) -> Result<Option<Dense>> {
+    match fused {
+        Some(l) => Ok(Some(Dense::new(
+            t.get(
+                name,
+                &[h, l * h],
+                "hidden × (target layers × hidden), the fused features",
+            )?,
+            None,
+        ))),
+        None if t.map.contains_key(name) => bail!(
+            "{}: {name} holds fused features, but the head's config names no target_layer_ids",
+            t.file
+        ),
+        None => Ok(None),
     }
 }
 
@@ -188,8 +252,9 @@ pub struct MtpHead {
     pub vocab: DraftVocab,
     /// The target's embedding table (shared).
     pub embedding: Embedding,
-    /// The target tap this head reads.
-    pub tap: usize,
+    /// The target taps this head reads: one (`hidden_source`), or the fused features'
+    /// `target_layer_ids`.
+    pub taps: Vec<usize>,
     /// Where it was loaded from.
     pub source: String,
 }
@@ -235,6 +300,23 @@ impl MtpHead {
             );
         }
         let h = shape.hidden_size;
+        let taps = match &config.target_layer_ids {
+            Some(ids) => {
+                if ids.is_empty() {
+                    bail!("{}: target_layer_ids is empty", t.file);
+                }
+                if let Some(&bad) = ids.iter().find(|&&l| l >= tc.num_layers) {
+                    bail!(
+                        "{}: target_layer_ids names layer {bad}, but the target has layers 0..{}",
+                        t.file,
+                        tc.num_layers
+                    );
+                }
+                ids.clone()
+            }
+            None => vec![config.hidden_source.tap(tc.num_layers)],
+        };
+        let fused = config.target_layer_ids.as_ref().map(Vec::len);
         // DeepSeek-V3: the lowest `model.layers.{N}.` holding `eh_proj`.
         let ds_layer = t
             .map
@@ -248,7 +330,7 @@ impl MtpHead {
         let (layout, weights) = if let Some(l) = ds_layer {
             (
                 MtpLayout::DeepseekV3,
-                MtpWeights::from_named(t, &format!("model.layers.{l}."), &shape)?,
+                MtpWeights::from_named(t, &format!("model.layers.{l}."), &shape, fused)?,
             )
         } else if t.map.keys().any(|k| k.starts_with("mtp.")) {
             (
@@ -260,6 +342,7 @@ impl MtpHead {
                         t.get("mtp.fc.weight", &[h, 2 * h], "hidden × [embedding ; hidden state]")?,
                         None,
                     ),
+                    hidden_fc: hidden_fc(t, "mtp.hidden_fc.weight", h, fused)?,
                     block: t.block("mtp.layers.0.", &shape)?,
                     norm: t.get("mtp.norm.weight", &[h], "the final norm")?,
                 },
@@ -273,9 +356,7 @@ impl MtpHead {
         let vocab = DraftVocab::for_drafting(t, target)?;
         // Drafting reads Q8_0 copies of the weights (a quarter of the f32 bytes per token).
         let mut weights = weights;
-        weights.eh_proj.quantize_for_drafting()?;
-        weights.block.quantize_for_drafting()?;
-        let tap = config.hidden_source.tap(tc.num_layers);
+        weights.quantize_for_drafting()?;
         Ok(Self {
             config: MtpConfig {
                 shape: Some(shape),
@@ -285,7 +366,7 @@ impl MtpHead {
             weights,
             vocab,
             embedding: target.embedding.clone(),
-            tap,
+            taps,
             source: t.file.clone(),
         })
     }
@@ -301,8 +382,8 @@ impl MtpHead {
 /// head's own KV cache.
 pub struct MtpDrafter {
     head: Arc<MtpHead>,
-    taps: [usize; 1],
-    /// Target hidden rows for positions `base .. base + n_hidden`, row-major.
+    /// Target hidden rows for positions `base .. base + n_hidden`, row-major, each the taps'
+    /// states concatenated (`taps × hidden` values).
     hidden: Vec<f32>,
     base: usize,
     /// The head's cache holds rows computed from committed inputs up to this position
@@ -317,10 +398,8 @@ impl MtpDrafter {
     /// the request's temperature and filters (penalties off) from an RNG seeded by `seed`.
     pub fn new(head: Arc<MtpHead>, params: &SamplingParams, seed: u64) -> Self {
         let sampler = crate::sampling::draft_sampler(params, seed);
-        let taps = [head.tap];
         Self {
             head,
-            taps,
             hidden: Vec::new(),
             base: 0,
             kv_true_end: 0,
@@ -338,8 +417,13 @@ impl MtpDrafter {
         s.num_key_value_heads * s.head_dim
     }
 
+    /// Values per position in `hidden`.
+    fn row_width(&self) -> usize {
+        self.head.taps.len() * self.hidden_size()
+    }
+
     fn n_hidden(&self) -> usize {
-        self.hidden.len() / self.hidden_size()
+        self.hidden.len() / self.row_width()
     }
 
     fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
@@ -392,8 +476,12 @@ impl Drafter for MtpDrafter {
         }
         let rows = last + 1 - from;
         let emb = self.embed(&context[from + 1..=last + 1])?;
-        let off = (from - self.base) * hs;
-        let hid = self.hidden[off..off + rows * hs].to_vec();
+        let rw = self.row_width();
+        let off = (from - self.base) * rw;
+        let hid = self
+            .head
+            .weights
+            .features_rows(&self.hidden[off..off + rows * rw], rows)?;
         let out = self.head.weights.forward_rows(&emb, &hid, from, &mut self.cache)?;
         self.kv_true_end = last + 1;
         let mut h_last = out[(rows - 1) * hs..].to_vec();
@@ -428,16 +516,17 @@ impl Drafter for MtpDrafter {
     }
 
     fn taps(&self) -> &[usize] {
-        &self.taps
+        &self.head.taps
     }
 
     fn observe(&mut self, start: usize, n: usize, hidden: &[&[f32]]) -> Result<()> {
         let hs = self.hidden_size();
-        let Some(rows) = hidden.first() else {
+        let rw = self.row_width();
+        if hidden.is_empty() {
             return Ok(());
-        };
-        if rows.len() != n * hs {
-            bail!("MTP head: {} hidden values for {n} rows of {hs}", rows.len());
+        }
+        if hidden.len() != self.head.taps.len() || hidden.iter().any(|h| h.len() != n * hs) {
+            bail!("MTP head: expected {} taps of {n} rows of {hs}", self.head.taps.len());
         }
         let end = self.base + self.n_hidden();
         if self.hidden.is_empty() || start > end || start < self.base {
@@ -447,10 +536,19 @@ impl Drafter for MtpDrafter {
             self.kv_true_end = 0;
             self.cache = RowCache::default();
         } else if start < end {
-            self.hidden.truncate((start - self.base) * hs);
+            self.hidden.truncate((start - self.base) * rw);
             self.kv_true_end = self.kv_true_end.min(start.saturating_sub(1));
         }
-        self.hidden.extend_from_slice(rows);
+        if let [one] = hidden {
+            self.hidden.extend_from_slice(one);
+        } else {
+            self.hidden.reserve(n * rw);
+            for r in 0..n {
+                for tap in hidden {
+                    self.hidden.extend_from_slice(&tap[r * hs..(r + 1) * hs]);
+                }
+            }
+        }
         Ok(())
     }
 }
