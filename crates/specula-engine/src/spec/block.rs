@@ -27,7 +27,8 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::head::{
-    block_tensors, rms_norm, rms_rows, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors, RowCache,
+    block_tensors, catch_up_share, rms_norm, rms_rows, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock,
+    NamedTensors, RowCache,
 };
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
@@ -281,6 +282,10 @@ pub struct BlockDrafter {
     /// Context keys / values per layer (all layers cover the same positions).
     ctx: Vec<RowCache>,
     sampler: Option<Sampler>,
+    /// Tokens of the last proposal, and the catch-up seconds of the last proposal
+    /// ([`Drafter::last_catch_up_s`]).
+    last_draft: usize,
+    catch_up_s: f64,
 }
 
 impl BlockDrafter {
@@ -294,6 +299,8 @@ impl BlockDrafter {
             base: 0,
             ctx: vec![RowCache::default(); layers],
             sampler,
+            last_draft: 0,
+            catch_up_s: 0.0,
         }
     }
 
@@ -326,8 +333,8 @@ impl BlockDrafter {
     }
 
     /// Extend the context keys / values to every observed position (within the trained window
-    /// of the next block).
-    fn extend_context(&mut self) -> Result<()> {
+    /// of the next block); `last_catch_up_s` gets the share of rows past a steady step's.
+    fn extend_context(&mut self, last_draft: usize) -> Result<()> {
         let end = self.base + self.n_hidden();
         let window = self.model.config.attention_window;
         let lo = window.map_or(self.base, |w| (end + 1).saturating_sub(w).max(self.base));
@@ -343,6 +350,7 @@ impl BlockDrafter {
         if from >= end {
             return Ok(());
         }
+        let started = std::time::Instant::now();
         let th = self.target_h();
         let rows = end - from;
         let mut cat = Vec::with_capacity(rows * th * self.hidden.len());
@@ -359,6 +367,7 @@ impl BlockDrafter {
             let (k, v) = layer.kv_rows(&c, &positions)?;
             cache.append(&k, &v, rows);
         }
+        self.catch_up_s = catch_up_share(started.elapsed().as_secs_f64(), rows, last_draft);
         Ok(())
     }
 }
@@ -367,11 +376,13 @@ impl Drafter for BlockDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
         let n = context.len();
         let bs = self.model.block_size;
+        self.catch_up_s = 0.0;
+        let last_draft = std::mem::take(&mut self.last_draft);
         // The context must cover positions up to n - 2 (the anchor n - 1 is not in the target yet).
         if k == 0 || n < 2 || self.n_hidden() == 0 || self.base + self.n_hidden() < n - 1 {
             return Ok(Proposal::default());
         }
-        self.extend_context()?;
+        self.extend_context(last_draft)?;
         let k = k.min(bs - 1);
         let mut ids = vec![self.model.mask_token; bs];
         ids[0] = context[n - 1];
@@ -402,6 +413,7 @@ impl Drafter for BlockDrafter {
             qs.extend(q);
             confidence.push(c);
         }
+        self.last_draft = tokens.len();
         Ok(Proposal {
             tokens,
             q: self.sampler.is_some().then_some(qs),
@@ -411,6 +423,10 @@ impl Drafter for BlockDrafter {
 
     fn name(&self) -> &'static str {
         "block"
+    }
+
+    fn last_catch_up_s(&self) -> f64 {
+        self.catch_up_s
     }
 
     fn taps(&self) -> &[usize] {

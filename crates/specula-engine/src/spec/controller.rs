@@ -8,10 +8,10 @@
 //! target's own token), and costs `V(k+1) + k·D` where `V(r)` is the time of an r-row target
 //! forward and `D` the drafter's time per token. Plain decoding commits one token per `V(1)`.
 //! The controller picks the k in `1..=draft_max` with the best predicted speed-up
-//! `E(k)·V(1) / (V(k+1) + k·D)`; when no k beats 1.0, it pauses drafting for a number of steps
-//! that doubles while probes keep failing (up to [`MAX_PAUSE`], or the drafter's own maximum) and
-//! resets after a probe that
-//! accepts something.
+//! `E(k)·V(1) / (V(k+1) + k·D)`; when no k beats 1.0 even with `α_1` one standard error above
+//! its estimate (a few early rejections are weak evidence), it pauses drafting for a number of
+//! steps that doubles while probes keep failing (up to [`MAX_PAUSE`], or the drafter's own
+//! maximum) and resets after a probe after which drafting pays on that same optimistic estimate.
 //!
 //! Estimates: `α_1` is `(accepted + 1) / (tested + 2)` over exponentially decayed counts of the
 //! first draft position; `α_j` for a later position is its own decayed counts plus
@@ -416,7 +416,7 @@ impl DraftLength {
         self.draft_token_s = prior.draft_token_s;
         self.catch_up_s = prior.catch_up_s;
         self.drafted = prior.drafted;
-        if self.forward_s[0].is_some() && self.best().1 < 1.0 {
+        if self.forward_s[0].is_some() && self.best_optimistic().1 < 1.0 {
             self.pause = self.max_pause;
             self.backoff = self.max_pause;
         }
@@ -436,8 +436,22 @@ impl DraftLength {
     /// token is accepted given that the ones before it were), in `[0, 0.999]`; positions past
     /// `draft_max` repeat the last.
     pub fn alphas(&self, n: usize) -> Vec<f64> {
+        self.alphas_with(n, false)
+    }
+
+    /// [`DraftLength::alphas`], with `optimistic`: `α_1` raised by one standard error of its
+    /// estimate, `sqrt(α(1 − α) / (n + 2))` for `n` (decayed) tests, the later positions
+    /// following it through their prior. Pausing is decided on this upper estimate
+    /// (optimism under uncertainty, as in UCB bandits): a few early rejections are weak
+    /// evidence, and a pause is costly to leave, since a probe must then show a gain on its
+    /// own. Where a failed draft costs little (a cheap drafter, a verify row about as dear as
+    /// a decode row) an estimate near break-even keeps drafting until the evidence is firm.
+    fn alphas_with(&self, n: usize, optimistic: bool) -> Vec<f64> {
         let mut out = Vec::with_capacity(n);
         let mut prev = ((self.accepted[0] + 1.0) / (self.tested[0] + 2.0)).clamp(0.0, 0.999);
+        if optimistic {
+            prev = (prev + (prev * (1.0 - prev) / (self.tested[0] + 2.0)).sqrt()).clamp(0.0, 0.999);
+        }
         for j in 0..n {
             if j > 0 && j < self.max {
                 prev = ((self.accepted[j] + LATER_PRIOR * prev) / (self.tested[j] + LATER_PRIOR)).clamp(0.0, 0.999);
@@ -449,9 +463,13 @@ impl DraftLength {
 
     /// Expected tokens committed by a step that drafts `k` tokens: `Σ_{i=0..=k} Π_{j≤i} α_j`.
     pub fn expected_tokens(&self, k: usize) -> f64 {
+        self.expected_tokens_with(k, false)
+    }
+
+    fn expected_tokens_with(&self, k: usize, optimistic: bool) -> f64 {
         let mut reach = 1.0;
         let mut sum = 1.0;
-        for a in self.alphas(k) {
+        for a in self.alphas_with(k, optimistic) {
             reach *= a;
             sum += reach;
         }
@@ -640,8 +658,18 @@ impl DraftLength {
 
     /// The best k and its predicted speed-up.
     pub fn best(&self) -> (usize, f64) {
+        self.best_with(false)
+    }
+
+    /// The best k and its predicted speed-up on the optimistic acceptance estimate
+    /// ([`DraftLength::alphas_with`]): what pausing is decided on.
+    fn best_optimistic(&self) -> (usize, f64) {
+        self.best_with(true)
+    }
+
+    fn best_with(&self, optimistic: bool) -> (usize, f64) {
         (1..=self.max)
-            .map(|k| (k, self.predicted_speedup(k)))
+            .map(|k| (k, self.speedup(self.expected_tokens_with(k, optimistic), k, k)))
             .fold((1, f64::MIN), |b, c| if c.1 > b.1 { c } else { b })
     }
 
@@ -668,7 +696,8 @@ impl DraftLength {
             self.since_one_row = 0;
             return 0;
         }
-        let (best_k, gain) = self.best();
+        let (best_k, _) = self.best();
+        let gain = self.best_optimistic().1;
         // A drafter with calibrated confidences decides its own length up to draft_max.
         let k = if self.calibration.seen { self.max } else { best_k };
         if self.probing && self.hopeless_under_load() {
@@ -727,7 +756,7 @@ impl DraftLength {
             self.probing = false;
             // A probe ends the pause only if drafting now pays by the measured costs (accepted
             // drafts alone do not: they may still cost more than they save).
-            if self.best().1 >= 1.0 {
+            if self.best_optimistic().1 >= 1.0 {
                 self.backoff = 1;
             } else {
                 self.pause = self.backoff;
@@ -1208,10 +1237,11 @@ mod tests {
             c.update(1, 1);
         }
         assert!(c.predicted_speedup(1) > 0.99, "{}", c.predicted_speedup(1));
-        // Drafting at break-even: one draft in four is rejected, and a rejection tips the
-        // estimate below 1, so a pause follows; each probe then feeds what the pause left unseen
-        // (10 ms of catch-up, one target step). Priced over the recent draft tokens, the
-        // catch-ups make drafting not pay, and the pauses grow instead of resetting.
+        // Then drafting below break-even: one draft in two is rejected (1.5 / 1.7), so even the
+        // optimistic estimate falls below 1 and a pause follows; each probe then feeds what the
+        // pause left unseen (10 ms of catch-up, one target step). Priced over the recent draft
+        // tokens, the catch-ups make drafting pay even less, and the pauses grow instead of
+        // resetting.
         let mut pauses = Vec::new();
         let mut n = 0;
         for step in 0..400 {
@@ -1226,10 +1256,36 @@ mod tests {
                 n = 0;
             }
             c.observe_draft(k, 0.004 * k as f64 + catch_up, catch_up);
-            c.update(k, usize::from(step % 4 != 0).min(k));
+            c.update(k, usize::from(step % 2 != 0).min(k));
         }
         assert!(c.relative_draft_cost() > 0.45, "{}", c.relative_draft_cost());
         assert!(pauses.len() >= 3 && *pauses.last().unwrap() >= 32, "{pauses:?}");
+    }
+
+    /// A cheap drafter (a 2-row verify at 1.05 steps, a draft token at 0.13: break-even near
+    /// acceptance 0.18) whose first drafts fail, as session 27's MTP head on a long prompt
+    /// (1 of its first 8 accepted, 0.38 over the whole answer): when the plain estimate first
+    /// says pause, the optimistic one still drafts. Firm evidence of failure still pauses.
+    #[test]
+    fn early_rejections_of_a_cheap_drafter_do_not_pause_it() {
+        let mut c = measured(1, 0.05, 0.13);
+        let mut rejected = 0;
+        while c.best().1 >= 1.0 {
+            c.update(1, 0);
+            rejected += 1;
+            assert!(rejected < 50, "{:?}", c.best());
+        }
+        assert!(
+            c.best_optimistic().1 >= 1.0,
+            "after {rejected}: {:?}",
+            c.best_optimistic()
+        );
+        assert_eq!(c.next_k(), 1, "keeps drafting after {rejected} rejections");
+        // Many more rejections in a row: now it pauses.
+        for _ in 0..40 {
+            c.update(1, 0);
+        }
+        assert_eq!(c.next_k(), 0);
     }
 
     #[test]

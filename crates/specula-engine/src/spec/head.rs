@@ -145,6 +145,19 @@ pub struct HeadBlock {
     pub down: Dense,
 }
 
+/// The share of `seconds` (the time a native drafter spent feeding `rows` committed rows into
+/// its own cache) that was catch-up ([`super::Drafter::last_catch_up_s`]): the rows past what a
+/// step without a pause before it feeds, which is the tokens the last verify committed, at most
+/// its `last_draft` tokens plus the target's own.
+pub fn catch_up_share(seconds: f64, rows: usize, last_draft: usize) -> f64 {
+    let steady = last_draft + 1;
+    if rows > steady {
+        seconds * (rows - steady) as f64 / rows as f64
+    } else {
+        0.0
+    }
+}
+
 /// Positions `pos0 .. pos0 + n`.
 pub fn span(pos0: usize, n: usize) -> Vec<usize> {
     (pos0..pos0 + n).collect()

@@ -198,7 +198,9 @@ pub trait Drafter: Send {
         Ok(())
     }
     /// Seconds of the last [`Drafter::propose`] spent catching up on context (a draft model
-    /// feeding committed tokens it had not seen, or re-seeding), not drafting. The draft-length
+    /// feeding committed tokens it had not seen, or re-seeding; an MTP head or block drafter
+    /// feeding the hidden-state rows of more positions than the last verify committed), not
+    /// drafting. The draft-length
     /// controller prices drafts by the rest, so a catch-up after a pause is not mistaken for the
     /// cost of every draft token.
     fn last_catch_up_s(&self) -> f64 {

@@ -29,7 +29,8 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::head::{
-    block_tensors, rms_norm, rms_rows, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock, NamedTensors, RowCache,
+    block_tensors, catch_up_share, rms_norm, rms_rows, span, AttnMask, BlockShape, Dense, DraftVocab, HeadBlock,
+    NamedTensors, RowCache,
 };
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
@@ -391,6 +392,10 @@ pub struct MtpDrafter {
     kv_true_end: usize,
     cache: RowCache,
     sampler: Option<Sampler>,
+    /// Tokens of the last proposal, and the catch-up seconds of the last proposal
+    /// ([`Drafter::last_catch_up_s`]).
+    last_draft: usize,
+    catch_up_s: f64,
 }
 
 impl MtpDrafter {
@@ -405,6 +410,8 @@ impl MtpDrafter {
             kv_true_end: 0,
             cache: RowCache::default(),
             sampler,
+            last_draft: 0,
+            catch_up_s: 0.0,
         }
     }
 
@@ -453,6 +460,8 @@ impl Drafter for MtpDrafter {
     fn propose_while(&mut self, context: &[u32], k: usize, go_on: &mut dyn FnMut(&[f32]) -> bool) -> Result<Proposal> {
         let n = context.len();
         let hs = self.hidden_size();
+        self.catch_up_s = 0.0;
+        let last_draft = std::mem::take(&mut self.last_draft);
         // The head at position j reads h_j and t_{j+1}: committed rows j = base .. n - 2.
         if k == 0 || n < 2 || self.n_hidden() == 0 || self.base + self.n_hidden() < n - 1 {
             return Ok(Proposal::default());
@@ -478,11 +487,14 @@ impl Drafter for MtpDrafter {
         let emb = self.embed(&context[from + 1..=last + 1])?;
         let rw = self.row_width();
         let off = (from - self.base) * rw;
+        let started = std::time::Instant::now();
         let hid = self
             .head
             .weights
             .features_rows(&self.hidden[off..off + rows * rw], rows)?;
         let out = self.head.weights.forward_rows(&emb, &hid, from, &mut self.cache)?;
+        // Rows a pause (or the prompt) left unseen are catch-up, not the price of drafting.
+        self.catch_up_s = catch_up_share(started.elapsed().as_secs_f64(), rows, last_draft);
         self.kv_true_end = last + 1;
         let mut h_last = out[(rows - 1) * hs..].to_vec();
         let mut tokens = Vec::with_capacity(k);
@@ -504,6 +516,7 @@ impl Drafter for MtpDrafter {
                 .weights
                 .forward_rows(&emb, &h_last, n - 1 + i, &mut self.cache)?;
         }
+        self.last_draft = tokens.len();
         Ok(Proposal {
             tokens,
             q: self.sampler.is_some().then_some(qs),
@@ -513,6 +526,10 @@ impl Drafter for MtpDrafter {
 
     fn name(&self) -> &'static str {
         "mtp"
+    }
+
+    fn last_catch_up_s(&self) -> f64 {
+        self.catch_up_s
     }
 
     fn taps(&self) -> &[usize] {
