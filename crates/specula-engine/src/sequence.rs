@@ -231,6 +231,9 @@ impl Sequence {
         if let Some(p) = drafter.as_ref().and_then(|d| d.max_pause()) {
             k_ctl.set_max_pause(p);
         }
+        if drafter.as_ref().is_some_and(|d| d.priced_per_pass()) {
+            k_ctl.set_priced_per_pass();
+        }
         if let Some(prior) = env.controller_priors.get(&stats.spec.decode_path) {
             k_ctl.warm_start(prior);
         }

@@ -429,6 +429,10 @@ impl Drafter for BlockDrafter {
         self.catch_up_s
     }
 
+    fn priced_per_pass(&self) -> bool {
+        true
+    }
+
     fn taps(&self) -> &[usize] {
         &self.model.taps
     }

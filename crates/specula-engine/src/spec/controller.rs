@@ -353,6 +353,9 @@ pub struct DraftLength {
     forwards: usize,
     /// Moving average of the drafter's seconds per proposed token.
     draft_token_s: Option<f64>,
+    /// Drafting is priced per proposal ([`super::Drafter::priced_per_pass`]): `draft_token_s`
+    /// and the catch-up's spread are per pass, and a draft of any length pays one.
+    per_pass: bool,
     /// Decayed sums of the catch-up seconds probes paid and of the tokens drafted.
     catch_up_s: f64,
     drafted: f64,
@@ -383,6 +386,7 @@ impl DraftLength {
             forward_fed: vec![None; max + 1],
             forwards: 0,
             draft_token_s: None,
+            per_pass: false,
             catch_up_s: 0.0,
             drafted: 0.0,
             pause: 0,
@@ -530,6 +534,20 @@ impl DraftLength {
         self.max_pause = steps.max(1);
     }
 
+    /// Price drafting per proposal ([`super::Drafter::priced_per_pass`]).
+    pub fn set_priced_per_pass(&mut self) {
+        self.per_pass = true;
+    }
+
+    /// Draft costs a draft of `drafted` tokens pays: one per token, or one per pass.
+    fn draft_units(&self, drafted: usize) -> f64 {
+        if self.per_pass {
+            f64::from(u8::from(drafted > 0))
+        } else {
+            drafted as f64
+        }
+    }
+
     /// Decide the next steps under `load` (or alone, with None).
     pub fn set_load(&mut self, load: Option<Load>) {
         self.load = load;
@@ -546,11 +564,12 @@ impl DraftLength {
     /// tokens and drafted `drafted` (all in units of plain decoding, as in
     /// [`DraftLength::predicted_speedup`]).
     fn speedup(&self, expected: f64, rows: usize, drafted: usize) -> f64 {
+        let units = self.draft_units(drafted);
         if let Some(l) = self.load {
             let d = self.draft_cost_per_token();
-            return expected * l.token_s / (l.token_s + rows as f64 * l.row_s + drafted as f64 * d);
+            return expected * l.token_s / (l.token_s + rows as f64 * l.row_s + units * d);
         }
-        let cost = self.relative_forward_cost(rows + 1) + drafted as f64 * self.relative_draft_cost();
+        let cost = self.relative_forward_cost(rows + 1) + units * self.relative_draft_cost();
         expected / cost
     }
 
@@ -653,7 +672,7 @@ impl DraftLength {
             return false;
         };
         let d = self.draft_cost_per_token();
-        (1..=self.max).all(|k| (k + 1) as f64 * l.token_s < l.token_s + k as f64 * (l.row_s + d))
+        (1..=self.max).all(|k| (k + 1) as f64 * l.token_s < l.token_s + k as f64 * l.row_s + self.draft_units(k) * d)
     }
 
     /// The best k and its predicted speed-up.
@@ -810,8 +829,9 @@ impl DraftLength {
         }
         let catch_up = catch_up.clamp(0.0, seconds);
         self.catch_up_s = CATCH_UP_DECAY * self.catch_up_s + if self.probing { catch_up } else { 0.0 };
-        self.drafted = CATCH_UP_DECAY * self.drafted + tokens as f64;
-        let per = (seconds - catch_up) / tokens as f64;
+        let units = self.draft_units(tokens);
+        self.drafted = CATCH_UP_DECAY * self.drafted + units;
+        let per = (seconds - catch_up) / units;
         self.draft_token_s = Some(self.draft_token_s.map_or(per, |m| m + TIME_ALPHA * (per - m)));
     }
 }
@@ -1286,6 +1306,35 @@ mod tests {
             c.update(1, 0);
         }
         assert_eq!(c.next_k(), 0);
+    }
+
+    /// A block drafter pays its whole pass for any draft length: priced per token, a pass of 7
+    /// tokens at 0.7 steps looks like 0.1 a token, and a draft cut to one token looks cheap
+    /// enough to keep drafting at acceptance 0.1, where a step really costs 1.05 + 0.7 for 1.1
+    /// tokens; priced per pass, the controller pauses.
+    #[test]
+    fn a_block_drafter_is_priced_per_pass() {
+        let make = |per_pass: bool| {
+            let mut c = DraftLength::new(7, true);
+            if per_pass {
+                c.set_priced_per_pass();
+            }
+            for r in 1..=8 {
+                c.observe_forward(r, 0.01 * (1.0 + 0.05 * (r - 1) as f64));
+            }
+            c.observe_draft(7, 0.007, 0.0);
+            for i in 0..60 {
+                c.update(1, usize::from(i % 10 == 0));
+            }
+            c
+        };
+        let (tok, pass) = (make(false), make(true));
+        assert!((tok.relative_draft_cost() - 0.1).abs() < 1e-9);
+        assert!((pass.relative_draft_cost() - 0.7).abs() < 1e-9);
+        assert!(tok.best_optimistic().1 >= 1.0, "{:?}", tok.best_optimistic());
+        assert!(pass.best_optimistic().1 < 1.0, "{:?}", pass.best_optimistic());
+        let mut pass = pass;
+        assert_eq!(pass.next_k(), 0, "pauses");
     }
 
     #[test]

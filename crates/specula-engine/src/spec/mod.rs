@@ -212,6 +212,13 @@ pub trait Drafter: Send {
     fn max_pause(&self) -> Option<usize> {
         None
     }
+
+    /// Whether a proposal costs the same however many tokens it holds (a block drafter drafts
+    /// its whole block in one pass): the draft-length controller then prices drafting per
+    /// proposal, not per token, so a short draft is not mistaken for a cheap one.
+    fn priced_per_pass(&self) -> bool {
+        false
+    }
 }
 
 /// Per-request speculation counters.
