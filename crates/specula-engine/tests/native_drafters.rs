@@ -45,6 +45,34 @@ fn req(prompt: Vec<u32>, mode: SpecMode, k: usize, sampling: SamplingParams) -> 
     }
 }
 
+/// Run `reqs` one by one, then all together through the engine's batched steps: each batched
+/// request must give its solo output's token ids, decode path and draft count. Returns the
+/// solo outputs.
+fn batched_matches_solo(e: &mut Engine, reqs: &[GenerateRequest], what: &str) -> Vec<GenerateOutput> {
+    let solo: Vec<GenerateOutput> = reqs.iter().map(|r| run(e, r)).collect();
+    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+        steps += 1;
+        assert!(steps < 500, "{what}: no progress");
+    }
+    for (i, s) in seqs.into_iter().enumerate() {
+        let out = e.retire(s, true);
+        let spec = (&out.stats.spec.decode_path, out.stats.spec.drafted);
+        assert_eq!(out.token_ids, solo[i].token_ids, "{what}: request {i}");
+        assert_eq!(
+            spec,
+            (&solo[i].stats.spec.decode_path, solo[i].stats.spec.drafted),
+            "{what}: request {i}, decode path and drafts"
+        );
+    }
+    solo
+}
+
 fn run(e: &mut Engine, r: &GenerateRequest) -> GenerateOutput {
     e.generate(r, &mut |_| true).expect("generate")
 }
@@ -183,25 +211,7 @@ fn fused_feature_mtp_heads_draft_and_match_ar() {
             req(prompt.clone(), SpecMode::Ngram, 3, SamplingParams::greedy()),
             req(prompt[..4].to_vec(), SpecMode::Mtp, 2, SamplingParams::greedy()),
         ];
-        let solo: Vec<GenerateOutput> = reqs.iter().map(|r| run(&mut e, r)).collect();
-        let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
-        let mut steps = 0;
-        while seqs.iter().any(|s| s.finished().is_none()) {
-            let mut refs: Vec<_> = seqs.iter_mut().collect();
-            for r in e.step(&mut refs) {
-                r.expect("step");
-            }
-            steps += 1;
-            assert!(steps < 500, "no progress");
-        }
-        for (i, s) in seqs.into_iter().enumerate() {
-            let out = e.retire(s, true);
-            assert_eq!(out.token_ids, solo[i].token_ids, "{family:?} request {i}");
-            assert_eq!(
-                out.stats.spec.drafted, solo[i].stats.spec.drafted,
-                "{family:?} request {i}"
-            );
-        }
+        batched_matches_solo(&mut e, &reqs, &format!("{family:?}"));
     }
 
     let (dir, mut e) = tiny(Family::Llama, GgmlDType::Q8_0);
@@ -709,29 +719,7 @@ fn native_drafters_in_a_batch_match_their_solo_runs() {
         mk(17, 3, SpecMode::Ngram),
         mk(12, 4, SpecMode::Mtp),
     ];
-    let solo: Vec<GenerateOutput> = reqs.iter().map(|r| run(&mut e, r)).collect();
-    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
-    let mut steps = 0;
-    while seqs.iter().any(|s| s.finished().is_none()) {
-        let mut refs: Vec<_> = seqs.iter_mut().collect();
-        for r in e.step(&mut refs) {
-            r.expect("step");
-        }
-        steps += 1;
-        assert!(steps < 500, "no progress");
-    }
-    for (i, s) in seqs.into_iter().enumerate() {
-        let out = e.retire(s, true);
-        assert_eq!(out.token_ids, solo[i].token_ids, "request {i}");
-        assert_eq!(
-            out.stats.spec.decode_path, solo[i].stats.spec.decode_path,
-            "request {i}"
-        );
-        assert_eq!(
-            out.stats.spec.drafted, solo[i].stats.spec.drafted,
-            "request {i}: same drafts"
-        );
-    }
+    let solo = batched_matches_solo(&mut e, &reqs, "mixed drafters");
     assert!(solo[0].stats.spec.drafted > 0 && solo[1].stats.spec.drafted > 0);
 }
 
