@@ -463,6 +463,13 @@ fn distill_trains_a_fused_feature_mtp_head() {
         .expect("max");
     assert_eq!(diff.to_scalar::<f32>().expect("scalar"), 0.0);
 
+    // A fused head continues on its own layers only.
+    let other = specula_engine::distill::DistillOptions {
+        target_layers: Some(vec![layers - 1]),
+        ..distill_opts(&dir.path().join("other"), 2)
+    };
+    let err = specula_engine::distill::run_mtp(&mut e, &path, Some(&fused), &other, &mut |_| {}).expect_err("refused");
+    assert!(format!("{err:#}").contains("reads target layers"), "{err:#}");
     // A fused head does not continue as a one-tap head.
     let back = dir.path().join("back");
     let err = specula_engine::distill::run_mtp(&mut e, &path, Some(&fused), &distill_opts(&back, 2), &mut |_| {})

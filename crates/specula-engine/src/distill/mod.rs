@@ -236,7 +236,16 @@ pub fn run(
         HeadKind::Mtp => {
             // A head to start from must fit before anything expensive runs.
             if let Some(p) = init {
-                crate::spec::mtp::MtpHead::load(p, engine.model())?;
+                let head = crate::spec::mtp::MtpHead::load(p, engine.model())?;
+                // A fused head continues on the layers it was trained on.
+                if let (Some(ids), Some(want)) = (&head.config.target_layer_ids, &opts.target_layers) {
+                    if ids != want {
+                        anyhow::bail!(
+                            "{}: the head reads target layers {ids:?}, not --target-layers {want:?}",
+                            p.display()
+                        );
+                    }
+                }
             }
             match &opts.target_layers {
                 Some(fused) => {
