@@ -442,17 +442,24 @@ impl DeviceTarget for CpuSlots {
 
 /// Rows with their taps side by side: `per_tap[i]` holds `n` rows of `h` values of tap `i`;
 /// the result is `n` rows of `per_tap.len() × h` values (row-major, taps in order).
-pub fn interleave_taps(per_tap: &[Vec<f32>], n: usize, h: usize) -> Vec<f32> {
-    if let [one] = per_tap {
-        return one.clone();
-    }
+pub fn interleave_taps<T: AsRef<[f32]>>(per_tap: &[T], n: usize, h: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(n * h * per_tap.len());
+    append_interleaved(&mut out, per_tap, n, h);
+    out
+}
+
+/// [`interleave_taps`], appended to `out`.
+pub fn append_interleaved<T: AsRef<[f32]>>(out: &mut Vec<f32>, per_tap: &[T], n: usize, h: usize) {
+    if let [one] = per_tap {
+        out.extend_from_slice(one.as_ref());
+        return;
+    }
+    out.reserve(n * h * per_tap.len());
     for r in 0..n {
         for t in per_tap {
-            out.extend_from_slice(&t[r * h..(r + 1) * h]);
+            out.extend_from_slice(&t.as_ref()[r * h..(r + 1) * h]);
         }
     }
-    out
 }
 
 impl CpuSlots {

@@ -45,6 +45,18 @@ fn req(prompt: Vec<u32>, mode: SpecMode, k: usize, sampling: SamplingParams) -> 
     }
 }
 
+/// Greedy decoding of `prompt` with the attached MTP head at fixed `k`: it drafts, and its text,
+/// token ids and logprobs are AR's (`ar`). Returns the speculative output.
+fn mtp_matches_ar(e: &mut Engine, prompt: &[u32], ar: &GenerateOutput, k: usize, what: &str) -> GenerateOutput {
+    let sp = run(e, &req(prompt.to_vec(), SpecMode::Mtp, k, SamplingParams::greedy()));
+    assert_eq!(sp.stats.spec.decode_path, "mtp", "{what}");
+    assert!(sp.stats.spec.drafted > 0, "{what}: the head drafted nothing");
+    assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{what}: text");
+    assert_eq!(ar.token_ids, sp.token_ids, "{what}: token ids");
+    assert_eq!(ar.logprobs, sp.logprobs, "{what}: logprobs");
+    sp
+}
+
 /// Run `reqs` one by one, then all together through the engine's batched steps: each batched
 /// request must give its solo output's token ids, decode path and draft count. Returns the
 /// solo outputs.
@@ -102,12 +114,7 @@ fn random_mtp_heads_in_both_layouts_draft_and_match_ar() {
             let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
             for k in [1, 3, 6] {
                 let what = format!("{family:?} {layout:?} reduced={reduced} k={k}");
-                let sp = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, k, SamplingParams::greedy()));
-                assert_eq!(sp.stats.spec.decode_path, "mtp", "{what}");
-                assert!(sp.stats.spec.drafted > 0, "{what}: the head drafted nothing");
-                assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{what}: text");
-                assert_eq!(ar.token_ids, sp.token_ids, "{what}: token ids");
-                assert_eq!(ar.logprobs, sp.logprobs, "{what}: logprobs");
+                let sp = mtp_matches_ar(&mut e, &prompt, &ar, k, &what);
                 assert_eq!(ar.finish_reason, sp.finish_reason, "{what}: finish reason");
                 if reduced {
                     // Every draft token comes from the draft vocabulary.
@@ -197,13 +204,7 @@ fn fused_feature_mtp_heads_draft_and_match_ar() {
         let prompt = e.tokenize("the then the thin the then").expect("tokenize");
         let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
         for k in [1, 3] {
-            let what = format!("{family:?} {layout:?} k={k}");
-            let sp = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, k, SamplingParams::greedy()));
-            assert_eq!(sp.stats.spec.decode_path, "mtp", "{what}");
-            assert!(sp.stats.spec.drafted > 0, "{what}: the head drafted nothing");
-            assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{what}: text");
-            assert_eq!(ar.token_ids, sp.token_ids, "{what}: token ids");
-            assert_eq!(ar.logprobs, sp.logprobs, "{what}: logprobs");
+            mtp_matches_ar(&mut e, &prompt, &ar, k, &format!("{family:?} {layout:?} k={k}"));
         }
         // Batched with an n-gram request (no taps) and a plain one: the same outputs.
         let reqs = [

@@ -1953,6 +1953,7 @@ impl crate::device::DeviceTarget for GpuModel {
             // passes them (outside captured graphs).
             let stride = MAX_ROWS * h * 4;
             if self.tap_buf.as_ref().is_none_or(|b| b.bytes < taps.len() * stride) {
+                // Free the smaller buffer before allocating the larger one.
                 self.tap_buf = None;
                 self.tap_buf = Some(DevBuf::new(taps.len() * stride)?);
             }
@@ -1975,10 +1976,10 @@ impl crate::device::DeviceTarget for GpuModel {
             hidden
         } else {
             let mut per_tap = Vec::with_capacity(taps.len());
-            for (_, dst) in taps.iter().zip(0..) {
+            for i in 0..taps.len() {
                 let mut v = vec![0f32; n * h];
-                let base = self.tap_buf.as_ref().map_or(0, |b| b.at(dst * MAX_ROWS * h * 4));
-                self.gpu.download(&mut v, base)?;
+                let at = self.tap_buf.as_ref().map_or(0, |b| b.at(i * MAX_ROWS * h * 4));
+                self.gpu.download(&mut v, at)?;
                 per_tap.push(v);
             }
             crate::device::interleave_taps(&per_tap, n, h)

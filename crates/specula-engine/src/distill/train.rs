@@ -195,14 +195,19 @@ pub fn initial_weights(target: &Model, model_path: &Path, prefix: &str, seed: u6
 /// (`[h, n_taps × h]`): the deepest tap passed through (identity), so training starts from the
 /// one-tap head, plus small random weights on the shallower taps.
 pub fn initial_fused_fc(h: usize, n_taps: usize, seed: u64) -> Result<Tensor> {
+    deepest_tap_passed_through(h, n_taps, 0.002, &mut ChaCha8Rng::seed_from_u64(seed ^ 0x00fc))
+}
+
+/// A `[h, n_taps × h]` projection of concatenated taps that passes the deepest (last) tap
+/// through (identity) and gives the others normal weights of deviation `std` from `rng`.
+fn deepest_tap_passed_through(h: usize, n_taps: usize, std: f32, rng: &mut ChaCha8Rng) -> Result<Tensor> {
     let dev = Device::Cpu;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x00fc);
     let mut parts = Vec::with_capacity(n_taps);
     for i in 0..n_taps {
         parts.push(if i + 1 == n_taps {
             Tensor::eye(h, DType::F32, &dev)?
         } else {
-            Tensor::from_vec(normal(&mut rng, h * h, 0.002), (h, h), &dev)?
+            Tensor::from_vec(normal(rng, h * h, std), (h, h), &dev)?
         });
     }
     Ok(Tensor::cat(&parts, 1)?)
@@ -975,15 +980,10 @@ pub fn initial_block_weights(
         }
     }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut parts = Vec::with_capacity(n_taps);
-    for i in 0..n_taps {
-        parts.push(if i + 1 == n_taps {
-            Tensor::eye(h, DType::F32, &dev)?
-        } else {
-            Tensor::from_vec(normal(&mut rng, h * h, 0.02), (h, h), &dev)?
-        });
-    }
-    m.insert("fc.weight".into(), Tensor::cat(&parts, 1)?);
+    m.insert(
+        "fc.weight".into(),
+        deepest_tap_passed_through(h, n_taps, 0.02, &mut rng)?,
+    );
     m.insert("hidden_norm.weight".into(), Tensor::ones(h, DType::F32, &dev)?);
     m.insert("norm.weight".into(), target.output_norm.to_dtype(DType::F32)?);
     Ok(m)

@@ -556,16 +556,7 @@ impl Drafter for MtpDrafter {
             self.hidden.truncate((start - self.base) * rw);
             self.kv_true_end = self.kv_true_end.min(start.saturating_sub(1));
         }
-        if let [one] = hidden {
-            self.hidden.extend_from_slice(one);
-        } else {
-            self.hidden.reserve(n * rw);
-            for r in 0..n {
-                for tap in hidden {
-                    self.hidden.extend_from_slice(&tap[r * hs..(r + 1) * hs]);
-                }
-            }
-        }
+        crate::device::append_interleaved(&mut self.hidden, hidden, n, hs);
         Ok(())
     }
 }
