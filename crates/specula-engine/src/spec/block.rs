@@ -70,7 +70,7 @@ pub fn is_block_drafter_config(j: &serde_json::Value) -> bool {
         || (j.get("target_layer_ids").is_some() && j.get("num_nextn_predict_layers").is_none())
 }
 
-/// The weights of a block drafter (dense f32 for training, Q8_0 copies for drafting).
+/// The weights of a block drafter (dense f32 for training, Q5_0 copies for drafting).
 #[derive(Debug, Clone)]
 pub struct BlockWeights {
     /// `[h, L × target_h]`.

@@ -150,12 +150,12 @@ pub fn softmax_probability(row: &[f32], i: usize) -> f32 {
     let Some(&xi) = row.get(i) else {
         return 0.0;
     };
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = head::max_of(row);
     if !max.is_finite() {
         return 0.0;
     }
-    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
-    ((xi - max).exp() / sum).clamp(0.0, 1.0)
+    let sum: f32 = row.iter().map(|&x| head::exp_nonpositive(x - max)).sum();
+    (head::exp_nonpositive(xi - max) / sum).clamp(0.0, 1.0)
 }
 
 /// A drafter: proposes up to k tokens continuing the committed context.

@@ -151,7 +151,7 @@ impl MtpWeights {
         }
     }
 
-    /// Use Q8_0 copies of the projections for drafting ([`Dense::quantize_for_drafting`]).
+    /// Use quantized copies of the projections for drafting ([`Dense::quantize_for_drafting`]).
     pub fn quantize_for_drafting(&mut self) -> Result<()> {
         self.eh_proj.quantize_for_drafting()?;
         if let Some(fc) = self.hidden_fc.as_mut() {
@@ -355,7 +355,7 @@ impl MtpHead {
             );
         };
         let vocab = DraftVocab::for_drafting(t, target)?;
-        // Drafting reads Q8_0 copies of the weights (a quarter of the f32 bytes per token).
+        // Drafting reads quantized copies of the weights (Q5_0 projections, the Q8_0 draft LM head).
         let mut weights = weights;
         weights.quantize_for_drafting()?;
         Ok(Self {
