@@ -63,12 +63,13 @@ impl BlockShape {
 pub struct Dense {
     pub w: Tensor,
     pub b: Option<Tensor>,
-    /// For drafting: the weight quantized ([`PROJECTION_DTYPE`]) on our own kernels (a sixth of the f32 bytes
-    /// to read per token). `None` while training (gradients flow through `w`).
+    /// For drafting: the weight quantized ([`PROJECTION_DTYPE`]) on our own kernels (a sixth
+    /// of the f32 bytes to read per token). `None` while training (gradients flow through `w`).
     pub fast: Option<Arc<Linear>>,
 }
 
-/// `w` (`[out, in]` f32) quantized to [`PROJECTION_DTYPE`] for our kernels, when `in` is a multiple of 32.
+/// `w` (`[out, in]` f32) quantized to [`PROJECTION_DTYPE`] for our kernels, when `in` is a
+/// multiple of 32.
 fn quantize(w: &Tensor, b: Option<&Tensor>) -> Result<Option<Arc<Linear>>> {
     quantize_as(w, b, PROJECTION_DTYPE)
 }
@@ -591,8 +592,8 @@ impl DraftVocab {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Drafting path: the same layers on plain row-major f32 buffers and the quantized kernels, without a
-// tensor per operation (a drafter runs one to a few rows per call, where per-operation overhead
+// Drafting path: the same layers on plain row-major f32 buffers and the quantized kernels,
+// without a tensor per operation (a drafter runs one to a few rows per call, where per-operation overhead
 // would dominate). Training uses the tensor path above.
 
 /// Keys and values of one head layer for positions `pos0 .. pos0 + len`, rows of
@@ -693,10 +694,11 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `e^x` for `x <= 0` (larger values are not expected), relative error below 1e-5 (about 3e-6 at -87, from rounding `x log2 e`): `2^n · 2^f`
-/// with `n` the nearest integer to `x log2 e` and Cephes' degree-6 polynomial for `2^f` on
-/// `[-0.5, 0.5]`; `x` below -87 gives about 1.6e-38. Branch-free, so loops over it vectorize.
-/// For a drafter's own softmax (attention, confidence): never the target's arithmetic.
+/// `e^x` for `x <= 0` (larger values are not expected): `2^n · 2^f` with `n` the nearest
+/// integer to `x log2 e` and Cephes' degree-6 polynomial for `2^f` on `[-0.5, 0.5]`. Relative
+/// error below 1e-5 (about 3e-6 near -87, from rounding `x log2 e` to f32); `x` below -87
+/// (also -inf, NaN) gives about 1.6e-38. Branch-free, so loops over it vectorize. For a
+/// drafter's own softmax (attention, confidence): never the target's arithmetic.
 #[inline(always)]
 pub fn exp_nonpositive(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
