@@ -593,8 +593,8 @@ impl DraftVocab {
 
 // ---------------------------------------------------------------------------------------------
 // Drafting path: the same layers on plain row-major f32 buffers and the quantized kernels,
-// without a tensor per operation (a drafter runs one to a few rows per call, where per-operation overhead
-// would dominate). Training uses the tensor path above.
+// without a tensor per operation (a drafter runs one to a few rows per call, where
+// per-operation overhead would dominate). Training uses the tensor path above.
 
 /// Keys and values of one head layer for positions `pos0 .. pos0 + len`, rows of
 /// `kv_heads × head_dim` (keys rotated), and the attention window the head was trained with.
