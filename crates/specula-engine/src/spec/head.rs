@@ -716,23 +716,6 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     f32::from_bits((p.to_bits() as i32 + (n << 23)) as u32)
 }
 
-/// Largest value of a row (`-inf` for an empty one; NaN is skipped).
-pub fn max_of(xs: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut lanes = [f32::NEG_INFINITY; L];
-    let chunks = xs.chunks_exact(L);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (m, &v) in lanes.iter_mut().zip(c) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    lanes
-        .iter()
-        .chain(tail)
-        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
-}
-
 impl DraftVocab {
     /// Draft-vocabulary logits of `m` normed rows.
     pub fn logits_rows(&self, h: &[f32], m: usize) -> Result<Vec<f32>> {
@@ -931,8 +914,6 @@ mod tests {
         let b: Vec<f32> = (0..67).map(|i| (i as f32 * 0.11).cos()).collect();
         let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         assert!((dot(&a, &b) as f64 - want).abs() < 1e-5);
-        assert_eq!(max_of(&[1.0, f32::NAN, 3.0, -2.0]), 3.0);
-        assert_eq!(max_of(&[]), f32::NEG_INFINITY);
     }
 
     #[test]

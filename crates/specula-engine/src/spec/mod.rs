@@ -150,7 +150,7 @@ pub fn softmax_probability(row: &[f32], i: usize) -> f32 {
     let Some(&xi) = row.get(i) else {
         return 0.0;
     };
-    let max = head::max_of(row);
+    let max = crate::sampling::max_value(row);
     if !max.is_finite() {
         return 0.0;
     }
