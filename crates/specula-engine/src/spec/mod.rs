@@ -145,7 +145,8 @@ impl Proposal {
 
 /// The softmax probability (temperature 1) of entry `i` of a logits row: `exp(x_i - max) /
 /// Σ exp(x_j - max)`, in `[0, 1]`; 0 for an index outside the row or a row without a finite
-/// entry.
+/// entry. A drafter's confidence, so computed with [`head::exp_nonpositive`] (relative error
+/// below 1e-5), which vectorizes.
 pub fn softmax_probability(row: &[f32], i: usize) -> f32 {
     let Some(&xi) = row.get(i) else {
         return 0.0;
