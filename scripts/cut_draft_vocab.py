@@ -37,6 +37,9 @@ if dv is None or dv["dtype"] != "I64" or len(dv["shape"]) != 1:
     raise SystemExit(f"{head}/model.safetensors: no 1-D I64 tensor 'draft_vocab'")
 lo, hi = dv["data_offsets"]
 ids = list(struct.unpack(f"<{(hi - lo) // 8}q", raw[base + lo : base + hi]))
+missing = keep_ids - set(ids)
+if missing:
+    print(f"warning: --keep ids {sorted(missing)} are not in the draft vocabulary; they stay out")
 if a.n >= len(ids):
     raise SystemExit(f"the draft vocabulary has {len(ids)} ids; cut to fewer")
 ranked = sorted(ids, key=lambda t: (t not in keep_ids, -count[t], t))

@@ -899,8 +899,6 @@ mod tests {
         }
     }
 
-    /// The drafting path (rows) computes what the training path (tensors) computes: same block,
-    /// a past of 5 rows then 3 new rows, causal and bidirectional, both RoPE styles.
     #[test]
     fn fast_exp_and_dot_are_accurate() {
         for i in 0..=20_000 {
@@ -916,6 +914,8 @@ mod tests {
         assert!((dot(&a, &b) as f64 - want).abs() < 1e-5);
     }
 
+    /// The drafting path (rows) computes what the training path (tensors) computes: same block,
+    /// a past of 5 rows then 3 new rows, causal and bidirectional, both RoPE styles.
     #[test]
     fn row_path_matches_tensor_path() {
         for (style, qk) in [("neox", false), ("interleaved", true)] {
