@@ -755,14 +755,19 @@ impl HeadBlock {
     /// Keys and values (rows of `kv_heads × head_dim`, keys rotated) of normed rows `x` at
     /// `positions`.
     pub fn kv_rows(&self, x: &[f32], positions: &[usize]) -> Result<(Vec<f32>, Vec<f32>)> {
-        let s = &self.shape;
         let n = positions.len();
-        let mut k = self.k.rows(x, n)?;
-        if let Some(kn) = &self.k_norm {
-            k = rms_rows(&k, &vec1(kn)?, s.rms_norm_eps);
-        }
-        self.rope_rows(&mut k, s.num_key_value_heads, positions);
+        let k = self.keys_from(self.k.rows(x, n)?, positions)?;
         Ok((k, self.v.rows(x, n)?))
+    }
+
+    /// Key projections `k` of rows at `positions` → the cached keys: k-norm (when the block has
+    /// one), then RoPE.
+    fn keys_from(&self, mut k: Vec<f32>, positions: &[usize]) -> Result<Vec<f32>> {
+        if let Some(kn) = &self.k_norm {
+            k = rms_rows(&k, &vec1(kn)?, self.shape.rms_norm_eps);
+        }
+        self.rope_rows(&mut k, self.shape.num_key_value_heads, positions);
+        Ok(k)
     }
 
     /// [`HeadBlock::forward`] on rows: `x` (`n` rows at `positions`) attends to the `cache` and
@@ -774,19 +779,14 @@ impl HeadBlock {
         let (hq, hk) = (s.num_attention_heads, s.num_key_value_heads);
         let eps = s.rms_norm_eps;
         let hn = rms_rows(x, &vec1(&self.attn_norm)?, eps);
-        let mut qkv = rows_many(&[&self.q, &self.k, &self.v], &hn, n)?.into_iter();
-        let (mut q, mut k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
-            (Some(q), Some(k), Some(v)) => (q, k, v),
-            _ => bail!("q, k and v: expected three products"),
-        };
+        let [mut q, k, v]: [Vec<f32>; 3] = rows_many(&[&self.q, &self.k, &self.v], &hn, n)?
+            .try_into()
+            .map_err(|_| anyhow!("q, k and v: expected three products"))?;
         if let Some(qn) = &self.q_norm {
             q = rms_rows(&q, &vec1(qn)?, eps);
         }
-        if let Some(kn) = &self.k_norm {
-            k = rms_rows(&k, &vec1(kn)?, eps);
-        }
         self.rope_rows(&mut q, hq, positions);
-        self.rope_rows(&mut k, hk, positions);
+        let k = self.keys_from(k, positions)?;
         let m = cache.len;
         cache.append(&k, &v, n);
         let (kw, rep) = (hk * d, hq / hk);
@@ -828,11 +828,9 @@ impl HeadBlock {
         let o = self.o.rows(&att, n)?;
         let mut x: Vec<f32> = x.iter().zip(&o).map(|(a, b)| a + b).collect();
         let hn = rms_rows(&x, &vec1(&self.ffn_norm)?, eps);
-        let mut gu = rows_many(&[&self.gate, &self.up], &hn, n)?.into_iter();
-        let (g, u) = match (gu.next(), gu.next()) {
-            (Some(g), Some(u)) => (g, u),
-            _ => bail!("gate and up: expected two products"),
-        };
+        let [g, u]: [Vec<f32>; 2] = rows_many(&[&self.gate, &self.up], &hn, n)?
+            .try_into()
+            .map_err(|_| anyhow!("gate and up: expected two products"))?;
         let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
         let down = self.down.rows(&act, n)?;
         for (xv, dv) in x.iter_mut().zip(&down) {
