@@ -304,6 +304,12 @@ pub fn run(a: DistillArgs) -> Result<()> {
                 .map_or("n/a".to_string(), |a| format!("{a:.3}")),
             a.out.display()
         );
+        if let Some(d2) = report.held_out_depth2_answers {
+            eprintln!(
+                "second chained draft: agreement {d2:.3} where the first agreed ({} answer rows)",
+                report.held_out_depth2_rows
+            );
+        }
         eprintln!(
             "use it: specula serve {} --drafter {} --spec {}",
             a.target,

@@ -43,6 +43,13 @@ pub struct TrainReport {
     pub held_out_top1_answers: Option<f64>,
     #[serde(default)]
     pub held_out_answer_rows: usize,
+    /// MTP heads: the second chained draft's agreement on the answer rows where the first
+    /// agreed (teacher-forced, so its input token is the first draft), over that many rows.
+    /// `None` for block drafters.
+    #[serde(default)]
+    pub held_out_depth2_answers: Option<f64>,
+    #[serde(default)]
+    pub held_out_depth2_rows: usize,
     pub train_rows: usize,
     /// Wall seconds of training (the teacher pass excluded), summed over every run that
     /// resumed the checkpoint.
@@ -605,18 +612,7 @@ pub fn train(
                     // chained step sees the committed rows and itself when drafting.
                     let tl = emb.dim(1)?;
                     let (emb2, labels2, n2) = chain_tensors(teacher, &ws, tl, embedding, &to_row, vrows, &dev)?;
-                    let mut bias = vec![-1e9f32; tl * 2 * tl];
-                    for i in 0..tl {
-                        for j in 0..=i {
-                            bias[i * 2 * tl + j] = 0.0;
-                        }
-                        bias[i * 2 * tl + tl + i] = 0.0;
-                    }
-                    let bias = Tensor::from_vec(bias, (tl, 2 * tl), &dev)?;
-                    let positions: Vec<usize> = (1..=tl).collect();
-                    let (out2, _, _) =
-                        head.forward_masked(&emb2, &out, &positions, Some((&k1, &v1)), &AttnMask::Bias(bias))?;
-                    let logits2 = vocab.logits(&rms_norm(&out2, &head.norm, shape.rms_norm_eps)?)?;
+                    let logits2 = chain_logits(head, &vocab, &shape, &emb2, &out, &k1, &v1)?;
                     let logp2 = candle_nn::ops::log_softmax(&logits2, D::Minus1)?;
                     let loss2 = ((labels2 * logp2)?.sum_all()? * (-0.5 / n2.max(1) as f64))?;
                     loss = (loss + loss2)?;
@@ -704,7 +700,7 @@ pub fn train(
         }
     }
     let finished = step >= total_steps;
-    let (all_rows, answer_rows) = match (&head, spec) {
+    let held = match (&head, spec) {
         (Built::Mtp(head), _) if finished => {
             evaluate(teacher, &held_w, opts.seq_len, head, &vocab, &to_row, embedding, &shape)?
         }
@@ -723,17 +719,24 @@ pub fn train(
             &vocab,
             &to_row,
             embedding,
-        )?,
-        _ => (Agreement::default(), Agreement::default()),
+        )
+        .map(|(all, answers)| HeldOut {
+            all,
+            answers,
+            depth2: Agreement::default(),
+        })?,
+        _ => HeldOut::default(),
     };
     let report = TrainReport {
         steps_done: step,
         total_steps,
         final_loss: last_loss,
-        held_out_top1: all_rows.rate(),
-        held_out_rows: all_rows.total,
-        held_out_top1_answers: answer_rows.rate(),
-        held_out_answer_rows: answer_rows.total,
+        held_out_top1: held.all.rate(),
+        held_out_rows: held.all.total,
+        held_out_top1_answers: held.answers.rate(),
+        held_out_answer_rows: held.answers.total,
+        held_out_depth2_answers: held.depth2.rate(),
+        held_out_depth2_rows: held.depth2.total,
         train_rows: train_w.iter().map(|w| w.len).sum(),
         seconds: seconds_before + started.elapsed().as_secs_f64(),
         finished,
@@ -858,6 +861,33 @@ fn chain_tensors(
     ))
 }
 
+/// Logits `[b, tl, draft rows]` of the second chained step over a batch of windows: row j is
+/// fed the first step's output `out` (`[b, tl, h]`) and `emb2` (the embedding of `t_{j+2}`) at
+/// position j + 1, and attends to the first step's keys and values `k1`, `v1` up to row j and to
+/// itself, as a chained drafting step sees the committed rows and itself.
+fn chain_logits(
+    head: &MtpWeights,
+    vocab: &DraftVocab,
+    shape: &BlockShape,
+    emb2: &Tensor,
+    out: &Tensor,
+    k1: &Tensor,
+    v1: &Tensor,
+) -> Result<Tensor> {
+    let tl = emb2.dim(1)?;
+    let mut bias = vec![-1e9f32; tl * 2 * tl];
+    for i in 0..tl {
+        for j in 0..=i {
+            bias[i * 2 * tl + j] = 0.0;
+        }
+        bias[i * 2 * tl + tl + i] = 0.0;
+    }
+    let bias = Tensor::from_vec(bias, (tl, 2 * tl), emb2.device())?;
+    let positions: Vec<usize> = (1..=tl).collect();
+    let (out2, _, _) = head.forward_masked(emb2, out, &positions, Some((k1, v1)), &AttnMask::Bias(bias))?;
+    vocab.logits(&rms_norm(&out2, &head.norm, shape.rms_norm_eps)?)
+}
+
 /// Rows where the head's argmax equals the target's, of `total`.
 #[derive(Debug, Clone, Copy, Default)]
 struct Agreement {
@@ -876,8 +906,21 @@ impl Agreement {
     }
 }
 
-/// Top-1 agreement of the head with the teacher on `ws` (padding rows excluded): over every
-/// row, and over the answer rows ([`Window::answer_row`]).
+/// Held-out agreement of an MTP head with the teacher, in [`evaluate`].
+#[derive(Debug, Clone, Copy, Default)]
+struct HeldOut {
+    /// Depth 1 over every row (padding excluded).
+    all: Agreement,
+    /// Depth 1 over the answer rows ([`Window::answer_row`]).
+    answers: Agreement,
+    /// Depth 2 (the second chained step, [`chain_logits`]) over the answer rows where depth 1
+    /// agreed: the conditional rate that decides whether a second draft pays.
+    depth2: Agreement,
+}
+
+/// Top-1 agreement of the head with the teacher on `ws`, at depth 1 and at depth 2 (see
+/// [`HeldOut`]). Teacher-forced: the second step reads `t_{j+2}` from the text, which on an
+/// answer row where depth 1 agreed is the first draft itself.
 #[allow(clippy::too_many_arguments)]
 fn evaluate(
     t: &Teacher,
@@ -888,33 +931,36 @@ fn evaluate(
     to_row: &[u32],
     embedding: &crate::model::Embedding,
     shape: &BlockShape,
-) -> Result<(Agreement, Agreement)> {
-    let (mut all, mut answers) = (Agreement::default(), Agreement::default());
+) -> Result<HeldOut> {
+    let mut r = HeldOut::default();
+    let vrows = vocab.rows.dim(0)?;
+    let dev = vocab.rows.device();
     for chunk in ws.chunks(4) {
-        let (emb, hid, _, _) = batch_tensors(
-            t,
-            chunk,
-            seq_len,
-            embedding,
-            to_row,
-            vocab.rows.dim(0)?,
-            vocab.rows.device(),
-        )?;
-        let (out, _, _) = head.forward(&emb, &head.features(&hid)?, 0, None)?;
+        let (emb, hid, _, _) = batch_tensors(t, chunk, seq_len, embedding, to_row, vrows, dev)?;
+        let (out, k1, v1) = head.forward(&emb, &head.features(&hid)?, 0, None)?;
         let logits = vocab.logits(&rms_norm(&out, &head.norm, shape.rms_norm_eps)?)?;
         let best = logits.argmax(D::Minus1)?.to_vec2::<u32>()?;
-        for (w, row) in chunk.iter().zip(&best) {
-            for (r, &b) in row.iter().enumerate().take(w.len) {
-                let l = w.start + r + 1;
-                let hit = vocab.token(b as usize) == t.label_ids[l * t.top_k];
-                all.add(hit);
-                if w.answer_row(w.start + r, 1) {
-                    answers.add(hit);
+        let (emb2, _, _) = chain_tensors(t, chunk, emb.dim(1)?, embedding, to_row, vrows, dev)?;
+        let best2 = chain_logits(head, vocab, shape, &emb2, &out, &k1, &v1)?
+            .argmax(D::Minus1)?
+            .to_vec2::<u32>()?;
+        for ((w, row), row2) in chunk.iter().zip(&best).zip(&best2) {
+            for (i, &b) in row.iter().enumerate().take(w.len) {
+                let g = w.start + i;
+                let hit = vocab.token(b as usize) == t.label_ids[(g + 1) * t.top_k];
+                r.all.add(hit);
+                if w.answer_row(g, 1) {
+                    r.answers.add(hit);
+                }
+                // chain_tensors fills rows below w.len - 1 (t_{j+2} inside the window).
+                if hit && i + 1 < w.len && w.answer_row(g, 2) {
+                    let b2 = row2[i];
+                    r.depth2.add(vocab.token(b2 as usize) == t.label_ids[(g + 2) * t.top_k]);
                 }
             }
         }
     }
-    Ok((all, answers))
+    Ok(r)
 }
 
 /// Write the trained head: `model.safetensors` (DeepSeek-V3 layout, f32, with `draft_vocab`)
@@ -1194,6 +1240,15 @@ fn write_block(
     Ok(())
 }
 
+/// A device as the CLI names it: `cpu`, `cuda:N`, `metal:N`.
+fn device_name(d: &Device) -> String {
+    match d.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
 /// The training record written into a head's config.
 fn training_record(
     report: &TrainReport,
@@ -1206,13 +1261,15 @@ fn training_record(
     serde_json::json!({
         "init": init.map(|p| p.display().to_string()),
         "teacher_on": teacher.made_on,
-        "trained_on": format!("{:?}", opts.device),
+        "trained_on": device_name(&opts.device),
         "steps": report.steps_done,
         "final_loss": report.final_loss,
         "held_out_top1_agreement": report.held_out_top1,
         "held_out_rows": report.held_out_rows,
         "held_out_top1_answers": report.held_out_top1_answers,
         "held_out_answer_rows": report.held_out_answer_rows,
+        "held_out_depth2_answers": report.held_out_depth2_answers,
+        "held_out_depth2_rows": report.held_out_depth2_rows,
         "prompt_loss": opts.prompt_loss,
         "train_rows": report.train_rows,
         "seconds": report.seconds,
