@@ -9,7 +9,8 @@ and the drafter's time per draft token, both in units of one 1-row target decode
 gain they predict, tau / (verify_cost + k_mean * draft_cost).
 
 Configurations are MODE:K[:fixed][@BINARY], MODE one of ngram, draft, mtp, block, on (adaptive
-unless :fixed); mtp and block take the drafter from --mtp / --block. A configuration ending in
+unless :fixed); mtp and block take the drafter from --mtp / --block, and on takes it too (the
+MTP head, with n-gram lookup beside it). A configuration ending in
 @BINARY runs that binary instead of --binary (for an old build side by side with a new one; both
 are compared with the same AR run of --binary); one ending in +DRAFTER (after any @BINARY) uses
 that MTP head or block drafter instead of --mtp / --block (two heads side by side).
@@ -42,11 +43,11 @@ def run(a, prompt, max_tokens, mode, k, fixed, binary=None, drafter=None):
         cmd += ["--draft-vocab", a.draft_vocab]
         if a.draft_vocab_size:
             cmd += ["--draft-vocab-size", str(a.draft_vocab_size)]
-    if drafter and mode in ("mtp", "block"):
+    if drafter and mode in ("mtp", "block", "on"):
         cmd += ["--drafter", drafter]
-    elif mode == "mtp" and a.mtp:
+    elif mode in ("mtp", "on") and a.mtp:
         cmd += ["--drafter", a.mtp]
-    elif mode == "block" and a.block:
+    elif mode in ("block", "on") and a.block:
         cmd += ["--drafter", a.block]
     if a.threads:
         cmd += ["--threads", str(a.threads)]

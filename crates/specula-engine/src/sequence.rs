@@ -93,6 +93,13 @@ pub struct Sequence {
     emitter: Emitter,
     stats: GenerationStats,
     drafter: Option<Box<dyn Drafter>>,
+    /// n-gram lookup beside a model drafter (`on` / `default`): looked up every step, and its
+    /// draft verified instead of the model drafter's when it predicts the larger speed-up
+    /// ([`Sequence::lookup_draft`]).
+    lookup: Option<NgramDrafter>,
+    /// The pending draft is the lookup's (its conditional acceptance estimates for the batch's
+    /// draft budget), not the model drafter's.
+    lookup_alphas: Option<Vec<f64>>,
     accept_rng: Option<UniformRandomness<ChaCha20Rng>>,
     /// Structured-output constraint, applied to every row like the penalties.
     constraint: Option<Box<dyn Constraint>>,
@@ -201,29 +208,17 @@ impl Sequence {
                 None => "ar (no block drafter attached)".into(),
             },
             (Some(_), _) => {
-                // For side-by-side measurement: SPECULA_NGRAM_WRAP=0 (one lookup per draft),
-                // SPECULA_NGRAM_MIN_N=N (the shortest match), SPECULA_NGRAM_CONFIDENCE=C (the
-                // confidence cut; 0: none).
-                let base = NgramDrafter::default();
-                let wrap = std::env::var("SPECULA_NGRAM_WRAP").map_or(true, |v| v != "0");
-                let min_n = std::env::var("SPECULA_NGRAM_MIN_N")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(base.min_n);
-                let min_confidence = std::env::var("SPECULA_NGRAM_CONFIDENCE")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(base.min_confidence);
-                let ngram = NgramDrafter {
-                    wrap,
-                    min_n,
-                    min_confidence,
-                    ..base
-                };
-                drafter = Some(Box::new(ngram.with_numbers(env.tokenizer.numbers())));
+                drafter = Some(Box::new(ngram_drafter(&env)));
                 "ngram".into()
             }
         };
+        // `on` / `default` with a model drafter: n-gram lookup beside it, for the steps where
+        // the context repeats itself (a copied document, a list) and a free draft of several
+        // tokens beats the model's. `ngram` and the named model drafters stay alone.
+        let lookup = (lookup_beside(req.spec.mode, resolved) && drafter.is_some()).then(|| ngram_drafter(&env));
+        if lookup.is_some() {
+            stats.spec.decode_path.push_str("+ngram");
+        }
         // Acceptance at temperature > 0 draws from its own stream, derived from the request seed.
         let accept_rng = (drafter.is_some() && !req.sampling.is_greedy())
             .then(|| UniformRandomness(ChaCha20Rng::seed_from_u64(sampler.fork_seed())));
@@ -245,6 +240,8 @@ impl Sequence {
             emitter,
             stats,
             drafter,
+            lookup,
+            lookup_alphas: None,
             accept_rng,
             constraint,
             k_ctl,
@@ -353,8 +350,9 @@ impl Sequence {
         }
         // A sampled draft is never kept or dropped by its own confidence
         // (`DraftLength::verified_prefix`): the budget prices it by position only.
-        let alphas = match &self.draft.confidence {
-            Some(c) if self.k_ctl.confidence_driven() && self.draft.q.is_none() => self.k_ctl.calibrated(c),
+        let alphas = match (&self.lookup_alphas, &self.draft.confidence) {
+            (Some(a), _) => a.clone(),
+            (None, Some(c)) if self.k_ctl.confidence_driven() && self.draft.q.is_none() => self.k_ctl.calibrated(c),
             _ => self.k_ctl.alphas(self.draft.len()),
         };
         Some(crate::spec::controller::PendingDraft {
@@ -378,9 +376,15 @@ impl Sequence {
         self.stats.spec.trimmed += self.draft.len() - keep;
         self.draft.truncate(keep);
         pending.tokens.truncate(1 + keep);
+        if let Some(a) = self.lookup_alphas.as_mut() {
+            a.truncate(keep);
+        }
         if keep == 0 {
             pending.rows = LogitsRows::Last;
-            self.k_ctl.note_trimmed();
+            if self.lookup_alphas.is_none() {
+                // The model drafter's cost was paid for nothing (the lookup's costs nothing).
+                self.k_ctl.note_trimmed();
+            }
         }
     }
 
@@ -544,11 +548,19 @@ impl Sequence {
         if let Some(c) = self.constraint.as_mut() {
             c.commit(next)?;
         }
+        let from_lookup = self.lookup_alphas.take().is_some();
         if !draft.is_empty() {
             self.stats.spec.record(draft.len(), accepted);
-            self.k_ctl.update(draft.len(), accepted);
-            if let Some(c) = &draft.confidence {
-                self.k_ctl.observe_confidence(c, accepted);
+            if from_lookup {
+                // The lookup learns its own outcome at its next proposal; the controller's
+                // estimates are the model drafter's.
+                self.stats.spec.lookup_drafted += draft.len();
+                self.stats.spec.lookup_accepted += accepted;
+            } else {
+                self.k_ctl.update(draft.len(), accepted);
+                if let Some(c) = &draft.confidence {
+                    self.k_ctl.observe_confidence(c, accepted);
+                }
             }
         }
         let mut block = draft.tokens[..accepted].to_vec();
@@ -591,8 +603,13 @@ impl Sequence {
         let room_ctx = ctx.saturating_sub(self.kv.len() + 1);
         let room_out = self.max_tokens.saturating_sub(self.emitter.tokens().len() + 1);
         let k = self.k_ctl.next_k().min(room_ctx).min(room_out);
-        let mut proposal = match self.drafter.as_mut() {
-            Some(d) if k > 0 => {
+        let lookup = self.lookup_draft(k, self.req.spec.draft_max.min(room_ctx).min(room_out));
+        let mut proposal = match (lookup, self.drafter.as_mut()) {
+            (Some((tokens, alphas)), _) => {
+                self.lookup_alphas = Some(alphas);
+                Proposal::deterministic(tokens)
+            }
+            (None, Some(d)) if k > 0 => {
                 let td = Instant::now();
                 let ctl = &self.k_ctl;
                 let p = if ctl.confidence_driven() {
@@ -608,7 +625,9 @@ impl Sequence {
             }
             _ => Proposal::default(),
         };
-        proposal.truncate(k);
+        if self.lookup_alphas.is_none() {
+            proposal.truncate(k);
+        }
         // Verify the prefix the drafter's confidences say pays (greedy drafts only; the rest
         // is trimmed).
         let keep = self.k_ctl.verified_prefix(&proposal);
@@ -632,6 +651,9 @@ impl Sequence {
             let valid = c.valid_prefix(&proposal.tokens);
             proposal.truncate(valid);
         }
+        if let Some(a) = self.lookup_alphas.as_mut() {
+            a.truncate(proposal.len());
+        }
         if self.kv.len() + 1 + proposal.len() > ctx {
             let d = self.emitter.finish_with(FinishReason::Length);
             delta.text.push_str(&d.text);
@@ -650,6 +672,40 @@ impl Sequence {
         self.draft = proposal;
         self.pending = Some(StepInput { tokens, rows });
         Ok(StepOutcome { delta, finished: false })
+    }
+
+    /// With n-gram lookup beside a model drafter: look up a draft of up to `room` tokens (every
+    /// step, so the lookup learns its match classes' acceptance from every committed token,
+    /// verified or not: [`NgramDrafter::propose_tokens`]), and return its most profitable
+    /// prefix with its acceptance estimates when that prefix predicts at least the speed-up of
+    /// this step's model draft of up to `k` tokens (the controller's best estimate, and never
+    /// below plain decoding's). A lookup draft costs no drafting, only its verify rows
+    /// ([`DraftLength::free_draft_speedup`]). Whichever is chosen, the target decides every
+    /// committed token.
+    fn lookup_draft(&mut self, k: usize, room: usize) -> Option<(Vec<u32>, Vec<f64>)> {
+        let lookup = self.lookup.as_mut()?;
+        let t = Instant::now();
+        let draft = lookup.propose_tokens(&self.context, room);
+        let alphas = lookup.pending_alphas();
+        self.stats.spec.draft_s += t.elapsed().as_secs_f64();
+        let (mut reach, mut expected) = (1.0, 1.0);
+        let mut best = (0, f64::MIN);
+        for (j, a) in alphas.iter().enumerate() {
+            reach *= a;
+            expected += reach;
+            let s = self.k_ctl.free_draft_speedup(expected, j + 1);
+            if s > best.1 {
+                best = (j + 1, s);
+            }
+        }
+        // The model drafter's best predicted step with at most k tokens (k already holds the
+        // room left), or plain decoding.
+        let model = (1..=k)
+            .map(|j| self.k_ctl.predicted_speedup(j))
+            .fold(self.k_ctl.free_draft_speedup(1.0, 0), f64::max);
+        // On a tie (both estimates at their priors, as at a request's first step) the free
+        // draft wins.
+        (best.0 > 0 && best.1 >= model).then(|| (draft[..best.0].to_vec(), alphas[..best.0].to_vec()))
     }
 
     fn close_stats(&mut self) {
@@ -685,6 +741,37 @@ impl Sequence {
         };
         (out, self.kv)
     }
+}
+
+/// Whether a request in `mode` whose drafter resolved to `resolved` ([`resolve`]) runs n-gram
+/// lookup beside it: `on` and `default` with a model drafter (draft model, MTP head, block
+/// drafter). Its decode path then ends in `+ngram`.
+pub fn lookup_beside(mode: SpecMode, resolved: Option<SpecMode>) -> bool {
+    matches!(mode, SpecMode::On | SpecMode::Default)
+        && matches!(resolved, Some(SpecMode::Draft | SpecMode::Mtp | SpecMode::Block))
+}
+
+/// The n-gram drafter of a sequence, with the tokenizer's number tokens. For side-by-side
+/// measurement: `SPECULA_NGRAM_WRAP=0` (one lookup per draft), `SPECULA_NGRAM_MIN_N=N` (the
+/// shortest match), `SPECULA_NGRAM_CONFIDENCE=C` (the confidence cut; 0: none).
+fn ngram_drafter(env: &SequenceEnv) -> NgramDrafter {
+    let base = NgramDrafter::default();
+    let wrap = std::env::var("SPECULA_NGRAM_WRAP").map_or(true, |v| v != "0");
+    let min_n = std::env::var("SPECULA_NGRAM_MIN_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(base.min_n);
+    let min_confidence = std::env::var("SPECULA_NGRAM_CONFIDENCE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(base.min_confidence);
+    NgramDrafter {
+        wrap,
+        min_n,
+        min_confidence,
+        ..base
+    }
+    .with_numbers(env.tokenizer.numbers())
 }
 
 /// The drafter a speculative mode resolves to: `None` for AR. `Default` / `On` take the best

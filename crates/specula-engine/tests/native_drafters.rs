@@ -121,9 +121,10 @@ fn random_mtp_heads_in_both_layouts_draft_and_match_ar() {
                     assert!(sp.stats.spec.drafted_by_position.len() <= k, "{what}");
                 }
             }
-            // `on` picks the MTP head when no draft model is attached.
+            // `on` picks the MTP head when no draft model is attached, with n-gram lookup
+            // beside it.
             let on = run(&mut e, &req(prompt.clone(), SpecMode::On, 4, SamplingParams::greedy()));
-            assert_eq!(on.stats.spec.decode_path, "mtp");
+            assert_eq!(on.stats.spec.decode_path, "mtp+ngram");
             assert_eq!(on.token_ids, ar.token_ids);
             // Sampling requests draft from the head's distribution (rejection sampling); same
             // seed, same output.
@@ -353,6 +354,13 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
         r.held_out_answer_rows,
         r.held_out_rows
     );
+    // The second chained draft is scored where the first agreed, on answer rows only.
+    assert!(r.held_out_depth2_rows <= r.held_out_answer_rows, "{r:?}");
+    assert_eq!(r.held_out_depth2_answers.is_some(), r.held_out_depth2_rows > 0, "{r:?}");
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(full.join("config.json")).expect("config")).expect("json");
+    assert_eq!(record["training"]["trained_on"], "cpu");
+    assert_eq!(record["training"]["held_out_depth2_rows"], r.held_out_depth2_rows);
 
     // Interrupted after 12 steps, then resumed: the same head, bit for bit.
     let parts = dir.path().join("parts");

@@ -256,9 +256,16 @@ fn draft_model_greedy_equals_ar_for_every_k() {
         for (k, adaptive) in [(1, false), (2, false), (4, false), (8, false), (8, true)] {
             for m in [SpecMode::Draft, SpecMode::Default, SpecMode::On] {
                 let out = assert_same(&mut e, &req, mode(m, k, adaptive), &format!("{which:?} {m:?} k={k}"));
-                assert_eq!(out.stats.spec.decode_path, "draft-model:tiny-draft");
-                drafted += out.stats.spec.drafted;
-                accepted += out.stats.spec.accepted;
+                // `default` and `on` run n-gram lookup beside the draft model.
+                let path = if m == SpecMode::Draft {
+                    "draft-model:tiny-draft"
+                } else {
+                    "draft-model:tiny-draft+ngram"
+                };
+                assert_eq!(out.stats.spec.decode_path, path);
+                // The draft model's own drafts (the lookup's may be rejected).
+                drafted += out.stats.spec.drafted - out.stats.spec.lookup_drafted;
+                accepted += out.stats.spec.accepted - out.stats.spec.lookup_accepted;
             }
         }
         if same {
@@ -402,8 +409,16 @@ fn chi_square(a: &[Vec<u32>], b: &[Vec<u32>]) -> (f64, usize, f64) {
 }
 
 /// First `n` tokens of `runs` seeded samples of `req` under `opts`.
-fn samples(e: &mut Engine, req: &GenerateRequest, opts: SpecOptions, runs: u64) -> (Vec<Vec<u32>>, usize, usize) {
-    let (mut drafted, mut accepted) = (0, 0);
+/// `runs` sampled outputs of `req` under `opts` (seeds 0..runs), with the draft tokens drafted
+/// and accepted over all of them, and of those drafted, how many by n-gram lookup beside a
+/// model drafter.
+fn samples(
+    e: &mut Engine,
+    req: &GenerateRequest,
+    opts: SpecOptions,
+    runs: u64,
+) -> (Vec<Vec<u32>>, usize, usize, usize) {
+    let (mut drafted, mut accepted, mut lookup) = (0, 0, 0);
     let out = (0..runs)
         .map(|seed| {
             let mut r = req.clone();
@@ -412,10 +427,11 @@ fn samples(e: &mut Engine, req: &GenerateRequest, opts: SpecOptions, runs: u64) 
             let (o, _) = run(e, &r);
             drafted += o.stats.spec.drafted;
             accepted += o.stats.spec.accepted;
+            lookup += o.stats.spec.lookup_drafted;
             o.token_ids
         })
         .collect();
-    (out, drafted, accepted)
+    (out, drafted, accepted, lookup)
 }
 
 fn sampled_req(prompt: Vec<u32>, n: usize) -> GenerateRequest {
@@ -445,29 +461,35 @@ fn sampling_spec_matches_ar_in_distribution_on_tiny_models() {
         let mut req = sampled_req(prompt, 4);
         req.sampling.top_k = 40;
         let runs = 3000;
-        let (ar, _, _) = samples(&mut e, &req, SpecOptions::default(), runs);
-        let m = SpecMode::Draft;
-        let (sp, drafted, accepted) = samples(&mut e, &req, mode(m, 3, false), runs);
-        assert!(
-            drafted >= runs as usize,
-            "{which:?}: speculation ran ({drafted} drafted)"
-        );
-        assert!(
-            accepted > 0 && accepted < drafted,
-            "{which:?}: accepts and rejects both happen"
-        );
-        for w in [0..3, 1..4] {
-            let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
-            eprintln!("{which:?} tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
+        let (ar, ..) = samples(&mut e, &req, SpecOptions::default(), runs);
+        // `draft`, and `on`: the draft model with n-gram lookup beside it (the random tiny
+        // models rarely repeat their context, so here the lookup seldom finds a draft; the
+        // SmolLM2 test below has both drafters drafting).
+        for (m, adaptive) in [(SpecMode::Draft, false), (SpecMode::On, false)] {
+            let (sp, drafted, accepted, _) = samples(&mut e, &req, mode(m, 3, adaptive), runs);
             assert!(
-                z < 3.09,
-                "{which:?}: law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
+                drafted >= runs as usize / 2,
+                "{which:?} {m:?}: speculation ran ({drafted} drafted)"
             );
+            assert!(
+                accepted > 0 && accepted < drafted,
+                "{which:?} {m:?}: accepts and rejects both happen"
+            );
+            for w in [0..3, 1..4] {
+                let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
+                eprintln!(
+                    "{which:?} {m:?} tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}"
+                );
+                assert!(
+                    z < 3.09,
+                    "{which:?} {m:?}: law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
+                );
+            }
         }
         // And the test can fail: a different temperature is a different law.
         let mut hot = req.clone();
         hot.sampling.temperature = 1.2;
-        let (other, _, _) = samples(&mut e, &hot, SpecOptions::default(), runs);
+        let (other, ..) = samples(&mut e, &hot, SpecOptions::default(), runs);
         let (stat, df, z) = chi_square(&window(&ar, 0..3), &window(&other, 0..3));
         assert!(
             z > 3.09,
@@ -477,7 +499,8 @@ fn sampling_spec_matches_ar_in_distribution_on_tiny_models() {
 }
 
 /// The chi-square test on a real model (SmolLM2, temperature 0.8, n-gram lookup on a prompt
-/// that repeats, so drafts start at the first decode step).
+/// that repeats, so drafts start at the first decode step; then `on` with the trained MTP head
+/// and the lookup beside it).
 #[test]
 fn smollm2_sampling_spec_matches_ar_in_distribution() {
     let path = common::model_path("smollm2-135m-instruct");
@@ -487,8 +510,8 @@ fn smollm2_sampling_spec_matches_ar_in_distribution() {
         .expect("tokenize");
     let req = sampled_req(prompt, 3);
     let runs = 300;
-    let (ar, _, _) = samples(&mut e, &req, SpecOptions::default(), runs);
-    let (sp, drafted, accepted) = samples(&mut e, &req, spec(3, false), runs);
+    let (ar, ..) = samples(&mut e, &req, SpecOptions::default(), runs);
+    let (sp, drafted, accepted, _) = samples(&mut e, &req, spec(3, false), runs);
     let (stat, df, z) = chi_square(&ar, &sp);
     eprintln!("smollm2 chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
     assert!(accepted > 0 && drafted > accepted);
@@ -496,6 +519,33 @@ fn smollm2_sampling_spec_matches_ar_in_distribution() {
         z < 3.09,
         "first-3-token law differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
     );
+    // `on` with the trained MTP head: the head's sampled drafts (q its distribution) and the
+    // lookup's deterministic ones, the drafter chosen per step by the adaptive controller (the
+    // lookup wins steps once its match classes have a record, so 10 tokens per run, and the
+    // law compared on tokens 0..3 and 5..8).
+    e.attach_mtp_head(&common::head_path("smollm2-135m-instruct", "mtp"))
+        .expect("attach MTP head");
+    let on = SpecOptions {
+        mode: SpecMode::On,
+        draft_max: 3,
+        adaptive: true,
+    };
+    let req = sampled_req(req.prompt_tokens.clone(), 10);
+    let (ar, ..) = samples(&mut e, &req, SpecOptions::default(), runs);
+    let (sp, drafted, accepted, lookup) = samples(&mut e, &req, on, runs);
+    assert!(
+        lookup > 0 && lookup < drafted,
+        "both drafters drafted: lookup {lookup} of {drafted}"
+    );
+    assert!(accepted > 0 && drafted > accepted);
+    for w in [0..3, 5..8] {
+        let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
+        eprintln!("smollm2 on tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} (lookup {lookup}) accepted {accepted}");
+        assert!(
+            z < 3.09,
+            "on: the law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
+        );
+    }
 }
 
 /// The G-gate: for each chosen prompt (all when `prompt_ids` is empty), greedy output with
@@ -515,7 +565,8 @@ fn gate(
     }
     // The trained native drafters committed under heads/ (made by `specula distill`).
     match mode {
-        SpecMode::Mtp => e
+        // `on` with the trained MTP head: the head, with n-gram lookup beside it.
+        SpecMode::Mtp | SpecMode::On => e
             .attach_mtp_head(&common::head_path(model, "mtp"))
             .expect("attach MTP head"),
         SpecMode::Block => e
@@ -526,6 +577,7 @@ fn gate(
     assert!(e.model().batch_invariant(), "{model} runs on batch-invariant kernels");
     let prompts = common::fixture_lines("prompts.jsonl");
     let (mut drafted, mut accepted, mut steps, mut committed, mut n) = (0, 0, 0, 0, 0);
+    let (mut lookup_drafted, mut lookup_accepted) = (0, 0);
     for p in prompts
         .iter()
         .filter(|p| prompt_ids.is_empty() || prompt_ids.contains(&p["id"].as_str().unwrap_or("")))
@@ -542,17 +594,26 @@ fn gate(
             let out = assert_same_as(&mut e, &ar, &req, self::mode(mode, k, adaptive), &what);
             drafted += out.stats.spec.drafted;
             accepted += out.stats.spec.accepted;
+            lookup_drafted += out.stats.spec.lookup_drafted;
+            lookup_accepted += out.stats.spec.lookup_accepted;
             steps += out.stats.spec.target_steps;
             committed += out.stats.spec.committed;
             n += 1;
         }
     }
     eprintln!(
-        "{model} {mode:?} G-gate: {n} runs byte-identical to AR; drafted {drafted}, accepted {accepted} ({:.1}%), tau {:.2}",
+        "{model} {mode:?} G-gate: {n} runs byte-identical to AR; drafted {drafted}, accepted {accepted} ({:.1}%), tau {:.2}; of them by lookup beside the model drafter: drafted {lookup_drafted}, accepted {lookup_accepted}",
         100.0 * accepted as f64 / drafted.max(1) as f64,
         committed as f64 / steps.max(1) as f64
     );
     assert!(drafted > 0, "speculation ran");
+    if mode == SpecMode::On && draft.is_none() {
+        // Both drafters of `on` proposed drafts that were verified.
+        assert!(
+            lookup_drafted > 0 && lookup_drafted < drafted,
+            "lookup drafted {lookup_drafted} of {drafted}"
+        );
+    }
 }
 
 fn smollm2_gate(prompt_ids: &[&str], configs: &[(usize, bool)]) {
@@ -637,6 +698,14 @@ fn smollm2_trained_mtp_head_greedy_is_byte_identical_to_ar() {
     );
 }
 
+/// G-gate of `on` with the trained MTP head attached: the head and n-gram lookup beside it,
+/// the drafter chosen per step; every shared prompt, adaptive k ≤ 4 (what a server with the
+/// head runs by default).
+#[test]
+fn smollm2_on_mtp_head_with_lookup_greedy_is_byte_identical_to_ar() {
+    gate("smollm2-135m-instruct", None, SpecMode::On, &[], &[(4, true)], None);
+}
+
 /// G-gate of the trained block drafter committed for SmolLM2: every shared prompt, a full block
 /// per step.
 #[test]
@@ -650,6 +719,7 @@ fn smollm2_trained_block_drafter_greedy_is_byte_identical_to_ar() {
 #[ignore]
 fn smollm2_trained_full_matrix() {
     gate("smollm2-135m-instruct", None, SpecMode::Mtp, &[], ALL_K, None);
+    gate("smollm2-135m-instruct", None, SpecMode::On, &[], ALL_K, None);
     gate("smollm2-135m-instruct", None, SpecMode::Block, &[], ALL_K, None);
 }
 

@@ -89,12 +89,16 @@ pub(crate) fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_
             "this model's kernels are not batch-invariant, so speculation would not be exact".to_string(),
         ),
         Some(m) => {
-            let name = match m {
+            let mut name = match m {
                 specula_engine::spec::SpecMode::Draft => {
                     format!("draft-model:{}", engine.draft_model_id().unwrap_or("?"))
                 }
                 other => other.as_str().to_string(),
             };
+            // As the requests' decode path says it.
+            if specula_engine::sequence::lookup_beside(eff.mode, resolved) {
+                name.push_str("+ngram");
+            }
             let why = match tuned {
                 Some(t) => format!("tuning file choice: {}", t.describe()),
                 None => format!("--spec {}", spec.mode.as_str()),
@@ -183,7 +187,7 @@ pub enum Event {
     /// Output that became final.
     Delta(StreamDelta),
     /// The finished generation.
-    Done(GenerateOutput),
+    Done(Box<GenerateOutput>),
     /// The request was rejected or failed.
     Failed(RequestError),
 }
@@ -710,7 +714,7 @@ fn worker_loop(
             let event = match err {
                 None => {
                     record_done(&metrics, r.endpoint, &out);
-                    Event::Done(out)
+                    Event::Done(Box::new(out))
                 }
                 Some(e) => {
                     tracing::error!(endpoint = r.endpoint, "request failed: {e}");
@@ -867,6 +871,8 @@ mod tests {
         );
         assert_eq!(decode_path_label("ngram"), "ngram");
         assert_eq!(decode_path_label("draft-model:smollm2"), "draft-model");
+        assert_eq!(decode_path_label("draft-model:smollm2+ngram"), "draft-model");
+        assert_eq!(decode_path_label("mtp+ngram"), "mtp+ngram");
         assert_eq!(decode_path_label(""), "ar");
     }
 }

@@ -421,8 +421,13 @@ async fn the_tuning_choice_follows_the_startup_drafters() {
     let sp = specula(&app).await;
     assert_eq!(sp["spec_default"], "default");
     assert_eq!(sp["tuned_default"], Value::Null, "{sp}");
-    assert_eq!(sp["effective_spec"]["drafter"], format!("draft-model:{draft}"), "{sp}");
-    assert_eq!(run(&app).await.1, format!("draft-model:{draft}"));
+    // `default` with a draft model: n-gram lookup beside it, in the listing and the requests.
+    assert_eq!(
+        sp["effective_spec"]["drafter"],
+        format!("draft-model:{draft}+ngram"),
+        "{sp}"
+    );
+    assert_eq!(run(&app).await.1, format!("draft-model:{draft}+ngram"));
 
     change(&app, ADMIN, json!({"unload_draft": true})).await;
     let sp = specula(&app).await;

@@ -1185,7 +1185,13 @@ async fn models_show_the_speculation_settings() {
         );
         assert_eq!(v["usage"], off["usage"]);
         let s = spec_stats(&v);
-        assert_eq!(s["decode_path"], "draft-model:tiny-draft", "{spec:?}: {s}");
+        // The default (`default` mode) runs n-gram lookup beside the draft model.
+        let path = if spec.is_some() {
+            "draft-model:tiny-draft"
+        } else {
+            "draft-model:tiny-draft+ngram"
+        };
+        assert_eq!(s["decode_path"], path, "{spec:?}: {s}");
         assert!(s["drafted"].as_u64().unwrap() > 0, "{s}");
     }
 }
@@ -1292,7 +1298,7 @@ async fn spec_native_drafters_equal_off() {
     for (spec, path) in [
         (json!("mtp"), "mtp"),
         (json!({"mode": "block", "draft_max": 5}), "block"),
-        (json!("on"), "mtp"),
+        (json!("on"), "mtp+ngram"),
     ] {
         let r = post(&app, CHAT, spec_chat_body(Some(spec.clone()))).await;
         assert_eq!(r.status, StatusCode::OK, "{spec}: {}", r.text);

@@ -560,6 +560,13 @@ impl DraftLength {
         self.speedup(self.expected_tokens(k), k, k)
     }
 
+    /// The predicted speed-up of a step that verifies `rows` draft tokens which cost nothing to
+    /// draft (n-gram lookup) and commits `expected` tokens on average: the forward's cost alone,
+    /// alone or under the [`Load`], as in [`DraftLength::predicted_speedup`].
+    pub fn free_draft_speedup(&self, expected: f64, rows: usize) -> f64 {
+        self.speedup(expected, rows, 0)
+    }
+
     /// The speed-up of a step that commits `expected` tokens on average, verifies `rows` draft
     /// tokens and drafted `drafted` (all in units of plain decoding, as in
     /// [`DraftLength::predicted_speedup`]).

@@ -244,6 +244,11 @@ pub struct SpecStats {
     pub accepted_by_position: Vec<usize>,
     /// Drafted count per draft position.
     pub drafted_by_position: Vec<usize>,
+    /// Of `drafted` / `accepted`: the draft tokens n-gram lookup proposed in place of the
+    /// model drafter (`on` / `default` with a model drafter: decode path `…+ngram`; see
+    /// [`crate::sequence::Sequence`]), and how many were accepted.
+    pub lookup_drafted: usize,
+    pub lookup_accepted: usize,
     /// Seconds spent in the drafter.
     pub draft_s: f64,
     /// Target forwards after prefill by row count: entry `r - 1` holds (forwards, seconds) of
@@ -299,6 +304,8 @@ impl SpecStats {
             "drafted_by_position": self.drafted_by_position,
             "accepted_by_position": self.accepted_by_position,
             "acceptance_by_position": by_pos,
+            "lookup_drafted": self.lookup_drafted,
+            "lookup_accepted": self.lookup_accepted,
             "draft_s": self.draft_s,
             "target_forwards": forwards,
         })

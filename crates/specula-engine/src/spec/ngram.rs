@@ -213,13 +213,19 @@ impl NgramDrafter {
     /// the target's own token) into [`NgramDrafter::stats`]; then the draft is looked up and,
     /// with [`NgramDrafter::min_confidence`], cut to what its match class's measured acceptance
     /// justifies ([`MatchStats::keep`]).
+    ///
+    /// The outcome is read as far as the context tells it: a draft that was not verified (or
+    /// only a prefix of it; a step committed fewer tokens than it holds, all of them equal to
+    /// it) is scored on the committed tokens only, the rest untested. So a caller may look up
+    /// every step and verify the draft only on some (the lookup beside a model drafter).
     pub fn propose_tokens(&mut self, context: &[u32], k: usize) -> Vec<u32> {
         if let Some(p) = self.stats.pending.take() {
             // Learned only when the context went on from the one the draft was proposed for
             // (a step was verified): at least the target's own token follows it.
             if context.len() > p.at {
+                let known = context.len() - p.at;
                 let accepted = p.draft.iter().zip(&context[p.at..]).take_while(|(a, b)| a == b).count();
-                self.stats.record(p.class, p.draft.len(), accepted);
+                self.stats.record(p.class, p.draft.len().min(known), accepted);
             }
         }
         let (mut draft, class) = self.classified_lookup(context, k);
@@ -234,6 +240,17 @@ impl NgramDrafter {
             });
         }
         draft
+    }
+
+    /// The estimated conditional acceptance of each token of the last draft
+    /// [`NgramDrafter::propose_tokens`] proposed (index j: the (j+1)-th token is accepted given
+    /// the ones before it were), from its match class's record ([`MatchStats::acceptance`]);
+    /// empty when it proposed nothing.
+    pub fn pending_alphas(&self) -> Vec<f64> {
+        match &self.stats.pending {
+            Some(p) => self.stats.cautious(p.class, p.draft.len()),
+            None => Vec::new(),
+        }
     }
 
     /// The match class ([`MatchStats::class`]) of the last draft [`NgramDrafter::propose_tokens`]
@@ -346,6 +363,8 @@ const STATS_DECAY: f64 = 0.95;
 /// Prior per-position acceptance of a class not yet measured, and its weight (pseudo-tests).
 const PRIOR_ACCEPT: f64 = 0.9;
 const PRIOR_WEIGHT: f64 = 2.0;
+/// [`MatchStats::cautious`]: the prior acceptance of a class's first draft token.
+const CAUTIOUS_PRIOR: f64 = 0.5;
 
 /// Acceptance of the n-gram drafter's drafts per match class (match length bucket, exact or
 /// structural) and draft position: at position `i`, how often the token was accepted when every
@@ -411,6 +430,22 @@ impl MatchStats {
     pub fn acceptance(&self, class: usize, i: usize) -> f64 {
         let (a, t) = self.counts[class][i.min(POSITIONS - 1)];
         (a + PRIOR_ACCEPT * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+    }
+
+    /// Conditional acceptance estimates of the first `n` positions of a draft from a match of
+    /// `class`, for weighing a lookup draft against another drafter's: the first position's
+    /// prior is [`CAUTIOUS_PRIOR`] (not [`PRIOR_ACCEPT`]), and each later position's prior is
+    /// the estimate of the position before it (as the draft-length controller's), so a class
+    /// or position not yet tested is not taken for a near-certain one.
+    pub fn cautious(&self, class: usize, n: usize) -> Vec<f64> {
+        let mut prev = CAUTIOUS_PRIOR;
+        (0..n)
+            .map(|i| {
+                let (a, t) = self.counts[class][i.min(POSITIONS - 1)];
+                prev = (a + prev * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT);
+                prev
+            })
+            .collect()
     }
 
     /// How many of a `len`-token draft from a match of `class` to propose: the longest prefix
@@ -949,6 +984,37 @@ mod tests {
         // Without the cut the same stats change nothing.
         d.min_confidence = 0.0;
         assert_eq!(d.propose_tokens(&[1, 2, 3, 9, 1], 2), vec![2, 3]);
+    }
+
+    /// A draft that was not verified whole (the lookup beside a model drafter, whose step
+    /// committed fewer tokens than the draft holds) is scored only as far as the committed
+    /// tokens go; [`NgramDrafter::pending_alphas`] gives the cautious estimates of the draft.
+    #[test]
+    fn an_unverified_draft_is_scored_on_the_committed_tokens_only() {
+        let mut d = NgramDrafter::new(1, 4);
+        let ctx = vec![1, 2, 3, 4, 5, 9, 1];
+        assert_eq!(d.propose_tokens(&ctx, 4), vec![2, 3, 4, 5]);
+        // Untested class: the cautious prior 0.5, then each position follows the one before.
+        assert_eq!(d.pending_alphas(), vec![0.5; 4]);
+        // Another drafter's step committed `2 3`, both equal to the draft: two positions
+        // accepted, none rejected, the last two untested.
+        let ctx = [ctx, vec![2, 3]].concat();
+        d.propose_tokens(&ctx, 4);
+        assert_eq!(d.stats.counts[0][0], (1.0, 1.0));
+        assert_eq!(d.stats.counts[0][1], (1.0, 1.0));
+        assert_eq!(d.stats.counts[0][2], (0.0, 0.0));
+        // (1 + 0.5 * 2) / (1 + 2) = 2/3 at positions 0 and then (1 + 2/3 * 2) / 3 = 7/9; the
+        // untested positions keep the estimate before them.
+        let a = d.stats.cautious(0, 4);
+        let want = [2.0 / 3.0, 7.0 / 9.0, 7.0 / 9.0, 7.0 / 9.0];
+        assert!(a.iter().zip(want).all(|(x, y)| (x - y).abs() < 1e-12), "{a:?}");
+        // A step that committed a token unlike the draft's first: position 0 rejected.
+        let mut d = NgramDrafter::new(1, 4);
+        let ctx = vec![1, 2, 3, 4, 5, 9, 1];
+        d.propose_tokens(&ctx, 4);
+        d.propose_tokens(&[ctx, vec![7]].concat(), 4);
+        assert_eq!(d.stats.counts[0][0], (0.0, 1.0));
+        assert_eq!(d.stats.counts[0][1], (0.0, 0.0));
     }
 
     /// Without number tokens in the context, the number vocabulary changes nothing.
