@@ -215,7 +215,7 @@ impl Sequence {
         // `on` / `default` with a model drafter: n-gram lookup beside it, for the steps where
         // the context repeats itself (a copied document, a list) and a free draft of several
         // tokens beats the model's. `ngram` and the named model drafters stay alone.
-        let lookup = (lookup_beside(req.spec.mode, resolved) && drafter.is_some()).then(|| ngram_drafter(&env));
+        let lookup = (lookup_beside(&req.spec, resolved) && drafter.is_some()).then(|| ngram_drafter(&env));
         if lookup.is_some() {
             stats.spec.decode_path.push_str("+ngram");
         }
@@ -688,6 +688,10 @@ impl Sequence {
         let draft = lookup.propose_tokens(&self.context, room);
         let alphas = lookup.pending_alphas();
         self.stats.spec.draft_s += t.elapsed().as_secs_f64();
+        if self.k_ctl.measuring_one_row() {
+            // The controller measures a plain step (the unit of every cost): no draft at all.
+            return None;
+        }
         let (mut reach, mut expected) = (1.0, 1.0);
         let mut best = (0, f64::MIN);
         for (j, a) in alphas.iter().enumerate() {
@@ -703,8 +707,8 @@ impl Sequence {
         let model = (1..=k)
             .map(|j| self.k_ctl.predicted_speedup(j))
             .fold(self.k_ctl.free_draft_speedup(1.0, 0), f64::max);
-        // On a tie (both estimates at their priors, as at a request's first step) the free
-        // draft wins.
+        // On a tie the free draft wins. (At a request's first step the two do not tie: the
+        // controller's prior for the model drafter's first token is 0.625, the lookup's 0.5.)
         (best.0 > 0 && best.1 >= model).then(|| (draft[..best.0].to_vec(), alphas[..best.0].to_vec()))
     }
 
@@ -743,11 +747,13 @@ impl Sequence {
     }
 }
 
-/// Whether a request in `mode` whose drafter resolved to `resolved` ([`resolve`]) runs n-gram
-/// lookup beside it: `on` and `default` with a model drafter (draft model, MTP head, block
-/// drafter). Its decode path then ends in `+ngram`.
-pub fn lookup_beside(mode: SpecMode, resolved: Option<SpecMode>) -> bool {
-    matches!(mode, SpecMode::On | SpecMode::Default)
+/// Whether a request with speculation settings `spec` whose drafter resolved to `resolved`
+/// ([`resolve`]) runs n-gram lookup beside it: `on` and `default` with a model drafter (draft
+/// model, MTP head, block drafter) and adaptive k (a fixed k drafts k tokens with the model
+/// drafter every step, as `--fixed-k` promises). Its decode path then ends in `+ngram`.
+pub fn lookup_beside(spec: &crate::spec::SpecOptions, resolved: Option<SpecMode>) -> bool {
+    spec.adaptive
+        && matches!(spec.mode, SpecMode::On | SpecMode::Default)
         && matches!(resolved, Some(SpecMode::Draft | SpecMode::Mtp | SpecMode::Block))
 }
 

@@ -256,11 +256,11 @@ fn draft_model_greedy_equals_ar_for_every_k() {
         for (k, adaptive) in [(1, false), (2, false), (4, false), (8, false), (8, true)] {
             for m in [SpecMode::Draft, SpecMode::Default, SpecMode::On] {
                 let out = assert_same(&mut e, &req, mode(m, k, adaptive), &format!("{which:?} {m:?} k={k}"));
-                // `default` and `on` run n-gram lookup beside the draft model.
-                let path = if m == SpecMode::Draft {
-                    "draft-model:tiny-draft"
-                } else {
+                // `default` and `on` run n-gram lookup beside the draft model, with adaptive k.
+                let path = if m != SpecMode::Draft && adaptive {
                     "draft-model:tiny-draft+ngram"
+                } else {
+                    "draft-model:tiny-draft"
                 };
                 assert_eq!(out.stats.spec.decode_path, path);
                 // The draft model's own drafts (the lookup's may be rejected).
@@ -462,29 +462,23 @@ fn sampling_spec_matches_ar_in_distribution_on_tiny_models() {
         req.sampling.top_k = 40;
         let runs = 3000;
         let (ar, ..) = samples(&mut e, &req, SpecOptions::default(), runs);
-        // `draft`, and `on`: the draft model with n-gram lookup beside it (the random tiny
-        // models rarely repeat their context, so here the lookup seldom finds a draft; the
-        // SmolLM2 test below has both drafters drafting).
-        for (m, adaptive) in [(SpecMode::Draft, false), (SpecMode::On, false)] {
-            let (sp, drafted, accepted, _) = samples(&mut e, &req, mode(m, 3, adaptive), runs);
+        let m = SpecMode::Draft;
+        let (sp, drafted, accepted, _) = samples(&mut e, &req, mode(m, 3, false), runs);
+        assert!(
+            drafted >= runs as usize,
+            "{which:?}: speculation ran ({drafted} drafted)"
+        );
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{which:?}: accepts and rejects both happen"
+        );
+        for w in [0..3, 1..4] {
+            let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
+            eprintln!("{which:?} tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
             assert!(
-                drafted >= runs as usize / 2,
-                "{which:?} {m:?}: speculation ran ({drafted} drafted)"
+                z < 3.09,
+                "{which:?}: law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
             );
-            assert!(
-                accepted > 0 && accepted < drafted,
-                "{which:?} {m:?}: accepts and rejects both happen"
-            );
-            for w in [0..3, 1..4] {
-                let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
-                eprintln!(
-                    "{which:?} {m:?} tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}"
-                );
-                assert!(
-                    z < 3.09,
-                    "{which:?} {m:?}: law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
-                );
-            }
         }
         // And the test can fail: a different temperature is a different law.
         let mut hot = req.clone();

@@ -96,7 +96,7 @@ pub(crate) fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_
                 other => other.as_str().to_string(),
             };
             // As the requests' decode path says it.
-            if specula_engine::sequence::lookup_beside(eff.mode, resolved) {
+            if specula_engine::sequence::lookup_beside(&eff, resolved) {
                 name.push_str("+ngram");
             }
             let why = match tuned {
@@ -813,13 +813,14 @@ fn start_job(
 }
 
 /// The drafter family of a decode path, for metric labels: `ar` (plain decoding, also when
-/// speculation was asked for but could not be used), `ngram`, `draft-model`, ...
-pub(crate) fn decode_path_label(path: &str) -> &str {
+/// speculation was asked for but could not be used), `ngram`, `draft-model`, `mtp`, ..., with
+/// `+ngram` when n-gram lookup ran beside the model drafter (`draft-model+ngram`, `mtp+ngram`).
+pub(crate) fn decode_path_label(path: &str) -> String {
     let head = path.split([' ', ':']).next().unwrap_or("");
-    if head.is_empty() {
-        "ar"
-    } else {
-        head
+    match head {
+        "" => "ar".to_string(),
+        _ if path.ends_with("+ngram") && !head.ends_with("+ngram") => format!("{head}+ngram"),
+        _ => head.to_string(),
     }
 }
 
@@ -833,7 +834,7 @@ fn record_done(metrics: &Metrics, endpoint: &str, out: &GenerateOutput) {
     metrics.prefill_seconds.observe(s.prefill_s);
     metrics.finished.with_label_values(&[out.finish_reason.as_str()]).inc();
     let path = decode_path_label(&sp.decode_path);
-    metrics.spec_requests.with_label_values(&[path]).inc();
+    metrics.spec_requests.with_label_values(&[path.as_str()]).inc();
     if path != "ar" {
         metrics.spec_drafted.inc_by(sp.drafted as u64);
         metrics.spec_accepted.inc_by(sp.accepted as u64);
@@ -871,7 +872,7 @@ mod tests {
         );
         assert_eq!(decode_path_label("ngram"), "ngram");
         assert_eq!(decode_path_label("draft-model:smollm2"), "draft-model");
-        assert_eq!(decode_path_label("draft-model:smollm2+ngram"), "draft-model");
+        assert_eq!(decode_path_label("draft-model:smollm2+ngram"), "draft-model+ngram");
         assert_eq!(decode_path_label("mtp+ngram"), "mtp+ngram");
         assert_eq!(decode_path_label(""), "ar");
     }

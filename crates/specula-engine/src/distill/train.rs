@@ -920,7 +920,8 @@ struct HeldOut {
 
 /// Top-1 agreement of the head with the teacher on `ws`, at depth 1 and at depth 2 (see
 /// [`HeldOut`]). Teacher-forced: the second step reads `t_{j+2}` from the text, which on an
-/// answer row where depth 1 agreed is the first draft itself.
+/// answer row where depth 1 agreed is the first draft itself when the text is the teacher's own
+/// greedy answer (the built-in prompts' answers; not for `--data` text).
 #[allow(clippy::too_many_arguments)]
 fn evaluate(
     t: &Teacher,
@@ -952,8 +953,9 @@ fn evaluate(
                 if w.answer_row(g, 1) {
                     r.answers.add(hit);
                 }
-                // chain_tensors fills rows below w.len - 1 (t_{j+2} inside the window).
-                if hit && i + 1 < w.len && w.answer_row(g, 2) {
+                // The same rows as `answers` (a draft step from an answer row), where depth 1
+                // agreed; chain_tensors fills rows below w.len - 1 (t_{j+2} inside the window).
+                if hit && i + 1 < w.len && w.answer_row(g, 1) {
                     let b2 = row2[i];
                     r.depth2.add(vocab.token(b2 as usize) == t.label_ids[(g + 2) * t.top_k]);
                 }

@@ -364,6 +364,8 @@ pub struct DraftLength {
     probing: bool,
     /// Drafting steps since the last one-row forward was measured.
     since_one_row: usize,
+    /// The last [`DraftLength::next_k`] asked for a plain step to measure the one-row forward.
+    measuring: bool,
     /// Set while the sequence shares the target forward with others ([`BatchCost::load`]).
     load: Option<Load>,
     /// Longest pause between probes ([`MAX_PAUSE`] unless the drafter sets another).
@@ -393,6 +395,7 @@ impl DraftLength {
             backoff: 1,
             probing: false,
             since_one_row: 0,
+            measuring: false,
             load: None,
             max_pause: MAX_PAUSE,
             calibration: Calibration::default(),
@@ -701,6 +704,7 @@ impl DraftLength {
 
     /// The k for the next step (0 = do not draft this step).
     pub fn next_k(&mut self) -> usize {
+        self.measuring = false;
         if !self.adaptive {
             return self.max;
         }
@@ -718,7 +722,9 @@ impl DraftLength {
         // A warm start's one-row timing is another request's, at another context length: it
         // counts as unmeasured until this request measures it.
         let multi_row_measured = self.forward_fed.iter().skip(1).any(Option::is_some);
-        if multi_row_measured && (self.forward_fed[0].is_none() || self.since_one_row >= RECALIBRATE_EVERY) {
+        self.measuring =
+            multi_row_measured && (self.forward_fed[0].is_none() || self.since_one_row >= RECALIBRATE_EVERY);
+        if self.measuring {
             self.since_one_row = 0;
             return 0;
         }
@@ -744,6 +750,13 @@ impl DraftLength {
         }
         self.since_one_row += 1;
         k
+    }
+
+    /// Whether the last [`DraftLength::next_k`] returned 0 to measure a one-row forward (the
+    /// unit every cost is relative to), not to pause: such a step must run undrafted, by any
+    /// drafter.
+    pub fn measuring_one_row(&self) -> bool {
+        self.measuring
     }
 
     /// The batch's draft budget ([`draft_budget`]) dropped this step's whole draft: the batch
