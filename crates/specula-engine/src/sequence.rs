@@ -680,7 +680,7 @@ impl Sequence {
     /// prefix with its acceptance estimates when that prefix predicts at least the speed-up of
     /// this step's model draft of up to `k` tokens (the controller's best estimate, and never
     /// below plain decoding's). A lookup draft costs no drafting, only its verify rows
-    /// ([`DraftLength::free_draft_speedup`]). Whichever is chosen, the target decides every
+    /// ([`DraftLength::best_free_prefix`]). Whichever is chosen, the target decides every
     /// committed token.
     fn lookup_draft(&mut self, k: usize, room: usize) -> Option<(Vec<u32>, Vec<f64>)> {
         let lookup = self.lookup.as_mut()?;
@@ -692,24 +692,13 @@ impl Sequence {
             // The controller measures a plain step (the unit of every cost): no draft at all.
             return None;
         }
-        let (mut reach, mut expected) = (1.0, 1.0);
-        let mut best = (0, f64::MIN);
-        for (j, a) in alphas.iter().enumerate() {
-            reach *= a;
-            expected += reach;
-            let s = self.k_ctl.free_draft_speedup(expected, j + 1);
-            if s > best.1 {
-                best = (j + 1, s);
-            }
-        }
+        let (n, lookup_speedup) = self.k_ctl.best_free_prefix(&alphas);
         // The model drafter's best predicted step with at most k tokens (k already holds the
         // room left), or plain decoding.
-        let model = (1..=k)
-            .map(|j| self.k_ctl.predicted_speedup(j))
-            .fold(self.k_ctl.free_draft_speedup(1.0, 0), f64::max);
+        let model = self.k_ctl.best_up_to(k).1.max(self.k_ctl.plain_speedup());
         // On a tie the free draft wins. (At a request's first step the two do not tie: the
         // controller's prior for the model drafter's first token is 0.625, the lookup's 0.5.)
-        (best.0 > 0 && best.1 >= model).then(|| (draft[..best.0].to_vec(), alphas[..best.0].to_vec()))
+        (n > 0 && lookup_speedup >= model).then(|| (draft[..n].to_vec(), alphas[..n].to_vec()))
     }
 
     fn close_stats(&mut self) {

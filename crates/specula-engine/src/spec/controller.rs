@@ -563,11 +563,35 @@ impl DraftLength {
         self.speedup(self.expected_tokens(k), k, k)
     }
 
-    /// The predicted speed-up of a step that verifies `rows` draft tokens which cost nothing to
-    /// draft (n-gram lookup) and commits `expected` tokens on average: the forward's cost alone,
-    /// alone or under the [`Load`], as in [`DraftLength::predicted_speedup`].
-    pub fn free_draft_speedup(&self, expected: f64, rows: usize) -> f64 {
-        self.speedup(expected, rows, 0)
+    /// The predicted speed-up of a plain decoding step (no draft), alone or under the
+    /// [`Load`], in the units of [`DraftLength::predicted_speedup`].
+    pub fn plain_speedup(&self) -> f64 {
+        self.speedup(1.0, 0, 0)
+    }
+
+    /// The prefix (at least one token) of a draft with conditional acceptance estimates
+    /// `alphas` whose step predicts the highest speed-up, and that speed-up, when the draft
+    /// cost nothing to make (n-gram lookup: only its verify rows are paid); `(0, f64::MIN)` for
+    /// no estimates.
+    pub fn best_free_prefix(&self, alphas: &[f64]) -> (usize, f64) {
+        self.best_prefix(alphas, 0)
+    }
+
+    /// The prefix (at least one token) of a draft with conditional acceptance estimates `alphas`
+    /// and `drafted` tokens already paid for whose verify predicts the highest speed-up, and
+    /// that speed-up; `(0, f64::MIN)` for no estimates.
+    fn best_prefix(&self, alphas: &[f64], drafted: usize) -> (usize, f64) {
+        let (mut reach, mut expected) = (1.0, 1.0);
+        let mut best = (0, f64::MIN);
+        for (m, a) in alphas.iter().enumerate() {
+            reach *= a;
+            expected += reach;
+            let s = self.speedup(expected, m + 1, drafted);
+            if s > best.1 {
+                best = (m + 1, s);
+            }
+        }
+        best
     }
 
     /// The speed-up of a step that commits `expected` tokens on average, verifies `rows` draft
@@ -631,22 +655,15 @@ impl DraftLength {
         if !self.adaptive || n == 0 {
             return n;
         }
-        let (mut reach, mut expected) = (1.0, 1.0);
-        let mut best = (0, self.speedup(1.0, 0, n));
-        for (m, a) in self.calibrated(confidence).into_iter().enumerate() {
-            reach *= a;
-            expected += reach;
-            let s = self.speedup(expected, m + 1, n);
-            if s > best.1 {
-                best = (m + 1, s);
-            }
-        }
+        // The best prefix, or none when verifying nothing predicts more.
+        let (m, s) = self.best_prefix(&self.calibrated(confidence), n);
+        let best = if s > self.speedup(1.0, 0, n) { m } else { 0 };
         // A cut to nothing on a stale 2-row timing would keep it stale: verify one token,
         // which re-measures it (alone only: under load the batch's costs decide).
-        if best.0 == 0 && self.load.is_none() && self.timing_stale(2) && self.forward_s[0].is_some() {
+        if best == 0 && self.load.is_none() && self.timing_stale(2) && self.forward_s[0].is_some() {
             return 1;
         }
-        best.0
+        best
     }
 
     /// How many tokens of `proposal` to verify: [`DraftLength::cut`] by its confidences when
@@ -687,17 +704,22 @@ impl DraftLength {
 
     /// The best k and its predicted speed-up.
     pub fn best(&self) -> (usize, f64) {
-        self.best_with(false)
+        self.best_with(false, self.max)
+    }
+
+    /// [`DraftLength::best`] among k ≤ `up_to` (`(1, f64::MIN)` when `up_to` is 0).
+    pub fn best_up_to(&self, up_to: usize) -> (usize, f64) {
+        self.best_with(false, up_to.min(self.max))
     }
 
     /// The best k and its predicted speed-up on the optimistic acceptance estimate
     /// ([`DraftLength::alphas_with`]): what pausing is decided on.
     fn best_optimistic(&self) -> (usize, f64) {
-        self.best_with(true)
+        self.best_with(true, self.max)
     }
 
-    fn best_with(&self, optimistic: bool) -> (usize, f64) {
-        (1..=self.max)
+    fn best_with(&self, optimistic: bool, up_to: usize) -> (usize, f64) {
+        (1..=up_to)
             .map(|k| (k, self.speedup(self.expected_tokens_with(k, optimistic), k, k)))
             .fold((1, f64::MIN), |b, c| if c.1 > b.1 { c } else { b })
     }
