@@ -1803,6 +1803,10 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
             });
         }
     }
+    if let Some(b) = best.as_mut() {
+        // `crate::sequence::lookup_beside`: adaptive k with a model drafter.
+        b.reason.push_str(", with n-gram lookup beside it");
+    }
     let mut chain = best.unwrap_or_else(|| ModeResolution {
         drafter: "ngram".into(),
         k: Some(4),

@@ -90,6 +90,8 @@ fn resolve_model_in(cache: &Path, spec: &str, auto_pull: bool) -> Result<PathBuf
         );
     };
     if let Some(path) = cached_path_in(cache, &entry) {
+        // A model pulled by an older build gets the drafter this build ships.
+        offer_bundled_drafter(&path, &entry);
         return Ok(path);
     }
     if !auto_pull {
@@ -129,7 +131,115 @@ fn python_interpreter() -> OsString {
     }
 }
 
+/// A drafter trained by `specula distill` for a catalog model and shipped in this binary
+/// (heads/README.md says how each was trained and measured). `specula pull`, and resolving the
+/// catalog name for `serve` / `generate`, write it beside the model as a sidecar
+/// (`<stem>.mtp/`) when that folder is absent; `serve` and `generate` find it there: `--spec
+/// default` / `on` / `mtp` then draft with it (`default` / `on` with n-gram lookup beside it),
+/// while `--spec ngram` or `off` leave it unused.
+struct BundledDrafter {
+    /// The catalog model it was trained for (the exact file of that entry's sha256).
+    model: &'static str,
+    /// The sidecar's suffix after the model file's stem (`mtp`: an MTP head).
+    suffix: &'static str,
+    /// The sidecar's files: (name, contents).
+    files: &'static [(&'static str, &'static [u8])],
+}
+
+const BUNDLED_DRAFTERS: &[BundledDrafter] = &[BundledDrafter {
+    model: "smollm2-135m-instruct",
+    suffix: "mtp",
+    files: &[
+        (
+            "config.json",
+            include_bytes!("../../../heads/smollm2-135m-instruct.mtp/config.json"),
+        ),
+        (
+            "model.safetensors",
+            include_bytes!("../../../heads/smollm2-135m-instruct.mtp/model.safetensors"),
+        ),
+        (
+            "training.json",
+            include_bytes!("../../../heads/smollm2-135m-instruct.mtp/training.json"),
+        ),
+    ],
+}];
+
+/// Lowercase hex sha256 of `data`.
+fn sha_hex(data: &[u8]) -> String {
+    format!("{:x}", Sha256::digest(data))
+}
+
+/// The file inside an installed bundled drafter that records which build's drafter it is: the
+/// sha256 of its files, in order, each as `name:hex` on its own line.
+const BUNDLED_MARKER: &str = "bundled.sha256";
+
+/// Write `entry`'s bundled drafter ([`BUNDLED_DRAFTERS`]) beside `model` when it has one: when
+/// the sidecar folder is absent, or when it holds another build's bundled drafter (its
+/// [`BUNDLED_MARKER`] differs). A folder without the marker (the user's own) is left as it is.
+/// The files go to a temporary folder first, renamed into place when complete. Returns the
+/// sidecar's path when the entry has one.
+fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<PathBuf>> {
+    let Some(d) = BUNDLED_DRAFTERS.iter().find(|d| d.model == entry.name) else {
+        return Ok(None);
+    };
+    let (Some(stem), Some(dir)) = (model.file_stem(), model.parent()) else {
+        return Ok(None);
+    };
+    let name = format!("{}.{}", stem.to_string_lossy(), d.suffix);
+    let dest = dir.join(&name);
+    let marker: String = d
+        .files
+        .iter()
+        .map(|(file, bytes)| format!("{file}:{}\n", sha_hex(bytes)))
+        .collect();
+    if dest.exists() {
+        match fs::read_to_string(dest.join(BUNDLED_MARKER)) {
+            Ok(m) if m != marker => {} // another build's: replaced below
+            _ => return Ok(Some(dest)),
+        }
+    }
+    let pid = std::process::id();
+    let tmp = dir.join(format!("{name}.partial-{pid}"));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    for (file, bytes) in d.files.iter().copied().chain([(BUNDLED_MARKER, marker.as_bytes())]) {
+        let p = tmp.join(file);
+        fs::write(&p, bytes).with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    let old = dir.join(format!("{name}.old-{pid}"));
+    if dest.exists() {
+        fs::rename(&dest, &old).with_context(|| format!("cannot move {} aside", dest.display()))?;
+    }
+    let moved = fs::rename(&tmp, &dest);
+    let _ = fs::remove_dir_all(&old);
+    if let Err(e) = moved {
+        let _ = fs::remove_dir_all(&tmp);
+        if dest.exists() {
+            // Another process installed it first.
+            return Ok(Some(dest));
+        }
+        return Err(e).with_context(|| format!("cannot move {} to {}", tmp.display(), dest.display()));
+    }
+    tracing::info!(drafter = %dest.display(), "installed the drafter trained for {}", entry.name);
+    Ok(Some(dest))
+}
+
+/// [`install_bundled_drafter`], where a failure (a read-only cache, say) is a warning: the
+/// model is served without the drafter.
+fn offer_bundled_drafter(model: &Path, entry: &CatalogEntry) {
+    if let Err(e) = install_bundled_drafter(model, entry) {
+        tracing::warn!("the drafter trained for {} was not installed: {e:#}", entry.name);
+    }
+}
+
 fn pull_into(cache: &Path, entry: &CatalogEntry, show_progress: bool, python: &OsStr) -> Result<PathBuf> {
+    let path = fetch_into(cache, entry, show_progress, python)?;
+    offer_bundled_drafter(&path, entry);
+    Ok(path)
+}
+
+fn fetch_into(cache: &Path, entry: &CatalogEntry, show_progress: bool, python: &OsStr) -> Result<PathBuf> {
     if let Some(path) = cached_path_in(cache, entry) {
         return Ok(path);
     }
@@ -553,10 +663,6 @@ mod tests {
         zw.finish().expect("finish zip");
     }
 
-    fn sha_hex(data: &[u8]) -> String {
-        format!("{:x}", Sha256::digest(data))
-    }
-
     fn leak(s: String) -> &'static str {
         Box::leak(s.into_boxed_str())
     }
@@ -617,6 +723,44 @@ mod tests {
         // A wrong size or a missing marker means "not cached".
         fs::remove_file(marker_path(&final_path)).expect("rm marker");
         assert!(cached_path_in(&cache, &entry).is_none());
+    }
+
+    #[test]
+    fn the_bundled_drafter_is_written_beside_the_model_and_kept_current() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let model = tmp.path().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+        fs::write(&model, b"gguf").expect("write model");
+        let mut entry = test_entry(4, &sha_hex(b"gguf"), "p", "0.1");
+        // An entry without a bundled drafter: nothing is written.
+        assert_eq!(install_bundled_drafter(&model, &entry).expect("no drafter"), None);
+        assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 1);
+
+        entry.name = "smollm2-135m-instruct";
+        let dir = install_bundled_drafter(&model, &entry)
+            .expect("install")
+            .expect("the default model has a drafter");
+        assert_eq!(dir, tmp.path().join("SmolLM2-135M-Instruct.Q4_1.mtp"));
+        let heads = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../heads/smollm2-135m-instruct.mtp");
+        for name in ["config.json", "model.safetensors", "training.json"] {
+            let want = fs::read(heads.join(name)).expect("the committed head");
+            assert_eq!(fs::read(dir.join(name)).expect("installed file"), want, "{name}");
+        }
+        // No temporary folder is left; an installed drafter of this build stays as it is.
+        assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
+        fs::write(dir.join("config.json"), b"{}").expect("edit");
+        install_bundled_drafter(&model, &entry).expect("second install");
+        assert_eq!(fs::read(dir.join("config.json")).expect("read"), b"{}");
+        // Another build's bundled drafter (its marker differs) is replaced by this build's.
+        fs::write(dir.join(BUNDLED_MARKER), b"model.safetensors:0\n").expect("old marker");
+        install_bundled_drafter(&model, &entry).expect("update");
+        let want = fs::read(heads.join("config.json")).expect("the committed head");
+        assert_eq!(fs::read(dir.join("config.json")).expect("read"), want);
+        assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
+        // A folder without the marker is the user's: left alone.
+        fs::remove_file(dir.join(BUNDLED_MARKER)).expect("rm marker");
+        fs::write(dir.join("config.json"), b"{}").expect("edit");
+        install_bundled_drafter(&model, &entry).expect("user's folder");
+        assert_eq!(fs::read(dir.join("config.json")).expect("read"), b"{}");
     }
 
     #[test]
