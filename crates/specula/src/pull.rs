@@ -134,7 +134,7 @@ fn python_interpreter() -> OsString {
 /// A drafter trained by `specula distill` for a catalog model and shipped in this binary
 /// (heads/README.md says how each was trained and measured). `specula pull`, and resolving the
 /// catalog name for `serve` / `generate`, write it beside the model as a sidecar
-/// (`<stem>.mtp/`) when that folder is absent; `serve` and `generate` find it there: `--spec
+/// (`<stem>.mtp/`; see [`install_bundled_drafter`]); `serve` and `generate` find it there: `--spec
 /// default` / `on` / `mtp` then draft with it (`default` / `on` with n-gram lookup beside it),
 /// while `--spec ngram` or `off` leave it unused.
 struct BundledDrafter {
