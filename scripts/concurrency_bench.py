@@ -22,21 +22,25 @@ import urllib.request
 from pathlib import Path
 
 
-def stream_one(url, body, out, i):
-    t0 = time.perf_counter()
+def sse_chunks(url, body):
+    """The JSON chunks of a streamed (server-sent events) POST of `body` to `url`."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    ttft, n, usage = None, 0, None
     with urllib.request.urlopen(req, timeout=3600) as r:
         for raw in r:
             line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for c in chunk.get("choices", []):
-                if c.get("delta", {}).get("content") and ttft is None:
-                    ttft = time.perf_counter() - t0
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def stream_one(url, body, out, i):
+    t0 = time.perf_counter()
+    ttft, n, usage = None, 0, None
+    for chunk in sse_chunks(url, body):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for c in chunk.get("choices", []):
+            if c.get("delta", {}).get("content") and ttft is None:
+                ttft = time.perf_counter() - t0
     t1 = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
     out[i] = {"ttft": ttft or (t1 - t0), "tokens": n, "seconds": t1 - t0}

@@ -35,6 +35,8 @@ import sys
 import time
 import urllib.request
 
+from concurrency_bench import sse_chunks
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -55,23 +57,16 @@ def wait_ready(url, proc, timeout=300):
 def request(url, messages, max_tokens, spec, temperature, seed):
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}, "spec": spec}
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
     first, text, usage, stats = None, [], None, None
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            stats = chunk.get("spec_stats") or stats
-            for c in chunk.get("choices", []):
-                piece = c.get("delta", {}).get("content")
-                if piece:
-                    if first is None:
-                        first = time.perf_counter()
-                    text.append(piece)
+    for chunk in sse_chunks(url + "/v1/chat/completions", body):
+        usage = chunk.get("usage") or usage
+        stats = chunk.get("spec_stats") or stats
+        for c in chunk.get("choices", []):
+            piece = c.get("delta", {}).get("content")
+            if piece:
+                if first is None:
+                    first = time.perf_counter()
+                text.append(piece)
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
     return {"text": "".join(text), "tokens": n, "decode_s": end - (first or end), "stats": stats or {}}
