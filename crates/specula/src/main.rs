@@ -323,6 +323,9 @@ impl SpecArgs {
             None if self.draft_vocab.is_some() => bail!("--draft-vocab needs --draft-model"),
             None => {}
         }
+        // A named --drafter that does not load is an error; one found beside the model is
+        // skipped with a warning (the model serves without it, as it did before it was there).
+        let found_beside = self.drafter.is_none();
         let drafters: Vec<PathBuf> = match &self.drafter {
             Some(p) => vec![p.clone()],
             None => {
@@ -343,16 +346,20 @@ impl SpecArgs {
             }
         };
         for p in &drafters {
-            if is_block_drafter(p) {
-                engine
-                    .attach_block_drafter(p)
-                    .with_context(|| format!("loading the block drafter {}", p.display()))?;
-                tracing::info!(drafter = %p.display(), "block drafter attached");
+            let (kind, loaded) = if is_block_drafter(p) {
+                ("block drafter", engine.attach_block_drafter(p))
             } else {
-                engine
-                    .attach_mtp_head(p)
-                    .with_context(|| format!("loading the MTP head {}", p.display()))?;
-                tracing::info!(drafter = %p.display(), "MTP head attached");
+                ("MTP head", engine.attach_mtp_head(p))
+            };
+            match loaded {
+                Ok(_) => tracing::info!(drafter = %p.display(), "{kind} attached"),
+                Err(e) if found_beside => tracing::warn!(
+                    "the {kind} found beside the model, {}, does not load, so it is not used \
+                     (repair or remove it; after removing it, `specula pull` of a catalog model \
+                     writes the drafter this build ships): {e:#}",
+                    p.display()
+                ),
+                Err(e) => return Err(e).with_context(|| format!("loading the {kind} {}", p.display())),
             }
         }
         if matches!(self.spec, SpecArg::Mtp) && engine.mtp_head().is_none() {

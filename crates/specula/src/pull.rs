@@ -175,9 +175,11 @@ fn sha_hex(data: &[u8]) -> String {
 const BUNDLED_MARKER: &str = "bundled.sha256";
 
 /// Write `entry`'s bundled drafter ([`BUNDLED_DRAFTERS`]) beside `model` when it has one: when
-/// the sidecar folder is absent, or when it holds another build's bundled drafter (its
-/// [`BUNDLED_MARKER`] differs). A folder without the marker (the user's own) is left as it is.
-/// The files go to a temporary folder first, renamed into place when complete. Returns the
+/// the sidecar folder is absent or empty, or when it is one this or another build installed (it
+/// holds a [`BUNDLED_MARKER`]) and its files are not this build's (another build's, or damaged).
+/// A folder with files and no marker, or a file at that path, is the user's and is left as it
+/// is. The files are written and synced in a temporary folder, renamed into place when
+/// complete; temporary folders left by processes that no longer run are removed. Returns the
 /// sidecar's path when the entry has one.
 fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<PathBuf>> {
     let Some(d) = BUNDLED_DRAFTERS.iter().find(|d| d.model == entry.name) else {
@@ -194,42 +196,92 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
         .map(|(file, bytes)| format!("{file}:{}\n", sha_hex(bytes)))
         .collect();
     if dest.exists() {
+        let empty = fs::read_dir(&dest).is_ok_and(|mut e| e.next().is_none());
+        let current = || {
+            d.files
+                .iter()
+                .all(|(f, b)| fs::read(dest.join(f)).is_ok_and(|x| x == *b))
+        };
         match fs::read_to_string(dest.join(BUNDLED_MARKER)) {
-            Ok(m) if m != marker => {} // another build's: replaced below
-            _ => return Ok(Some(dest)),
+            Ok(m) if m == marker && current() => return Ok(Some(dest)),
+            Ok(_) => {} // another build's, or damaged: written again below
+            Err(_) if empty => {}
+            Err(_) => return Ok(Some(dest)), // the user's
         }
     }
+    remove_stale(dir, &format!("{name}.partial-"));
+    remove_stale(dir, &format!("{name}.old-"));
     let pid = std::process::id();
-    let tmp = dir.join(format!("{name}.partial-{pid}"));
-    let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let tmp = RemoveOnDrop(dir.join(format!("{name}.partial-{pid}")));
+    tmp.clear();
+    fs::create_dir_all(&tmp.0).with_context(|| format!("cannot create {}", tmp.0.display()))?;
     for (file, bytes) in d.files.iter().copied().chain([(BUNDLED_MARKER, marker.as_bytes())]) {
-        let p = tmp.join(file);
-        fs::write(&p, bytes).with_context(|| format!("cannot write {}", p.display()))?;
+        let p = tmp.0.join(file);
+        let write = || -> io::Result<()> {
+            let mut f = fs::File::create(&p)?;
+            f.write_all(bytes)?;
+            f.sync_all()
+        };
+        write().with_context(|| format!("cannot write {}", p.display()))?;
     }
-    let old = dir.join(format!("{name}.old-{pid}"));
+    let old = RemoveOnDrop(dir.join(format!("{name}.old-{pid}")));
+    old.clear();
     if dest.exists() {
-        fs::rename(&dest, &old).with_context(|| format!("cannot move {} aside", dest.display()))?;
+        if let Err(e) = fs::rename(&dest, &old.0) {
+            // Gone meanwhile: another process is replacing it too (the rename below settles it).
+            if dest.exists() {
+                return Err(e).with_context(|| format!("cannot move {} aside", dest.display()));
+            }
+        }
     }
-    let moved = fs::rename(&tmp, &dest);
-    let _ = fs::remove_dir_all(&old);
-    if let Err(e) = moved {
-        let _ = fs::remove_dir_all(&tmp);
+    if let Err(e) = fs::rename(&tmp.0, &dest) {
         if dest.exists() {
             // Another process installed it first.
             return Ok(Some(dest));
         }
-        return Err(e).with_context(|| format!("cannot move {} to {}", tmp.display(), dest.display()));
+        return Err(e).with_context(|| format!("cannot move {} to {}", tmp.0.display(), dest.display()));
     }
     tracing::info!(drafter = %dest.display(), "installed the drafter trained for {}", entry.name);
     Ok(Some(dest))
 }
 
-/// [`install_bundled_drafter`], where a failure (a read-only cache, say) is a warning: the
-/// model is served without the drafter.
+/// A path removed (a folder with its contents, or a file) when dropped, unless it is gone by
+/// then (renamed into place).
+struct RemoveOnDrop(PathBuf);
+
+impl RemoveOnDrop {
+    fn clear(&self) {
+        if self.0.is_dir() {
+            let _ = fs::remove_dir_all(&self.0);
+        } else {
+            let _ = fs::remove_file(&self.0);
+        }
+    }
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// [`install_bundled_drafter`], once per model file and process, where a failure (a read-only
+/// cache, say) is a warning: the model is served without the drafter, or with the one already
+/// beside it.
 fn offer_bundled_drafter(model: &Path, entry: &CatalogEntry) {
+    static DONE: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    {
+        let Ok(mut done) = DONE.lock() else { return };
+        if done.iter().any(|p| p == model) {
+            return;
+        }
+        done.push(model.to_path_buf());
+    }
     if let Err(e) = install_bundled_drafter(model, entry) {
-        tracing::warn!("the drafter trained for {} was not installed: {e:#}", entry.name);
+        tracing::warn!(
+            "the drafter trained for {} was not installed or updated: {e:#}",
+            entry.name
+        );
     }
 }
 
@@ -301,18 +353,23 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
 /// Removes `<file>.partial-<pid>` files left by this process id or (on Linux) by processes that
 /// no longer exist, e.g. after an interrupted pull.
 fn remove_stale_partials(models: &Path, file_name: &str) {
-    let prefix = format!("{file_name}.partial-");
+    remove_stale(models, &format!("{file_name}.partial-"));
+}
+
+/// Removes the files and folders `<prefix><pid>` in `models` of this process id or (on Linux)
+/// of processes that no longer exist.
+fn remove_stale(models: &Path, prefix: &str) {
     let Ok(dir) = fs::read_dir(models) else { return };
     for ent in dir.flatten() {
         let name = ent.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
             continue;
         };
         let Ok(pid) = pid.parse::<u32>() else { continue };
         let dead = pid == std::process::id()
             || (cfg!(target_os = "linux") && !Path::new("/proc").join(pid.to_string()).exists());
         if dead {
-            let _ = fs::remove_file(ent.path());
+            RemoveOnDrop(ent.path()).clear();
         }
     }
 }
@@ -747,20 +804,42 @@ mod tests {
         }
         // No temporary folder is left; an installed drafter of this build stays as it is.
         assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
-        fs::write(dir.join("config.json"), b"{}").expect("edit");
+        let marker = dir.join(BUNDLED_MARKER);
+        let installed_at = fs::metadata(&marker).and_then(|m| m.modified()).expect("mtime");
         install_bundled_drafter(&model, &entry).expect("second install");
-        assert_eq!(fs::read(dir.join("config.json")).expect("read"), b"{}");
+        assert_eq!(
+            fs::metadata(&marker).and_then(|m| m.modified()).expect("mtime"),
+            installed_at
+        );
+        let want_config = fs::read(heads.join("config.json")).expect("the committed head");
+        let same = |name: &str, want: &[u8]| fs::read(dir.join(name)).is_ok_and(|x| x == want);
         // Another build's bundled drafter (its marker differs) is replaced by this build's.
-        fs::write(dir.join(BUNDLED_MARKER), b"model.safetensors:0\n").expect("old marker");
+        fs::write(dir.join("config.json"), b"{}").expect("edit");
+        fs::write(&marker, b"model.safetensors:0\n").expect("old marker");
         install_bundled_drafter(&model, &entry).expect("update");
-        let want = fs::read(heads.join("config.json")).expect("the committed head");
-        assert_eq!(fs::read(dir.join("config.json")).expect("read"), want);
+        assert!(same("config.json", &want_config));
         assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
+        // A damaged file under this build's marker is written again.
+        fs::write(dir.join("model.safetensors"), b"").expect("truncate");
+        install_bundled_drafter(&model, &entry).expect("repair");
+        let want = fs::read(heads.join("model.safetensors")).expect("the committed head");
+        assert!(same("model.safetensors", &want));
         // A folder without the marker is the user's: left alone.
         fs::remove_file(dir.join(BUNDLED_MARKER)).expect("rm marker");
         fs::write(dir.join("config.json"), b"{}").expect("edit");
         install_bundled_drafter(&model, &entry).expect("user's folder");
-        assert_eq!(fs::read(dir.join("config.json")).expect("read"), b"{}");
+        assert!(same("config.json", b"{}"));
+        // An empty folder is filled; a temporary folder of a process that no longer runs is
+        // removed.
+        fs::remove_dir_all(&dir).expect("rm");
+        fs::create_dir(&dir).expect("empty folder");
+        let stale = tmp.path().join("SmolLM2-135M-Instruct.Q4_1.mtp.partial-4294967295");
+        fs::create_dir(&stale).expect("stale partial");
+        fs::write(stale.join("model.safetensors"), b"half").expect("stale file");
+        install_bundled_drafter(&model, &entry).expect("fill");
+        assert!(same("config.json", &want_config));
+        assert!(!stale.exists());
+        assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
     }
 
     #[test]
