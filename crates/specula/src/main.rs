@@ -363,7 +363,11 @@ impl SpecArgs {
             }
         }
         if matches!(self.spec, SpecArg::Mtp) && engine.mtp_head().is_none() {
-            bail!("--spec mtp needs an MTP head: --drafter PATH (train one with `specula distill`)");
+            bail!(
+                "--spec mtp needs an MTP head: --drafter PATH (train one with `specula distill`; \
+                 `specula pull NAME` writes the one this build ships beside the model, for {})",
+                pull::bundled_drafter_models().join(", ")
+            );
         }
         if matches!(self.spec, SpecArg::Block) && engine.block_drafter().is_none() {
             bail!("--spec block needs a block drafter: --drafter DIR (train one with `specula distill --kind block`)");

@@ -165,6 +165,11 @@ const BUNDLED_DRAFTERS: &[BundledDrafter] = &[BundledDrafter {
     ],
 }];
 
+/// The catalog models whose drafter this binary ships ([`BUNDLED_DRAFTERS`]).
+pub fn bundled_drafter_models() -> Vec<&'static str> {
+    BUNDLED_DRAFTERS.iter().map(|d| d.model).collect()
+}
+
 /// Lowercase hex sha256 of `data`.
 fn sha_hex(data: &[u8]) -> String {
     format!("{:x}", Sha256::digest(data))
