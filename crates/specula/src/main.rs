@@ -523,8 +523,13 @@ fn run(cli: Cli) -> Result<()> {
                     None => "not pulled".to_string(),
                 };
                 let default = if entry.is_default() { " (default)" } else { "" };
+                let drafter = if pull::bundled_drafter_models().contains(&entry.name) {
+                    "; ships with an MTP head (written beside the model by pull)"
+                } else {
+                    ""
+                };
                 println!(
-                    "{}{default}\n  {}\n  {} MB, {}; {}",
+                    "{}{default}\n  {}\n  {} MB, {}{drafter}; {}",
                     entry.name,
                     entry.description,
                     entry.size_bytes / 1_000_000,
