@@ -213,7 +213,19 @@ fn catalog_models_inspect_under_a_second_with_the_right_report() {
             r.tokenizer
         );
         assert!(r.chat_template.is_some(), "{name}: chat template");
-        assert_eq!(r.capabilities.mtp.status, MtpStatus::Absent);
+        // `specula pull` writes the MTP head the binary ships for the default model beside it
+        // (`BUNDLED_DRAFTERS` in crates/specula/src/pull.rs), marked by `bundled.sha256`.
+        let stem = path.file_stem().expect("stem").to_string_lossy().to_string();
+        let shipped_head = path
+            .with_file_name(format!("{stem}.mtp"))
+            .join("bundled.sha256")
+            .exists();
+        let expect_mtp = if shipped_head {
+            MtpStatus::Present
+        } else {
+            MtpStatus::Absent
+        };
+        assert_eq!(r.capabilities.mtp.status, expect_mtp, "{name}");
         assert!(r.capabilities.block_drafter.is_none());
         assert!(r.capabilities.ngram);
         assert!(
@@ -233,9 +245,10 @@ fn catalog_models_inspect_under_a_second_with_the_right_report() {
             "{name}"
         );
         assert_eq!(r.modes.off.drafter, "ar");
-        assert_eq!(r.modes.on.drafter, "ngram");
+        let chain = if shipped_head { "mtp" } else { "ngram" };
+        assert_eq!(r.modes.on.drafter, chain, "{name}");
         if !tuned {
-            assert_eq!(r.modes.default.drafter, "ngram", "{name}");
+            assert_eq!(r.modes.default.drafter, chain, "{name}");
         }
         let m = r.memory.as_ref().expect("memory");
         // f16 keys and values.
