@@ -3,8 +3,7 @@
 
 `scripts/spec_bench.py` runs each prompt in a fresh `specula generate` process, so nothing carries
 from one request to the next. A server keeps what its requests learned about drafting (the
-draft-length controller's estimates, the n-gram lookup's record by match class) for the next
-one. This script starts one `specula serve` per variant (each with its own environment, e.g. a
+draft-length controller's estimates) for the next one. This script starts one `specula serve` per variant (each with its own environment, e.g. a
 switch that turns a prior off) plus one plain server for AR, then sends the shared prompts of
 --kinds in file order, --rounds times, each prompt to every server in turn (one request at a
 time on the machine, so the servers never share the cores), greedy, streamed. Each request's
@@ -14,11 +13,14 @@ token, as spec_bench), its tau and how many drafts the lookup made, and checks t
 output is byte-identical to AR's (greedy; with --temperature above 0 the texts are samples and
 are not compared).
 
-    python3 scripts/serve_bench.py --drafter heads/smollm2-135m-instruct.mtp --spec on \\
-        --variant warm --variant cold:SPECULA_LOOKUP_PRIORS=0
+    python3 scripts/serve_bench.py --spec on --variant new --variant old:SPECULA_NGRAM_WRAP=0
 
     python3 scripts/serve_bench.py --drafter heads/smollm2-135m-instruct.mtp \
         --variant head:mode=mtp --variant head+lookup:mode=on
+
+Servers are started with --model as given: a catalog model that ships a drafter (the default
+model's MTP head) has it beside the cached file, so `on`/`default` draft with it even when
+--draft-model is given too (pass --model as a path to another copy to measure the draft model).
 
 A variant is NAME[:KEY=VALUE[,KEY=VALUE...]]: `mode`, `draft_max` and `adaptive` (true/false)
 set that variant's requests' `spec` fields (default: --spec, --draft-max, adaptive), any other
@@ -91,10 +93,14 @@ def main():
     variants = []
     for v in a.variant or [a.spec]:
         name, _, envs = v.partition(":")
+        if any("=" not in e for e in envs.split(",") if e):
+            sys.exit(f"variant {v!r}: expected NAME[:KEY=VALUE,...]")
         env = dict(e.split("=", 1) for e in envs.split(",") if e)
         spec = {"mode": env.pop("mode", a.spec), "draft_max": int(env.pop("draft_max", a.draft_max))}
         if "adaptive" in env:
             spec["adaptive"] = env.pop("adaptive") == "true"
+        if name == "ar" or name in [v[0] for v in variants]:
+            sys.exit(f"variant name {name!r} is taken")
         variants.append((name, env, spec))
     prompts = [json.loads(l) for l in open(ROOT / "tests/fixtures/prompts.jsonl")]
     if a.kinds != "all":
@@ -125,8 +131,9 @@ def main():
                 for name, o in outs.items():
                     if a.temperature == 0 and o["text"] != ar["text"]:
                         sys.exit(f"{p['id']}: {name} output differs from AR")
-                    if o["tokens"] < 2:
-                        continue
+                if any(o["tokens"] < 2 for o in outs.values()):
+                    continue  # every server's sums cover the same prompts
+                for name, o in outs.items():
                     s = o["stats"]
                     for key in (p["kind"], "all"):
                         e = agg.setdefault((key, name), [0.0, 0, 0, 0])
@@ -161,7 +168,11 @@ def main():
         for _, _, proc in servers:
             proc.terminate()
         for _, _, proc in servers:
-            proc.wait()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 if __name__ == "__main__":

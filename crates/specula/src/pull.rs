@@ -90,8 +90,11 @@ fn resolve_model_in(cache: &Path, spec: &str, auto_pull: bool) -> Result<PathBuf
         );
     };
     if let Some(path) = cached_path_in(cache, &entry) {
-        // A model pulled by an older build gets the drafter this build ships.
-        offer_bundled_drafter(&path, &entry);
+        // A model pulled by an older build gets the drafter this build ships (not for a
+        // read-only resolve, `inspect`'s).
+        if auto_pull {
+            offer_bundled_drafter(&path, &entry);
+        }
         return Ok(path);
     }
     if !auto_pull {
@@ -134,9 +137,10 @@ fn python_interpreter() -> OsString {
 /// A drafter trained by `specula distill` for a catalog model and shipped in this binary
 /// (heads/README.md says how each was trained and measured). `specula pull`, and resolving the
 /// catalog name for `serve` / `generate`, write it beside the model as a sidecar
-/// (`<stem>.mtp/`; see [`install_bundled_drafter`]); `serve` and `generate` find it there: `--spec
-/// default` / `on` / `mtp` then draft with it (`default` / `on` with n-gram lookup beside it),
-/// while `--spec ngram` or `off` leave it unused.
+/// (`<stem>.mtp/`; see [`install_bundled_drafter`]); `serve` and `generate` on the CPU find it
+/// there (a device target skips native drafters): `--spec default` (without a tuning file's
+/// other choice), `on` and `mtp` then draft with it (`default` / `on` with adaptive k run
+/// n-gram lookup beside it), while `--spec ngram` or `off` leave it unused.
 struct BundledDrafter {
     /// The catalog model it was trained for (the exact file of that entry's sha256).
     model: &'static str,
@@ -180,12 +184,14 @@ fn sha_hex(data: &[u8]) -> String {
 const BUNDLED_MARKER: &str = "bundled.sha256";
 
 /// Write `entry`'s bundled drafter ([`BUNDLED_DRAFTERS`]) beside `model` when it has one: when
-/// the sidecar folder is absent or empty, or when it is one this or another build installed (it
-/// holds a [`BUNDLED_MARKER`]) and its files are not this build's (another build's, or damaged).
-/// A folder with files and no marker, or a file at that path, is the user's and is left as it
-/// is. The files are written and synced in a temporary folder, renamed into place when
-/// complete; temporary folders left by processes that no longer run are removed. Returns the
-/// sidecar's path when the entry has one.
+/// the sidecar folder is absent or empty, or when another build installed it (its
+/// [`BUNDLED_MARKER`] differs from this build's and its files are still the ones that marker
+/// lists). A folder with files and no marker, or a file at that path, is the user's and is left
+/// as it is; so is nothing written when the user has a single-file head or a block drafter beside
+/// the model. A marked folder whose files changed since it was installed (edited or damaged) is
+/// not overwritten: an error says so. The files are written and synced in a temporary folder,
+/// renamed into place when complete; on Linux, temporary folders of processes that no longer run
+/// are removed. Returns the sidecar's path when one is in place.
 fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<PathBuf>> {
     let Some(d) = BUNDLED_DRAFTERS.iter().find(|d| d.model == entry.name) else {
         return Ok(None);
@@ -200,16 +206,30 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
         .iter()
         .map(|(file, bytes)| format!("{file}:{}\n", sha_hex(bytes)))
         .collect();
+    // A head of the user's beside the model (a single file, or a block drafter, which `on` would
+    // no longer pick once an MTP head is there) keeps the bundled one out.
+    let users = [
+        dir.join(format!("{}.mtp.safetensors", stem.to_string_lossy())),
+        dir.join(format!("{}.drafter", stem.to_string_lossy())),
+    ];
+    if users.iter().any(|p| p.exists()) {
+        return Ok(None);
+    }
     if dest.exists() {
         let empty = fs::read_dir(&dest).is_ok_and(|mut e| e.next().is_none());
-        let current = || {
-            d.files
-                .iter()
-                .all(|(f, b)| fs::read(dest.join(f)).is_ok_and(|x| x == *b))
-        };
         match fs::read_to_string(dest.join(BUNDLED_MARKER)) {
-            Ok(m) if m == marker && current() => return Ok(Some(dest)),
-            Ok(_) => {} // another build's, or damaged: written again below
+            Ok(m) if m == marker && matches_marker(&dest, &m) => return Ok(Some(dest)),
+            // Another build's install, untouched since: replaced below.
+            Ok(m) if matches_marker(&dest, &m) => {}
+            Ok(_) => {
+                // Changed since it was installed (edited, or damaged): it may be the user's
+                // work now, so it is not overwritten.
+                bail!(
+                    "{} was changed since it was installed; it is left as it is (remove it to \
+                     get the drafter this build ships)",
+                    dest.display()
+                );
+            }
             Err(_) if empty => {}
             Err(_) => return Ok(Some(dest)), // the user's
         }
@@ -248,6 +268,23 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
     }
     tracing::info!(drafter = %dest.display(), "installed the drafter trained for {}", entry.name);
     Ok(Some(dest))
+}
+
+/// Whether `dir` holds exactly the files a [`BUNDLED_MARKER`] text `marker` lists (`name:sha256`
+/// lines) with those contents, and nothing else but the marker.
+fn matches_marker(dir: &Path, marker: &str) -> bool {
+    let listed: Vec<(&str, &str)> = marker.lines().filter_map(|l| l.split_once(':')).collect();
+    let Ok(entries) = fs::read_dir(dir) else {
+        return false;
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.len() == listed.len() + 1
+        && listed
+            .iter()
+            .all(|(f, h)| fs::read(dir.join(f)).is_ok_and(|bytes| sha_hex(&bytes) == *h))
 }
 
 /// A path removed (a folder with its contents, or a file) when dropped, unless it is gone by
@@ -818,17 +855,23 @@ mod tests {
         );
         let want_config = fs::read(heads.join("config.json")).expect("the committed head");
         let same = |name: &str, want: &[u8]| fs::read(dir.join(name)).is_ok_and(|x| x == want);
-        // Another build's bundled drafter (its marker differs) is replaced by this build's.
+        // Another build's install (its marker lists its own files, untouched) is replaced by
+        // this build's.
         fs::write(dir.join("config.json"), b"{}").expect("edit");
-        fs::write(&marker, b"model.safetensors:0\n").expect("old marker");
+        let other: String = ["config.json", "model.safetensors", "training.json"]
+            .iter()
+            .map(|f| format!("{f}:{}\n", sha_hex(&fs::read(dir.join(f)).expect("read"))))
+            .collect();
+        fs::write(&marker, other).expect("another build's marker");
         install_bundled_drafter(&model, &entry).expect("update");
         assert!(same("config.json", &want_config));
         assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
-        // A damaged file under this build's marker is written again.
+        // A marked folder changed since it was installed (edited, damaged, or with files added)
+        // is not overwritten: it may be the user's work now.
         fs::write(dir.join("model.safetensors"), b"").expect("truncate");
-        install_bundled_drafter(&model, &entry).expect("repair");
-        let want = fs::read(heads.join("model.safetensors")).expect("the committed head");
-        assert!(same("model.safetensors", &want));
+        let err = install_bundled_drafter(&model, &entry).expect_err("changed since installed");
+        assert!(format!("{err:#}").contains("changed since it was installed"), "{err:#}");
+        assert!(same("model.safetensors", b""));
         // A folder without the marker is the user's: left alone.
         fs::remove_file(dir.join(BUNDLED_MARKER)).expect("rm marker");
         fs::write(dir.join("config.json"), b"{}").expect("edit");
@@ -843,8 +886,17 @@ mod tests {
         fs::write(stale.join("model.safetensors"), b"half").expect("stale file");
         install_bundled_drafter(&model, &entry).expect("fill");
         assert!(same("config.json", &want_config));
-        assert!(!stale.exists());
-        assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
+        if cfg!(target_os = "linux") {
+            // Dead processes are told by /proc.
+            assert!(!stale.exists());
+            assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
+        }
+        // A head of the user's in one file beside the model keeps the bundled one out.
+        fs::remove_dir_all(&dir).expect("rm");
+        let single = tmp.path().join("SmolLM2-135M-Instruct.Q4_1.mtp.safetensors");
+        fs::write(&single, b"user's").expect("single-file head");
+        assert_eq!(install_bundled_drafter(&model, &entry).expect("skipped"), None);
+        assert!(!dir.exists());
     }
 
     #[test]
