@@ -376,27 +376,32 @@ impl SpecArgs {
     }
 }
 
-/// Native drafters beside a model: an MTP head (`<stem>.mtp/` or `<stem>.mtp.safetensors`
-/// next to a GGUF file, `mtp/` or `mtp.safetensors` in a bundle directory) and a block drafter
-/// (`<stem>.drafter/`, or `drafter/` in a bundle directory).
-fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
-    let (mtp, block) = if model.is_dir() {
-        (
-            vec![model.join("mtp"), model.join("mtp.safetensors")],
+/// Where native drafters beside a model are looked for: the MTP head's places in order
+/// (`<stem>.mtp/`, then `<stem>.mtp.safetensors` next to a GGUF file; `mtp/`, then
+/// `mtp.safetensors` in a bundle directory) and the block drafter's folder (`<stem>.drafter/`,
+/// or `drafter/` in a bundle directory). None for a path without a parent or file name.
+pub(crate) fn sidecar_paths(model: &std::path::Path) -> Option<([PathBuf; 2], PathBuf)> {
+    if model.is_dir() {
+        return Some((
+            [model.join("mtp"), model.join("mtp.safetensors")],
             model.join("drafter"),
-        )
-    } else {
-        let (Some(stem), Some(dir)) = (model.file_stem(), model.parent()) else {
-            return Vec::new();
-        };
-        let stem = stem.to_string_lossy();
-        (
-            vec![
-                dir.join(format!("{stem}.mtp")),
-                dir.join(format!("{stem}.mtp.safetensors")),
-            ],
-            dir.join(format!("{stem}.drafter")),
-        )
+        ));
+    }
+    let (stem, dir) = (model.file_stem()?.to_string_lossy(), model.parent()?);
+    Some((
+        [
+            dir.join(format!("{stem}.mtp")),
+            dir.join(format!("{stem}.mtp.safetensors")),
+        ],
+        dir.join(format!("{stem}.drafter")),
+    ))
+}
+
+/// Native drafters beside a model ([`sidecar_paths`]): the first MTP head place that exists,
+/// and the block drafter's folder when it is one.
+fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
+    let Some((mtp, block)) = sidecar_paths(model) else {
+        return Vec::new();
     };
     let mut found: Vec<PathBuf> = mtp.into_iter().filter(|p| p.exists()).take(1).collect();
     if block.is_dir() {

@@ -134,7 +134,7 @@ fn python_interpreter() -> OsString {
     }
 }
 
-/// A drafter trained by `specula distill` for a catalog model and shipped in this binary
+/// An MTP head trained by `specula distill` for a catalog model and shipped in this binary
 /// (heads/README.md says how each was trained and measured). `specula pull`, and resolving the
 /// catalog name for `serve` / `generate`, write it beside the model as a sidecar
 /// (`<stem>.mtp/`; see [`install_bundled_drafter`]); `serve` and `generate` on the CPU find it
@@ -144,15 +144,12 @@ fn python_interpreter() -> OsString {
 struct BundledDrafter {
     /// The catalog model it was trained for (the exact file of that entry's sha256).
     model: &'static str,
-    /// The sidecar's suffix after the model file's stem (`mtp`: an MTP head).
-    suffix: &'static str,
     /// The sidecar's files: (name, contents).
     files: &'static [(&'static str, &'static [u8])],
 }
 
 const BUNDLED_DRAFTERS: &[BundledDrafter] = &[BundledDrafter {
     model: "smollm2-135m-instruct",
-    suffix: "mtp",
     files: &[
         (
             "config.json",
@@ -196,25 +193,24 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
     let Some(d) = BUNDLED_DRAFTERS.iter().find(|d| d.model == entry.name) else {
         return Ok(None);
     };
-    let (Some(stem), Some(dir)) = (model.file_stem(), model.parent()) else {
+    // The head goes where `serve` looks first; a head of the user's in the other places (a
+    // single file, or a block drafter, which `on` would no longer pick once an MTP head is
+    // there) keeps the bundled one out.
+    let Some(([dest, single_file], block)) = crate::sidecar_paths(model) else {
         return Ok(None);
     };
-    let name = format!("{}.{}", stem.to_string_lossy(), d.suffix);
-    let dest = dir.join(&name);
+    let (Some(dir), Some(name)) = (dest.parent(), dest.file_name()) else {
+        return Ok(None);
+    };
+    let name = name.to_string_lossy().into_owned();
+    if single_file.exists() || block.exists() {
+        return Ok(None);
+    }
     let marker: String = d
         .files
         .iter()
         .map(|(file, bytes)| format!("{file}:{}\n", sha_hex(bytes)))
         .collect();
-    // A head of the user's beside the model (a single file, or a block drafter, which `on` would
-    // no longer pick once an MTP head is there) keeps the bundled one out.
-    let users = [
-        dir.join(format!("{}.mtp.safetensors", stem.to_string_lossy())),
-        dir.join(format!("{}.drafter", stem.to_string_lossy())),
-    ];
-    if users.iter().any(|p| p.exists()) {
-        return Ok(None);
-    }
     if dest.exists() {
         let empty = fs::read_dir(&dest).is_ok_and(|mut e| e.next().is_none());
         match fs::read_to_string(dest.join(BUNDLED_MARKER)) {
