@@ -303,6 +303,69 @@ impl BundleReport {
         }
     }
 
+    fn has_error(diags: &[Diagnostic], c: Component) -> bool {
+        diags.iter().any(|d| d.severity == Severity::Error && d.component == c)
+    }
+
+    /// After serve attached its drafters: a native drafter this report found usable (MTP head
+    /// [`MtpStatus::Present`] in a sidecar, block drafter `valid`) that the engine does not have
+    /// (`mtp_attached` / `block_attached` false: its load failed, or the device path leaves it
+    /// out) becomes [`MtpStatus::NotLoaded`] / `valid: false`, with a warning diagnostic carrying
+    /// `why`, and the effective modes are resolved again without it, so `/v1/models` says what
+    /// runs. Returns whether anything changed.
+    pub fn not_attached(&mut self, mtp_attached: bool, block_attached: bool, why: &str) -> bool {
+        let mut changed = false;
+        let mtp = &mut self.capabilities.mtp;
+        if mtp.status == MtpStatus::Present && mtp.location.as_deref() != Some("trunk") && !mtp_attached {
+            mtp.status = MtpStatus::NotLoaded;
+            self.diagnostics.push(Diagnostic {
+                severity: Severity::Warning,
+                component: Component::Mtp,
+                file: mtp.location.clone().unwrap_or_default(),
+                subject: String::new(),
+                message: format!("the MTP head was found but is not attached: {why}"),
+            });
+            changed = true;
+        }
+        if let Some(b) = self
+            .capabilities
+            .block_drafter
+            .as_mut()
+            .filter(|b| b.valid && !block_attached)
+        {
+            b.valid = false;
+            self.diagnostics.push(Diagnostic {
+                severity: Severity::Warning,
+                component: Component::Drafter,
+                file: b.path.clone(),
+                subject: String::new(),
+                message: format!("the block drafter was found but is not attached: {why}"),
+            });
+            changed = true;
+        }
+        if changed {
+            let d = &self.diagnostics;
+            let draft_ok = self.capabilities.draft_model.as_ref().is_none_or(|m| m.compatible)
+                && !Self::has_error(d, Component::DraftModel);
+            let tuned = self
+                .tuning
+                .as_ref()
+                .filter(|t| t.applies)
+                .and_then(|t| t.choice.clone());
+            self.modes = resolve_modes(ResolveInput {
+                target_ok: !Self::has_error(d, Component::Target),
+                draft_ok,
+                kernels: self.kernels.as_ref(),
+                mtp: &self.capabilities.mtp,
+                block: self.capabilities.block_drafter.as_ref(),
+                draft_model: self.capabilities.draft_model.as_ref(),
+                tuned: tuned.as_ref(),
+            });
+            self.diagnostics.sort_by_key(|d| d.severity);
+        }
+        changed
+    }
+
     /// The `specula` capability summary shown in `/v1/models`.
     pub fn capabilities_json(&self) -> Json {
         let mtp = &self.capabilities.mtp;

@@ -307,8 +307,10 @@ impl SpecArgs {
     }
 
     /// Attach the draft model and the MTP head, if given (or found beside `model_path`);
-    /// `--spec draft` / `--spec mtp` without one is an error.
-    fn attach(&self, engine: &mut Engine, model_path: Option<&std::path::Path>) -> Result<()> {
+    /// `--spec draft` / `--spec mtp` without one is an error. Returns why a native drafter found
+    /// beside the model was left out (it does not load, or the device does not run native
+    /// drafters), for [`specula_engine::inspect::BundleReport::not_attached`].
+    fn attach(&self, engine: &mut Engine, model_path: Option<&std::path::Path>) -> Result<Option<String>> {
         match &self.draft_model {
             Some(m) => {
                 let path: PathBuf = pull::resolve_model(m, true)?;
@@ -326,6 +328,7 @@ impl SpecArgs {
         // A named --drafter that does not load is an error; one found beside the model is
         // skipped with a warning (the model serves without it, as it did before it was there).
         let found_beside = self.drafter.is_none();
+        let mut left_out = None;
         let drafters: Vec<PathBuf> = match &self.drafter {
             Some(p) => vec![p.clone()],
             None => {
@@ -339,6 +342,7 @@ impl SpecArgs {
                             device = d,
                             "native drafters beside the model are not used on this device"
                         );
+                        left_out = Some(format!("native drafters are not used on {d}"));
                         Vec::new()
                     }
                     _ => found,
@@ -353,12 +357,15 @@ impl SpecArgs {
             };
             match loaded {
                 Ok(_) => tracing::info!(drafter = %p.display(), "{kind} attached"),
-                Err(e) if found_beside => tracing::warn!(
-                    "the {kind} found beside the model, {}, does not load, so it is not used \
-                     (repair or remove it; after removing it, `specula pull` of a catalog model \
-                     writes the drafter this build ships): {e:#}",
-                    p.display()
-                ),
+                Err(e) if found_beside => {
+                    tracing::warn!(
+                        "the {kind} found beside the model, {}, does not load, so it is not used \
+                         (repair or remove it; after removing it, `specula pull` of a catalog model \
+                         writes the drafter this build ships): {e:#}",
+                        p.display()
+                    );
+                    left_out.get_or_insert(format!("it does not load: {e:#}"));
+                }
                 Err(e) => return Err(e).with_context(|| format!("loading the {kind} {}", p.display())),
             }
         }
@@ -372,7 +379,7 @@ impl SpecArgs {
         if matches!(self.spec, SpecArg::Block) && engine.block_drafter().is_none() {
             bail!("--spec block needs a block drafter: --drafter DIR (train one with `specula distill --kind block`)");
         }
-        Ok(())
+        Ok(left_out)
     }
 }
 
@@ -607,8 +614,14 @@ fn serve(a: ServeArgs) -> Result<()> {
         .apply(&mut engine, model_path.as_deref(), a.max_batch as usize)?;
     let target_load_s = t.elapsed().as_secs_f64();
     let t = std::time::Instant::now();
-    a.spec.attach(&mut engine, model_path.as_deref())?;
+    let left_out = a.spec.attach(&mut engine, model_path.as_deref())?;
     let draft_load_s = a.spec.draft_model.is_some().then(|| t.elapsed().as_secs_f64());
+    // `/v1/models` shows the report: a sidecar it found that is not attached must not show as
+    // a capability (nor resolve the modes).
+    let mut report = report;
+    if let (Some(r), Some(why)) = (report.as_mut(), left_out.as_deref()) {
+        r.not_attached(engine.mtp_head().is_some(), engine.block_drafter().is_some(), why);
+    }
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     // On a device, running requests are bounded by its KV slots (the KV cache lives there).
     let max_batch = match engine.device_slots() {

@@ -560,3 +560,51 @@ fn bench_runs() {
     assert_eq!(u64_at(&v, "/threads"), support::THREADS.parse::<u64>().unwrap(), "{v}");
     eprintln!("bench_runs: {:.1}s: {v}", t0.elapsed().as_secs_f64());
 }
+
+/// A sidecar MTP head whose headers look right but which does not load (its config names a
+/// layer the target lacks) is left out with a warning, and `/v1/models` says so: the bundle
+/// report marks it `not_loaded` with a diagnostic, and neither the report's modes nor the
+/// effective drafter claim it.
+#[test]
+fn a_sidecar_head_that_does_not_load_is_not_reported_as_attached() {
+    let model = require_model(MODEL);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let linked = dir.path().join(model.file_name().expect("file name"));
+    std::os::unix::fs::symlink(&model, &linked).expect("symlink the model");
+    let stem = linked.file_stem().expect("stem").to_string_lossy().to_string();
+    let head = dir.path().join(format!("{stem}.mtp"));
+    std::fs::create_dir(&head).expect("head dir");
+    let shipped = support::repo_root().join("heads/smollm2-135m-instruct.mtp");
+    std::fs::copy(shipped.join("model.safetensors"), head.join("model.safetensors")).expect("copy tensors");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(shipped.join("config.json")).expect("config")).expect("json");
+    config["target_layer_ids"] = json!([1, 15, 99]);
+    std::fs::write(head.join("config.json"), config.to_string()).expect("write config");
+
+    let mut server = Server::spawn(linked.to_str().expect("utf-8 path"));
+    server.wait_ready();
+    let log = server.log();
+    assert!(log.contains("does not load"), "{log}");
+    let resp =
+        support::try_request(server.port, "GET", "/v1/models", None, Duration::from_secs(30)).expect("GET /v1/models");
+    assert_eq!(resp.status, 200, "{}", resp.body);
+    let v = resp.json();
+    let m = &v["data"][0]["specula"];
+    let bundle = &m["bundle"];
+    assert_eq!(bundle["mtp"]["status"], "not_loaded", "{m:#}");
+    let diags = bundle["diagnostics"].as_array().expect("diagnostics");
+    assert!(
+        diags.iter().any(|d| d
+            .as_str()
+            .is_some_and(|s| s.contains("not attached") && s.contains("layer 99"))),
+        "{m:#}"
+    );
+    for mode in ["default", "on"] {
+        assert_eq!(bundle["effective_modes"][mode]["drafter"], "ngram", "{mode}: {m:#}");
+    }
+    // What a request would run with `spec: on`.
+    let body = json!({"model": v["data"][0]["id"], "messages": [{"role": "user", "content": "Count to five."}],
+        "max_tokens": 8, "temperature": 0, "spec": {"mode": "on"}});
+    let r = server.post("/v1/chat/completions", &body).json();
+    assert_eq!(r["spec_stats"]["decode_path"], "ngram", "{r:#}");
+}

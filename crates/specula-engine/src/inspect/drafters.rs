@@ -42,6 +42,9 @@ pub enum MtpStatus {
     DeclaredButAbsent,
     /// Tensors found, but incomplete or of the wrong shape (see diagnostics).
     Invalid,
+    /// The headers looked consistent, but loading the head failed, so the server runs without
+    /// it (set by [`super::BundleReport::not_attached`]; see diagnostics).
+    NotLoaded,
 }
 
 /// What was found about a native MTP head.
@@ -73,12 +76,12 @@ impl MtpReport {
             MtpStatus::DeclaredButAbsent => {
                 format!("declared but absent ({marker}; no MTP tensors in the bundle): not a capability")
             }
-            MtpStatus::Present | MtpStatus::Invalid => format!(
+            MtpStatus::Present | MtpStatus::Invalid | MtpStatus::NotLoaded => format!(
                 "{} {} layout, depth {} (layers {:?}), {} tensors, {:.1} M params, in {} [{}]",
-                if self.status == MtpStatus::Present {
-                    "present:"
-                } else {
-                    "INVALID (see diagnostics):"
+                match self.status {
+                    MtpStatus::Present => "present:",
+                    MtpStatus::NotLoaded => "NOT LOADED (see diagnostics):",
+                    _ => "INVALID (see diagnostics):",
                 },
                 self.layout.as_deref().unwrap_or("?"),
                 self.depth,
