@@ -41,7 +41,7 @@ use crate::model::{Family, ModelConfig};
 use crate::spec::SpecMode;
 use crate::tuning::{self, BundleId, Machine, TunedDefault};
 
-pub use drafters::{BlockDrafterReport, MtpReport, MtpStatus};
+pub use drafters::{sidecar_paths, BlockDrafterReport, MtpReport, MtpStatus};
 pub use memory::MemoryEstimate;
 
 /// What to inspect besides the bundle itself.

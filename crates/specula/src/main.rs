@@ -383,31 +383,10 @@ impl SpecArgs {
     }
 }
 
-/// Where native drafters beside a model are looked for: the MTP head's places in order
-/// (`<stem>.mtp/`, then `<stem>.mtp.safetensors` next to a GGUF file; `mtp/`, then
-/// `mtp.safetensors` in a bundle directory) and the block drafter's folder (`<stem>.drafter/`,
-/// or `drafter/` in a bundle directory). None for a path without a parent or file name.
-pub(crate) fn sidecar_paths(model: &std::path::Path) -> Option<([PathBuf; 2], PathBuf)> {
-    if model.is_dir() {
-        return Some((
-            [model.join("mtp"), model.join("mtp.safetensors")],
-            model.join("drafter"),
-        ));
-    }
-    let (stem, dir) = (model.file_stem()?.to_string_lossy(), model.parent()?);
-    Some((
-        [
-            dir.join(format!("{stem}.mtp")),
-            dir.join(format!("{stem}.mtp.safetensors")),
-        ],
-        dir.join(format!("{stem}.drafter")),
-    ))
-}
-
-/// Native drafters beside a model ([`sidecar_paths`]): the first MTP head place that exists,
+/// Native drafters beside a model ([`sidecar_paths`](specula_engine::inspect::sidecar_paths)): the first MTP head place that exists,
 /// and the block drafter's folder when it is one.
 fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
-    let Some((mtp, block)) = sidecar_paths(model) else {
+    let Some((mtp, block)) = specula_engine::inspect::sidecar_paths(model) else {
         return Vec::new();
     };
     let mut found: Vec<PathBuf> = mtp.into_iter().filter(|p| p.exists()).take(1).collect();

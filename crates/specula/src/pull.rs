@@ -196,7 +196,7 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
     // The head goes where `serve` looks first; a head of the user's in the other places (a
     // single file, or a block drafter, which `on` would no longer pick once an MTP head is
     // there) keeps the bundled one out.
-    let Some(([dest, single_file], block)) = crate::sidecar_paths(model) else {
+    let Some(([dest, single_file], block)) = specula_engine::inspect::sidecar_paths(model) else {
         return Ok(None);
     };
     let (Some(dir), Some(name)) = (dest.parent(), dest.file_name()) else {

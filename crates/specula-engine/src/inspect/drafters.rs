@@ -538,18 +538,26 @@ fn read_sidecar(path: &Path, diags: &mut Vec<Diagnostic>, c: Component) -> (Tens
     (part.tensors, markers, files)
 }
 
-/// Is the target a bare GGUF file (sidecars are then named after its stem)?
-fn sibling_names(target: &Part, suffix: &str, plain: &str) -> PathBuf {
-    if target.path.is_file() {
-        let stem = target
-            .path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        target.root.join(format!("{stem}.{suffix}"))
-    } else {
-        target.root.join(plain)
+/// Where native drafters beside a model are looked for: the MTP head's places in order
+/// (`<stem>.mtp/`, then `<stem>.mtp.safetensors` next to a GGUF file; `mtp/`, then
+/// `mtp.safetensors` in a bundle directory) and the block drafter's folder (`<stem>.drafter/`,
+/// or `drafter/` in a bundle directory). `None` for a path without a parent or file name. The
+/// one naming used by inspection, `serve`'s attach and `pull`'s bundled-head install.
+pub fn sidecar_paths(model: &Path) -> Option<([PathBuf; 2], PathBuf)> {
+    if model.is_dir() {
+        return Some((
+            [model.join("mtp"), model.join("mtp.safetensors")],
+            model.join("drafter"),
+        ));
     }
+    let (stem, dir) = (model.file_stem()?.to_string_lossy(), model.parent()?);
+    Some((
+        [
+            dir.join(format!("{stem}.mtp")),
+            dir.join(format!("{stem}.mtp.safetensors")),
+        ],
+        dir.join(format!("{stem}.drafter")),
+    ))
 }
 
 fn is_block_drafter_dir(p: &Path) -> bool {
@@ -572,8 +580,9 @@ pub(super) fn mtp_report(target: &Part, drafter: Option<&Path>, diags: &mut Vec<
                 candidates.push(d.to_path_buf());
             }
         }
-        candidates.push(sibling_names(target, "mtp", "mtp"));
-        candidates.push(sibling_names(target, "mtp.safetensors", "mtp.safetensors"));
+        if let Some((places, _)) = sidecar_paths(&target.path) {
+            candidates.extend(places);
+        }
         for cand in candidates {
             if !cand.exists() {
                 continue;
@@ -671,7 +680,7 @@ pub(super) fn block_drafter_report(
             d.to_path_buf()
         }
         _ => {
-            let d = sibling_names(target, "drafter", "drafter");
+            let d = sidecar_paths(&target.path)?.1;
             if !d.is_dir() {
                 return None;
             }
