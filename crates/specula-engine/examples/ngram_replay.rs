@@ -10,8 +10,9 @@
 //! ```
 //!
 //! Prints tau per prompt and per kind for exact lookup, structural matches without number
-//! extrapolation, the lookup with numbers, and the full lookup (which also wraps a draft past
-//! the context's end). With a prompt `ID`, also prints every position of that output where the
+//! extrapolation, the lookup with numbers, the full lookup (which also wraps a draft past
+//! the context's end), and the copy oracle (`replay_oracle`: the best copy of any context span,
+//! knowing the output; it bounds what any prompt lookup can reach). With a prompt `ID`, also prints every position of that output where the
 //! full lookup's draft is accepted less far than the one without wrapping, with both drafts.
 //!
 //! Then, per kind, four stateful policies through `NgramDrafter::propose_tokens` (min_n as
@@ -92,6 +93,52 @@ fn replay_policy(d: &NgramDrafter, prompt: &[u32], out: &[u32], k: usize, adapti
     r
 }
 
+/// (target steps, tokens committed) for one output under the copy oracle: each step drafts,
+/// of every span of the context (an LZ77-style copy that may run into the tokens it drafts,
+/// so periods repeat) and of `d`'s own draft (which adds counted-on numbers), the one that
+/// matches the output furthest, up to `k` tokens. With `min_n` 0, tau here bounds any lookup
+/// that copies from prompt + output (and a speed-up over AR cannot exceed it: a verify costs at
+/// least one one-row forward); with `min_n` > 0, only copies that follow an earlier occurrence
+/// of the context's last `min_n` tokens count: the best a lookup keyed on that suffix could do
+/// by choosing among its matches.
+fn replay_oracle(d: &NgramDrafter, prompt: &[u32], out: &[u32], k: usize, min_n: usize) -> (usize, usize) {
+    let mut ctx = prompt.to_vec();
+    let (mut steps, mut i) = (0, 0);
+    while i < out.len() {
+        let want = &out[i..(i + k).min(out.len())];
+        let n = ctx.len();
+        let mut best = 0;
+        for j in 0..n {
+            // With `min_n` > 0, only copies that follow an occurrence of the context's last
+            // `min_n` tokens (what a lookup can find without knowing the output).
+            if min_n > 0 && (j < min_n || ctx[j - min_n..j] != ctx[n - min_n..]) {
+                continue;
+            }
+            // Copy from j onward; past the context's end the copy reads what it has drafted.
+            let mut m = 0;
+            while m < want.len() {
+                let src = j + m;
+                let t = if src < n { ctx[src] } else { want[src - n] };
+                if t != want[m] {
+                    break;
+                }
+                m += 1;
+            }
+            best = best.max(m);
+            if best == want.len() {
+                break;
+            }
+        }
+        let draft = d.lookup(&ctx, k);
+        best = best.max(draft.iter().zip(want).take_while(|(a, b)| a == b).count());
+        let commit = (best + 1).min(out.len() - i);
+        ctx.extend_from_slice(&out[i..i + commit]);
+        i += commit;
+        steps += 1;
+    }
+    (steps, out.len())
+}
+
 /// (target steps, tokens committed) for one output.
 fn replay(d: &NgramDrafter, prompt: &[u32], out: &[u32], k: usize) -> (usize, usize) {
     let mut ctx = prompt.to_vec();
@@ -137,6 +184,9 @@ fn main() -> Result<()> {
         ("structural", &structural),
         ("numbers", &no_wrap),
         ("wrap", &full),
+        ("oracle", &full),
+        ("oracle/n1", &full),
+        ("oracle/n2", &full),
     ];
     // The confidence cut (NGRAM_REPLAY_CONF: min_confidence, default 0.3) with min_n 2 and 1,
     // against both without it; NGRAM_REPLAY_ROW: modeled cost of a verify row (default 0.25 of
@@ -191,7 +241,12 @@ fn main() -> Result<()> {
         let mut line_out = format!("{:>4} {:<13}", v["id"].as_str().unwrap_or("?"), kind);
         let acc = by_kind.entry(kind).or_insert_with(|| vec![(0, 0); variants.len()]);
         for (j, (name, d)) in variants.iter().enumerate() {
-            let (steps, tokens) = replay(d, &prompt, &out, k);
+            let (steps, tokens) = if let Some(o) = name.strip_prefix("oracle") {
+                let n = o.strip_prefix("/n").and_then(|n| n.parse().ok()).unwrap_or(0);
+                replay_oracle(d, &prompt, &out, k, n)
+            } else {
+                replay(d, &prompt, &out, k)
+            };
             acc[j].0 += steps;
             acc[j].1 += tokens;
             line_out += &format!(" | {name} {:.2}", tokens as f64 / steps.max(1) as f64);
