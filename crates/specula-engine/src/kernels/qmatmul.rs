@@ -806,14 +806,27 @@ mod avx2_impl {
                     } else {
                         _mm256_setzero_si256()
                     };
-                    for (t, &v) in wv.iter().enumerate() {
-                        let xb = _mm256_set1_epi32(xq.add(t).read_unaligned());
-                        let p = if K == Q8_0 {
-                            _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xb, v))
-                        } else {
-                            _mm256_maddubs_epi16(v, xb)
-                        };
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                    if K == Q8_0 {
+                        for (t, &v) in wv.iter().enumerate() {
+                            let xb = _mm256_set1_epi32(xq.add(t).read_unaligned());
+                            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xb, v));
+                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                        }
+                    } else {
+                        // The 16-bit pair sums of `maddubs` are added in 16 bits before one
+                        // `madd` widens them: a pair is at most 2 · 31 · 127 = 7,874 in magnitude
+                        // (activation quants are within ±127), so four of them, or eight 4-bit
+                        // pairs (2 · 15 · 127 = 3,810 each), stay below 2^15 and the sum is exact.
+                        let span = if K == Q5_0 || K == Q5_1 { 4 } else { 8 };
+                        for half in wv.chunks_exact(span).enumerate() {
+                            let (c, vs) = half;
+                            let mut s16 = _mm256_setzero_si256();
+                            for (u, &v) in vs.iter().enumerate() {
+                                let xb = _mm256_set1_epi32(xq.add(c * span + u).read_unaligned());
+                                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v, xb));
+                            }
+                            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
+                        }
                     }
                     let dd = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(b)));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, *acc);
