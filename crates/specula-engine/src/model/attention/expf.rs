@@ -1,4 +1,4 @@
-//! `expf` with glibc's arithmetic, bit for bit, scalar and 8 lanes at a time (AVX-512).
+//! `expf` with glibc's arithmetic, bit for bit, scalar and 8 lanes at a time (AVX-512, or AVX2).
 //!
 //! llama.cpp's CPU attention (`flash_attn_ext_f16_one_chunk`) calls the C library's `expf` once
 //! per (query, key). Specula reproduces that attention exactly (module docs of
@@ -164,6 +164,55 @@ pub unsafe fn expf8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     _mm256_loadu_ps(os.as_ptr())
 }
 
+/// [`expf8`] with AVX2 and FMA only: the same f64 operations four lanes at a time, the table
+/// read by a gather, so the same bits.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn expf8_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let abstop = _mm256_and_si256(
+        _mm256_srli_epi32::<20>(_mm256_castps_si256(x)),
+        _mm256_set1_epi32(0x7ff),
+    );
+    let special = _mm256_cmpgt_epi32(abstop, _mm256_set1_epi32(TOP12_88 as i32 - 1));
+    let inv = _mm256_set1_pd(INV_LN2_N);
+    let shift = _mm256_set1_pd(SHIFT);
+    let half = |xd: __m256d| -> __m128 {
+        let kd = _mm256_fmadd_pd(inv, xd, shift);
+        let ki = _mm256_castpd_si256(kd);
+        let kd = _mm256_sub_pd(kd, shift);
+        let r = _mm256_fmsub_pd(inv, xd, kd);
+        let idx = _mm256_and_si256(ki, _mm256_set1_epi64x(31));
+        let t = _mm256_i64gather_epi64::<8>(TAB.as_ptr() as *const i64, idx);
+        let s = _mm256_castsi256_pd(_mm256_add_epi64(t, _mm256_slli_epi64::<47>(ki)));
+        let z = _mm256_fmadd_pd(r, _mm256_set1_pd(C0), _mm256_set1_pd(C1));
+        let r2 = _mm256_mul_pd(r, r);
+        let y = _mm256_fmadd_pd(r, _mm256_set1_pd(C2), _mm256_set1_pd(1.0));
+        let y = _mm256_fmadd_pd(z, r2, y);
+        _mm256_cvtpd_ps(_mm256_mul_pd(y, s))
+    };
+    let lo = half(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    let hi = half(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)));
+    let out = _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi);
+    let mask = _mm256_movemask_ps(_mm256_castsi256_ps(special));
+    if mask == 0 {
+        return out;
+    }
+    let mut xs = [0f32; 8];
+    let mut os = [0f32; 8];
+    _mm256_storeu_ps(xs.as_mut_ptr(), x);
+    _mm256_storeu_ps(os.as_mut_ptr(), out);
+    for l in 0..8 {
+        if mask & (1 << l) != 0 {
+            os[l] = expf(xs[l]);
+        }
+    }
+    _mm256_loadu_ps(os.as_ptr())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +304,18 @@ mod tests {
                 unsafe { _mm256_storeu_ps(got.as_mut_ptr(), expf8(_mm256_loadu_ps(c.as_ptr()))) };
                 for (l, &x) in c.iter().enumerate() {
                     assert_eq!(got[l].to_bits(), expf(x).to_bits(), "lane {l}: expf8({x:e})");
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            use std::arch::x86_64::*;
+            for c in xs.chunks_exact(8) {
+                let mut got = [0f32; 8];
+                // SAFETY: AVX2 and FMA detected above; the arrays hold 8 lanes.
+                unsafe { _mm256_storeu_ps(got.as_mut_ptr(), expf8_avx2(_mm256_loadu_ps(c.as_ptr()))) };
+                for (l, &x) in c.iter().enumerate() {
+                    assert_eq!(got[l].to_bits(), expf(x).to_bits(), "lane {l}: expf8_avx2({x:e})");
                 }
             }
         }

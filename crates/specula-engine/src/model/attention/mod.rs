@@ -20,6 +20,8 @@
 //! Softmax is the max-subtracted online form (Milakov & Gimelshein 2018; scaled dot-product
 //! attention, Vaswani et al. 2017).
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod expf;
 #[cfg(target_arch = "x86_64")]
 mod fast;
@@ -431,7 +433,7 @@ pub fn attend(q: &[f32], kv: &KvRows<'_>, s: &AttnShape) -> Vec<f32> {
 
 /// [`attend`] with an explicit mode.
 pub fn attend_mode(q: &[f32], kv: &KvRows<'_>, s: &AttnShape, mode: AttnMode) -> Vec<f32> {
-    attend_with(&[AttnItem { q, kv, shape: *s }], mode, true)
+    attend_with(&[AttnItem { q, kv, shape: *s }], mode, Path::Best)
 }
 
 /// One sequence's part of a batched attention call ([`attend_batch`]).
@@ -447,12 +449,24 @@ pub struct AttnItem<'a> {
 /// costs one fork-join instead of one per sequence. Returns the outputs of the items one after
 /// the other (`[sum of rows, num_heads, head_dim]`), each exactly what [`attend`] gives it.
 pub fn attend_batch(items: &[AttnItem<'_>]) -> Vec<f32> {
-    attend_with(items, mode(), true)
+    attend_with(items, mode(), Path::Best)
 }
 
-/// [`attend_batch`] with an explicit mode; `avx512` false keeps the one-walk reference path of
-/// [`AttnMode::OneChunk`] where the three-pass AVX-512 path ([`fast`]) would run.
-fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32> {
+/// Which implementation [`attend_with`] runs where a mode has several (all give the same bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// The definitions: [`one_chunk`] and [`two_pass`] (compiled with AVX2 where available).
+    Reference,
+    /// [`AttnMode::TwoPass`] through the AVX2 kernels ([`avx2`]) even where AVX-512 is there
+    /// (for the tests, which compare every path this CPU has).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Avx2,
+    /// AVX-512 ([`fast`]) where available, else AVX2 for [`AttnMode::TwoPass`].
+    Best,
+}
+
+/// [`attend_batch`] with an explicit mode and [`Path`].
+fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, path: Path) -> Vec<f32> {
     let Some(first) = items.first() else {
         return Vec::new();
     };
@@ -506,9 +520,11 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
     }
     let fast = fast();
     #[cfg(target_arch = "x86_64")]
-    let avx512 = avx512 && matches!(mode, AttnMode::OneChunk | AttnMode::TwoPass) && fast::usable(d);
+    let avx512 = path == Path::Best && matches!(mode, AttnMode::OneChunk | AttnMode::TwoPass) && fast::usable(d);
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = path != Path::Reference && mode == AttnMode::TwoPass && !avx512 && avx2::usable(d);
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = avx512;
+    let _ = path;
     let task = |&(ii, r0, h0, g, _): &(usize, usize, usize, usize, usize)| -> Vec<f32> {
         let (q, s) = (items[ii].q, &items[ii].shape);
         let nr = ROW_BLOCK.min(s.rows - r0);
@@ -540,6 +556,9 @@ fn attend_with(items: &[AttnItem<'_>], mode: AttnMode, avx512: bool) -> Vec<f32>
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `fast::usable` checked AVX-512F, FMA and F16C at run time.
             (AttnMode::TwoPass, _) if avx512 => unsafe { fast::two_pass(&a, &mut st) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `avx2::usable` checked AVX2, FMA and F16C at run time.
+            (AttnMode::TwoPass, _) if avx2 => unsafe { avx2::two_pass(&a, &mut st) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `fast` means AVX2, FMA and F16C were detected at run time.
             (AttnMode::TwoPass, true) => unsafe { two_pass_x86(&a, &mut st) },
@@ -920,15 +939,12 @@ mod tests {
         assert_eq!(s1, s2);
     }
 
-    /// The AVX-512 paths of OneChunk and TwoPass against their portable definitions, bit for
-    /// bit: head sizes 64 and 128, GQA groups of 1..7, one row (decode) to several row blocks
-    /// (prefill), and scores large enough that some weights underflow.
+    /// The AVX-512 paths of OneChunk and TwoPass, and the AVX2 path of TwoPass, against their
+    /// portable definitions, bit for bit: head sizes 64 and 128, GQA groups of 1..7, one row
+    /// (decode) to several row blocks (prefill), and scores large enough that some weights
+    /// underflow. (A path this CPU lacks falls back to the definition and compares trivially.)
     #[test]
     fn fast_matches_reference_bitwise() {
-        #[cfg(target_arch = "x86_64")]
-        if !fast::usable(64) {
-            return;
-        }
         for (d, h, kvh) in [(64, 9, 3), (64, 14, 2), (128, 12, 2), (64, 4, 4)] {
             for (rows, pos, amp) in [
                 (1, 1, 1.0),
@@ -952,14 +968,16 @@ mod tests {
                 };
                 let item = [AttnItem { q: &q, kv: &kv, shape }];
                 for mode in [AttnMode::OneChunk, AttnMode::TwoPass] {
-                    let fast = attend_with(&item, mode, true);
-                    let reference = attend_with(&item, mode, false);
+                    let reference = attend_with(&item, mode, Path::Reference);
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&fast),
-                        bits(&reference),
-                        "{mode:?} d{d} h{h}/{kvh} rows {rows} at {pos} x{amp}"
-                    );
+                    for path in [Path::Best, Path::Avx2] {
+                        let fast = attend_with(&item, mode, path);
+                        assert_eq!(
+                            bits(&fast),
+                            bits(&reference),
+                            "{mode:?} {path:?} d{d} h{h}/{kvh} rows {rows} at {pos} x{amp}"
+                        );
+                    }
                 }
             }
         }
@@ -1002,15 +1020,15 @@ mod tests {
             })
             .collect();
         for mode in [AttnMode::TwoPass, AttnMode::OneChunk, AttnMode::Tiled] {
-            for avx512 in [true, false] {
-                let all = attend_with(&items, mode, avx512);
+            for path in [Path::Best, Path::Avx2, Path::Reference] {
+                let all = attend_with(&items, mode, path);
                 let mut off = 0;
                 for (i, it) in items.iter().enumerate() {
-                    let one = attend_with(std::slice::from_ref(it), mode, avx512);
+                    let one = attend_with(std::slice::from_ref(it), mode, path);
                     let got = &all[off..off + one.len()];
                     assert!(
                         got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{mode:?} avx512={avx512} sequence {i}"
+                        "{mode:?} {path:?} sequence {i}"
                     );
                     off += one.len();
                 }
@@ -1077,7 +1095,7 @@ mod tests {
         std::hint::black_box(&evict);
     }
 
-    /// ns per (query head, key) of OneChunk and TwoPass, portable vs the AVX-512 path, on
+    /// ns per (query head, key) of OneChunk and TwoPass, portable vs the AVX2 and best paths, on
     /// SmolLM2's shape (9 heads, 3 KV heads, d = 64), wall time (the kernel pool's threads take
     /// part above `ATTN_PARALLEL_MIN`). Run with
     /// `cargo test --release -p specula-engine --lib attention::tests::speed -- --ignored --nocapture`.
@@ -1107,7 +1125,11 @@ mod tests {
             let pairs = (rows * h * (pos - rows / 2)) as f64;
             let mut line = format!("rows {rows:>2} at {pos:>4}:");
             for mode in [AttnMode::OneChunk, AttnMode::TwoPass] {
-                for (name, fast) in [("reference", false), ("avx512", true)] {
+                for (name, fast) in [
+                    ("reference", Path::Reference),
+                    ("avx2", Path::Avx2),
+                    ("best", Path::Best),
+                ] {
                     let iters = (2e7 / pairs).max(3.0) as usize;
                     let t = std::time::Instant::now();
                     for _ in 0..iters {
