@@ -774,9 +774,13 @@ mod avx2_impl {
                 let base = g * nb + b;
                 let pq = w.qs.as_ptr().add(base * GROUP * qb + 32 * h);
                 let mut wv = [_mm256_setzero_si256(); 8];
+                // Q8_0: the weights' magnitudes, once for all the activation rows (their signs
+                // go onto the activations, `sign(x, w)`, per row).
+                let mut wabs = [_mm256_setzero_si256(); 8];
                 if K == Q8_0 {
-                    for (t, v) in wv.iter_mut().enumerate() {
+                    for (t, (v, a)) in wv.iter_mut().zip(wabs.iter_mut()).enumerate() {
                         *v = _mm256_loadu_si256(pq.add(t * 64) as *const __m256i);
+                        *a = _mm256_abs_epi8(*v);
                     }
                 } else {
                     for t in 0..4 {
@@ -807,9 +811,9 @@ mod avx2_impl {
                         _mm256_setzero_si256()
                     };
                     if K == Q8_0 {
-                        for (t, &v) in wv.iter().enumerate() {
+                        for (t, (&v, &va)) in wv.iter().zip(&wabs).enumerate() {
                             let xb = _mm256_set1_epi32(xq.add(t).read_unaligned());
-                            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xb, v));
+                            let p = _mm256_maddubs_epi16(va, _mm256_sign_epi8(xb, v));
                             isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
                         }
                     } else {
