@@ -148,6 +148,19 @@ pub unsafe fn expf8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     let y = _mm512_fmadd_pd(r, _mm512_set1_pd(C2), _mm512_set1_pd(1.0));
     let y = _mm512_fmadd_pd(z, r2, y);
     let out = _mm512_cvtpd_ps(_mm512_mul_pd(y, s));
+    special_lanes(x, out, special)
+}
+
+/// `out` with the lanes flagged in `special` (all ones: `|x| >= 88`, inf or NaN) replaced by
+/// the scalar [`expf`] of `x`, which handles glibc's special cases.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn special_lanes(
+    x: std::arch::x86_64::__m256,
+    out: std::arch::x86_64::__m256,
+    special: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
     let mask = _mm256_movemask_ps(_mm256_castsi256_ps(special));
     if mask == 0 {
         return out;
@@ -197,20 +210,7 @@ pub unsafe fn expf8_avx2(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m
     let lo = half(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
     let hi = half(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)));
     let out = _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi);
-    let mask = _mm256_movemask_ps(_mm256_castsi256_ps(special));
-    if mask == 0 {
-        return out;
-    }
-    let mut xs = [0f32; 8];
-    let mut os = [0f32; 8];
-    _mm256_storeu_ps(xs.as_mut_ptr(), x);
-    _mm256_storeu_ps(os.as_mut_ptr(), out);
-    for l in 0..8 {
-        if mask & (1 << l) != 0 {
-            os[l] = expf(xs[l]);
-        }
-    }
-    _mm256_loadu_ps(os.as_ptr())
+    special_lanes(x, out, special)
 }
 
 #[cfg(test)]
