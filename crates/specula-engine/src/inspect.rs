@@ -309,30 +309,26 @@ impl BundleReport {
 
     /// After serve attached its drafters: a native drafter this report found usable (MTP head
     /// [`MtpStatus::Present`] in a sidecar, block drafter `valid`) that the engine does not have
-    /// (`mtp_attached` / `block_attached` false: its load failed, or the device path leaves it
+    /// (`mtp` / `block`: `Some(why)`, e.g. its load failed or the device leaves native drafters
     /// out) becomes [`MtpStatus::NotLoaded`] / `valid: false`, with a warning diagnostic carrying
-    /// `why`, and the effective modes are resolved again without it, so `/v1/models` says what
-    /// runs. Returns whether anything changed.
-    pub fn not_attached(&mut self, mtp_attached: bool, block_attached: bool, why: &str) -> bool {
+    /// `why`, and the effective modes are resolved again without it (a tuning choice of that
+    /// drafter no longer applies, as in the engine), so `/v1/models` says what runs. Returns
+    /// whether anything changed.
+    pub fn not_attached(&mut self, mtp: Option<&str>, block: Option<&str>) -> bool {
         let mut changed = false;
-        let mtp = &mut self.capabilities.mtp;
-        if mtp.status == MtpStatus::Present && mtp.location.as_deref() != Some("trunk") && !mtp_attached {
-            mtp.status = MtpStatus::NotLoaded;
+        let m = &mut self.capabilities.mtp;
+        if let Some(why) = mtp.filter(|_| m.status == MtpStatus::Present && m.location.as_deref() != Some("trunk")) {
+            m.status = MtpStatus::NotLoaded;
             self.diagnostics.push(Diagnostic {
                 severity: Severity::Warning,
                 component: Component::Mtp,
-                file: mtp.location.clone().unwrap_or_default(),
+                file: m.location.clone().unwrap_or_default(),
                 subject: String::new(),
                 message: format!("the MTP head was found but is not attached: {why}"),
             });
             changed = true;
         }
-        if let Some(b) = self
-            .capabilities
-            .block_drafter
-            .as_mut()
-            .filter(|b| b.valid && !block_attached)
-        {
+        if let (Some(b), Some(why)) = (self.capabilities.block_drafter.as_mut().filter(|b| b.valid), block) {
             b.valid = false;
             self.diagnostics.push(Diagnostic {
                 severity: Severity::Warning,
@@ -347,11 +343,17 @@ impl BundleReport {
             let d = &self.diagnostics;
             let draft_ok = self.capabilities.draft_model.as_ref().is_none_or(|m| m.compatible)
                 && !Self::has_error(d, Component::DraftModel);
+            let caps = &self.capabilities;
             let tuned = self
                 .tuning
                 .as_ref()
                 .filter(|t| t.applies)
-                .and_then(|t| t.choice.clone());
+                .and_then(|t| t.choice.clone())
+                .filter(|t| match t.mode {
+                    SpecMode::Mtp => caps.mtp.status == MtpStatus::Present,
+                    SpecMode::Block => caps.block_drafter.as_ref().is_some_and(|b| b.valid),
+                    _ => true,
+                });
             self.modes = resolve_modes(ResolveInput {
                 target_ok: !Self::has_error(d, Component::Target),
                 draft_ok,

@@ -307,10 +307,10 @@ impl SpecArgs {
     }
 
     /// Attach the draft model and the MTP head, if given (or found beside `model_path`);
-    /// `--spec draft` / `--spec mtp` without one is an error. Returns why a native drafter found
-    /// beside the model was left out (it does not load, or the device does not run native
+    /// `--spec draft` / `--spec mtp` without one is an error. Returns why native drafters found
+    /// beside the model were left out (one does not load, or the device does not run native
     /// drafters), for [`specula_engine::inspect::BundleReport::not_attached`].
-    fn attach(&self, engine: &mut Engine, model_path: Option<&std::path::Path>) -> Result<Option<String>> {
+    fn attach(&self, engine: &mut Engine, model_path: Option<&std::path::Path>) -> Result<LeftOut> {
         match &self.draft_model {
             Some(m) => {
                 let path: PathBuf = pull::resolve_model(m, true)?;
@@ -328,7 +328,7 @@ impl SpecArgs {
         // A named --drafter that does not load is an error; one found beside the model is
         // skipped with a warning (the model serves without it, as it did before it was there).
         let found_beside = self.drafter.is_none();
-        let mut left_out = None;
+        let mut left_out = LeftOut::default();
         let drafters: Vec<PathBuf> = match &self.drafter {
             Some(p) => vec![p.clone()],
             None => {
@@ -342,7 +342,11 @@ impl SpecArgs {
                             device = d,
                             "native drafters beside the model are not used on this device"
                         );
-                        left_out = Some(format!("native drafters are not used on {d}"));
+                        let why = format!("native drafters are not used on {d}");
+                        left_out = LeftOut {
+                            mtp: Some(why.clone()),
+                            block: Some(why),
+                        };
                         Vec::new()
                     }
                     _ => found,
@@ -350,7 +354,8 @@ impl SpecArgs {
             }
         };
         for p in &drafters {
-            let (kind, loaded) = if is_block_drafter(p) {
+            let block = is_block_drafter(p);
+            let (kind, loaded) = if block {
                 ("block drafter", engine.attach_block_drafter(p))
             } else {
                 ("MTP head", engine.attach_mtp_head(p))
@@ -364,7 +369,8 @@ impl SpecArgs {
                          writes the drafter this build ships): {e:#}",
                         p.display()
                     );
-                    left_out.get_or_insert(format!("it does not load: {e:#}"));
+                    let slot = if block { &mut left_out.block } else { &mut left_out.mtp };
+                    slot.get_or_insert(format!("it does not load: {e:#}"));
                 }
                 Err(e) => return Err(e).with_context(|| format!("loading the {kind} {}", p.display())),
             }
@@ -381,6 +387,13 @@ impl SpecArgs {
         }
         Ok(left_out)
     }
+}
+
+/// Why the native drafters found beside a model were left out, per kind (`None`: not left out).
+#[derive(Debug, Default)]
+struct LeftOut {
+    mtp: Option<String>,
+    block: Option<String>,
 }
 
 /// Native drafters beside a model ([`sidecar_paths`](specula_engine::inspect::sidecar_paths)): the first MTP head place that exists,
@@ -598,8 +611,10 @@ fn serve(a: ServeArgs) -> Result<()> {
     // `/v1/models` shows the report: a sidecar it found that is not attached must not show as
     // a capability (nor resolve the modes).
     let mut report = report;
-    if let (Some(r), Some(why)) = (report.as_mut(), left_out.as_deref()) {
-        r.not_attached(engine.mtp_head().is_some(), engine.block_drafter().is_some(), why);
+    if let Some(r) = report.as_mut() {
+        let mtp = left_out.mtp.filter(|_| engine.mtp_head().is_none());
+        let block = left_out.block.filter(|_| engine.block_drafter().is_none());
+        r.not_attached(mtp.as_deref(), block.as_deref());
     }
     preflight::apply_tuning(&mut engine, report.as_ref(), &a.spec.options());
     // On a device, running requests are bounded by its KV slots (the KV cache lives there).

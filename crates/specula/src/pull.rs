@@ -187,8 +187,8 @@ const BUNDLED_MARKER: &str = "bundled.sha256";
 /// as it is; so is nothing written when the user has a single-file head or a block drafter beside
 /// the model. A marked folder whose files changed since it was installed (edited or damaged) is
 /// not overwritten: an error says so. The files are written and synced in a temporary folder,
-/// renamed into place when complete; on Linux, temporary folders of processes that no longer run
-/// are removed. Returns the sidecar's path when one is in place.
+/// renamed into place when complete; temporary folders no process holds a lock on (see
+/// [`remove_stale`]) are removed. Returns the sidecar's path when one is in place.
 fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<PathBuf>> {
     let Some(d) = BUNDLED_DRAFTERS.iter().find(|d| d.model == entry.name) else {
         return Ok(None);
@@ -236,6 +236,8 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
     let tmp = RemoveOnDrop(dir.join(format!("{name}.partial-{id}")));
     tmp.clear();
     fs::create_dir_all(&tmp.0).with_context(|| format!("cannot create {}", tmp.0.display()))?;
+    // Locks held to the end of the install, so that no other process removes these folders.
+    let _tmp_lock = hold_lock(&tmp.0);
     for (file, bytes) in d.files.iter().copied().chain([(BUNDLED_MARKER, marker.as_bytes())]) {
         let p = tmp.0.join(file);
         let write = || -> io::Result<()> {
@@ -247,6 +249,7 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
     }
     let old = RemoveOnDrop(dir.join(format!("{name}.old-{id}")));
     old.clear();
+    let _old_lock = hold_lock(&dest);
     if dest.exists() {
         if let Err(e) = fs::rename(&dest, &old.0) {
             // Gone meanwhile: another process is replacing it too (the rename below settles it).
@@ -260,9 +263,11 @@ fn install_bundled_drafter(model: &Path, entry: &CatalogEntry) -> Result<Option<
             // Another process installed it first.
             return Ok(Some(dest));
         }
-        // Put the earlier install back rather than leave the model without one.
+        // Put the earlier install back rather than leave the model without one; if that fails
+        // too, keep it where it is and say where.
         if old.0.exists() && fs::rename(&old.0, &dest).is_err() {
-            tracing::warn!(old = %old.0.display(), "could not put the earlier drafter back");
+            tracing::warn!(old = %old.0.display(), "could not put the earlier drafter back; it is left there");
+            std::mem::forget(old);
         }
         return Err(e).with_context(|| format!("cannot move {} to {}", tmp.0.display(), dest.display()));
     }
@@ -392,15 +397,11 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
     bar
 }
 
-/// Removes `<file>.partial-<pid>-<ns>` files of processes that are gone ([`remove_stale`]),
-/// e.g. after an interrupted pull.
+/// Removes `<file>.partial-<pid>-<ns>` files nobody writes any more ([`remove_stale`]), e.g.
+/// after an interrupted pull.
 fn remove_stale_partials(models: &Path, file_name: &str) {
     remove_stale(models, &format!("{file_name}.partial-"));
 }
-
-/// How long a temporary file or folder must have been left untouched before another process
-/// removes it as stale: a live writer touches it far more often than this.
-const STALE_AFTER: Duration = Duration::from_secs(600);
 
 /// A suffix for this process's temporary names, `<pid>-<nanoseconds>`: unique also when
 /// processes of two containers with the same pid share a cache.
@@ -412,28 +413,29 @@ fn temp_id() -> String {
     format!("{}-{nanos}", std::process::id())
 }
 
-/// Removes the files and folders `<prefix><pid>` or `<prefix><pid>-<n>` in `models` left by
-/// processes that are gone: on Linux, whose pid does not run here and which were last changed
-/// [`STALE_AFTER`] ago or more (a pid not running here may be a live process of another
-/// container sharing the cache, still writing).
+/// Takes an advisory lock (`flock`, exclusive) on the file or folder `p` and returns the handle
+/// that holds it: a temporary file or folder is locked by its writer for as long as it is in
+/// use, which is how [`remove_stale`] tells a live one (of this or another process, or another
+/// container sharing the cache) from one a crash left. `None` where the file system has no
+/// such locks.
+fn hold_lock(p: &Path) -> Option<fs::File> {
+    let f = fs::File::open(p).ok()?;
+    f.lock().ok()?;
+    Some(f)
+}
+
+/// Removes the temporary files and folders `<prefix>...` in `models` that nobody holds a lock
+/// on ([`hold_lock`]): left by a process that ended without cleaning up. Where locks cannot be
+/// taken, nothing is removed.
 fn remove_stale(models: &Path, prefix: &str) {
     let Ok(dir) = fs::read_dir(models) else { return };
     for ent in dir.flatten() {
         let name = ent.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+        if !name.to_str().is_some_and(|n| n.starts_with(prefix)) {
             continue;
-        };
-        let Ok(pid) = rest.split('-').next().unwrap_or(rest).parse::<u32>() else {
-            continue;
-        };
-        let idle = ent
-            .metadata()
-            .and_then(|m| m.modified())
-            .ok()
-            .and_then(|t| t.elapsed().ok())
-            .is_some_and(|age| age >= STALE_AFTER);
-        let gone = cfg!(target_os = "linux") && !Path::new("/proc").join(pid.to_string()).exists();
-        if gone && idle {
+        }
+        let Ok(f) = fs::File::open(ent.path()) else { continue };
+        if f.try_lock().is_ok() {
             RemoveOnDrop(ent.path()).clear();
         }
     }
@@ -658,6 +660,8 @@ impl Assembler {
             .truncate(true)
             .open(path)
             .with_context(|| format!("cannot create {}", path.display()))?;
+        // Held until the file is renamed into place or removed: `remove_stale` leaves it.
+        let _ = file.lock();
         Ok(Self {
             file,
             path: path.to_path_buf(),
@@ -900,21 +904,17 @@ mod tests {
         fs::write(dir.join("config.json"), b"{}").expect("edit");
         install_bundled_drafter(&model, &entry).expect("user's folder");
         assert!(same("config.json", b"{}"));
-        // An empty folder is filled; a temporary folder of a process that no longer runs is
-        // removed.
+        // An empty folder is filled; a temporary folder nobody holds a lock on (left by a
+        // process that ended) is removed.
         fs::remove_dir_all(&dir).expect("rm");
         fs::create_dir(&dir).expect("empty folder");
         let stale = tmp.path().join("SmolLM2-135M-Instruct.Q4_1.mtp.partial-4294967295-7");
         fs::create_dir(&stale).expect("stale partial");
         fs::write(stale.join("model.safetensors"), b"half").expect("stale file");
-        age(&stale);
         install_bundled_drafter(&model, &entry).expect("fill");
         assert!(same("config.json", &want_config));
-        if cfg!(target_os = "linux") {
-            // Dead processes are told by /proc.
-            assert!(!stale.exists());
-            assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
-        }
+        assert!(!stale.exists());
+        assert_eq!(fs::read_dir(tmp.path()).expect("ls").count(), 2);
         // A head of the user's in one file beside the model keeps the bundled one out.
         fs::remove_dir_all(&dir).expect("rm");
         let single = tmp.path().join("SmolLM2-135M-Instruct.Q4_1.mtp.safetensors");
@@ -1064,36 +1064,25 @@ mod tests {
         assert!(head(&model).exists());
     }
 
-    /// Sets `p`'s modification time past [`STALE_AFTER`].
-    fn age(p: &Path) {
-        let old = SystemTime::now() - STALE_AFTER - Duration::from_secs(60);
-        fs::File::open(p).and_then(|f| f.set_modified(old)).expect("set mtime");
-    }
-
     #[test]
     fn remove_stale_partials_keeps_live_ones() {
         let tmp = tempfile::tempdir().expect("tempdir");
-        // No such pid: 2^32 - 1 is above every kernel's pid limit.
-        let dead = |rest: &str| tmp.path().join(format!("m.gguf.partial-4294967295{rest}"));
-        let (old_dead, old_dead_legacy, fresh_dead) = (dead("-1"), dead(""), dead("-2"));
-        // This process runs: its file stays however old (as one of another container's live
-        // process with the same pid would).
-        let own = tmp.path().join(format!("m.gguf.partial-{}-3", std::process::id()));
+        let p = |rest: &str| tmp.path().join(format!("m.gguf.partial-{rest}"));
+        // Left by a crash (nobody holds a lock), also with this process's pid, which a
+        // container's restarted process often has again.
+        let (left, left_own) = (p("4294967295-1"), p(&format!("{}-2", std::process::id())));
+        // Being written (locked), by this process or another; another model's.
+        let live = p("4294967295-3");
         let other = tmp.path().join("other.gguf.partial-4294967295-4");
-        let unparsable = tmp.path().join("m.gguf.partial-abc");
-        for p in [&old_dead, &old_dead_legacy, &fresh_dead, &own, &other, &unparsable] {
-            fs::write(p, b"x").expect("write");
+        for f in [&left, &left_own, &live, &other] {
+            fs::write(f, b"x").expect("write");
         }
-        for p in [&old_dead, &old_dead_legacy, &own, &other, &unparsable] {
-            age(p);
-        }
+        let dir = p("4294967295-5");
+        fs::create_dir(&dir).expect("a stale folder");
+        let _held = hold_lock(&live).expect("flock");
         remove_stale_partials(tmp.path(), "m.gguf");
-        if cfg!(target_os = "linux") {
-            assert!(!old_dead.exists() && !old_dead_legacy.exists());
-        }
-        // Fresh: a process of another container may be writing it.
-        assert!(fresh_dead.exists());
-        assert!(own.exists() && other.exists() && unparsable.exists());
+        assert!(!left.exists() && !left_own.exists() && !dir.exists());
+        assert!(live.exists() && other.exists());
     }
 
     /// Calls the real pip against the package index (about a second with network access; without

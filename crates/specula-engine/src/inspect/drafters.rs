@@ -42,8 +42,9 @@ pub enum MtpStatus {
     DeclaredButAbsent,
     /// Tensors found, but incomplete or of the wrong shape (see diagnostics).
     Invalid,
-    /// The headers looked consistent, but loading the head failed, so the server runs without
-    /// it (set by [`super::BundleReport::not_attached`]; see diagnostics).
+    /// The headers looked consistent, but the server runs without the head: loading it failed,
+    /// or the device does not run native drafters (set by
+    /// [`super::BundleReport::not_attached`]; see diagnostics).
     NotLoaded,
 }
 
