@@ -396,8 +396,9 @@ struct LeftOut {
     block: Option<String>,
 }
 
-/// Native drafters beside a model ([`sidecar_paths`](specula_engine::inspect::sidecar_paths)): the first MTP head place that exists,
-/// and the block drafter's folder when it is one.
+/// Native drafters beside a model
+/// ([`sidecar_paths`](specula_engine::inspect::sidecar_paths)): the first MTP head place that
+/// exists, and the block drafter's folder when it is one.
 fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
     let Some((mtp, block)) = specula_engine::inspect::sidecar_paths(model) else {
         return Vec::new();
