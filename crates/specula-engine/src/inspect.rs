@@ -319,24 +319,26 @@ impl BundleReport {
         let m = &mut self.capabilities.mtp;
         if let Some(why) = mtp.filter(|_| m.status == MtpStatus::Present && m.location.as_deref() != Some("trunk")) {
             m.status = MtpStatus::NotLoaded;
-            self.diagnostics.push(Diagnostic {
-                severity: Severity::Warning,
-                component: Component::Mtp,
-                file: m.location.clone().unwrap_or_default(),
-                subject: String::new(),
-                message: format!("the MTP head was found but is not attached: {why}"),
-            });
+            drafters::push(
+                &mut self.diagnostics,
+                Component::Mtp,
+                Severity::Warning,
+                m.location.as_deref().unwrap_or_default(),
+                "",
+                format!("the MTP head was found but is not attached: {why}"),
+            );
             changed = true;
         }
         if let (Some(b), Some(why)) = (self.capabilities.block_drafter.as_mut().filter(|b| b.valid), block) {
             b.valid = false;
-            self.diagnostics.push(Diagnostic {
-                severity: Severity::Warning,
-                component: Component::Drafter,
-                file: b.path.clone(),
-                subject: String::new(),
-                message: format!("the block drafter was found but is not attached: {why}"),
-            });
+            drafters::push(
+                &mut self.diagnostics,
+                Component::Drafter,
+                Severity::Warning,
+                &b.path,
+                "",
+                format!("the block drafter was found but is not attached: {why}"),
+            );
             changed = true;
         }
         if changed {
@@ -1727,13 +1729,9 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleRepor
     });
 
     // Tier and modes.
-    let target_ok = !diags
-        .iter()
-        .any(|d| d.severity == Severity::Error && d.component == Component::Target);
-    let draft_ok = draft_model.as_ref().is_none_or(|d| d.compatible)
-        && !diags
-            .iter()
-            .any(|d| d.severity == Severity::Error && d.component == Component::DraftModel);
+    let target_ok = !BundleReport::has_error(&diags, Component::Target);
+    let draft_ok =
+        draft_model.as_ref().is_none_or(|d| d.compatible) && !BundleReport::has_error(&diags, Component::DraftModel);
     let invariant = kernels.as_ref().is_some_and(|k| k.batch_invariant);
     let tuned = tuning.as_ref().filter(|t| t.applies).and_then(|t| t.choice.clone());
     let tier = if !target_ok || !draft_ok {

@@ -135,7 +135,7 @@ impl BlockDrafterReport {
     }
 }
 
-fn push(diags: &mut Vec<Diagnostic>, c: Component, sev: Severity, file: &str, subject: &str, msg: String) {
+pub(super) fn push(diags: &mut Vec<Diagnostic>, c: Component, sev: Severity, file: &str, subject: &str, msg: String) {
     diags.push(Diagnostic {
         severity: sev,
         component: c,
