@@ -263,7 +263,7 @@ impl KWeight {
     /// `SPECULA_KERNELS` not forcing another path). Panics if `data` is not `n * k / 256` blocks.
     pub(crate) fn from_blocks(kind: KKind, n: usize, k: usize, data: Vec<u8>) -> Self {
         assert_eq!(data.len(), n * (k / QK_K) * kind.block_bytes(), "super-block bytes");
-        if KWide::supports(kind) && super::has_avx512_vnni() && super::kernel_path() == super::KernelPath::Best {
+        if KWide::supports(kind) && super::wide_isa().is_some() {
             let wide = KWide::from_ggml(kind, n, k, &data);
             return Self {
                 kind,
@@ -390,21 +390,40 @@ impl KWeight {
         };
         #[cfg(target_arch = "x86_64")]
         if let Some(wide) = &self.wide {
-            if path == super::KernelPath::Best && !emulate && super::has_avx512_vnni() {
-                let groups = row_groups(m, super::kwide::TILE_ROWS);
-                let acts = super::kwide::Acts::new(self.kind, std::borrow::Cow::Owned(rows), groups.clone());
-                return super::TileJob::new(
-                    self.n,
-                    self.k,
-                    m,
-                    groups,
-                    super::kwide::GROUP,
-                    move |j0, nw, (gi, _, _), out| {
-                        // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time;
-                        // the tile is checked inside.
-                        unsafe { super::kwide::vnni::tile_dispatch(wide, &acts, j0, nw, gi, out) }
-                    },
-                );
+            match super::wide_isa() {
+                Some(super::WideIsa::Vnni) if path == super::KernelPath::Best && !emulate => {
+                    let groups = row_groups(m, super::kwide::TILE_ROWS);
+                    let acts = super::kwide::Acts::new(self.kind, std::borrow::Cow::Owned(rows), groups.clone());
+                    return super::TileJob::new(
+                        self.n,
+                        self.k,
+                        m,
+                        groups,
+                        super::kwide::GROUP,
+                        move |j0, nw, (gi, _, _), out| {
+                            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at
+                            // run time; the tile is checked inside.
+                            unsafe { super::kwide::vnni::tile_dispatch(wide, &acts, j0, nw, gi, out) }
+                        },
+                    );
+                }
+                Some(super::WideIsa::Avx2) if path == super::KernelPath::Best && !emulate => {
+                    let groups = row_groups(m, super::kwide::avx2::TILE_ROWS);
+                    let acts = super::kwide::Acts::new(self.kind, std::borrow::Cow::Owned(rows), groups.clone());
+                    return super::TileJob::new(
+                        self.n,
+                        self.k,
+                        m,
+                        groups,
+                        super::kwide::GROUP,
+                        move |j0, nw, (gi, _, _), out| {
+                            // SAFETY: AVX2, FMA and F16C were detected at run time; the tile is
+                            // checked inside.
+                            unsafe { super::kwide::avx2::tile_dispatch(wide, &acts, j0, nw, gi, out) }
+                        },
+                    );
+                }
+                _ => {}
             }
         }
         #[cfg(target_arch = "x86_64")]

@@ -318,6 +318,51 @@ impl<'a> Acts<'a> {
     }
 }
 
+/// The `vpshufb` control of the min products' i16 pairs (`which` 0: bytes 0, 1 of each dword;
+/// 1: bytes 2, 3), shared by the VNNI and AVX2 tiles (the 128-bit pattern repeats).
+#[cfg(target_arch = "x86_64")]
+fn vnni_pair_ctrl(which: usize) -> *const u8 {
+    if which == 0 {
+        vnni::PAIR01.as_ptr()
+    } else {
+        vnni::PAIR23.as_ptr()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+
+#[cfg(target_arch = "x86_64")]
+/// Records ahead of the one being read that a tile prefetches (the stream runs on into the
+/// next tile's group): 4.6-6.8 KB.
+const PREFETCH_RECORDS: usize = 2;
+
+#[cfg(target_arch = "x86_64")]
+/// The record `PREFETCH_RECORDS` after record `base`, to prefetch while reading `base`
+/// (null for none). A prefetch past the end is harmless.
+#[inline(always)]
+fn ahead(w: &KWide, base: usize, on: bool) -> *const u8 {
+    if on {
+        (w.data.as_ptr() as *const u8).wrapping_add((base + PREFETCH_RECORDS) * w.rec().size)
+    } else {
+        std::ptr::null()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+/// Prefetch part `part` of `parts` of the `size`-byte record at `p` (the lines spread over
+/// the sub-blocks, so the misses are in flight a few at a time). Nothing for null.
+#[inline(always)]
+unsafe fn prefetch_part(p: *const u8, size: usize, part: usize, parts: usize) {
+    if p.is_null() {
+        return;
+    }
+    let lines = size / 64;
+    for l in part * lines / parts..(part + 1) * lines / parts {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * l) as *const i8);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod vnni {
     //! The AVX-512 VNNI tiles: 16 weight rows (one group) × `R` activation rows. Per (group,
@@ -342,42 +387,14 @@ pub(crate) mod vnni {
         }
         c
     }
-    static PAIR01: [u8; 64] = pair_ctrl(0, 1);
-    static PAIR23: [u8; 64] = pair_ctrl(2, 3);
-
-    /// Records ahead of the one being read that a tile prefetches (the stream runs on into the
-    /// next tile's group): 4.6-6.8 KB.
-    const PREFETCH_RECORDS: usize = 2;
+    pub(super) static PAIR01: [u8; 64] = pair_ctrl(0, 1);
+    pub(super) static PAIR23: [u8; 64] = pair_ctrl(2, 3);
 
     /// `acc + a[2i] b[2i] + a[2i+1] b[2i+1]` per i32 lane (exact).
     #[inline]
     #[target_feature(enable = "avx512f,avx512vnni")]
     unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
         _mm512_dpwssd_epi32(acc, a, b)
-    }
-
-    /// The record `PREFETCH_RECORDS` after record `base`, to prefetch while reading `base`
-    /// (null for none). A prefetch past the end is harmless.
-    #[inline(always)]
-    fn ahead(w: &KWide, base: usize, on: bool) -> *const u8 {
-        if on {
-            (w.data.as_ptr() as *const u8).wrapping_add((base + PREFETCH_RECORDS) * w.rec().size)
-        } else {
-            std::ptr::null()
-        }
-    }
-
-    /// Prefetch part `part` of `parts` of the `size`-byte record at `p` (the lines spread over
-    /// the sub-blocks, so the misses are in flight a few at a time). Nothing for null.
-    #[inline(always)]
-    unsafe fn prefetch_part(p: *const u8, size: usize, part: usize, parts: usize) {
-        if p.is_null() {
-            return;
-        }
-        let lines = size / 64;
-        for l in part * lines / parts..(part + 1) * lines / parts {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64 * l) as *const i8);
-        }
     }
 
     /// Write a tile's results, row-major `out[r * nw + l]`: lane `l` of `acc[r]` is weight row
@@ -627,6 +644,323 @@ pub(crate) mod vnni {
     }
 }
 
+/// The AVX2 tiles (CPUs without AVX-512 VNNI): the same layout read as two halves of 8 rows, one
+/// 256-bit register per half. Per (half, super-block) the 8 rows' scales are decoded once; per
+/// activation row and sub-block the 8 sums of products come from `maddubs` against 4 activation
+/// bytes broadcast, added in 16 bits over the sub-block, then multiplied by the rows' sub-block
+/// scales with one `madd`; the float steps run once per (8 rows, activation row, super-block).
+///
+/// **Exactness of the 16-bit sums.** `maddubs` adds two products of an unsigned weight and a
+/// signed activation byte (|q_x| ≤ 128). Q4_K: weights ≤ 15, so a pair is at most 3,840 in
+/// magnitude and a sub-block's 8 pairs per lane at most 30,720 < 2^15. Q6_K: weights ≤ 63, a pair
+/// at most 16,128, two pairs 32,256 < 2^15; a 16-value sub-block is summed as two such 16-bit
+/// sums, each `madd`ed with the scale into i32. Every integer total is exact, so the float
+/// steps see the same values as the VNNI tiles and the portable reference.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Activation rows per tile: 4 keeps the 16-bit accumulators and the weights in the 16
+    /// registers (measured against 2, 6 and 8 in `docs/perf.md`).
+    pub const TILE_ROWS: usize = 4;
+
+    /// Rows per half of a group (the 8 i32 lanes of a 256-bit register).
+    const HALF: usize = GROUP / 2;
+
+    /// `vpshufb` control (per 128-bit lane) taking byte `a` of each dword to both 16-bit halves
+    /// of the dword, zero-extended: a per-row scale byte as the i16 pair `madd` multiplies by.
+    const fn dup_byte(a: usize) -> [u8; 32] {
+        let mut c = [0x80u8; 32];
+        let mut i = 0;
+        while i < 8 {
+            let p = (i % 4) * 4;
+            c[4 * i] = (p + a) as u8;
+            c[4 * i + 2] = (p + a) as u8;
+            i += 1;
+        }
+        c
+    }
+    /// `vpshufb` control taking the i16 at bytes `a, a + 1` of each dword to both of its halves.
+    const fn dup_word(a: usize) -> [u8; 32] {
+        let mut c = [0u8; 32];
+        let mut i = 0;
+        while i < 8 {
+            let p = (i % 4) * 4;
+            c[4 * i] = (p + a) as u8;
+            c[4 * i + 1] = (p + a + 1) as u8;
+            c[4 * i + 2] = (p + a) as u8;
+            c[4 * i + 3] = (p + a + 1) as u8;
+            i += 1;
+        }
+        c
+    }
+    static DUP_BYTE: [[u8; 32]; 4] = [dup_byte(0), dup_byte(1), dup_byte(2), dup_byte(3)];
+    static DUP_WORD: [[u8; 32]; 2] = [dup_word(0), dup_word(2)];
+
+    #[inline(always)]
+    unsafe fn ctrl(c: &[u8; 32]) -> __m256i {
+        _mm256_loadu_si256(c.as_ptr() as *const __m256i)
+    }
+
+    /// 4 activation bytes at `p` broadcast to every dword.
+    #[inline(always)]
+    unsafe fn bcast(p: *const i8) -> __m256i {
+        _mm256_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    /// f16 values of the 8 rows at `p` → f32.
+    #[inline(always)]
+    unsafe fn f16x8(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    /// Write the two halves' results, row-major `out[r * nw + l]` (`nw` ≤ 16 lanes of each row).
+    #[inline(always)]
+    unsafe fn store<const R: usize>(y: &[[__m256; R]; 2], nw: usize, out: &mut [f32]) {
+        debug_assert!(out.len() >= R * nw && nw <= GROUP);
+        let mut tmp = [0f32; GROUP];
+        for r in 0..R {
+            _mm256_storeu_ps(tmp.as_mut_ptr(), y[0][r]);
+            _mm256_storeu_ps(tmp.as_mut_ptr().add(HALF), y[1][r]);
+            out[r * nw..(r + 1) * nw].copy_from_slice(&tmp[..nw]);
+        }
+    }
+
+    /// Q4_K tile: the group of weight rows from `j0` × the `R` activation rows from `i0`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4k<const R: usize>(w: &KWide, a: &Acts, j0: usize, nw: usize, i0: usize, pf: bool, out: &mut [f32]) {
+        let nb = w.nb;
+        let r = &Q4K_REC;
+        let xq: [*const i8; R] = std::array::from_fn(|i| a.rows[i0 + i].qs.as_ptr());
+        let xd: [*const f32; R] = std::array::from_fn(|i| a.rows[i0 + i].d.as_ptr());
+        let xp: [*const i32; R] = std::array::from_fn(|i| a.pairs.as_ptr().add((i0 + i) * nb * 4));
+        let nib = _mm256_set1_epi8(0x0F);
+        let (k1, k2, k3) = (
+            _mm256_set1_epi32(0x3f3f_3f3f),
+            _mm256_set1_epi32(0x0f0f_0f0f),
+            _mm256_set1_epi32(0x0303_0303),
+        );
+        let p01 = _mm256_loadu_si256(super::vnni_pair_ctrl(0) as *const __m256i);
+        let p23 = _mm256_loadu_si256(super::vnni_pair_ctrl(1) as *const __m256i);
+        let halves = if nw > HALF { 2 } else { 1 };
+        let mut sum = [[_mm256_setzero_ps(); R]; 2];
+        let mut summs = [[_mm256_setzero_ps(); R]; 2];
+        for b in 0..nb {
+            let base = (j0 / GROUP) * nb + b;
+            let next = ahead(w, base, pf);
+            let rec = (w.data.as_ptr() as *const u8).add(base * r.size);
+            for h in 0..halves {
+                let off = 4 * HALF * h;
+                let dw = f16x8(rec.add(r.d + 2 * HALF * h));
+                let dm = f16x8(rec.add(r.dmin + 2 * HALF * h));
+                // ggml's get_scale_min_k4 on the 8 rows' packed bytes (its kmask1..3 steps).
+                let ps = rec.add(r.sc + off);
+                let u0 = _mm256_load_si256(ps as *const __m256i);
+                let u1 = _mm256_load_si256(ps.add(64) as *const __m256i);
+                let u2 = _mm256_load_si256(ps.add(128) as *const __m256i);
+                let hi0 = _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u0), k3));
+                let hi1 = _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u1), k3));
+                let sc_lo = _mm256_and_si256(u0, k1);
+                let sc_hi = _mm256_or_si256(_mm256_and_si256(u2, k2), hi0);
+                let m_lo = _mm256_and_si256(u1, k1);
+                let m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32::<4>(u2), k2), hi1);
+                let pq = rec.add(r.ql + off);
+                let mut sumi = [_mm256_setzero_si256(); R];
+                for c in 0..4 {
+                    if h == 0 {
+                        prefetch_part(next, r.size, c, 4);
+                    }
+                    // Sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles).
+                    let src = if c < 2 { sc_lo } else { sc_hi };
+                    let s_lo = _mm256_shuffle_epi8(src, ctrl(&DUP_BYTE[(2 * c) % 4]));
+                    let s_hi = _mm256_shuffle_epi8(src, ctrl(&DUP_BYTE[(2 * c + 1) % 4]));
+                    let mut al = [_mm256_setzero_si256(); R];
+                    let mut ah = [_mm256_setzero_si256(); R];
+                    for t in 0..8 {
+                        let raw = _mm256_load_si256(pq.add(64 * (8 * c + t)) as *const __m256i);
+                        let lo = _mm256_and_si256(raw, nib);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+                        for i in 0..R {
+                            let x = xq[i].add(b * QK_K + 64 * c + 4 * t);
+                            al[i] = _mm256_add_epi16(al[i], _mm256_maddubs_epi16(lo, bcast(x)));
+                            ah[i] = _mm256_add_epi16(ah[i], _mm256_maddubs_epi16(hi, bcast(x.add(32))));
+                        }
+                    }
+                    for i in 0..R {
+                        let v = _mm256_add_epi32(_mm256_madd_epi16(al[i], s_lo), _mm256_madd_epi16(ah[i], s_hi));
+                        sumi[i] = _mm256_add_epi32(sumi[i], v);
+                    }
+                }
+                let mp = [
+                    _mm256_shuffle_epi8(m_lo, p01),
+                    _mm256_shuffle_epi8(m_lo, p23),
+                    _mm256_shuffle_epi8(m_hi, p01),
+                    _mm256_shuffle_epi8(m_hi, p23),
+                ];
+                for i in 0..R {
+                    let p = xp[i].add(b * 4);
+                    let mut summ = _mm256_setzero_si256();
+                    for (u, mp) in mp.iter().enumerate() {
+                        summ = _mm256_add_epi32(summ, _mm256_madd_epi16(*mp, _mm256_set1_epi32(*p.add(u))));
+                    }
+                    let dx = _mm256_set1_ps(*xd[i].add(b));
+                    sum[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]), _mm256_mul_ps(dw, dx), sum[h][i]);
+                    summs[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), _mm256_mul_ps(dm, dx), summs[h][i]);
+                }
+            }
+        }
+        let mut y = [[_mm256_setzero_ps(); R]; 2];
+        for h in 0..2 {
+            for i in 0..R {
+                y[h][i] = _mm256_sub_ps(sum[h][i], summs[h][i]);
+            }
+        }
+        store::<R>(&y, nw, out);
+    }
+
+    /// The four unsigned 6-bit weight units `t0 .. t0 + 4` of quarter `Q` (values `64 Q + 4 t ..`)
+    /// of the 8 rows of a half (the VNNI `q6k_units` on 256 bits).
+    #[inline(always)]
+    unsafe fn q6k_units<const Q: u32>(pql: *const u8, pqh: *const u8, t0: usize) -> [__m256i; 4] {
+        let nib = _mm256_set1_epi8(0x0F);
+        let two = _mm256_set1_epi8(0x30);
+        let mut out = [_mm256_setzero_si256(); 4];
+        for (i, o) in out.iter_mut().enumerate() {
+            let t = t0 + i;
+            let ql = _mm256_load_si256(pql.add(64 * (16 * (Q as usize % 2) + t)) as *const __m256i);
+            let qh = _mm256_load_si256(pqh.add(64 * t) as *const __m256i);
+            let lo = if Q < 2 { ql } else { _mm256_srli_epi16::<4>(ql) };
+            let hb = match Q {
+                0 => _mm256_slli_epi16::<4>(qh),
+                1 => _mm256_slli_epi16::<2>(qh),
+                2 => qh,
+                _ => _mm256_srli_epi16::<2>(qh),
+            };
+            *o = _mm256_or_si256(_mm256_and_si256(lo, nib), _mm256_and_si256(hb, two));
+        }
+        out
+    }
+
+    /// The 8 rows' signed scales of sub-blocks `2u`, `2u + 1` as i16 pairs (one dword a row).
+    #[inline(always)]
+    unsafe fn q6k_pair(psc: *const u8, u: usize) -> __m256i {
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(psc.add(32 * u) as *const __m128i))
+    }
+
+    /// One quarter of a Q6_K super-block (sub-blocks `4Q .. 4Q + 4`) for the `R` rows of a half.
+    #[inline(always)]
+    unsafe fn q6k_quarter<const Q: u32, const R: usize>(
+        pql: *const u8,
+        pqh: *const u8,
+        psc: *const u8,
+        x: &[*const i8; R],
+        sumi: &mut [__m256i; R],
+    ) {
+        for half in 0..2 {
+            let u = 2 * Q as usize + half;
+            let pair = q6k_pair(psc, u);
+            for e in 0..2 {
+                let scv = _mm256_shuffle_epi8(pair, ctrl(&DUP_WORD[e]));
+                let s = 2 * u + e;
+                let t0 = 4 * (s % 4);
+                let wv = q6k_units::<Q>(pql, pqh, t0);
+                for (i, sumi) in sumi.iter_mut().enumerate() {
+                    let xp = x[i].add(64 * Q as usize + 4 * t0);
+                    let s0 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(wv[0], bcast(xp)),
+                        _mm256_maddubs_epi16(wv[1], bcast(xp.add(4))),
+                    );
+                    let s1 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(wv[2], bcast(xp.add(8))),
+                        _mm256_maddubs_epi16(wv[3], bcast(xp.add(12))),
+                    );
+                    let v = _mm256_add_epi32(_mm256_madd_epi16(s0, scv), _mm256_madd_epi16(s1, scv));
+                    *sumi = _mm256_add_epi32(*sumi, v);
+                }
+            }
+        }
+    }
+
+    /// Q6_K tile: the group of weight rows from `j0` × the `R` activation rows from `i0`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6k<const R: usize>(w: &KWide, a: &Acts, j0: usize, nw: usize, i0: usize, pf: bool, out: &mut [f32]) {
+        let nb = w.nb;
+        let r = &Q6K_REC;
+        let xd: [*const f32; R] = std::array::from_fn(|i| a.rows[i0 + i].d.as_ptr());
+        let halves = if nw > HALF { 2 } else { 1 };
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        for b in 0..nb {
+            let xq: [*const i8; R] = std::array::from_fn(|i| a.rows[i0 + i].qs.as_ptr().add(b * QK_K));
+            let xb: [*const i32; R] = std::array::from_fn(|i| a.rows[i0 + i].bsums.as_ptr().add(b * 16) as *const i32);
+            let base = (j0 / GROUP) * nb + b;
+            let next = ahead(w, base, pf);
+            let rec = (w.data.as_ptr() as *const u8).add(base * r.size);
+            for h in 0..halves {
+                let off = 4 * HALF * h;
+                let dw = f16x8(rec.add(r.d + 2 * HALF * h));
+                let (psc, pql, pqh) = (rec.add(r.sc + 2 * HALF * h), rec.add(r.ql + off), rec.add(r.qh + off));
+                let next = if h == 0 { next } else { std::ptr::null() };
+                let mut sumi = [_mm256_setzero_si256(); R];
+                prefetch_part(next, r.size, 0, 4);
+                q6k_quarter::<0, R>(pql, pqh, psc, &xq, &mut sumi);
+                prefetch_part(next, r.size, 1, 4);
+                q6k_quarter::<1, R>(pql, pqh, psc, &xq, &mut sumi);
+                prefetch_part(next, r.size, 2, 4);
+                q6k_quarter::<2, R>(pql, pqh, psc, &xq, &mut sumi);
+                prefetch_part(next, r.size, 3, 4);
+                q6k_quarter::<3, R>(pql, pqh, psc, &xq, &mut sumi);
+                let mut pairs = [_mm256_setzero_si256(); 8];
+                for (u, p) in pairs.iter_mut().enumerate() {
+                    *p = q6k_pair(psc, u);
+                }
+                for i in 0..R {
+                    // The offset of the unsigned encoding: -32 Σ_s sc[s] bsums[s].
+                    let mut corr = _mm256_setzero_si256();
+                    for (u, pair) in pairs.iter().enumerate() {
+                        let bs = _mm256_set1_epi32(xb[i].add(u).read_unaligned());
+                        corr = _mm256_add_epi32(corr, _mm256_madd_epi16(*pair, bs));
+                    }
+                    let isum = _mm256_sub_epi32(sumi[i], _mm256_slli_epi32::<5>(corr));
+                    let dx = _mm256_set1_ps(*xd[i].add(b));
+                    acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), dw), dx, acc[h][i]);
+                }
+            }
+        }
+        store::<R>(&acc, nw, out);
+    }
+
+    /// One tile of the product: the weight rows `j0 .. j0 + nw` (`j0` a multiple of [`GROUP`],
+    /// `nw` ≤ 16) × the rows of group `gi` (at most [`TILE_ROWS`]), `out[r * nw + w]`. The
+    /// first row group's tiles prefetch ahead in the record stream, as the VNNI tiles do.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn tile_dispatch(w: &KWide, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
+        w.check_tile(a, j0, nw, gi, out);
+        let (i0, g) = a.groups[gi];
+        let pf = gi == 0;
+        macro_rules! run {
+            ($r:expr) => {
+                if w.kind == KKind::Q6K {
+                    q6k::<$r>(w, a, j0, nw, i0, pf, out)
+                } else {
+                    q4k::<$r>(w, a, j0, nw, i0, pf, out)
+                }
+            };
+        }
+        match g {
+            1 => run!(1),
+            2 => run!(2),
+            3 => run!(3),
+            4 => run!(4),
+            5 => run!(5),
+            6 => run!(6),
+            7 => run!(7),
+            8 => run!(8),
+            _ => panic!("group of {g} rows"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::kquants::{quantize_row_q8k, vec_dot_portable, KWeight};
@@ -661,6 +995,54 @@ mod tests {
             }
         }
         data
+    }
+
+    /// `x W^T` (`x` `[m, k]`) by the tiles of `isa` called one by one, groups as serving forms
+    /// them; `None` where this CPU lacks `isa`.
+    fn wide_product(w: &KWide, x: &[f32], m: usize, isa: super::super::WideIsa) -> Option<Vec<f32>> {
+        use super::super::WideIsa;
+        #[cfg(target_arch = "x86_64")]
+        {
+            let have = match isa {
+                WideIsa::Vnni => super::super::has_avx512_vnni(),
+                WideIsa::Avx2 => super::super::qmatmul::has_avx2(),
+            };
+            if !have {
+                return None;
+            }
+            let (n, k) = w.dims();
+            let rows: Vec<_> = x.chunks_exact(k).map(quantize_row_q8k).collect();
+            let max = if isa == WideIsa::Vnni {
+                TILE_ROWS
+            } else {
+                avx2::TILE_ROWS
+            };
+            let groups = super::super::row_groups(m, max);
+            let acts = Acts::new(w.kind, std::borrow::Cow::Owned(rows), groups.clone());
+            let mut y = vec![0f32; m * n];
+            let mut buf = vec![0f32; GROUP * max];
+            for j0 in (0..n).step_by(GROUP) {
+                let nw = GROUP.min(n - j0);
+                for (gi, &(i0, g)) in groups.iter().enumerate() {
+                    // SAFETY: the instruction set was detected above; the tile is checked inside.
+                    unsafe {
+                        match isa {
+                            WideIsa::Vnni => vnni::tile_dispatch(w, &acts, j0, nw, gi, &mut buf),
+                            WideIsa::Avx2 => avx2::tile_dispatch(w, &acts, j0, nw, gi, &mut buf),
+                        }
+                    }
+                    for r in 0..g {
+                        y[(i0 + r) * n + j0..][..nw].copy_from_slice(&buf[r * nw..(r + 1) * nw]);
+                    }
+                }
+            }
+            Some(y)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (w, x, m, isa);
+            None
+        }
     }
 
     #[test]
@@ -706,6 +1088,17 @@ mod tests {
                     })
                     .collect();
                 let got = w.matmul_on(&x, m, KernelPath::Best);
+                // Each instruction set's tiles on this CPU, called directly (an AVX-512 machine
+                // checks the AVX2 tiles too).
+                let wide = KWide::from_ggml(kind, n, k, &data);
+                for isa in [super::super::WideIsa::Vnni, super::super::WideIsa::Avx2] {
+                    let Some(y) = wide_product(&wide, &x, m, isa) else {
+                        continue;
+                    };
+                    for (e, (a, b)) in y.iter().zip(&got).enumerate() {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{kind:?} {isa:?} m={m} element {e}");
+                    }
+                }
                 for i in 0..m {
                     let q = quantize_row_q8k(&x[i * k..(i + 1) * k]);
                     for j in 0..n {

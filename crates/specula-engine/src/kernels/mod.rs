@@ -49,6 +49,29 @@ pub fn has_avx512_vnni() -> bool {
     }
 }
 
+/// The kernels that run the K-quants' 16-row interleaved layout ([`kwide::KWide`]) on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WideIsa {
+    /// AVX-512 F/BW/VL with VNNI: 16 rows per 512-bit register (`kwide::vnni`).
+    Vnni,
+    /// AVX2 + FMA + F16C: two halves of 8 rows (`kwide::avx2`).
+    Avx2,
+}
+
+/// Which wide K-quant kernels serve on this CPU: `None` where neither instruction set is
+/// available or `SPECULA_KERNELS` forces the row kernels or the portable reference.
+pub(crate) fn wide_isa() -> Option<WideIsa> {
+    if kernel_path() != KernelPath::Best {
+        None
+    } else if has_avx512_vnni() {
+        Some(WideIsa::Vnni)
+    } else if qmatmul::has_avx2() {
+        Some(WideIsa::Avx2)
+    } else {
+        None
+    }
+}
+
 /// Run `f` with the thread-local `key` set to `value`, restoring the previous value afterwards
 /// (also on unwind): the scoped overrides of the llama.cpp emulation
 /// ([`qmatmul::with_ggml_arithmetic`], [`kquants::with_llamacpp_batches`],
