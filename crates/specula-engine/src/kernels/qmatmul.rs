@@ -504,7 +504,7 @@ impl QWeight {
 pub const VNNI_ROWS: usize = 16;
 
 /// Largest activation row group of the AVX2 tile kernel.
-const AVX2_ROWS: usize = 4;
+const AVX2_ROWS: usize = 8;
 
 /// Activation rows prepared for the tile kernels: the quantized rows, their groups, and per row
 /// and block the exact integer correction of the unsigned weight encoding (`-bias * sum(q_x)`).
@@ -722,6 +722,39 @@ mod kinds {
     }
 }
 
+/// Prefetching of a group's block stream, shared by the AVX2 and VNNI tiles.
+#[cfg(target_arch = "x86_64")]
+mod prefetch {
+    use super::kinds::*;
+    use super::*;
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+
+    /// Blocks ahead in each group's stream that a tile prefetches (past the group's last block,
+    /// into the group the next tile reads in its place). 4, 8 and 16 measured alike on the 2-core
+    /// Zen 5 VM (`speed_streamed`, whole-model decode); whole tiles ahead (two tiles: 30-60 KB for
+    /// the Q8_0 LM heads) measured 20% slower than the earlier row layout on a Q8_0 LM head.
+    pub(crate) const PREFETCH_BLOCKS: usize = 8;
+
+    /// Prefetch block `b` of group `g` (quants, scales, minimums, high bits). A prefetch past the
+    /// end of the matrix is harmless: it never faults.
+    #[inline(always)]
+    pub(crate) unsafe fn prefetch_group<const K: u8>(w: &QWeight, g: usize, b: usize) {
+        let qb = if K == Q8_0 { 32 } else { 16 };
+        let base = g * w.nb + b;
+        let pq = w.qs.as_ptr().wrapping_add(base * GROUP * qb);
+        for l in (0..GROUP * qb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(l) as *const i8);
+        }
+        _mm_prefetch::<_MM_HINT_T0>(w.d.as_ptr().wrapping_add(base * GROUP) as *const i8);
+        if K == Q4_1 || K == Q5_1 {
+            _mm_prefetch::<_MM_HINT_T0>(w.m.as_ptr().wrapping_add(base * GROUP) as *const i8);
+        }
+        if K == Q5_0 || K == Q5_1 {
+            _mm_prefetch::<_MM_HINT_T0>(w.qh.as_ptr().wrapping_add(base * GROUP) as *const i8);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2_impl {
     //! The AVX2 tile: 8 weight rows per 256-bit register (half a group) times up to
@@ -731,6 +764,7 @@ mod avx2_impl {
 
     use super::kinds::*;
     use super::*;
+    use super::prefetch::{prefetch_group, PREFETCH_BLOCKS};
     use std::arch::x86_64::*;
 
     /// For each 32-bit lane of `qh`, the bits `shift .. shift + 4` as bit 4 of the lane's four
@@ -749,6 +783,10 @@ mod avx2_impl {
         _mm256_and_si256(on, _mm256_set1_epi8(0x10))
     }
 
+    /// One tile: weight rows `j0 .. j0 + nw` (one group) × the `R` activation rows from `i0`,
+    /// `out[r * nw + w]`. Per block, each half's weights are unpacked once for all `R` rows; with
+    /// `pf` the tile prefetches [`PREFETCH_BLOCKS`] ahead in the group's stream, running on into
+    /// the next group (the next tile of the chunk).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<const K: u8, const R: usize>(
         w: &QWeight,
@@ -756,6 +794,7 @@ mod avx2_impl {
         j0: usize,
         nw: usize,
         i0: usize,
+        pf: bool,
         out: &mut [f32],
     ) {
         let nb = w.nb;
@@ -765,13 +804,19 @@ mod avx2_impl {
         let g = j0 / GROUP;
         let ones = _mm256_set1_epi16(1);
         let nibble = _mm256_set1_epi8(0x0F);
-        for h in 0..2 {
-            if 8 * h >= nw {
-                break;
+        let halves = if nw > 8 { 2 } else { 1 };
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        for b in 0..nb {
+            if pf {
+                let pb = b + PREFETCH_BLOCKS;
+                if pb < nb {
+                    prefetch_group::<K>(w, g, pb);
+                } else {
+                    prefetch_group::<K>(w, g + 1, pb - nb);
+                }
             }
-            let mut acc = [_mm256_setzero_ps(); R];
-            for b in 0..nb {
-                let base = g * nb + b;
+            let base = g * nb + b;
+            for (h, acc) in acc.iter_mut().enumerate().take(halves) {
                 let pq = w.qs.as_ptr().add(base * GROUP * qb + 32 * h);
                 let mut wv = [_mm256_setzero_si256(); 8];
                 // Q8_0: the weights' magnitudes, once for all the activation rows (their signs
@@ -839,27 +884,28 @@ mod avx2_impl {
                     }
                 }
             }
-            for (r, acc) in acc.iter().enumerate() {
-                let mut v = [0f32; 8];
-                _mm256_storeu_ps(v.as_mut_ptr(), *acc);
-                for (l, &y) in v.iter().enumerate() {
-                    let t = 8 * h + l;
-                    if t < nw {
-                        out[r * nw + t] = y;
-                    }
-                }
-            }
+        }
+        for r in 0..R {
+            let mut v = [0f32; GROUP];
+            _mm256_storeu_ps(v.as_mut_ptr(), acc[0][r]);
+            _mm256_storeu_ps(v.as_mut_ptr().add(8), acc[1][r]);
+            out[r * nw..(r + 1) * nw].copy_from_slice(&v[..nw]);
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile_rows<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
         let (i0, g) = a.groups[gi];
+        let pf = gi == 0;
         match g {
-            1 => tile::<K, 1>(w, a, j0, nw, i0, out),
-            2 => tile::<K, 2>(w, a, j0, nw, i0, out),
-            3 => tile::<K, 3>(w, a, j0, nw, i0, out),
-            4 => tile::<K, 4>(w, a, j0, nw, i0, out),
+            1 => tile::<K, 1>(w, a, j0, nw, i0, pf, out),
+            2 => tile::<K, 2>(w, a, j0, nw, i0, pf, out),
+            3 => tile::<K, 3>(w, a, j0, nw, i0, pf, out),
+            4 => tile::<K, 4>(w, a, j0, nw, i0, pf, out),
+            5 => tile::<K, 5>(w, a, j0, nw, i0, pf, out),
+            6 => tile::<K, 6>(w, a, j0, nw, i0, pf, out),
+            7 => tile::<K, 7>(w, a, j0, nw, i0, pf, out),
+            8 => tile::<K, 8>(w, a, j0, nw, i0, pf, out),
             _ => panic!("group of {g} rows"),
         }
     }
@@ -890,6 +936,7 @@ pub(crate) mod vnni_impl {
 
     use super::kinds::*;
     use super::*;
+    use super::prefetch::{prefetch_group, PREFETCH_BLOCKS};
     use std::arch::x86_64::*;
 
     /// f16 bits `a`, `b` → `[f32(a) × 8, f32(b) × 8]` (F16C conversion: exact).
@@ -943,31 +990,6 @@ pub(crate) mod vnni_impl {
         qh_ctrl(6),
         qh_ctrl(7),
     ];
-
-    /// Blocks ahead in each group's stream that a tile prefetches (past the group's last block,
-    /// into the group the next tile reads in its place). 4, 8 and 16 measured alike on the 2-core
-    /// Zen 5 VM (`speed_streamed`, whole-model decode); whole tiles ahead (two tiles: 30-60 KB for
-    /// the Q8_0 LM heads) measured 20% slower than the earlier row layout on a Q8_0 LM head.
-    const PREFETCH_BLOCKS: usize = 8;
-
-    /// Prefetch block `b` of group `g` (quants, scales, minimums, high bits). A prefetch past the
-    /// end of the matrix is harmless: it never faults.
-    #[inline(always)]
-    unsafe fn prefetch_group<const K: u8>(w: &QWeight, g: usize, b: usize) {
-        let qb = if K == Q8_0 { 32 } else { 16 };
-        let base = g * w.nb + b;
-        let pq = w.qs.as_ptr().wrapping_add(base * GROUP * qb);
-        for l in (0..GROUP * qb).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(pq.wrapping_add(l) as *const i8);
-        }
-        _mm_prefetch::<_MM_HINT_T0>(w.d.as_ptr().wrapping_add(base * GROUP) as *const i8);
-        if K == Q4_1 || K == Q5_1 {
-            _mm_prefetch::<_MM_HINT_T0>(w.m.as_ptr().wrapping_add(base * GROUP) as *const i8);
-        }
-        if K == Q5_0 || K == Q5_1 {
-            _mm_prefetch::<_MM_HINT_T0>(w.qh.as_ptr().wrapping_add(base * GROUP) as *const i8);
-        }
-    }
 
     /// One tile: the `G` groups from weight row `j0` (rows `j0 .. j0 + nw`; a group past the
     /// last is computed as the last and dropped) × the `R` activation rows from `i0`;
