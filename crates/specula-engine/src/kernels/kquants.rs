@@ -50,10 +50,10 @@
 //! `-O3 -march=native`) on random and on real Qwen2.5 Q4_K/Q6_K tensors: bitwise equal; Q4_K
 //! and Q6_K are also tested in CI against recorded llama.cpp products.
 //!
-//! Where AVX-512 VNNI is available, Q4_K and Q6_K weights are stored interleaved by 16 rows
-//! ([`KWide`], the same bytes rearranged) and every product of them, one row or many, runs on
-//! its tiles: 16 output features per 512-bit register, the float steps once per (16 features,
-//! activation row, super-block). Products of 2 or more rows of Q5_K run on tiles of
+//! Where AVX-512 VNNI or AVX2 is available, Q4_K and Q6_K weights are stored interleaved by 16
+//! rows ([`KWide`], the same bytes rearranged) and every product of them, one row or many, runs
+//! on its tiles: 16 output features per 512-bit register (VNNI) or 8 per 256-bit register
+//! (AVX2), the float steps once per (register of features, activation row, super-block). Products of 2 or more rows of Q5_K run on tiles of
 //! two weight rows × up to [`vnni_rows`] activation rows (`avx2_impl::tile`): `vpdpbusd` sums of
 //! 4 products packed in pairs into one `vpdpwssd` per two chunks (25% fewer multiply
 //! instructions than `maddubs` + `madd`), the decoding of each super-block shared by all the
@@ -223,7 +223,7 @@ unsafe fn quantize_block_q8k_avx512(chunk: &[f32], q: &mut [i8], bsums: &mut [i1
 
 /// A weight matrix `[n, k]` in one of the [`KKind`] formats, in owned memory: the ggml
 /// super-blocks as stored, row-major (`n * k / 256` blocks of [`KKind::block_bytes`] bytes), or,
-/// for Q4_K and Q6_K where AVX-512 VNNI runs the kernels, the same bytes interleaved by 16 rows
+/// for Q4_K and Q6_K where the wide kernels run (AVX-512 VNNI or AVX2), the same bytes interleaved by 16 rows
 /// ([`KWide`]).
 #[derive(Debug, Clone)]
 pub struct KWeight {
@@ -259,8 +259,8 @@ impl KWeight {
     }
 
     /// From the ggml super-blocks of a `[n, k]` weight, row-major. Q4_K and Q6_K take the
-    /// interleaved layout where the VNNI kernels run them (AVX-512 VNNI, and
-    /// `SPECULA_KERNELS` not forcing another path). Panics if `data` is not `n * k / 256` blocks.
+    /// interleaved layout where the wide kernels run them (AVX-512 VNNI or AVX2, and
+    /// `SPECULA_KERNELS` not forcing another path: [`super::wide_isa`]). Panics if `data` is not `n * k / 256` blocks.
     pub(crate) fn from_blocks(kind: KKind, n: usize, k: usize, data: Vec<u8>) -> Self {
         assert_eq!(data.len(), n * (k / QK_K) * kind.block_bytes(), "super-block bytes");
         if KWide::supports(kind) && super::wide_isa().is_some() {

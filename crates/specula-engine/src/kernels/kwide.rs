@@ -1,6 +1,6 @@
-//! Q4_K and Q6_K weights interleaved by 16 rows, for the AVX-512 VNNI kernels that compute a
-//! product of any number of activation rows (decode, verify, prefill) with lanes as output
-//! features.
+//! Q4_K and Q6_K weights interleaved by 16 rows, for the AVX-512 VNNI and AVX2 kernels that
+//! compute a product of any number of activation rows (decode, verify, prefill) with lanes as
+//! output features.
 //!
 //! **Arithmetic.** The same as [`super::kquants`]'s serving arithmetic, per output element
 //! (weight row `j`, activation row `i`, quantized to Q8_K), per super-block `b` in order:
@@ -22,7 +22,8 @@
 //!
 //! **Layout.** Per group of 16 weight rows and super-block, each array holds the 16 rows side by
 //! side in units of 4 bytes (`[unit][row][4]`), so one 512-bit load is one unit of all 16 rows
-//! and a `vpdpbusd` against 4 activation bytes broadcast adds 4 products to each row's sum:
+//! and a `vpdpbusd` against 4 activation bytes broadcast adds 4 products to each row's sum (the
+//! AVX2 tiles read each unit as two 256-bit halves of 8 rows and use `maddubs`):
 //!
 //! - Q4_K (144 bytes a row, as ggml): `d`, `dmin` (f16 bits, `[16]` each); the 12 packed
 //!   scale/min bytes (3 units); the 128 quant bytes as ggml stores them (32 units: byte `32c + l`
@@ -861,8 +862,8 @@ pub(crate) mod avx2 {
         for half in 0..2 {
             let u = 2 * Q as usize + half;
             let pair = q6k_pair(psc, u);
-            for e in 0..2 {
-                let scv = _mm256_shuffle_epi8(pair, ctrl(&DUP_WORD[e]));
+            for (e, dup) in DUP_WORD.iter().enumerate() {
+                let scv = _mm256_shuffle_epi8(pair, ctrl(dup));
                 let s = 2 * u + e;
                 let t0 = 4 * (s % 4);
                 let wv = q6k_units::<Q>(pql, pqh, t0);
@@ -897,7 +898,7 @@ pub(crate) mod avx2 {
             let base = (j0 / GROUP) * nb + b;
             let next = ahead(w, base, pf);
             let rec = (w.data.as_ptr() as *const u8).add(base * r.size);
-            for h in 0..halves {
+            for (h, acc) in acc.iter_mut().enumerate().take(halves) {
                 let off = 4 * HALF * h;
                 let dw = f16x8(rec.add(r.d + 2 * HALF * h));
                 let (psc, pql, pqh) = (rec.add(r.sc + 2 * HALF * h), rec.add(r.ql + off), rec.add(r.qh + off));
@@ -924,7 +925,7 @@ pub(crate) mod avx2 {
                     }
                     let isum = _mm256_sub_epi32(sumi[i], _mm256_slli_epi32::<5>(corr));
                     let dx = _mm256_set1_ps(*xd[i].add(b));
-                    acc[h][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), dw), dx, acc[h][i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), dw), dx, acc[i]);
                 }
             }
         }

@@ -763,8 +763,8 @@ mod avx2_impl {
     //! trick, |w| ≤ 128), then the float steps of [`QWeight::dot_portable`] per lane.
 
     use super::kinds::*;
-    use super::*;
     use super::prefetch::{prefetch_group, PREFETCH_BLOCKS};
+    use super::*;
     use std::arch::x86_64::*;
 
     /// For each 32-bit lane of `qh`, the bits `shift .. shift + 4` as bit 4 of the lane's four
@@ -935,8 +935,8 @@ pub(crate) mod vnni_impl {
     //! two FMAs for all 16 rows: the float steps of [`QWeight::dot_portable`], lane for lane.
 
     use super::kinds::*;
-    use super::*;
     use super::prefetch::{prefetch_group, PREFETCH_BLOCKS};
+    use super::*;
     use std::arch::x86_64::*;
 
     /// f16 bits `a`, `b` → `[f32(a) × 8, f32(b) × 8]` (F16C conversion: exact).
