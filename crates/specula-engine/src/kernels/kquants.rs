@@ -390,40 +390,25 @@ impl KWeight {
         };
         #[cfg(target_arch = "x86_64")]
         if let Some(wide) = &self.wide {
-            match super::wide_isa() {
-                Some(super::WideIsa::Vnni) if path == super::KernelPath::Best && !emulate => {
-                    let groups = row_groups(m, super::kwide::TILE_ROWS);
-                    let acts = super::kwide::Acts::new(self.kind, std::borrow::Cow::Owned(rows), groups.clone());
-                    return super::TileJob::new(
-                        self.n,
-                        self.k,
-                        m,
-                        groups,
-                        super::kwide::GROUP,
-                        move |j0, nw, (gi, _, _), out| {
-                            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at
-                            // run time; the tile is checked inside.
-                            unsafe { super::kwide::vnni::tile_dispatch(wide, &acts, j0, nw, gi, out) }
-                        },
-                    );
-                }
-                Some(super::WideIsa::Avx2) if path == super::KernelPath::Best && !emulate => {
-                    let groups = row_groups(m, super::kwide::avx2::TILE_ROWS);
-                    let acts = super::kwide::Acts::new(self.kind, std::borrow::Cow::Owned(rows), groups.clone());
-                    return super::TileJob::new(
-                        self.n,
-                        self.k,
-                        m,
-                        groups,
-                        super::kwide::GROUP,
-                        move |j0, nw, (gi, _, _), out| {
-                            // SAFETY: AVX2, FMA and F16C were detected at run time; the tile is
-                            // checked inside.
-                            unsafe { super::kwide::avx2::tile_dispatch(wide, &acts, j0, nw, gi, out) }
-                        },
-                    );
-                }
-                _ => {}
+            if let (Some(isa), super::KernelPath::Best, false) = (super::wide_isa(), path, emulate) {
+                let (max, tile): (usize, super::kwide::TileFn) = match isa {
+                    super::WideIsa::Vnni => (super::kwide::TILE_ROWS, super::kwide::vnni::tile_dispatch),
+                    super::WideIsa::Avx2 => (super::kwide::avx2::TILE_ROWS, super::kwide::avx2::tile_dispatch),
+                };
+                let groups = row_groups(m, max);
+                let acts = super::kwide::Acts::new(self.kind, std::borrow::Cow::Owned(rows), groups.clone());
+                return super::TileJob::new(
+                    self.n,
+                    self.k,
+                    m,
+                    groups,
+                    super::kwide::GROUP,
+                    move |j0, nw, (gi, _, _), out| {
+                        // SAFETY: `wide_isa` detected the tile's instruction set at run time (AVX-512
+                        // F/BW/VL/VNNI or AVX2, with FMA and F16C); the tile is checked inside.
+                        unsafe { tile(wide, &acts, j0, nw, gi, out) }
+                    },
+                );
             }
         }
         #[cfg(target_arch = "x86_64")]

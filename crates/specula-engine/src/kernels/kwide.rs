@@ -330,6 +330,14 @@ fn vnni_pair_ctrl(which: usize) -> *const u8 {
     }
 }
 
+/// A wide tile kernel: `(weights, activations, j0, nw, row group, out)`, as
+/// [`vnni::tile_dispatch`] and [`avx2::tile_dispatch`].
+///
+/// # Safety
+/// The CPU has the kernel's instruction set.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type TileFn = unsafe fn(&KWide, &Acts, usize, usize, usize, &mut [f32]);
+
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
@@ -622,26 +630,11 @@ pub(crate) mod vnni {
         w.check_tile(a, j0, nw, gi, out);
         let (i0, g) = a.groups[gi];
         let pf = gi == 0;
-        macro_rules! run {
-            ($r:expr) => {
-                if w.kind == KKind::Q6K {
-                    q6k::<$r>(w, a, j0, nw, i0, pf, out)
-                } else {
-                    q4k::<$r>(w, a, j0, nw, i0, pf, out)
-                }
-            };
-        }
-        match g {
-            1 => run!(1),
-            2 => run!(2),
-            3 => run!(3),
-            4 => run!(4),
-            5 => run!(5),
-            6 => run!(6),
-            7 => run!(7),
-            8 => run!(8),
-            _ => panic!("group of {g} rows"),
-        }
+        by_rows!(g, |R| if w.kind == KKind::Q6K {
+            q6k::<R>(w, a, j0, nw, i0, pf, out)
+        } else {
+            q4k::<R>(w, a, j0, nw, i0, pf, out)
+        })
     }
 }
 
@@ -940,26 +933,11 @@ pub(crate) mod avx2 {
         w.check_tile(a, j0, nw, gi, out);
         let (i0, g) = a.groups[gi];
         let pf = gi == 0;
-        macro_rules! run {
-            ($r:expr) => {
-                if w.kind == KKind::Q6K {
-                    q6k::<$r>(w, a, j0, nw, i0, pf, out)
-                } else {
-                    q4k::<$r>(w, a, j0, nw, i0, pf, out)
-                }
-            };
-        }
-        match g {
-            1 => run!(1),
-            2 => run!(2),
-            3 => run!(3),
-            4 => run!(4),
-            5 => run!(5),
-            6 => run!(6),
-            7 => run!(7),
-            8 => run!(8),
-            _ => panic!("group of {g} rows"),
-        }
+        by_rows!(g, |R| if w.kind == KKind::Q6K {
+            q6k::<R>(w, a, j0, nw, i0, pf, out)
+        } else {
+            q4k::<R>(w, a, j0, nw, i0, pf, out)
+        })
     }
 }
 

@@ -1,5 +1,29 @@
 //! Specula's own CPU kernels: the products whose reduction order the exactness promise depends on.
 
+/// Run `$body` with the const `$r` bound to the row count `$g` (1..=8) of a tile: the
+/// monomorphised tile kernels. Panics on another count.
+macro_rules! by_rows {
+    ($g:expr, |$r:ident| $body:expr) => {{
+        macro_rules! with {
+            ($n:literal) => {{
+                const $r: usize = $n;
+                $body
+            }};
+        }
+        match $g {
+            1 => with!(1),
+            2 => with!(2),
+            3 => with!(3),
+            4 => with!(4),
+            5 => with!(5),
+            6 => with!(6),
+            7 => with!(7),
+            8 => with!(8),
+            g => panic!("group of {g} rows"),
+        }
+    }};
+}
+
 pub mod kquants;
 pub mod kwide;
 pub mod pool;

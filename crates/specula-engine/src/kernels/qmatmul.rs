@@ -897,17 +897,7 @@ mod avx2_impl {
     unsafe fn tile_rows<const K: u8>(w: &QWeight, a: &Acts, j0: usize, nw: usize, gi: usize, out: &mut [f32]) {
         let (i0, g) = a.groups[gi];
         let pf = gi == 0;
-        match g {
-            1 => tile::<K, 1>(w, a, j0, nw, i0, pf, out),
-            2 => tile::<K, 2>(w, a, j0, nw, i0, pf, out),
-            3 => tile::<K, 3>(w, a, j0, nw, i0, pf, out),
-            4 => tile::<K, 4>(w, a, j0, nw, i0, pf, out),
-            5 => tile::<K, 5>(w, a, j0, nw, i0, pf, out),
-            6 => tile::<K, 6>(w, a, j0, nw, i0, pf, out),
-            7 => tile::<K, 7>(w, a, j0, nw, i0, pf, out),
-            8 => tile::<K, 8>(w, a, j0, nw, i0, pf, out),
-            _ => panic!("group of {g} rows"),
-        }
+        by_rows!(g, |R| tile::<K, R>(w, a, j0, nw, i0, pf, out))
     }
 
     /// One tile of the product: weight rows `j0 .. j0 + nw` (`j0` a multiple of [`GROUP`], `nw`
