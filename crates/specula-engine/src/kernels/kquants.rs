@@ -53,11 +53,11 @@
 //! Where AVX-512 VNNI or AVX2 is available, Q4_K and Q6_K weights are stored interleaved by 16
 //! rows ([`KWide`], the same bytes rearranged) and every product of them, one row or many, runs
 //! on its tiles: 16 output features per 512-bit register (VNNI) or 8 per 256-bit register
-//! (AVX2), the float steps once per (register of features, activation row, super-block). Products of 2 or more rows of Q5_K run on tiles of
-//! two weight rows × up to [`vnni_rows`] activation rows (`avx2_impl::tile`): `vpdpbusd` sums of
-//! 4 products packed in pairs into one `vpdpwssd` per two chunks (25% fewer multiply
-//! instructions than `maddubs` + `madd`), the decoding of each super-block shared by all the
-//! rows, and the float steps of the two weight rows in one 512-bit register. One-row Q5_K products
+//! (AVX2), the float steps once per (register of features, activation row, super-block).
+//! Products of 2 or more rows of Q5_K run on tiles of two weight rows × up to [`vnni_rows`]
+//! activation rows (`avx2_impl::tile`): `vpdpbusd` sums of 4 products packed in pairs into one
+//! `vpdpwssd` per two chunks (25% fewer multiply instructions than `maddubs` + `madd`), the
+//! decoding of each super-block shared by all the rows, and the float steps of the two weight rows in one 512-bit register. One-row Q5_K products
 //! (decode) stay on the row kernels, which stream the weights from memory faster.
 //! `SPECULA_KERNELS=avx2` forces the row kernels, `SPECULA_KERNELS=portable` the reference.
 //!
@@ -223,8 +223,8 @@ unsafe fn quantize_block_q8k_avx512(chunk: &[f32], q: &mut [i8], bsums: &mut [i1
 
 /// A weight matrix `[n, k]` in one of the [`KKind`] formats, in owned memory: the ggml
 /// super-blocks as stored, row-major (`n * k / 256` blocks of [`KKind::block_bytes`] bytes), or,
-/// for Q4_K and Q6_K where the wide kernels run (AVX-512 VNNI or AVX2), the same bytes interleaved by 16 rows
-/// ([`KWide`]).
+/// for Q4_K and Q6_K where the wide kernels run (AVX-512 VNNI or AVX2), the same bytes
+/// interleaved by 16 rows ([`KWide`]).
 #[derive(Debug, Clone)]
 pub struct KWeight {
     kind: KKind,
@@ -260,7 +260,8 @@ impl KWeight {
 
     /// From the ggml super-blocks of a `[n, k]` weight, row-major. Q4_K and Q6_K take the
     /// interleaved layout where the wide kernels run them (AVX-512 VNNI or AVX2, and
-    /// `SPECULA_KERNELS` not forcing another path: [`super::wide_isa`]). Panics if `data` is not `n * k / 256` blocks.
+    /// `SPECULA_KERNELS` not forcing another path: [`super::wide_isa`]). Panics if `data` is not
+    /// `n * k / 256` blocks.
     pub(crate) fn from_blocks(kind: KKind, n: usize, k: usize, data: Vec<u8>) -> Self {
         assert_eq!(data.len(), n * (k / QK_K) * kind.block_bytes(), "super-block bytes");
         if KWide::supports(kind) && super::wide_isa().is_some() {
