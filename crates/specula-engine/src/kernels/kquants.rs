@@ -57,8 +57,9 @@
 //! Products of 2 or more rows of Q5_K run on tiles of two weight rows × up to [`vnni_rows`]
 //! activation rows (`avx2_impl::tile`): `vpdpbusd` sums of 4 products packed in pairs into one
 //! `vpdpwssd` per two chunks (25% fewer multiply instructions than `maddubs` + `madd`), the
-//! decoding of each super-block shared by all the rows, and the float steps of the two weight rows in one 512-bit register. One-row Q5_K products
-//! (decode) stay on the row kernels, which stream the weights from memory faster.
+//! decoding of each super-block shared by all the rows, and the float steps of the two weight
+//! rows in one 512-bit register. One-row Q5_K products (decode) stay on the row kernels, which
+//! stream the weights from memory faster.
 //! `SPECULA_KERNELS=avx2` forces the row kernels, `SPECULA_KERNELS=portable` the reference.
 //!
 //! **llama.cpp's batch arithmetic.** llama.cpp computes a multi-row product differently: Q4_K
