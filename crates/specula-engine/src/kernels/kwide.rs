@@ -170,35 +170,40 @@ impl KWide {
         ((j / GROUP) * self.nb + b) * self.rec().size + part + (p / unit) * GROUP * unit + (j % GROUP) * unit + p % unit
     }
 
-    /// Store one ggml super-block at (row `j`, super-block `b`).
+    /// Store one ggml super-block at (row `j`, super-block `b`): each part copied a unit at a
+    /// time to where [`at`](Self::at) puts its bytes.
     fn put_block(&mut self, j: usize, b: usize, blk: &[u8]) {
         let r = self.rec();
-        let mut put = Vec::with_capacity(2 * 256);
-        match self.kind {
+        let base = self.at(j, b, 0, 0, 1) - j % GROUP;
+        let (row, kind) = (j % GROUP, self.kind);
+        let bytes = self.bytes_mut();
+        let mut put = |part: usize, unit: usize, src: &[u8]| {
+            for (u, c) in src.chunks_exact(unit).enumerate() {
+                let o = base + part + u * GROUP * unit + row * unit;
+                bytes[o..o + unit].copy_from_slice(c);
+            }
+        };
+        match kind {
             KKind::Q4K => {
-                put.extend((0..2).map(|p| (self.at(j, b, r.d, p, 2), blk[p])));
-                put.extend((0..2).map(|p| (self.at(j, b, r.dmin, p, 2), blk[2 + p])));
-                put.extend((0..Q4K_SC).map(|p| (self.at(j, b, r.sc, p, 4), blk[4 + p])));
-                put.extend((0..QL).map(|p| (self.at(j, b, r.ql, p, 4), blk[16 + p])));
+                put(r.d, 2, &blk[0..2]);
+                put(r.dmin, 2, &blk[2..4]);
+                put(r.sc, 4, &blk[4..4 + Q4K_SC]);
+                put(r.ql, 4, &blk[16..16 + QL]);
             }
             _ => {
                 let (ql, rest) = blk.split_at(128);
                 let (qh, rest) = rest.split_at(64);
                 let (scales, dd) = rest.split_at(16);
-                put.extend((0..2).map(|p| (self.at(j, b, r.d, p, 2), dd[p])));
-                put.extend((0..Q6K_SC).map(|p| (self.at(j, b, r.sc, p, 2), scales[p])));
                 let mut v = [0u8; QK_K];
                 q6k_values(ql, qh, &mut v);
-                put.extend((0..QL).map(|p| (self.at(j, b, r.ql, p, 4), (v[p] & 0xF) | (v[p + 128] & 0xF) << 4)));
-                put.extend((0..QH).map(|p| {
-                    let h = (0..4).fold(0u8, |h, i| h | (v[p + 64 * i] >> 4) << (2 * i));
-                    (self.at(j, b, r.qh, p, 4), h)
-                }));
+                let low: [u8; QL] = std::array::from_fn(|p| (v[p] & 0xF) | (v[p + 128] & 0xF) << 4);
+                let high: [u8; QH] =
+                    std::array::from_fn(|p| (0..4).fold(0u8, |h, i| h | (v[p + 64 * i] >> 4) << (2 * i)));
+                put(r.d, 2, &dd[..2]);
+                put(r.sc, 2, &scales[..Q6K_SC]);
+                put(r.ql, 4, &low);
+                put(r.qh, 4, &high);
             }
-        }
-        let bytes = self.bytes_mut();
-        for (o, v) in put {
-            bytes[o] = v;
         }
     }
 
