@@ -475,7 +475,7 @@ thread_local! {
 /// A row's bits thus depend on the batch around it. Serving always uses the one-row arithmetic
 /// (llama.cpp's decode arithmetic), so it is batch-invariant; this switch reproduces llama.cpp's
 /// prefill for the reference comparison (`Engine::logits_as_llamacpp`). With it on, these
-/// products run on the row kernels (the VNNI tiles are skipped).
+/// products run on the row kernels (the wide VNNI and AVX2 tiles are skipped).
 pub fn with_llamacpp_batches<R>(on: bool, f: impl FnOnce() -> R) -> R {
     super::with_thread_local(&LLAMACPP_BATCHES, on, f)
 }
@@ -2214,7 +2214,8 @@ mod tests {
         x
     }
 
-    /// Every path (the VNNI tiles, the AVX2 / AVX-512 BW kernels, the portable code) against
+    /// Every path (the wide VNNI or AVX2 tiles, the AVX2 / AVX-512 BW row kernels, the portable
+    /// code) against
     /// the portable per-row reference, bit for bit, for m = 1..=33, odd weight row counts,
     /// 1..=3 super-blocks, on random and extreme weights and activations.
     #[test]
@@ -2349,7 +2350,7 @@ mod tests {
     /// Process CPU time in seconds (Linux), else wall time since the first call.
     use super::super::cpu_seconds;
 
-    /// Our Q4_K / Q6_K product (VNNI tiles, and the AVX2 / AVX-512 BW row kernels) against
+    /// Our Q4_K / Q6_K product (wide VNNI or AVX2 tiles, and the AVX2 / AVX-512 BW row kernels) against
     /// candle's `QMatMul` on an 8960 × 1536 matrix (the 1.5B FFN shape), per row count: best of
     /// 3 process-CPU times. One thread, inside the pool as the model runs them:
     /// `cargo test --release -p specula-engine --lib kquants::tests::speed_vs_candle -- --ignored --nocapture`

@@ -646,8 +646,9 @@ pub(crate) mod vnni {
 /// The AVX2 tiles (CPUs without AVX-512 VNNI): the same layout read as two halves of 8 rows, one
 /// 256-bit register per half. Per (half, super-block) the 8 rows' scales are decoded once; per
 /// activation row and sub-block the 8 sums of products come from `maddubs` against 4 activation
-/// bytes broadcast, added in 16 bits over the sub-block, then multiplied by the rows' sub-block
-/// scales with one `madd`; the float steps run once per (8 rows, activation row, super-block).
+/// bytes broadcast, added in 16 bits, then multiplied by the rows' sub-block scales with `madd`
+/// (one per Q4_K sub-block, two per Q6_K sub-block: one per 16-bit half-sum); the float steps
+/// run once per (8 rows, activation row, super-block).
 ///
 /// **Exactness of the 16-bit sums.** `maddubs` adds two products of an unsigned weight and a
 /// signed activation byte (|q_x| ≤ 128). Q4_K: weights ≤ 15, so a pair is at most 3,840 in
@@ -1053,50 +1054,57 @@ mod tests {
     #[test]
     fn tiles_match_portable_bitwise() {
         for kind in [KKind::Q4K, KKind::Q6K] {
-            let (n, k) = (53, 2 * QK_K);
-            let data = blocks(kind, n, k, 9);
-            let w = KWeight::from_blocks(kind, n, k, data.clone());
-            let rb = k / QK_K * kind.block_bytes();
-            for m in [1usize, 2, 3, 5, 6, 7, 8, 9, 13, 17] {
-                let mut st = 77u64 + m as u64;
-                let x: Vec<f32> = (0..m * k)
-                    .map(|i| {
-                        st ^= st << 13;
-                        st ^= st >> 7;
-                        st ^= st << 17;
-                        let v = (st >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-                        if i % 97 == 0 {
-                            (v * 1e4) as f32
-                        } else {
-                            v as f32
+            // 53 rows: a last group of 5 (one half); 61: of 13 (both halves, a partial store).
+            for n in [53usize, 61] {
+                let k = 2 * QK_K;
+                let data = blocks(kind, n, k, 9);
+                let w = KWeight::from_blocks(kind, n, k, data.clone());
+                let rb = k / QK_K * kind.block_bytes();
+                for m in [1usize, 2, 3, 5, 6, 7, 8, 9, 13, 17] {
+                    let mut st = 77u64 + m as u64;
+                    let x: Vec<f32> = (0..m * k)
+                        .map(|i| {
+                            st ^= st << 13;
+                            st ^= st >> 7;
+                            st ^= st << 17;
+                            let v = (st >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+                            if i % 97 == 0 {
+                                (v * 1e4) as f32
+                            } else {
+                                v as f32
+                            }
+                        })
+                        .collect();
+                    let got = w.matmul_on(&x, m, KernelPath::Best);
+                    // Each instruction set's tiles on this CPU, called directly (an AVX-512 machine
+                    // checks the AVX2 tiles too).
+                    let wide = KWide::from_ggml(kind, n, k, &data);
+                    for isa in [super::super::WideIsa::Vnni, super::super::WideIsa::Avx2] {
+                        let Some(y) = wide_product(&wide, &x, m, isa) else {
+                            continue;
+                        };
+                        for (e, (a, b)) in y.iter().zip(&got).enumerate() {
+                            assert_eq!(a.to_bits(), b.to_bits(), "{kind:?} {isa:?} n={n} m={m} element {e}");
                         }
-                    })
-                    .collect();
-                let got = w.matmul_on(&x, m, KernelPath::Best);
-                // Each instruction set's tiles on this CPU, called directly (an AVX-512 machine
-                // checks the AVX2 tiles too).
-                let wide = KWide::from_ggml(kind, n, k, &data);
-                for isa in [super::super::WideIsa::Vnni, super::super::WideIsa::Avx2] {
-                    let Some(y) = wide_product(&wide, &x, m, isa) else {
-                        continue;
-                    };
-                    for (e, (a, b)) in y.iter().zip(&got).enumerate() {
-                        assert_eq!(a.to_bits(), b.to_bits(), "{kind:?} {isa:?} m={m} element {e}");
                     }
-                }
-                for i in 0..m {
-                    let q = quantize_row_q8k(&x[i * k..(i + 1) * k]);
-                    for j in 0..n {
-                        let bytes = &data[j * rb..(j + 1) * rb];
-                        let want = vec_dot_portable(w.row(bytes), &q);
-                        assert_eq!(got[i * n + j].to_bits(), want.to_bits(), "{kind:?} m={m} [{i},{j}]");
+                    for i in 0..m {
+                        let q = quantize_row_q8k(&x[i * k..(i + 1) * k]);
+                        for j in 0..n {
+                            let bytes = &data[j * rb..(j + 1) * rb];
+                            let want = vec_dot_portable(w.row(bytes), &q);
+                            assert_eq!(
+                                got[i * n + j].to_bits(),
+                                want.to_bits(),
+                                "{kind:?} n={n} m={m} [{i},{j}]"
+                            );
+                        }
+                        let one = w.matmul_on(&x[i * k..(i + 1) * k], 1, KernelPath::Best);
+                        assert_eq!(
+                            one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            got[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            "{kind:?} m={m} row {i} vs one row"
+                        );
                     }
-                    let one = w.matmul_on(&x[i * k..(i + 1) * k], 1, KernelPath::Best);
-                    assert_eq!(
-                        one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        got[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        "{kind:?} m={m} row {i} vs one row"
-                    );
                 }
             }
         }

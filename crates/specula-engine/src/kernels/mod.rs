@@ -35,8 +35,8 @@ pub mod qmatmul;
 pub enum KernelPath {
     /// The fastest the CPU supports (the default).
     Best,
-    /// The AVX2 (and, for the K-quants, AVX-512 BW) kernels as they were before the AVX-512 VNNI
-    /// multi-row kernels: `SPECULA_KERNELS=avx2`.
+    /// The K-quants' row kernels (AVX2, and AVX-512 BW where present) instead of the wide tiles,
+    /// and the AVX2 tile of the 32-value kinds instead of the VNNI one: `SPECULA_KERNELS=avx2`.
     Avx2,
     /// The portable reference code: `SPECULA_KERNELS=portable`.
     Portable,
