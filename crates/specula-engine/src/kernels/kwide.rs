@@ -324,16 +324,25 @@ impl<'a> Acts<'a> {
     }
 }
 
-/// The `vpshufb` control of the min products' i16 pairs (`which` 0: bytes 0, 1 of each dword;
-/// 1: bytes 2, 3), shared by the VNNI and AVX2 tiles (the 128-bit pattern repeats).
+/// `vpshufb` control taking bytes `a` and `b` of each dword to the low bytes of its two 16-bit
+/// halves (zero-extended): the i16 pairs of the Q4_K min products. The 16-byte pattern repeats,
+/// so the VNNI tiles read all 64 bytes and the AVX2 tiles the first 32.
 #[cfg(target_arch = "x86_64")]
-fn vnni_pair_ctrl(which: usize) -> *const u8 {
-    if which == 0 {
-        vnni::PAIR01.as_ptr()
-    } else {
-        vnni::PAIR23.as_ptr()
+const fn pair_ctrl(a: usize, b: usize) -> [u8; 64] {
+    let mut c = [0x80u8; 64];
+    let mut i = 0;
+    while i < 16 {
+        let p = (i % 4) * 4;
+        c[4 * i] = (p + a) as u8;
+        c[4 * i + 2] = (p + b) as u8;
+        i += 1;
     }
+    c
 }
+#[cfg(target_arch = "x86_64")]
+static PAIR01: [u8; 64] = pair_ctrl(0, 1);
+#[cfg(target_arch = "x86_64")]
+static PAIR23: [u8; 64] = pair_ctrl(2, 3);
 
 /// A wide tile kernel: `(weights, activations, j0, nw, row group, out)`, as
 /// [`vnni::tile_dispatch`] and [`avx2::tile_dispatch`].
@@ -387,22 +396,6 @@ pub(crate) mod vnni {
 
     use super::*;
     use std::arch::x86_64::*;
-
-    /// `vpshufb` control taking bytes `a` and `b` of each dword to the low bytes of its two
-    /// 16-bit halves (zero-extended): the i16 pairs of the min products.
-    const fn pair_ctrl(a: usize, b: usize) -> [u8; 64] {
-        let mut c = [0x80u8; 64];
-        let mut i = 0;
-        while i < 16 {
-            let p = (i % 4) * 4;
-            c[4 * i] = (p + a) as u8;
-            c[4 * i + 2] = (p + b) as u8;
-            i += 1;
-        }
-        c
-    }
-    pub(super) static PAIR01: [u8; 64] = pair_ctrl(0, 1);
-    pub(super) static PAIR23: [u8; 64] = pair_ctrl(2, 3);
 
     /// `acc + a[2i] b[2i] + a[2i+1] b[2i+1]` per i32 lane (exact).
     #[inline]
@@ -742,8 +735,8 @@ pub(crate) mod avx2 {
             _mm256_set1_epi32(0x0f0f_0f0f),
             _mm256_set1_epi32(0x0303_0303),
         );
-        let p01 = _mm256_loadu_si256(super::vnni_pair_ctrl(0) as *const __m256i);
-        let p23 = _mm256_loadu_si256(super::vnni_pair_ctrl(1) as *const __m256i);
+        let p01 = _mm256_loadu_si256(PAIR01.as_ptr() as *const __m256i);
+        let p23 = _mm256_loadu_si256(PAIR23.as_ptr() as *const __m256i);
         let halves = if nw > HALF { 2 } else { 1 };
         let mut sum = [[_mm256_setzero_ps(); R]; 2];
         let mut summs = [[_mm256_setzero_ps(); R]; 2];
@@ -1005,23 +998,15 @@ mod tests {
             };
             let groups = super::super::row_groups(m, max);
             let acts = Acts::new(w.kind, std::borrow::Cow::Owned(rows), groups.clone());
-            let mut y = vec![0f32; m * n];
-            let mut buf = vec![0f32; GROUP * max];
-            for j0 in (0..n).step_by(GROUP) {
-                let nw = GROUP.min(n - j0);
-                for (gi, &(i0, g)) in groups.iter().enumerate() {
-                    // SAFETY: the instruction set was detected above; the tile is checked inside.
-                    unsafe {
-                        match isa {
-                            WideIsa::Vnni => vnni::tile_dispatch(w, &acts, j0, nw, gi, &mut buf),
-                            WideIsa::Avx2 => avx2::tile_dispatch(w, &acts, j0, nw, gi, &mut buf),
-                        }
-                    }
-                    for r in 0..g {
-                        y[(i0 + r) * n + j0..][..nw].copy_from_slice(&buf[r * nw..(r + 1) * nw]);
-                    }
-                }
-            }
+            let tile: TileFn = match isa {
+                WideIsa::Vnni => vnni::tile_dispatch,
+                WideIsa::Avx2 => avx2::tile_dispatch,
+            };
+            let job = super::super::TileJob::new(n, k, m, groups, GROUP, move |j0, nw, (gi, _, _), out| {
+                // SAFETY: the instruction set was detected above; the tile is checked inside.
+                unsafe { tile(w, &acts, j0, nw, gi, out) }
+            });
+            let y = super::super::run_jobs(&[job]).pop()?;
             Some(y)
         }
         #[cfg(not(target_arch = "x86_64"))]
