@@ -40,6 +40,8 @@ pub struct SequenceEnv {
     pub batch_invariant: bool,
     /// The attached draft model and its id.
     pub draft: Option<(Arc<Model>, String)>,
+    /// The draft model's size relative to the target's: the prior of its costs.
+    pub draft_size: Option<crate::spec::controller::SizeRatio>,
     /// The attached MTP head.
     pub mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
     /// The attached block drafter.
@@ -104,6 +106,14 @@ pub struct Sequence {
     /// Structured-output constraint, applied to every row like the penalties.
     constraint: Option<Box<dyn Constraint>>,
     k_ctl: DraftLength,
+    /// The model drafter has not started: it must catch up on the prompt first, and starts
+    /// when that pays ([`DraftLength::start_pays`]). Meanwhile the request decodes with the
+    /// lookup beside it, or plainly.
+    deferred: bool,
+    /// Output tokens committed by decode steps while `deferred`, and their cost in one-row
+    /// target forwards.
+    deferred_committed: usize,
+    deferred_spent: f64,
     /// Prompt + committed tokens.
     context: Vec<u32>,
     kv: KvCache,
@@ -232,6 +242,15 @@ impl Sequence {
         if let Some(prior) = env.controller_priors.get(&stats.spec.decode_path) {
             k_ctl.warm_start(prior);
         }
+        // `SPECULA_DEFER_START=0` starts a draft model at once (side-by-side measurement only).
+        let deferred = k_ctl.adaptive()
+            && std::env::var("SPECULA_DEFER_START").map_or(true, |v| v != "0")
+            && drafter
+                .as_ref()
+                .is_some_and(|d| d.catch_up_tokens(&req.prompt_tokens) > 0);
+        if let (true, Some(size)) = (deferred, env.draft_size) {
+            k_ctl.set_draft_cost_prior(size.step);
+        }
         let context = req.prompt_tokens.clone();
         Self {
             req,
@@ -245,6 +264,9 @@ impl Sequence {
             accept_rng,
             constraint,
             k_ctl,
+            deferred,
+            deferred_committed: 0,
+            deferred_spent: 0.0,
             context,
             kv,
             max_tokens,
@@ -456,6 +478,15 @@ impl Sequence {
             }
             self.stats.prefill_s = self.started.elapsed().as_secs_f64();
             self.decode_started = Some(Instant::now());
+            if let (true, Some(size)) = (self.deferred, self.env.draft_size) {
+                // The draft model's catch-up runs its blocks over the prompt as the target's
+                // prefill just did over the tokens it fed.
+                let fed = prompt_len - self.stats.cached_prompt_tokens;
+                if fed > 0 {
+                    self.k_ctl
+                        .set_catch_up_prior(size.blocks * self.stats.prefill_s / fed as f64);
+                }
+            }
         } else {
             self.stats.decode_steps += 1;
             let fed = 1 + self.draft.len();
@@ -581,6 +612,10 @@ impl Sequence {
         if self.stats.decode_steps > 0 {
             // Tokens committed by target decode steps (the first token came from prefill).
             self.stats.spec.committed += out.committed;
+            if self.deferred {
+                self.deferred_committed += out.committed;
+                self.deferred_spent += self.k_ctl.relative_forward_cost(draft.len() + 1);
+            }
         }
         let mut delta = out.delta;
         if out.finished.is_some() {
@@ -603,6 +638,7 @@ impl Sequence {
         let room_ctx = ctx.saturating_sub(self.kv.len() + 1);
         let room_out = self.max_tokens.saturating_sub(self.emitter.tokens().len() + 1);
         let k = self.k_ctl.next_k().min(room_ctx).min(room_out);
+        let k = self.model_k(k, room_out);
         let lookup = self.lookup_draft(k, self.req.spec.draft_max.min(room_ctx).min(room_out));
         let mut proposal = match (lookup, self.drafter.as_mut()) {
             (Some((tokens, alphas)), _) => {
@@ -610,6 +646,7 @@ impl Sequence {
                 Proposal::deterministic(tokens)
             }
             (None, Some(d)) if k > 0 => {
+                let catch_up = d.catch_up_tokens(&self.context);
                 let td = Instant::now();
                 let ctl = &self.k_ctl;
                 let p = if ctl.confidence_driven() {
@@ -621,6 +658,7 @@ impl Sequence {
                 self.stats.spec.draft_s += secs;
                 // Catch-up after a pause is paid once per probe, not per draft token.
                 self.k_ctl.observe_draft(p.len(), secs, d.last_catch_up_s());
+                self.k_ctl.observe_catch_up(catch_up, d.last_catch_up_s());
                 p
             }
             _ => Proposal::default(),
@@ -672,6 +710,33 @@ impl Sequence {
         self.draft = proposal;
         self.pending = Some(StepInput { tokens, rows });
         Ok(StepOutcome { delta, finished: false })
+    }
+
+    /// The model drafter's k for this step: the controller's `k`, or 0 while the drafter has
+    /// not started and its catch-up on the context does not pay yet
+    /// ([`DraftLength::start_pays`], with `room_out` tokens left to generate at most).
+    fn model_k(&mut self, k: usize, room_out: usize) -> usize {
+        if !self.deferred || k == 0 {
+            return k;
+        }
+        let Some(d) = self.drafter.as_ref() else {
+            return k;
+        };
+        let catch_up = d.catch_up_tokens(&self.context);
+        if !self
+            .k_ctl
+            .start_pays(self.deferred_committed, self.deferred_spent, room_out, catch_up)
+        {
+            return 0;
+        }
+        self.deferred = false;
+        self.stats.spec.model_started_at = Some(self.emitter.tokens().len());
+        tracing::debug!(
+            committed = self.emitter.tokens().len(),
+            catch_up,
+            "model drafter starts"
+        );
+        k
     }
 
     /// With n-gram lookup beside a model drafter: look up a draft of up to `room` tokens (every

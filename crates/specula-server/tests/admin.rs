@@ -332,7 +332,9 @@ async fn a_startup_draft_model_counts_once() {
 }
 
 /// The real default model drafting for itself: one draft load, then greedy output
-/// byte-identical to plain decoding; a draft model with another tokenizer is refused.
+/// byte-identical to plain decoding, with a fixed k and adaptive (a
+/// drafter as dear as the target never pays its catch-up, so it never starts); a draft model
+/// with another tokenizer is refused.
 #[tokio::test]
 async fn smollm2_drafts_for_itself_after_a_switch() {
     let entry = catalog::lookup(catalog::DEFAULT_MODEL).expect("catalog entry");
@@ -363,7 +365,7 @@ async fn smollm2_drafts_for_itself_after_a_switch() {
     let v = change(
         &app,
         admin,
-        json!({"mode": "draft", "draft_model": catalog::DEFAULT_MODEL, "draft_max": 4}),
+        json!({"mode": "draft", "draft_model": catalog::DEFAULT_MODEL, "draft_max": 4, "adaptive": false}),
     )
     .await;
     assert_eq!(v["reloaded"], true);
@@ -383,6 +385,21 @@ async fn smollm2_drafts_for_itself_after_a_switch() {
         spec["spec_stats"]["accepted"].as_u64().unwrap() > 0,
         "{}",
         spec["spec_stats"]
+    );
+    // Adaptive: drafting costs a whole target step per token, so no k can pay and the draft
+    // model never starts (`DraftLength::start_pays`): plain decoding, the same text.
+    let mut adaptive = ask.clone();
+    adaptive["spec"] = json!({"mode": "draft", "adaptive": true});
+    let spec = post(&app, CHAT, adaptive).await.json();
+    assert_eq!(
+        spec["spec_stats"]["decode_path"],
+        format!("draft-model:{}", catalog::DEFAULT_MODEL)
+    );
+    assert_eq!(spec["spec_stats"]["drafted"], 0, "{}", spec["spec_stats"]);
+    assert_eq!(spec["spec_stats"]["model_started_at"], Value::Null);
+    assert_eq!(
+        spec["choices"][0]["message"]["content"],
+        ar["choices"][0]["message"]["content"]
     );
     let v = change(&app, admin, json!({"mode": "draft", "draft_model": path_str(&path)})).await;
     assert_eq!(

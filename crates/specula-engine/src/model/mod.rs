@@ -163,6 +163,26 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
 }
 
+impl ModelConfig {
+    /// Weights one token's forward multiplies by in the transformer blocks, over all layers:
+    /// the attention projections (q and o: `hidden × heads·head_dim` each; k and v:
+    /// `hidden × kv_heads·head_dim` each) and the gated MLP's three (`hidden × intermediate`).
+    /// A count of weights, not bytes. It is the work of a prompt token whose logits are not
+    /// computed (prefill, a draft model's catch-up).
+    pub fn block_params(&self) -> usize {
+        let h = self.hidden_size;
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        self.num_layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size)
+    }
+
+    /// [`ModelConfig::block_params`] plus the LM head (`vocab × hidden`): the weights a decode
+    /// step reads.
+    pub fn step_params(&self) -> usize {
+        self.block_params() + self.vocab_size * self.hidden_size
+    }
+}
+
 /// The weight of a [`Linear`]: our batch-invariant kernels for the 32-wide ggml block types
 /// ([`QWeight`]) and the K-quants ([`KWeight`]), candle's `QMatMul` for the rest (dense f32, and
 /// K-quant tensors whose input width is not a multiple of 256).

@@ -34,6 +34,15 @@
 //! seconds and of draft tokens): where runs of drafting are long (code), a catch-up is spread
 //! thin; where drafting hovers at break-even and every few steps end in a pause (prose), the
 //! catch-ups add up, drafting stops paying, and the pauses grow instead of resetting.
+//!
+//! A draft model's first catch-up (the prompt, before its first draft) is weighed before it is
+//! paid ([`DraftLength::start_pays`], a ski rental): the request decodes without the drafter
+//! (with n-gram lookup beside it, or plainly) until the tokens committed so far would have
+//! saved the catch-up had the drafter run, and the drafter never starts while the tokens left
+//! could not pay it back. On the Qwen pair on a 2-core CPU the prompt's catch-up costs about
+//! as much as a one-sentence answer's whole decode saves (docs/perf.md, session 33).
+
+use crate::model::ModelConfig;
 
 /// Longest pause (in target steps) between probes when drafts keep failing.
 pub const MAX_PAUSE: usize = 32;
@@ -58,6 +67,11 @@ const COSTLY_DRAFT: f64 = 0.02;
 
 /// Decay of the probe catch-up and draft-token sums, per drafting step.
 const CATCH_UP_DECAY: f64 = 0.97;
+/// Fewest catch-up tokens whose seconds are taken as a measure of the catch-up's cost per
+/// token ([`DraftLength::observe_catch_up`]): a feed of a few tokens costs about one draft
+/// step whatever its length (the weights are read once), so its cost per token says little
+/// about a prompt's.
+const MIN_CATCH_UP_SAMPLE: usize = 16;
 
 /// Weight of the older steps in the [`BatchCost`] fit, per step.
 const BATCH_DECAY: f64 = 0.97;
@@ -372,6 +386,39 @@ pub struct DraftLength {
     max_pause: usize,
     /// Acceptance by the drafter's confidence, for drafters that report one.
     calibration: Calibration,
+    /// The drafter's seconds per draft token relative to a one-row target forward, assumed
+    /// until `draft_token_s` is measured ([`DraftLength::set_draft_cost_prior`]; 0: none).
+    draft_cost_prior: f64,
+    /// Seconds per context token of the drafter's catch-up ([`super::Drafter::catch_up_tokens`]):
+    /// measured, or a prior ([`DraftLength::set_catch_up_prior`]); None: unknown.
+    catch_up_token_s: Option<f64>,
+    /// Whether `catch_up_token_s` was measured (a prior gives way to the first measurement).
+    catch_up_measured: bool,
+}
+
+/// A draft model's size relative to its target's: the prior of its costs until they are
+/// measured ([`DraftLength::set_draft_cost_prior`], [`DraftLength::set_catch_up_prior`]).
+/// Counts of weights ([`ModelConfig::block_params`], [`ModelConfig::step_params`]), so two
+/// models of one quantization mix compare as their bytes do.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SizeRatio {
+    /// Draft step weights over target step weights: a draft token's cost in one-row target
+    /// forwards (a decode step reads every weight once).
+    pub step: f64,
+    /// Draft block weights over target block weights: a catch-up token's cost in target
+    /// prefill tokens (neither computes logits).
+    pub blocks: f64,
+}
+
+impl SizeRatio {
+    /// The ratio of `draft` to `target`; 1.0 where the target has no weights to compare with.
+    pub fn of(draft: &ModelConfig, target: &ModelConfig) -> Self {
+        let ratio = |d: usize, t: usize| if t == 0 { 1.0 } else { d as f64 / t as f64 };
+        Self {
+            step: ratio(draft.step_params(), target.step_params()),
+            blocks: ratio(draft.block_params(), target.block_params()),
+        }
+    }
 }
 
 impl DraftLength {
@@ -399,6 +446,9 @@ impl DraftLength {
             load: None,
             max_pause: MAX_PAUSE,
             calibration: Calibration::default(),
+            draft_cost_prior: 0.0,
+            catch_up_token_s: None,
+            catch_up_measured: false,
         }
     }
 
@@ -423,6 +473,10 @@ impl DraftLength {
         self.draft_token_s = prior.draft_token_s;
         self.catch_up_s = prior.catch_up_s;
         self.drafted = prior.drafted;
+        if prior.catch_up_measured {
+            self.catch_up_token_s = prior.catch_up_token_s;
+            self.catch_up_measured = true;
+        }
         if self.forward_s[0].is_some() && self.best_optimistic().1 < 1.0 {
             self.pause = self.max_pause;
             self.backoff = self.max_pause;
@@ -513,13 +567,87 @@ impl DraftLength {
         below.1 + slope.max(0.0) * (rows - below.0) as f64
     }
 
-    /// Drafter cost per token, relative to a one-row target forward (0 until measured): its
-    /// seconds per draft token plus the probes' catch-up spread over the recent draft tokens.
+    /// Drafter cost per token, relative to a one-row target forward: its seconds per draft
+    /// token plus the probes' catch-up spread over the recent draft tokens; until measured, the
+    /// prior ([`DraftLength::set_draft_cost_prior`], 0 without one).
     pub fn relative_draft_cost(&self) -> f64 {
         match (self.draft_token_s, self.forward_s.first().copied().flatten()) {
             (Some(d), Some(t1)) if t1 > 0.0 => (d + self.catch_up_per_token()) / t1,
-            _ => 0.0,
+            _ => self.draft_cost_prior,
         }
+    }
+
+    /// Assume the drafter costs `relative` one-row target forwards per draft token until its
+    /// cost is measured (a draft model: [`SizeRatio::step`]). Without a prior an unmeasured
+    /// drafter is free, which overrates a costly one before its first draft.
+    pub fn set_draft_cost_prior(&mut self, relative: f64) {
+        self.draft_cost_prior = relative.max(0.0);
+    }
+
+    /// Assume the drafter's catch-up costs `seconds` per context token until one is measured
+    /// (a draft model: the target's prefill seconds per prompt token times
+    /// [`SizeRatio::blocks`]). A measured cost, this request's or an earlier one's
+    /// ([`DraftLength::warm_start`]), is kept.
+    pub fn set_catch_up_prior(&mut self, seconds: f64) {
+        if !self.catch_up_measured && seconds.is_finite() && seconds > 0.0 {
+            self.catch_up_token_s = Some(seconds);
+        }
+    }
+
+    /// Feed the seconds of a catch-up of `tokens` context tokens
+    /// ([`super::Drafter::last_catch_up_s`]). Catch-ups shorter than [`MIN_CATCH_UP_SAMPLE`]
+    /// are ignored; the first measurement replaces the prior, later ones are averaged in.
+    pub fn observe_catch_up(&mut self, tokens: usize, seconds: f64) {
+        if tokens < MIN_CATCH_UP_SAMPLE || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        let per = seconds / tokens as f64;
+        self.catch_up_token_s = Some(match self.catch_up_token_s {
+            Some(m) if self.catch_up_measured => m + TIME_ALPHA * (per - m),
+            _ => per,
+        });
+        self.catch_up_measured = true;
+    }
+
+    /// Whether a drafter that must first catch up on `catch_up_tokens` tokens of context
+    /// (a draft model before its first draft: the prompt) should start now. The request has
+    /// committed `committed` tokens without it at a cost of `spent` one-row target forwards,
+    /// and has at most `remaining` tokens to go.
+    ///
+    /// This is the ski-rental problem (Karlin, Manasse, McGeoch and Owicki 1994): the
+    /// catch-up costs `C` forwards once (its seconds per token, measured or prior, over a
+    /// one-row forward); each later token saves `g = 1/s0 − 1/s1`, with `s0 = committed /
+    /// spent` the speed-up so far without the drafter (n-gram lookup, or plain decoding) and
+    /// `s1` the drafter's best predicted speed-up on the optimistic acceptance estimate. It
+    /// starts once the tokens so far would have saved the catch-up (`committed·g ≥ C`), which
+    /// costs at most twice what the best choice in hindsight costs whatever the answer's
+    /// length, and never while the tokens left could not pay it back (`remaining·g < C`) or
+    /// the drafter would not beat what runs without it (`g ≤ 0`). A short answer then never
+    /// pays a catch-up that costs more than its whole decode saves; a long one pays a delay
+    /// of about `C`. True when there is nothing to catch up on, k is fixed, or the catch-up's
+    /// cost is unknown; false until a one-row forward has been timed.
+    pub fn start_pays(&self, committed: usize, spent: f64, remaining: usize, catch_up_tokens: usize) -> bool {
+        if !self.adaptive || catch_up_tokens == 0 {
+            return true;
+        }
+        let Some(per) = self.catch_up_token_s else {
+            return true;
+        };
+        let Some(t1) = self.forward_s[0].filter(|&t| t > 0.0) else {
+            return false;
+        };
+        let c = catch_up_tokens as f64 * per / t1;
+        let s0 = if committed > 0 && spent > 0.0 {
+            committed as f64 / spent
+        } else {
+            1.0
+        };
+        let s1 = self.best_optimistic().1;
+        if s1 <= 0.0 {
+            return false;
+        }
+        let g = 1.0 / s0 - 1.0 / s1;
+        g > 0.0 && committed as f64 * g >= c && remaining as f64 * g >= c
     }
 
     /// Probe catch-up seconds per recent draft token.
@@ -686,9 +814,14 @@ impl DraftLength {
         self.calibration.update(confidence, accepted);
     }
 
-    /// Seconds a drafted token costs the drafter: its own time plus the probes' catch-up.
+    /// Seconds a drafted token costs the drafter: its own time (until measured, the prior at
+    /// the one-row forward's timing) plus the probes' catch-up.
     fn draft_cost_per_token(&self) -> f64 {
-        self.draft_token_s.unwrap_or(0.0) + self.catch_up_per_token()
+        let own = self
+            .draft_token_s
+            .or_else(|| self.forward_s[0].map(|t1| self.draft_cost_prior * t1))
+            .unwrap_or(0.0);
+        own + self.catch_up_per_token()
     }
 
     /// Under a [`Load`], whether drafting would lose even if every draft were accepted
@@ -1485,5 +1618,105 @@ mod tests {
         c.update(3, 0);
         c.observe_forward(4, 100.0);
         assert_eq!(c.next_k(), 3);
+    }
+
+    #[test]
+    fn a_draft_model_starts_once_its_catch_up_has_paid() {
+        // Nothing to catch up on, a fixed k, or a catch-up of unknown cost: start at once.
+        let mut c = DraftLength::new(4, true);
+        assert!(c.start_pays(0, 0.0, 100, 0));
+        assert!(c.start_pays(0, 0.0, 100, 40));
+        assert!(DraftLength::new(4, false).start_pays(0, 0.0, 100, 40));
+        // A draft token costs 0.3 of a one-row forward, a catch-up token 1 ms.
+        c.set_draft_cost_prior(0.3);
+        c.set_catch_up_prior(0.001);
+        // No one-row forward timed yet: wait.
+        assert!(!c.start_pays(0, 0.0, 100, 40));
+        for r in 1..=5 {
+            c.observe_forward(r, 0.01 * (1.0 + 0.1 * (r - 1) as f64));
+        }
+        // The catch-up of 40 tokens costs C = 40 ms / 10 ms = 4 one-row forwards. On the
+        // optimistic prior (α = 0.625 + one standard error = 0.867 at every position) the
+        // draft model's best step is k = 3: E = 3.271 tokens for 1.3 + 3·0.3 = 2.2 forwards,
+        // s1 = 1.487. Without it (plain decoding, s0 = 1) each token would save
+        // g = 1 - 1/1.487 = 0.327 forwards, so the catch-up pays after C/g = 12.2 tokens.
+        let s1 = c.best_optimistic().1;
+        assert!((s1 - 1.4867).abs() < 1e-3, "{s1}");
+        assert!(!c.start_pays(12, 12.0, 100, 40));
+        assert!(c.start_pays(13, 13.0, 100, 40));
+        // Not when the tokens left cannot pay the catch-up back ...
+        assert!(!c.start_pays(13, 13.0, 12, 40));
+        // ... nor when what runs without it (n-gram lookup at s0 = 1.6) is faster than the
+        // draft model's best.
+        assert!(!c.start_pays(160, 100.0, 1000, 40));
+        // A longer catch-up waits longer: 80 tokens pay after 24.5 tokens.
+        assert!(!c.start_pays(24, 24.0, 100, 80));
+        assert!(c.start_pays(25, 25.0, 100, 80));
+        // Drafting measured at 0.6 forwards per token (the prior no longer counts): the best
+        // step is now k = 1, s1 = 1.867 / 1.7 = 1.098, g = 0.089, 40 tokens pay after 45.
+        c.observe_draft(1, 0.006, 0.0);
+        assert!(!c.start_pays(44, 44.0, 1000, 40));
+        assert!(c.start_pays(45, 45.0, 1000, 40));
+    }
+
+    #[test]
+    fn catch_up_costs_are_measured_over_long_feeds_and_carried_to_the_next_request() {
+        let mut c = DraftLength::new(4, true);
+        c.set_catch_up_prior(0.002);
+        // A feed of a few tokens costs about a draft step whatever its length: ignored.
+        c.observe_catch_up(MIN_CATCH_UP_SAMPLE - 1, 0.1);
+        assert_eq!(c.catch_up_token_s, Some(0.002));
+        // The first measurement replaces the prior; a prior never replaces a measurement.
+        c.observe_catch_up(40, 0.04);
+        assert_eq!(c.catch_up_token_s, Some(0.001));
+        c.set_catch_up_prior(0.005);
+        assert_eq!(c.catch_up_token_s, Some(0.001));
+        // Later ones are averaged in.
+        c.observe_catch_up(20, 0.04);
+        let averaged = 0.001 + TIME_ALPHA * 0.001;
+        assert!((c.catch_up_token_s.unwrap() - averaged).abs() < 1e-15);
+        // The next request starts from the measurement, and keeps it over its own prior.
+        let mut w = DraftLength::new(4, true);
+        w.warm_start(&c);
+        w.set_catch_up_prior(0.005);
+        assert!((w.catch_up_token_s.unwrap() - averaged).abs() < 1e-15);
+        // An unmeasured prior is not carried.
+        let mut p = DraftLength::new(4, true);
+        p.set_catch_up_prior(0.003);
+        let mut w = DraftLength::new(4, true);
+        w.warm_start(&p);
+        assert_eq!(w.catch_up_token_s, None);
+    }
+
+    #[test]
+    fn size_ratios_count_the_weights_of_the_qwen_pair() {
+        let qwen = |layers, hidden, intermediate, heads, head_dim| ModelConfig {
+            family: crate::model::Family::Qwen2,
+            vocab_size: 151_936,
+            hidden_size: hidden,
+            intermediate_size: intermediate,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: 2,
+            head_dim,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            context_length: 32_768,
+            rope_style: crate::model::RopeStyle::Neox,
+        };
+        // Qwen2.5 0.5B and 1.5B: 24 layers of hidden 896 (14 heads of 64, MLP 4864) and 28
+        // of hidden 1536 (12 heads of 128, MLP 8960), both with 2 KV heads.
+        let draft = qwen(24, 896, 4864, 14, 64);
+        let target = qwen(28, 1536, 8960, 12, 128);
+        assert_eq!(
+            draft.block_params(),
+            24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864)
+        );
+        assert_eq!(draft.block_params(), 357_826_560);
+        assert_eq!(target.block_params(), 1_310_195_712);
+        assert_eq!(target.step_params(), 1_310_195_712 + 151_936 * 1536);
+        let r = SizeRatio::of(&draft, &target);
+        assert!((r.blocks - 0.27311).abs() < 1e-4, "{r:?}");
+        assert!((r.step - 0.32001).abs() < 1e-4, "{r:?}");
     }
 }

@@ -6,7 +6,8 @@
 //! draft tokens go), feeds the committed tokens it has not seen, then decodes k tokens. When
 //! more than [`RESEED_GAP`] committed tokens are unseen (the controller paused drafting, or the
 //! prompt is long), it re-seeds instead: it drops its cache and feeds only the last
-//! [`RESEED_WINDOW`] tokens of the context, at positions from 0. Catching up a gap costs a draft
+//! [`RESEED_WINDOW`] tokens of the context, at positions from 0; its first proposal feeds the
+//! last [`START_WINDOW`] tokens the same way. Catching up a gap costs a draft
 //! prefill per token (~0.16 of a target step for the Qwen 0.5B/1.5B pair on this CPU), so a
 //! probe after a long pause would otherwise cost more than the pause saved. Drafts from a
 //! windowed context may be worse; exactness does not depend on them (the target verifies). At
@@ -27,6 +28,12 @@ use crate::sampling::{argmax, Sampler, SamplingParams};
 pub const RESEED_GAP: usize = 96;
 /// Tokens of context a re-seed feeds.
 pub const RESEED_WINDOW: usize = 64;
+/// Tokens of context the first proposal feeds (the end of the prompt and what was committed
+/// before the drafter started). On the Qwen pair, code drafted from the last 32 tokens ran as
+/// fast as from the whole prompt (1.40× against 1.39× AR; the catch-up costs half as much,
+/// the drafts are accepted a little less often), so the drafter starts sooner (docs/perf.md,
+/// session 33).
+pub const START_WINDOW: usize = 32;
 /// Tokens a drafting step feeds when no pause came before it: the last accepted draft (after a
 /// full accept) and the target's token. Feeding more is catch-up ([`Drafter::last_catch_up_s`]).
 const STEADY_FEED: usize = 2;
@@ -94,6 +101,17 @@ pub fn parse_draft_vocab(text: &str, file: &str) -> Result<Vec<u32>> {
         .collect()
 }
 
+/// [`START_WINDOW`], or `SPECULA_START_WINDOW=N` (side-by-side measurement only).
+fn start_window() -> usize {
+    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *W.get_or_init(|| {
+        std::env::var("SPECULA_START_WINDOW")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(START_WINDOW)
+    })
+}
+
 /// A draft model's per-request state.
 pub struct DraftModelDrafter {
     model: Arc<Model>,
@@ -128,6 +146,30 @@ impl DraftModelDrafter {
         }
     }
 
+    /// Where a proposal continuing `context` starts: the context offset its cache will hold
+    /// (the last [`START_WINDOW`] tokens at the first proposal; moved on by a re-seed from the
+    /// last [`RESEED_WINDOW`] tokens when more than [`RESEED_GAP`] are unseen) and how many
+    /// cached tokens it keeps (the prefix shared with
+    /// the context, leaving at least one token to feed: its row gives the first draft's logits).
+    fn plan(&self, context: &[u32]) -> (usize, usize) {
+        let view = context.get(self.offset..).unwrap_or(&[]);
+        let shared = self
+            .cached
+            .iter()
+            .zip(view)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(view.len().saturating_sub(1));
+        if self.cached.is_empty() && self.offset == 0 {
+            return (context.len().saturating_sub(start_window()), 0);
+        }
+        if self.offset > context.len() || context.len() - self.offset - shared > RESEED_GAP {
+            (context.len().saturating_sub(RESEED_WINDOW), 0)
+        } else {
+            (self.offset, shared)
+        }
+    }
+
     /// Feed `tokens` after the cache; returns the last row's logits.
     fn feed(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let n_chunks = tokens.len().div_ceil(self.prefill_chunk);
@@ -158,21 +200,8 @@ impl Drafter for DraftModelDrafter {
         if k == 0 || context.is_empty() {
             return Ok(Proposal::default());
         }
-        // Roll back to the shared prefix, keeping at least one token to feed (its row gives the
-        // logits for the first draft).
-        let view = context.get(self.offset..).unwrap_or(&[]);
-        let mut shared = self
-            .cached
-            .iter()
-            .zip(view)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(view.len().saturating_sub(1));
-        if self.offset > context.len() || context.len() - self.offset - shared > RESEED_GAP {
-            // Re-seed from the last RESEED_WINDOW tokens.
-            self.offset = context.len().saturating_sub(RESEED_WINDOW);
-            shared = 0;
-        }
+        let (offset, shared) = self.plan(context);
+        self.offset = offset;
         self.kv.truncate(shared);
         self.cached.truncate(shared);
         let view = &context[self.offset..];
@@ -232,6 +261,11 @@ impl Drafter for DraftModelDrafter {
         self.catch_up_s
     }
 
+    fn catch_up_tokens(&self, context: &[u32]) -> usize {
+        let (offset, shared) = self.plan(context);
+        (context.len().saturating_sub(offset + shared)).saturating_sub(STEADY_FEED)
+    }
+
     fn max_pause(&self) -> Option<usize> {
         Some(MAX_PAUSE)
     }
@@ -280,26 +314,61 @@ mod tests {
     }
 
     #[test]
+    fn catch_up_tokens_count_what_a_proposal_feeds_before_drafting() {
+        let (_dir, model) = tiny();
+        let v = model.config.vocab_size as u32;
+        let ctx: Vec<u32> = (0..50u32).map(|i| (i * 7 + 3) % v).collect();
+        let mut d = DraftModelDrafter::new(model.clone(), &SamplingParams::greedy(), 0, 64);
+        // Before the first draft: the prompt's last START_WINDOW tokens, less a steady step's
+        // feed.
+        assert_eq!(d.catch_up_tokens(&ctx), START_WINDOW - STEADY_FEED);
+        let p = d.propose(&ctx, 3).expect("propose");
+        assert_eq!(
+            d.cached.len(),
+            START_WINDOW + 2,
+            "the window and two of the three drafts are fed"
+        );
+        assert!(d.last_catch_up_s() > 0.0);
+        // One draft accepted and the target's token: a steady step, nothing to catch up on.
+        let mut next = ctx.clone();
+        next.extend([p.tokens[0], (p.tokens[1] + 1) % v]);
+        assert_eq!(d.catch_up_tokens(&next), 0);
+        let p2 = d.propose(&next, 2).expect("propose");
+        assert_eq!(d.last_catch_up_s(), 0.0);
+        // Ten committed tokens unseen (a pause; the first is not the fed draft): those, less a
+        // steady step's feed.
+        let mut paused = next.clone();
+        paused.push((p2.tokens[0] + 1) % v);
+        paused.extend((0..9u32).map(|i| (i * 5 + 1) % v));
+        assert_eq!(d.catch_up_tokens(&paused), 10 - STEADY_FEED);
+        // A gap past RESEED_GAP: the re-seed window, less a steady step's feed.
+        paused.extend((0..RESEED_GAP as u32).map(|i| (i * 3 + 2) % v));
+        assert_eq!(d.catch_up_tokens(&paused), RESEED_WINDOW - STEADY_FEED);
+    }
+
+    #[test]
     fn a_long_gap_reseeds_from_a_window_and_a_short_one_catches_up() {
         let (_dir, model) = tiny();
         let v = model.config.vocab_size as u32;
         let ctx: Vec<u32> = (0..200u32).map(|i| (i * 7 + 3) % v).collect();
         let greedy = SamplingParams::greedy();
         let mut d = DraftModelDrafter::new(model.clone(), &greedy, 0, 64);
+        // The first proposal feeds the last START_WINDOW tokens.
         let p = d.propose(&ctx, 3).expect("propose");
-        assert_eq!(d.offset, ctx.len() - RESEED_WINDOW);
+        assert_eq!(d.offset, ctx.len() - START_WINDOW);
         assert_eq!(p.tokens.len(), 3);
         // The same drafts as a drafter given only the window.
         let mut fresh = DraftModelDrafter::new(model.clone(), &greedy, 0, 64);
-        let q = fresh.propose(&ctx[ctx.len() - RESEED_WINDOW..], 3).expect("propose");
+        let q = fresh.propose(&ctx[ctx.len() - START_WINDOW..], 3).expect("propose");
         assert_eq!(p.tokens, q.tokens);
+        assert_eq!(fresh.offset, 0);
         // One draft accepted, then a short gap: caught up in place, no re-seed.
         let mut ctx2 = ctx.clone();
         ctx2.push(p.tokens[0]);
         ctx2.extend((0..10u32).map(|i| (i * 5 + 1) % v));
         let p2 = d.propose(&ctx2, 2).expect("propose");
-        assert_eq!(d.offset, ctx.len() - RESEED_WINDOW);
-        let q2 = fresh.propose(&ctx2[ctx.len() - RESEED_WINDOW..], 2).expect("propose");
+        assert_eq!(d.offset, ctx.len() - START_WINDOW);
+        let q2 = fresh.propose(&ctx2[ctx.len() - START_WINDOW..], 2).expect("propose");
         assert_eq!(p2.tokens, q2.tokens);
         // A gap past RESEED_GAP re-seeds again.
         let mut ctx3 = ctx2.clone();

@@ -208,6 +208,17 @@ pub trait Drafter: Send {
         0.0
     }
 
+    /// How many context tokens a proposal continuing `context` would feed before drafting,
+    /// beyond a steady step's (the catch-up whose seconds [`Drafter::last_catch_up_s`] reports).
+    /// 0 (the default) for drafters that read the target's hidden states as it runs or read
+    /// nothing: they have nothing to catch up on before their first draft. A draft model
+    /// feeds the whole prompt (or a window of it) first; the controller weighs that before
+    /// starting it ([`controller::DraftLength::start_pays`]).
+    fn catch_up_tokens(&self, context: &[u32]) -> usize {
+        let _ = context;
+        0
+    }
+
     /// The longest pause the draft-length controller should take between probes, when a probe
     /// costs this drafter more than its drafts (None: the controller's default).
     fn max_pause(&self) -> Option<usize> {
@@ -249,6 +260,10 @@ pub struct SpecStats {
     /// [`crate::sequence::Sequence`]), and how many were accepted.
     pub lookup_drafted: usize,
     pub lookup_accepted: usize,
+    /// A model drafter that must catch up on the prompt first (a draft model) starts when
+    /// its catch-up pays ([`controller::DraftLength::start_pays`]): the output tokens
+    /// committed before it started. None when it never started (or needs no catch-up).
+    pub model_started_at: Option<usize>,
     /// Seconds spent in the drafter.
     pub draft_s: f64,
     /// Target forwards after prefill by row count: entry `r - 1` holds (forwards, seconds) of
@@ -306,6 +321,7 @@ impl SpecStats {
             "acceptance_by_position": by_pos,
             "lookup_drafted": self.lookup_drafted,
             "lookup_accepted": self.lookup_accepted,
+            "model_started_at": self.model_started_at,
             "draft_s": self.draft_s,
             "target_forwards": forwards,
         })
