@@ -40,7 +40,8 @@ pub struct SequenceEnv {
     pub batch_invariant: bool,
     /// The attached draft model and its id.
     pub draft: Option<(Arc<Model>, String)>,
-    /// The draft model's size relative to the target's: the prior of its costs.
+    /// The draft model's size relative to the target's: the prior of its costs
+    /// ([`DraftLength::set_draft_cost_prior`], [`DraftLength::set_catch_up_prior`]).
     pub draft_size: Option<crate::spec::controller::SizeRatio>,
     /// The attached MTP head.
     pub mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
@@ -114,6 +115,12 @@ pub struct Sequence {
     /// target forwards.
     deferred_committed: usize,
     deferred_spent: f64,
+    /// The draft model's size against the target's, when the drafter is a draft model (the
+    /// prior of its costs until measured).
+    draft_size: Option<crate::spec::controller::SizeRatio>,
+    /// Prompt tokens fed by this request's prefill forwards, and those forwards' seconds.
+    prefill_fed: usize,
+    prefill_forward_s: f64,
     /// Prompt + committed tokens.
     context: Vec<u32>,
     kv: KvCache,
@@ -168,6 +175,7 @@ impl Sequence {
         // Speculation is used only where it is exact (see `spec`); otherwise plain AR, and the
         // stats say why.
         let mut drafter: Option<Box<dyn Drafter>> = None;
+        let mut draft_size = None;
         // A sampling drafter's RNG seed, forked from the request's stream (greedy: unused).
         let greedy = req.sampling.is_greedy();
         let draft_seed = |s: &mut Sampler| if greedy { 0 } else { s.fork_seed() };
@@ -184,6 +192,7 @@ impl Sequence {
             }
             (Some(SpecMode::Draft), Some((model, id))) => {
                 let seed = draft_seed(&mut sampler);
+                draft_size = env.draft_size;
                 drafter = Some(Box::new(DraftModelDrafter::new(
                     model.clone(),
                     &req.sampling,
@@ -248,7 +257,7 @@ impl Sequence {
             && drafter
                 .as_ref()
                 .is_some_and(|d| d.catch_up_tokens(&req.prompt_tokens) > 0);
-        if let (true, Some(size)) = (deferred, env.draft_size) {
+        if let (true, Some(size)) = (k_ctl.adaptive(), draft_size) {
             k_ctl.set_draft_cost_prior(size.step);
         }
         let context = req.prompt_tokens.clone();
@@ -267,6 +276,9 @@ impl Sequence {
             deferred,
             deferred_committed: 0,
             deferred_spent: 0.0,
+            draft_size,
+            prefill_fed: 0,
+            prefill_forward_s: 0.0,
             context,
             kv,
             max_tokens,
@@ -472,19 +484,24 @@ impl Sequence {
                     d.observe(start, n, &views)?;
                 }
             }
+            self.prefill_fed += end - self.prefilled;
+            self.prefill_forward_s += secs;
             self.prefilled = end;
             if end < prompt_len {
                 return Ok(StepOutcome::default());
             }
             self.stats.prefill_s = self.started.elapsed().as_secs_f64();
             self.decode_started = Some(Instant::now());
-            if let (true, Some(size)) = (self.deferred, self.env.draft_size) {
-                // The draft model's catch-up runs its blocks over the prompt as the target's
-                // prefill just did over the tokens it fed.
-                let fed = prompt_len - self.stats.cached_prompt_tokens;
-                if fed > 0 {
-                    self.k_ctl
-                        .set_catch_up_prior(size.blocks * self.stats.prefill_s / fed as f64);
+            if let (true, Some(size)) = (self.deferred, self.draft_size) {
+                // The draft model's catch-up runs its blocks over context tokens as the
+                // target's prefill forwards just did over the prompt (their own seconds, not
+                // the batch's other work between them). Too few tokens (a prefix-cache hit)
+                // say little: then no prior, and the drafter starts as it did before
+                // catch-ups were priced (a measured cost carried from an earlier request
+                // still counts).
+                if self.prefill_fed >= crate::spec::controller::MIN_CATCH_UP_SAMPLE {
+                    let per_token = self.prefill_forward_s / self.prefill_fed as f64;
+                    self.k_ctl.set_catch_up_prior(size.blocks * per_token);
                 }
             }
         } else {
@@ -714,7 +731,8 @@ impl Sequence {
 
     /// The model drafter's k for this step: the controller's `k`, or 0 while the drafter has
     /// not started and its catch-up on the context does not pay yet
-    /// ([`DraftLength::start_pays`], with `room_out` tokens left to generate at most).
+    /// ([`DraftLength::start_pays`], with `room_out` tokens left to generate at most) and
+    /// this step is not a probe.
     fn model_k(&mut self, k: usize, room_out: usize) -> usize {
         if !self.deferred || k == 0 {
             return k;
@@ -723,9 +741,14 @@ impl Sequence {
             return k;
         };
         let catch_up = d.catch_up_tokens(&self.context);
-        if !self
-            .k_ctl
-            .start_pays(self.deferred_committed, self.deferred_spent, room_out, catch_up)
+        // A probe (the step after a pause) starts it whatever the estimate says: without a
+        // draft its acceptance would never be measured again, and an estimate carried from
+        // an earlier request that did not pay would keep it off for good.
+        let probe = self.k_ctl.probing();
+        if !probe
+            && !self
+                .k_ctl
+                .start_pays(self.deferred_committed, self.deferred_spent, room_out, catch_up)
         {
             return 0;
         }

@@ -332,9 +332,8 @@ async fn a_startup_draft_model_counts_once() {
 }
 
 /// The real default model drafting for itself: one draft load, then greedy output
-/// byte-identical to plain decoding, with a fixed k and adaptive (a
-/// drafter as dear as the target never pays its catch-up, so it never starts); a draft model
-/// with another tokenizer is refused.
+/// byte-identical to plain decoding, with a fixed k and adaptive; a draft model with another
+/// tokenizer is refused.
 #[tokio::test]
 async fn smollm2_drafts_for_itself_after_a_switch() {
     let entry = catalog::lookup(catalog::DEFAULT_MODEL).expect("catalog entry");
@@ -386,8 +385,9 @@ async fn smollm2_drafts_for_itself_after_a_switch() {
         "{}",
         spec["spec_stats"]
     );
-    // Adaptive: drafting costs a whole target step per token, so no k can pay and the draft
-    // model never starts (`DraftLength::start_pays`): plain decoding, the same text.
+    // Adaptive: drafting costs a whole target step per token, so no k pays; the draft model
+    // starts only at the controller's probes (`DraftLength::start_pays`), and the text is the
+    // same.
     let mut adaptive = ask.clone();
     adaptive["spec"] = json!({"mode": "draft", "adaptive": true});
     let spec = post(&app, CHAT, adaptive).await.json();
@@ -395,8 +395,6 @@ async fn smollm2_drafts_for_itself_after_a_switch() {
         spec["spec_stats"]["decode_path"],
         format!("draft-model:{}", catalog::DEFAULT_MODEL)
     );
-    assert_eq!(spec["spec_stats"]["drafted"], 0, "{}", spec["spec_stats"]);
-    assert_eq!(spec["spec_stats"]["model_started_at"], Value::Null);
     assert_eq!(
         spec["choices"][0]["message"]["content"],
         ar["choices"][0]["message"]["content"]

@@ -35,12 +35,13 @@
 //! thin; where drafting hovers at break-even and every few steps end in a pause (prose), the
 //! catch-ups add up, drafting stops paying, and the pauses grow instead of resetting.
 //!
-//! A draft model's first catch-up (the prompt, before its first draft) is weighed before it is
-//! paid ([`DraftLength::start_pays`], a ski rental): the request decodes without the drafter
-//! (with n-gram lookup beside it, or plainly) until the tokens committed so far would have
-//! saved the catch-up had the drafter run, and the drafter never starts while the tokens left
-//! could not pay it back. On the Qwen pair on a 2-core CPU the prompt's catch-up costs about
-//! as much as a one-sentence answer's whole decode saves (docs/perf.md, session 33).
+//! A draft model's first catch-up (the end of the context, before its first draft) is weighed
+//! before it is paid ([`DraftLength::start_pays`], a ski rental): the request decodes without
+//! the drafter (with n-gram lookup beside it, or plainly) until the tokens committed so far
+//! would have saved the catch-up had the drafter run, and the drafter never starts while the
+//! tokens left could not pay it back (a probe after a pause starts it regardless). On the Qwen
+//! pair on a 2-core CPU the catch-up costs about as much as a one-sentence answer's whole
+//! decode saves (docs/perf.md, session 33).
 
 use crate::model::ModelConfig;
 
@@ -71,7 +72,7 @@ const CATCH_UP_DECAY: f64 = 0.97;
 /// token ([`DraftLength::observe_catch_up`]): a feed of a few tokens costs about one draft
 /// step whatever its length (the weights are read once), so its cost per token says little
 /// about a prompt's.
-const MIN_CATCH_UP_SAMPLE: usize = 16;
+pub const MIN_CATCH_UP_SAMPLE: usize = 16;
 
 /// Weight of the older steps in the [`BatchCost`] fit, per step.
 const BATCH_DECAY: f64 = 0.97;
@@ -453,9 +454,10 @@ impl DraftLength {
     }
 
     /// Start from what an earlier request with the same drafter learned (acceptance counts,
-    /// measured costs): a new request then does not pay again to find out that drafting does not
-    /// pay. When the prior predicts a loss, the request starts paused for the longest back-off
-    /// (a draft model also skips its prompt prefill until a probe). A fixed k ignores priors.
+    /// measured costs, a draft model's catch-up seconds per token): a new request then does not
+    /// pay again to find out that drafting does not pay. When the prior predicts a loss, the
+    /// request starts paused for the longest back-off (a draft model also skips its catch-up
+    /// until the probe that ends it). A fixed k ignores priors.
     pub fn warm_start(&mut self, prior: &DraftLength) {
         if !self.adaptive {
             return;
@@ -905,6 +907,12 @@ impl DraftLength {
         }
         self.since_one_row += 1;
         k
+    }
+
+    /// Whether the next draft is a probe: the first after a pause, drafted whatever the
+    /// (stale) estimate says.
+    pub fn probing(&self) -> bool {
+        self.probing
     }
 
     /// Whether the last [`DraftLength::next_k`] returned 0 to measure a one-row forward (the

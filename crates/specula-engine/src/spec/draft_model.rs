@@ -29,10 +29,10 @@ pub const RESEED_GAP: usize = 96;
 /// Tokens of context a re-seed feeds.
 pub const RESEED_WINDOW: usize = 64;
 /// Tokens of context the first proposal feeds (the end of the prompt and what was committed
-/// before the drafter started). On the Qwen pair, code drafted from the last 32 tokens ran as
-/// fast as from the whole prompt (1.40× against 1.39× AR; the catch-up costs half as much,
-/// the drafts are accepted a little less often), so the drafter starts sooner (docs/perf.md,
-/// session 33).
+/// before the drafter started). On the Qwen pair, with the start deferred until it pays, code
+/// ran at 1.40× AR from the last 32 tokens against 1.32× from the whole prompt in one run: the
+/// catch-up costs half as much, so the drafter starts sooner, and its drafts are accepted
+/// only a little less often (docs/perf.md, session 33).
 pub const START_WINDOW: usize = 32;
 /// Tokens a drafting step feeds when no pause came before it: the last accepted draft (after a
 /// full accept) and the target's token. Feeding more is catch-up ([`Drafter::last_catch_up_s`]).
@@ -109,6 +109,7 @@ fn start_window() -> usize {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(START_WINDOW)
+            .max(1)
     })
 }
 
@@ -119,7 +120,8 @@ pub struct DraftModelDrafter {
     /// The tokens whose keys and values are in `kv` (`kv.len() == cached.len()`): the context
     /// from position `offset` on.
     cached: Vec<u32>,
-    /// Where `cached` starts in the context (0 until a re-seed).
+    /// Where `cached` starts in the context (0 until the first proposal or a re-seed feeds a
+    /// window of it).
     offset: usize,
     /// Seconds the last proposal spent feeding context before drafting.
     catch_up_s: f64,
@@ -321,11 +323,11 @@ mod tests {
         let mut d = DraftModelDrafter::new(model.clone(), &SamplingParams::greedy(), 0, 64);
         // Before the first draft: the prompt's last START_WINDOW tokens, less a steady step's
         // feed.
-        assert_eq!(d.catch_up_tokens(&ctx), START_WINDOW - STEADY_FEED);
+        assert_eq!(d.catch_up_tokens(&ctx), start_window() - STEADY_FEED);
         let p = d.propose(&ctx, 3).expect("propose");
         assert_eq!(
             d.cached.len(),
-            START_WINDOW + 2,
+            start_window() + 2,
             "the window and two of the three drafts are fed"
         );
         assert!(d.last_catch_up_s() > 0.0);
@@ -353,13 +355,13 @@ mod tests {
         let ctx: Vec<u32> = (0..200u32).map(|i| (i * 7 + 3) % v).collect();
         let greedy = SamplingParams::greedy();
         let mut d = DraftModelDrafter::new(model.clone(), &greedy, 0, 64);
-        // The first proposal feeds the last START_WINDOW tokens.
+        // The first proposal feeds the last START_WINDOW tokens (`start_window`).
         let p = d.propose(&ctx, 3).expect("propose");
-        assert_eq!(d.offset, ctx.len() - START_WINDOW);
+        assert_eq!(d.offset, ctx.len() - start_window());
         assert_eq!(p.tokens.len(), 3);
         // The same drafts as a drafter given only the window.
         let mut fresh = DraftModelDrafter::new(model.clone(), &greedy, 0, 64);
-        let q = fresh.propose(&ctx[ctx.len() - START_WINDOW..], 3).expect("propose");
+        let q = fresh.propose(&ctx[ctx.len() - start_window()..], 3).expect("propose");
         assert_eq!(p.tokens, q.tokens);
         assert_eq!(fresh.offset, 0);
         // One draft accepted, then a short gap: caught up in place, no re-seed.
@@ -367,8 +369,8 @@ mod tests {
         ctx2.push(p.tokens[0]);
         ctx2.extend((0..10u32).map(|i| (i * 5 + 1) % v));
         let p2 = d.propose(&ctx2, 2).expect("propose");
-        assert_eq!(d.offset, ctx.len() - START_WINDOW);
-        let q2 = fresh.propose(&ctx2[ctx.len() - START_WINDOW..], 2).expect("propose");
+        assert_eq!(d.offset, ctx.len() - start_window());
+        let q2 = fresh.propose(&ctx2[ctx.len() - start_window()..], 2).expect("propose");
         assert_eq!(p2.tokens, q2.tokens);
         // A gap past RESEED_GAP re-seeds again.
         let mut ctx3 = ctx2.clone();

@@ -260,9 +260,11 @@ pub struct SpecStats {
     /// [`crate::sequence::Sequence`]), and how many were accepted.
     pub lookup_drafted: usize,
     pub lookup_accepted: usize,
-    /// A model drafter that must catch up on the prompt first (a draft model) starts when
-    /// its catch-up pays ([`controller::DraftLength::start_pays`]): the output tokens
-    /// committed before it started. None when it never started (or needs no catch-up).
+    /// A model drafter that must catch up on the context first (a draft model, adaptive k)
+    /// starts when its catch-up pays ([`controller::DraftLength::start_pays`]) or at a probe:
+    /// the output tokens committed when that was decided (n-gram lookup may still draft that
+    /// step). None when it never started, or started without waiting (fixed k, a drafter
+    /// with nothing to catch up on, `SPECULA_DEFER_START=0`).
     pub model_started_at: Option<usize>,
     /// Seconds spent in the drafter.
     pub draft_s: f64,
