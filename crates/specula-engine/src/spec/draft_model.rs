@@ -8,8 +8,9 @@
 //! prompt is long), it re-seeds instead: it drops its cache and feeds only the last
 //! [`RESEED_WINDOW`] tokens of the context, at positions from 0; its first proposal feeds the
 //! last [`START_WINDOW`] tokens the same way. Catching up a gap costs a draft
-//! prefill per token (~0.16 of a target step for the Qwen 0.5B/1.5B pair on this CPU), so a
-//! probe after a long pause would otherwise cost more than the pause saved. Drafts from a
+//! prefill per token (for the Qwen 0.5B/1.5B pair, ~0.16 of a target step on an AVX-512 CPU
+//! before the K-quant tiles, 0.07-0.08 on an AVX2 one after them), so a probe after a long
+//! pause would otherwise cost more than the pause saved. Drafts from a
 //! windowed context may be worse; exactness does not depend on them (the target verifies). At
 //! temperature 0 it proposes its argmax (q one-hot, greedy acceptance); at temperature > 0 it
 //! samples from its processed distribution (the request's temperature, top-k, top-p and min-p,
