@@ -325,8 +325,9 @@ impl<'a> Acts<'a> {
 }
 
 /// `vpshufb` control taking bytes `a` and `b` of each dword to the low bytes of its two 16-bit
-/// halves (zero-extended): the i16 pairs of the Q4_K min products. The 16-byte pattern repeats,
-/// so the VNNI tiles read all 64 bytes and the AVX2 tiles the first 32.
+/// halves (zero-extended): the i16 pairs of the Q4_K min products, and with `a == b` a scale
+/// byte duplicated for the AVX2 tiles' `madd`. The 16-byte pattern repeats, so the VNNI tiles
+/// read all 64 bytes and the AVX2 tiles the first 32.
 #[cfg(target_arch = "x86_64")]
 const fn pair_ctrl(a: usize, b: usize) -> [u8; 64] {
     let mut c = [0x80u8; 64];
@@ -662,19 +663,6 @@ pub(crate) mod avx2 {
     /// Rows per half of a group (the 8 i32 lanes of a 256-bit register).
     const HALF: usize = GROUP / 2;
 
-    /// `vpshufb` control (per 128-bit lane) taking byte `a` of each dword to both 16-bit halves
-    /// of the dword, zero-extended: a per-row scale byte as the i16 pair `madd` multiplies by.
-    const fn dup_byte(a: usize) -> [u8; 32] {
-        let mut c = [0x80u8; 32];
-        let mut i = 0;
-        while i < 8 {
-            let p = (i % 4) * 4;
-            c[4 * i] = (p + a) as u8;
-            c[4 * i + 2] = (p + a) as u8;
-            i += 1;
-        }
-        c
-    }
     /// `vpshufb` control taking the i16 at bytes `a, a + 1` of each dword to both of its halves.
     const fn dup_word(a: usize) -> [u8; 32] {
         let mut c = [0u8; 32];
@@ -689,11 +677,16 @@ pub(crate) mod avx2 {
         }
         c
     }
-    static DUP_BYTE: [[u8; 32]; 4] = [dup_byte(0), dup_byte(1), dup_byte(2), dup_byte(3)];
+    /// `vpshufb` controls taking byte `a` of each dword to both 16-bit halves of the dword,
+    /// zero-extended: a per-row scale byte as the i16 pair `madd` multiplies by (the first 32
+    /// bytes of [`pair_ctrl`]`(a, a)`).
+    static DUP_BYTE: [[u8; 64]; 4] = [pair_ctrl(0, 0), pair_ctrl(1, 1), pair_ctrl(2, 2), pair_ctrl(3, 3)];
     static DUP_WORD: [[u8; 32]; 2] = [dup_word(0), dup_word(2)];
 
+    /// The first 32 bytes of a control table as a 256-bit register.
     #[inline(always)]
-    unsafe fn ctrl(c: &[u8; 32]) -> __m256i {
+    unsafe fn ctrl(c: &[u8]) -> __m256i {
+        debug_assert!(c.len() >= 32);
         _mm256_loadu_si256(c.as_ptr() as *const __m256i)
     }
 
