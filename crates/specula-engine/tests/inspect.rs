@@ -626,6 +626,78 @@ fn mtp_head_in_a_sidecar_and_gguf_nextn() {
     );
 }
 
+/// A sidecar MTP head (or a block drafter) that `inspect` found but serve could not attach (its
+/// load failed, or the device leaves native drafters out) stops being a capability: the report
+/// says why in a warning, and the modes fall back to the next drafter, as the engine does.
+#[test]
+fn a_drafter_found_but_not_attached_leaves_the_modes() {
+    let _g = heavy();
+    let dir = tmp();
+    let g = dir.path().join("t.gguf");
+    tiny_gguf_q8(&g, Family::Llama);
+    let side = dir.path().join("head.safetensors");
+    save_st(&side, &mtp_deepseek(2));
+    write_block_drafter(&dir.path().join("drafter"));
+    let mut r = run_with(
+        &g,
+        InspectOptions {
+            drafter: Some(side.clone()),
+            ..Default::default()
+        },
+    );
+    assert_eq!(r.capabilities.mtp.status, MtpStatus::Present, "{:?}", r.diagnostics);
+    assert_eq!(
+        (r.modes.on.drafter.as_str(), r.modes.default.drafter.as_str()),
+        ("mtp", "mtp")
+    );
+    let before = r.diagnostics.len();
+
+    // Nothing left out: nothing changes.
+    assert!(!r.not_attached(None, None));
+    assert_eq!(r.diagnostics.len(), before);
+    assert_eq!(r.modes.on.drafter, "mtp");
+
+    let why = "the device leaves native drafters out";
+    assert!(r.not_attached(Some(why), None));
+    assert_eq!(r.capabilities.mtp.status, MtpStatus::NotLoaded);
+    let warned: Vec<_> = r
+        .diagnostics
+        .iter()
+        .filter(|d| d.component == Component::Mtp && d.severity == Severity::Warning && d.message.contains(why))
+        .collect();
+    assert_eq!(warned.len(), 1, "{:?}", r.diagnostics);
+    assert_eq!(warned[0].file, side.display().to_string());
+    for m in [&r.modes.on, &r.modes.default] {
+        assert_eq!(m.drafter, "ngram", "{m:?}");
+        assert!(!m.reason.contains("MTP"), "{m:?}");
+    }
+    // Said once: a second call finds nothing more to drop.
+    assert!(!r.not_attached(Some(why), None));
+    assert_eq!(r.diagnostics.len(), before + 1);
+
+    // A block drafter the report found valid, then left out by serve.
+    let mut r = run_with(
+        &g,
+        InspectOptions {
+            drafter: Some(dir.path().join("drafter")),
+            ..Default::default()
+        },
+    );
+    assert!(
+        r.capabilities.block_drafter.as_ref().is_some_and(|b| b.valid),
+        "{:?}",
+        r.diagnostics
+    );
+    assert_eq!(r.modes.on.drafter, "block");
+    assert!(r.not_attached(None, Some("its load failed")));
+    assert!(r.capabilities.block_drafter.as_ref().is_some_and(|b| !b.valid));
+    assert!(r
+        .diagnostics
+        .iter()
+        .any(|d| d.component == Component::Drafter && d.message.contains("its load failed")));
+    assert_eq!(r.modes.on.drafter, "ngram", "{:?}", r.modes.on);
+}
+
 #[test]
 fn mtp_markers_without_tensors_are_declared_but_absent() {
     let _g = heavy();

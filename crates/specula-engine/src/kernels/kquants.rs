@@ -143,14 +143,18 @@ pub fn quantize_row_q8k(x: &[f32]) -> Q8KRow {
     let mut qs = vec![0i8; nb * QK_K];
     let mut bsums = vec![0i16; nb * (QK_K / 16)];
     #[cfg(target_arch = "x86_64")]
-    let simd = has_avx512();
+    let (avx512, avx2) = (has_avx512(), super::qmatmul::has_avx2());
     for (b, chunk) in x.chunks_exact(QK_K).enumerate() {
         let q = &mut qs[b * QK_K..(b + 1) * QK_K];
         let sums = &mut bsums[b * 16..(b + 1) * 16];
         #[cfg(target_arch = "x86_64")]
-        if simd {
+        if avx512 {
             // SAFETY: AVX-512 F was detected at run time; the slices hold one super-block.
             d[b] = unsafe { quantize_block_q8k_avx512(chunk, q, sums) };
+            continue;
+        } else if avx2 {
+            // SAFETY: AVX2 was detected at run time; the slices hold one super-block.
+            d[b] = unsafe { quantize_block_q8k_avx2(chunk, q, sums) };
             continue;
         }
         d[b] = quantize_block_q8k(chunk, q, sums);
@@ -218,6 +222,47 @@ unsafe fn quantize_block_q8k_avx512(chunk: &[f32], q: &mut [i8], bsums: &mut [i1
         let qi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(sv, *r)), top);
         _mm_storeu_si128(q.as_mut_ptr().add(16 * t) as *mut __m128i, _mm512_cvtepi32_epi8(qi));
         bsums[t] = _mm512_reduce_add_epi32(qi) as i16;
+    }
+    1.0 / iscale
+}
+
+/// [`quantize_block_q8k`] 8 lanes at a time, the same bytes, as [`quantize_block_q8k_avx512`]
+/// argues: the largest magnitude is exact in any order, `max` is the first value in index order
+/// that has it, `vcvtps2dq` rounds half to even; the quants are within ±127, so the saturating
+/// packs change nothing, and two registers are one 16-quant sum.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_q8k_avx2(chunk: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
+    use super::qmatmul::quant_avx2::{abs, hmax, hsum_i32, max_abs, store_bytes};
+    use std::arch::x86_64::*;
+    assert!(chunk.len() == QK_K && q.len() == QK_K && bsums.len() == QK_K / 16);
+    let at = |t: usize| _mm256_loadu_ps(chunk.as_ptr().add(8 * t));
+    let mut m = _mm256_setzero_ps();
+    for t in 0..QK_K / 8 {
+        m = max_abs(m, at(t));
+    }
+    let amax = hmax(m);
+    if amax == 0.0 {
+        return 0.0;
+    }
+    let target = _mm256_set1_ps(amax);
+    let mut max = 0f32;
+    for t in 0..QK_K / 8 {
+        let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(abs(at(t)), target));
+        if hit != 0 {
+            max = chunk[8 * t + hit.trailing_zeros() as usize];
+            break;
+        }
+    }
+    let iscale = -127.0f32 / max;
+    let sv = _mm256_set1_ps(iscale);
+    let top = _mm256_set1_epi32(127);
+    for u in 0..QK_K / 32 {
+        let qi: [__m256i; 4] =
+            std::array::from_fn(|i| _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(sv, at(4 * u + i))), top));
+        store_bytes(q.as_mut_ptr().add(32 * u), qi);
+        bsums[2 * u] = hsum_i32(_mm256_add_epi32(qi[0], qi[1])) as i16;
+        bsums[2 * u + 1] = hsum_i32(_mm256_add_epi32(qi[2], qi[3])) as i16;
     }
     1.0 / iscale
 }
@@ -2033,14 +2078,15 @@ mod tests {
         GgmlDType::Q6K,
     ];
 
-    /// The AVX-512 Q8_K block quantization gives the scalar definition's quants, sums and
-    /// scale: random blocks at several magnitudes, zeros, ties of the largest magnitude (both
+    /// The AVX-512 and AVX2 Q8_K block quantizations give the scalar definition's quants, sums
+    /// and scale: random blocks at several magnitudes, zeros, ties of the largest magnitude (both
     /// signs, so the first one decides), exact halves.
     #[test]
     fn simd_q8k_quantization_matches_scalar() {
         #[cfg(target_arch = "x86_64")]
         {
-            if !has_avx512() {
+            let (avx512, avx2) = (has_avx512(), super::super::qmatmul::has_avx2());
+            if !avx512 && !avx2 {
                 return;
             }
             for case in 0..2000u64 {
@@ -2062,14 +2108,21 @@ mod tests {
                     }
                     _ => {}
                 }
-                let (mut q1, mut q2) = (vec![0i8; QK_K], vec![0i8; QK_K]);
-                let (mut s1, mut s2) = ([0i16; 16], [0i16; 16]);
+                let (mut q1, mut s1) = (vec![0i8; QK_K], [0i16; 16]);
                 let d1 = quantize_block_q8k(&x, &mut q1, &mut s1);
-                // SAFETY: AVX-512 F is present (checked above).
-                let d2 = unsafe { quantize_block_q8k_avx512(&x, &mut q2, &mut s2) };
-                assert_eq!(q1, q2, "case {case}");
-                assert_eq!(s1, s2, "case {case}");
-                assert_eq!(d1.to_bits(), d2.to_bits(), "case {case}");
+                type Simd = unsafe fn(&[f32], &mut [i8], &mut [i16]) -> f32;
+                let paths: [(&str, bool, Simd); 2] = [
+                    ("avx512", avx512, quantize_block_q8k_avx512),
+                    ("avx2", avx2, quantize_block_q8k_avx2),
+                ];
+                for (isa, _, f) in paths.into_iter().filter(|p| p.1) {
+                    let (mut q2, mut s2) = (vec![0i8; QK_K], [0i16; 16]);
+                    // SAFETY: the path's instruction set is present (checked above).
+                    let d2 = unsafe { f(&x, &mut q2, &mut s2) };
+                    assert_eq!(q1, q2, "{isa} case {case}");
+                    assert_eq!(s1, s2, "{isa} case {case}");
+                    assert_eq!(d1.to_bits(), d2.to_bits(), "{isa} case {case}");
+                }
             }
         }
     }

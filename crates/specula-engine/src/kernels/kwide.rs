@@ -714,6 +714,46 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// Activation rows per pass over a Q4_K sub-block pair's weights. A pass keeps two 16-bit
+    /// sums per row in registers, beside the unpacked weights and the broadcast activations: 4
+    /// rows fit AVX2's 16 registers, 8 spilled their sums to the stack on every `maddubs`.
+    /// Rows past the first pass unpack the weights again (4 instructions per unit against 24
+    /// for 4 rows' products).
+    const PASS: usize = 4;
+
+    /// The sums of Q4_K sub-blocks `2c` (low nibbles, units at `pc`) and `2c + 1` (high
+    /// nibbles) for the activation rows `first .. first + n` (`n` ≤ [`PASS`]), scaled by the 8
+    /// rows' sub-block scales `s` and added to `sumi`. `xo` is the activations' offset of the
+    /// pair (`QK_K b + 64 c`).
+    #[inline(always)]
+    unsafe fn q4k_pass<const R: usize>(
+        pc: *const u8,
+        xq: &[*const i8; R],
+        xo: usize,
+        first: usize,
+        n: usize,
+        s: [__m256i; 2],
+        sumi: &mut [__m256i; R],
+    ) {
+        let nib = _mm256_set1_epi8(0x0F);
+        let mut al = [_mm256_setzero_si256(); PASS];
+        let mut ah = [_mm256_setzero_si256(); PASS];
+        for t in 0..8 {
+            let raw = _mm256_load_si256(pc.add(64 * t) as *const __m256i);
+            let lo = _mm256_and_si256(raw, nib);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+            for p in 0..n {
+                let x = xq[first + p].add(xo + 4 * t);
+                al[p] = _mm256_add_epi16(al[p], _mm256_maddubs_epi16(lo, bcast(x)));
+                ah[p] = _mm256_add_epi16(ah[p], _mm256_maddubs_epi16(hi, bcast(x.add(32))));
+            }
+        }
+        for p in 0..n {
+            let v = _mm256_add_epi32(_mm256_madd_epi16(al[p], s[0]), _mm256_madd_epi16(ah[p], s[1]));
+            sumi[first + p] = _mm256_add_epi32(sumi[first + p], v);
+        }
+    }
+
     /// Q4_K tile: the group of weight rows from `j0` × the `R` activation rows from `i0`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4k<const R: usize>(w: &KWide, a: &Acts, j0: usize, nw: usize, i0: usize, pf: bool, out: &mut [f32]) {
@@ -722,7 +762,6 @@ pub(crate) mod avx2 {
         let xq: [*const i8; R] = std::array::from_fn(|i| a.rows[i0 + i].qs.as_ptr());
         let xd: [*const f32; R] = std::array::from_fn(|i| a.rows[i0 + i].d.as_ptr());
         let xp: [*const i32; R] = std::array::from_fn(|i| a.pairs.as_ptr().add((i0 + i) * nb * 4));
-        let nib = _mm256_set1_epi8(0x0F);
         let (k1, k2, k3) = (
             _mm256_set1_epi32(0x3f3f_3f3f),
             _mm256_set1_epi32(0x0f0f_0f0f),
@@ -760,23 +799,15 @@ pub(crate) mod avx2 {
                     }
                     // Sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles).
                     let src = if c < 2 { sc_lo } else { sc_hi };
-                    let s_lo = _mm256_shuffle_epi8(src, ctrl(&DUP_BYTE[(2 * c) % 4]));
-                    let s_hi = _mm256_shuffle_epi8(src, ctrl(&DUP_BYTE[(2 * c + 1) % 4]));
-                    let mut al = [_mm256_setzero_si256(); R];
-                    let mut ah = [_mm256_setzero_si256(); R];
-                    for t in 0..8 {
-                        let raw = _mm256_load_si256(pq.add(64 * (8 * c + t)) as *const __m256i);
-                        let lo = _mm256_and_si256(raw, nib);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
-                        for i in 0..R {
-                            let x = xq[i].add(b * QK_K + 64 * c + 4 * t);
-                            al[i] = _mm256_add_epi16(al[i], _mm256_maddubs_epi16(lo, bcast(x)));
-                            ah[i] = _mm256_add_epi16(ah[i], _mm256_maddubs_epi16(hi, bcast(x.add(32))));
-                        }
-                    }
-                    for i in 0..R {
-                        let v = _mm256_add_epi32(_mm256_madd_epi16(al[i], s_lo), _mm256_madd_epi16(ah[i], s_hi));
-                        sumi[i] = _mm256_add_epi32(sumi[i], v);
+                    let s = [
+                        _mm256_shuffle_epi8(src, ctrl(&DUP_BYTE[(2 * c) % 4])),
+                        _mm256_shuffle_epi8(src, ctrl(&DUP_BYTE[(2 * c + 1) % 4])),
+                    ];
+                    let pc = pq.add(64 * 8 * c);
+                    let xo = b * QK_K + 64 * c;
+                    q4k_pass::<R>(pc, &xq, xo, 0, R.min(PASS), s, &mut sumi);
+                    if R > PASS {
+                        q4k_pass::<R>(pc, &xq, xo, PASS, R - PASS, s, &mut sumi);
                     }
                 }
                 let mp = [

@@ -139,13 +139,16 @@ pub fn quantize_row(x: &[f32]) -> QuantRow {
     let mut s = Vec::with_capacity(nb);
     let mut qs = vec![0i8; nb * QK];
     #[cfg(target_arch = "x86_64")]
-    let simd = super::kquants::has_avx512();
+    let (avx512, avx2) = (super::kquants::has_avx512(), has_avx2());
     for (b, chunk) in x.chunks_exact(QK).enumerate() {
         let q = &mut qs[b * QK..(b + 1) * QK];
         #[cfg(target_arch = "x86_64")]
-        let (dd, sum) = if simd {
+        let (dd, sum) = if avx512 {
             // SAFETY: AVX-512 F was detected at run time; `chunk` and `q` hold 32 values.
             unsafe { quantize_block_avx512(chunk, q) }
+        } else if avx2 {
+            // SAFETY: AVX2 was detected at run time; `chunk` and `q` hold 32 values.
+            unsafe { quant_avx2::quantize_block(chunk, q) }
         } else {
             quantize_block(chunk, q)
         };
@@ -190,6 +193,78 @@ unsafe fn quantize_block_avx512(chunk: &[f32], q: &mut [i8]) -> (f32, i32) {
     _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, _mm512_cvtepi32_epi8(qb));
     (dd, _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)))
+}
+
+/// The activation quantizations on AVX2 (CPUs without AVX-512): the same bytes, scales and sums
+/// as the scalar definitions, 8 lanes at a time. On the 2-core AVX2-only VMs the scalar loops
+/// were serial time of every forward: each activation row of each projection is quantized on
+/// the thread that then waits for the kernel pool.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod quant_avx2 {
+    use super::QK;
+    use std::arch::x86_64::*;
+
+    /// `|v|` per lane (the sign bit cleared).
+    #[inline(always)]
+    pub(crate) unsafe fn abs(v: __m256) -> __m256 {
+        _mm256_andnot_ps(_mm256_set1_ps(-0.0), v)
+    }
+
+    /// `m.max(|v|)` per lane with `f32::max`'s NaN rule: `maxps` returns its second operand when
+    /// either is NaN, so a NaN `|v|` leaves `m` as the scalar fold leaves it.
+    #[inline(always)]
+    pub(crate) unsafe fn max_abs(m: __m256, v: __m256) -> __m256 {
+        _mm256_max_ps(abs(v), m)
+    }
+
+    /// The largest lane of `m` (no NaN lanes: [`max_abs`] never makes one). Exact in any order.
+    #[inline(always)]
+    pub(crate) unsafe fn hmax(m: __m256) -> f32 {
+        let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_shuffle_ps::<1>(h, h));
+        _mm_cvtss_f32(h)
+    }
+
+    /// The sum of the 8 i32 lanes (exact: integers, any order).
+    #[inline(always)]
+    pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+        let h = _mm_add_epi32(h, _mm_shuffle_epi32::<1>(h));
+        _mm_cvtsi128_si32(h)
+    }
+
+    /// 32 quants in four registers of 8 i32 lanes (each within ±127, so the saturating packs
+    /// change nothing) stored as 32 bytes in index order at `q`.
+    #[inline(always)]
+    pub(crate) unsafe fn store_bytes(q: *mut i8, v: [__m256i; 4]) {
+        // packs work per 128-bit half: bytes come out as a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 ...
+        let ab = _mm256_packs_epi32(v[0], v[1]);
+        let cd = _mm256_packs_epi32(v[2], v[3]);
+        let bytes = _mm256_packs_epi16(ab, cd);
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256(q as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
+    }
+
+    /// [`super::quantize_block`] in four 8-lane registers: `max` of the absolute values is exact
+    /// in any order, `vcvtps2dq` rounds half to even under the default MXCSR (as
+    /// [`super::nearest_int`] does for the |v| ≤ 127 here), and the quants narrow without
+    /// saturation.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn quantize_block(chunk: &[f32], q: &mut [i8]) -> (f32, i32) {
+        assert!(chunk.len() == QK && q.len() == QK);
+        let v: [__m256; 4] = std::array::from_fn(|t| _mm256_loadu_ps(chunk.as_ptr().add(8 * t)));
+        let m = v.iter().fold(_mm256_setzero_ps(), |m, &r| max_abs(m, r));
+        let amax = hmax(m);
+        let dd = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let idv = _mm256_set1_ps(id);
+        let qi: [__m256i; 4] = std::array::from_fn(|t| _mm256_cvtps_epi32(_mm256_mul_ps(v[t], idv)));
+        store_bytes(q.as_mut_ptr(), qi);
+        let sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        (dd, hsum_i32(sum))
+    }
 }
 
 /// [`quantize_row`] of each `k`-wide row of `x`.
@@ -1579,13 +1654,14 @@ mod tests {
         assert_eq!(q.s[0], 127.0 - 64.0 + 2.0 + 2.0);
     }
 
-    /// The AVX-512 block quantization gives the scalar definition's bytes, scales and sums,
-    /// over random blocks, ties, zeros, tiny and huge magnitudes.
+    /// The AVX-512 and AVX2 block quantizations give the scalar definition's bytes, scales and
+    /// sums, over random blocks, ties, zeros, tiny and huge magnitudes.
     #[test]
     fn simd_quantization_matches_scalar() {
         #[cfg(target_arch = "x86_64")]
         {
-            if !crate::kernels::kquants::has_avx512() {
+            let (avx512, avx2) = (crate::kernels::kquants::has_avx512(), has_avx2());
+            if !avx512 && !avx2 {
                 return;
             }
             let mut st = 0x9E37_79B9_7F4A_7C15u64;
@@ -1612,13 +1688,26 @@ mod tests {
                     2 => x[(next() % 32) as usize] = -0.0,
                     _ => {}
                 }
-                let (mut q1, mut q2) = ([0i8; QK], [0i8; QK]);
+                let mut q1 = [0i8; QK];
                 let a = quantize_block(&x, &mut q1);
-                // SAFETY: AVX-512 F is present (checked above).
-                let b = unsafe { quantize_block_avx512(&x, &mut q2) };
-                assert_eq!(q1, q2, "case {case}");
-                assert_eq!(a.0.to_bits(), b.0.to_bits(), "case {case}");
-                assert_eq!(a.1, b.1, "case {case}");
+                let mut simd: Vec<(&str, [i8; QK], (f32, i32))> = Vec::new();
+                if avx512 {
+                    let mut q = [0i8; QK];
+                    // SAFETY: AVX-512 F is present (checked above).
+                    let b = unsafe { quantize_block_avx512(&x, &mut q) };
+                    simd.push(("avx512", q, b));
+                }
+                if avx2 {
+                    let mut q = [0i8; QK];
+                    // SAFETY: AVX2 is present (checked above).
+                    let b = unsafe { quant_avx2::quantize_block(&x, &mut q) };
+                    simd.push(("avx2", q, b));
+                }
+                for (isa, q2, b) in simd {
+                    assert_eq!(q1, q2, "{isa} case {case}");
+                    assert_eq!(a.0.to_bits(), b.0.to_bits(), "{isa} case {case}");
+                    assert_eq!(a.1, b.1, "{isa} case {case}");
+                }
             }
         }
     }
