@@ -122,9 +122,15 @@ impl GrammarCompiler {
             GrammarSpec::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
         };
         let parser = self.factory.create_parser(grammar)?;
-        let matcher = Matcher::new(Ok(parser));
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(anyhow!("{e}"));
+        }
+        // A grammar that compiles may still admit no output at all (a regex of the empty
+        // language, a rule with no finite sentence): its first mask is an error. Found here it is
+        // the client's error, before any token; the mask is computed again at the first step.
+        if let Err(e) = matcher.compute_mask_or_eos() {
+            return Err(anyhow!("no output can satisfy it ({})", brief(&e)));
         }
         Ok(GrammarConstraint {
             matcher,
@@ -139,9 +145,18 @@ pub struct GrammarConstraint {
     vocab: usize,
 }
 
+/// The first line of an llguidance error: its later lines dump the parser's state, which is
+/// for a grammar's author, not a client.
+fn brief(e: &anyhow::Error) -> String {
+    format!("{e}").lines().next().unwrap_or_default().to_string()
+}
+
 impl Constraint for GrammarConstraint {
     fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = self.matcher.compute_mask_or_eos()?;
+        let allowed = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| anyhow!("grammar: {}", brief(&e)))?;
         for (i, l) in logits.iter_mut().enumerate().take(self.vocab) {
             if !allowed.is_allowed(i as u32) {
                 *l = f32::NEG_INFINITY;

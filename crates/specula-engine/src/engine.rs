@@ -527,6 +527,17 @@ impl Engine {
                 self.config().vocab_size
             )));
         }
+        if let Some(&(bad, _)) = req
+            .sampling
+            .logit_bias
+            .iter()
+            .find(|&&(t, _)| t as usize >= self.config().vocab_size)
+        {
+            return Err(RequestError::InvalidParameter(format!(
+                "logit_bias token id {bad} is outside the vocabulary ({} tokens)",
+                self.config().vocab_size
+            )));
+        }
         if req.spec.mode == SpecMode::Draft && self.draft.is_none() {
             return Err(RequestError::InvalidParameter(format!(
                 "speculative mode `draft` needs a draft model, and {} has none attached \

@@ -37,6 +37,11 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// RNG seed; the same seed and request give the same output. `None` = a fresh random seed.
     pub seed: Option<u64>,
+    /// `(token id, bias)` pairs, ids ascending and distinct, each bias in [-100, 100]: added to
+    /// the token's logit before the penalties (OpenAI's `logit_bias`, applied in llama.cpp's
+    /// sampler order). -100 in practice bans a token, 100 selects it. Empty = none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -50,6 +55,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -71,6 +77,25 @@ impl SamplingParams {
     /// Whether repetition, presence or frequency penalties change the logits.
     pub fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Whether [`Sampler::process_logits`] changes a row: a logit bias or penalties.
+    pub fn transforms_logits(&self) -> bool {
+        !self.logit_bias.is_empty() || self.has_penalties()
+    }
+
+    /// Set [`SamplingParams::logit_bias`] from `(token id, bias)` pairs in any order. Errors: a
+    /// token id given twice (the message names `logit_bias`).
+    pub fn with_logit_bias(mut self, mut bias: Vec<(u32, f32)>) -> Result<Self, RequestError> {
+        bias.sort_by_key(|&(t, _)| t);
+        if let Some(w) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(RequestError::InvalidParameter(format!(
+                "logit_bias names token {} twice",
+                w[0].0
+            )));
+        }
+        self.logit_bias = bias;
+        Ok(self)
     }
 
     /// Check ranges; the error names the parameter.
@@ -98,6 +123,12 @@ impl SamplingParams {
             if !(-2.0..=2.0).contains(&v) {
                 return bad(format!("{name} must be in [-2, 2], got {v}"));
             }
+        }
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return bad(format!("logit_bias of token {t} must be in [-100, 100], got {b}"));
+        }
+        if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return bad("logit_bias token ids must be ascending and distinct".into());
         }
         Ok(())
     }
@@ -134,12 +165,19 @@ impl Sampler {
         }
     }
 
-    /// Apply the penalties in place to a row of logits.
-    pub fn apply_penalties(&self, logits: &mut [f32]) {
-        if !self.params.has_penalties() {
+    /// The request's changes to a row of logits, in place: the logit bias, then the penalties
+    /// (llama.cpp's sampler order). Every row that is sampled or verified goes through this,
+    /// AR or speculative, so both see the same values.
+    pub fn process_logits(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        for &(tok, bias) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(tok as usize) {
+                *l += bias;
+            }
+        }
+        if !p.has_penalties() {
             return;
         }
-        let p = &self.params;
         for &(tok, count) in &self.counts {
             let Some(l) = logits.get_mut(tok as usize) else {
                 continue;
@@ -252,9 +290,9 @@ impl Sampler {
         self.rng.gen()
     }
 
-    /// Penalties, transforms and one draw: the next token for this row of logits.
+    /// Logit bias, penalties, transforms and one draw: the next token for this row of logits.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
-        self.apply_penalties(logits);
+        self.process_logits(logits);
         if self.params.is_greedy() {
             return argmax(logits);
         }
@@ -605,7 +643,7 @@ mod tests {
         s.observe(1);
         s.observe(1);
         let mut l = [4.0f32, -4.0, 1.0];
-        s.apply_penalties(&mut l);
+        s.process_logits(&mut l);
         assert_eq!(l, [4.0 / 2.0 - 0.5 - 0.25, -4.0 * 2.0 - 0.5 - 0.5, 1.0]);
     }
 

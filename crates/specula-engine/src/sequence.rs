@@ -450,11 +450,11 @@ impl Sequence {
     }
 
     /// Whether this sequence's next acceptance needs only each row's argmax (lowest id on a
-    /// tie): greedy, no penalties, no logprobs, no constraint. A device target then returns
-    /// the argmax it computed instead of the logits ([`Sequence::absorb_argmax`]).
+    /// tie): greedy, no logit bias or penalties, no logprobs, no constraint. A device target
+    /// then returns the argmax it computed instead of the logits ([`Sequence::absorb_argmax`]).
     pub fn argmax_suffices(&self) -> bool {
         self.req.sampling.is_greedy()
-            && !self.req.sampling.has_penalties()
+            && !self.req.sampling.transforms_logits()
             && self.req.logprobs.is_none()
             && self.constraint.is_none()
             && self.taps().is_empty()
@@ -560,10 +560,10 @@ impl Sequence {
                 observed += 1;
             }
             match rows {
-                // `absorb_argmax` checked: greedy, no penalties, no constraint.
+                // `absorb_argmax` checked: greedy, no logit bias or penalties, no constraint.
                 TargetRows::Argmax(a) => vec![(a[i], 1.0)],
                 TargetRows::Logits(rows) => {
-                    sampler.apply_penalties(&mut rows[i]);
+                    sampler.process_logits(&mut rows[i]);
                     if let Some(c) = constraint.as_mut() {
                         if let Err(e) = c.mask(&mut rows[i]) {
                             failure.get_or_insert(e);

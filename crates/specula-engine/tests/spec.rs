@@ -177,6 +177,59 @@ fn penalties_at_temperature_zero() {
     }
 }
 
+/// OpenAI's `logit_bias` moves greedy output (a banned token never appears, a favoured one
+/// takes over) and speculation commits the same bytes: the n-gram and draft-model drafters
+/// do not see the bias, so their drafts of a banned token are rejected like any other.
+#[test]
+fn logit_bias_at_temperature_zero() {
+    let (_d, mut e) = tiny_pair(Draft::Same);
+    let prompt = e.tokenize("then the thin then the").expect("tokenize");
+    let req = greedy_req(prompt, 60);
+    let (plain, _) = run(&mut e, &req);
+    // Ban the most frequent output token, favour one the output never has.
+    let mut counts = std::collections::HashMap::new();
+    for &t in &plain.token_ids {
+        *counts.entry(t).or_insert(0) += 1;
+    }
+    let (&banned, _) = counts
+        .iter()
+        .max_by_key(|&(t, c)| (*c, std::cmp::Reverse(*t)))
+        .expect("tokens");
+    let favoured = (0..256u32).find(|t| !counts.contains_key(t)).expect("an unused token");
+    let mut biased = req.clone();
+    biased.sampling = biased
+        .sampling
+        .with_logit_bias(vec![(favoured, 4.0), (banned, -100.0)])
+        .expect("bias");
+    let (ar, _) = run(&mut e, &biased);
+    assert!(!ar.token_ids.contains(&banned), "{:?}", ar.token_ids);
+    assert_ne!(ar.token_ids, plain.token_ids);
+    for k in [1, 3, 8] {
+        assert_same(&mut e, &biased, spec(k, false), &format!("logit_bias ngram k={k}"));
+        let draft = SpecOptions {
+            mode: SpecMode::Draft,
+            draft_max: k,
+            adaptive: false,
+        };
+        let out = assert_same(&mut e, &biased, draft, &format!("logit_bias draft k={k}"));
+        assert!(
+            out.stats.spec.drafted > out.stats.spec.accepted,
+            "the banned drafts are rejected"
+        );
+    }
+    // With penalties too (bias first, then the penalties, in both paths).
+    biased.sampling.repetition_penalty = 1.3;
+    biased.sampling.frequency_penalty = 0.2;
+    assert_same(&mut e, &biased, spec(4, true), "logit_bias with penalties");
+    // A token past the vocabulary, or a bias out of range, is the request's error.
+    for bias in [vec![(1 << 20, 1.0)], vec![(5, 101.0)]] {
+        let mut bad = req.clone();
+        bad.sampling.logit_bias = bias;
+        let err = e.generate(&bad, &mut |_| true).expect_err("invalid");
+        assert!(err.to_string().contains("logit_bias"), "{err}");
+    }
+}
+
 #[test]
 fn non_invariant_models_fall_back_to_ar_and_say_so() {
     let (_d, mut e) = tiny(Family::Llama, GgmlDType::F16, 256);

@@ -143,6 +143,7 @@ const PARAM_NAMES: &[&str] = &[
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",
     "top_logprobs",
     "logprobs",
     "max_tokens",

@@ -147,6 +147,38 @@ impl<'a> Body<'a> {
     }
 }
 
+/// `logit_bias`: an object from token ids (as strings, OpenAI's form) to biases in [-100, 100].
+/// Errors name the field and the offending key; token ids past the vocabulary are the engine's
+/// check ([`specula_engine::Engine::validate`]).
+fn logit_bias(b: &Body) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(v) = b.get("logit_bias") else {
+        return Ok(Vec::new());
+    };
+    let Value::Object(m) = v else {
+        return Err(bad_type("logit_bias", "an object mapping token ids to numbers", v));
+    };
+    m.iter()
+        .map(|(k, v)| {
+            let id = k.trim().parse::<u32>().map_err(|_| {
+                bad_value(
+                    "logit_bias",
+                    format!("Invalid 'logit_bias': the key {k:?} is not a token id (a non-negative integer)."),
+                )
+            })?;
+            let bias = v
+                .as_f64()
+                .ok_or_else(|| bad_field_type("logit_bias", &format!("logit_bias.{k}"), "a number", v))?;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(bad_value(
+                    "logit_bias",
+                    format!("Invalid 'logit_bias': the bias of token {id} must be in [-100, 100], got {bias}."),
+                ));
+            }
+            Ok((id, bias as f32))
+        })
+        .collect()
+}
+
 /// Fields shared by the chat and completions endpoints.
 #[derive(Debug, Clone)]
 pub struct Common {
@@ -202,7 +234,11 @@ pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Comm
         presence_penalty: b.f32("presence_penalty")?.unwrap_or(d.presence_penalty),
         frequency_penalty: b.f32("frequency_penalty")?.unwrap_or(d.frequency_penalty),
         seed,
+        logit_bias: Vec::new(),
     };
+    let sampling = sampling
+        .with_logit_bias(logit_bias(b)?)
+        .map_err(|e| ApiError::from_request_error(&e, "prompt").with_code("invalid_value"))?;
     if let Err(e) = sampling.validate() {
         return Err(ApiError::from_request_error(&e, "prompt").with_code("invalid_value"));
     }

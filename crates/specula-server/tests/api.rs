@@ -90,6 +90,7 @@ async fn chat_seeded_sampling_equals_engine_generate() {
             "messages": messages_json(), "max_tokens": 30, "seed": 1234,
             "temperature": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.01,
             "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1,
+            "logit_bias": {"200": -100, "13": 2.5},
         }),
     )
     .await;
@@ -103,6 +104,7 @@ async fn chat_seeded_sampling_equals_engine_generate() {
         presence_penalty: 0.5,
         frequency_penalty: 0.25,
         seed: Some(1234),
+        logit_bias: vec![(13, 2.5), (200, -100.0)],
     };
     let want = direct_chat(&mut eng, sampling, 30, None);
     assert_eq!(
@@ -535,6 +537,48 @@ async fn bad_requests_get_openai_errors() {
             json!({"messages": msgs, "seed": "x"}),
             StatusCode::BAD_REQUEST,
             Some("seed"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": [1, 2]}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"hello": 1}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"5": "x"}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            None,
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"5": 150}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"5": 1, "05": 2}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"99999999": -100}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
             None,
         ),
         (

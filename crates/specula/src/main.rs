@@ -122,10 +122,31 @@ struct SamplingArgs {
     /// RNG seed (same seed, same output).
     #[arg(long)]
     seed: Option<u64>,
+    /// Add BIAS (in [-100, 100]) to token ID's logit before the penalties, as OpenAI's
+    /// `logit_bias`: -100 bans the token. Repeatable.
+    #[arg(long, value_name = "ID=BIAS", value_parser = parse_logit_bias)]
+    logit_bias: Vec<(u32, f32)>,
+}
+
+/// `ID=BIAS` of `--logit-bias`.
+fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected ID=BIAS (e.g. 1234=-100), got {s:?}"))?;
+    let id = id
+        .trim()
+        .parse::<u32>()
+        .map_err(|_| format!("{id:?} is not a token id (a non-negative integer)"))?;
+    let bias = bias
+        .trim()
+        .parse::<f32>()
+        .map_err(|_| format!("{bias:?} is not a number"))?;
+    Ok((id, bias))
 }
 
 impl SamplingArgs {
-    fn params(&self) -> SamplingParams {
+    /// Errors: a token given twice to `--logit-bias`.
+    fn params(&self) -> Result<SamplingParams, specula_engine::RequestError> {
         SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
@@ -135,7 +156,9 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed,
+            logit_bias: Vec::new(),
         }
+        .with_logit_bias(self.logit_bias.clone())
     }
 }
 
@@ -682,7 +705,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let prompt_token_ids = prompt_tokens.clone();
     let req = GenerateRequest {
         prompt_tokens,
-        sampling: a.sampling.params(),
+        sampling: a.sampling.params()?,
         max_tokens: Some(a.max_tokens as usize),
         stop: a.stop.clone(),
         logprobs: None,

@@ -152,7 +152,7 @@ pub fn accept_greedy_rows(draft: &[u32], rows: &mut [Vec<f32>], sampler: &mut Sa
             sampler.observe(draft[observed]);
             observed += 1;
         }
-        sampler.apply_penalties(&mut rows[i]);
+        sampler.process_logits(&mut rows[i]);
         argmax(&rows[i])
     })
 }
