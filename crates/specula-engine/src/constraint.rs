@@ -126,11 +126,19 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(anyhow!("{e}"));
         }
-        // A grammar that compiles may still admit no output at all (a regex of the empty
-        // language, a rule with no finite sentence): its first mask is an error. Found here it is
-        // the client's error, before any token; the mask is computed again at the first step.
+        // A grammar that compiles may still admit no first token (a regex of the empty
+        // language, a rule that only recurses into itself): its first mask is an error. Found
+        // here it is the client's error, before any token; the mask is computed again at the
+        // first step. (A grammar whose every sentence is infinite but that has a first token,
+        // `start: "a" start`, is not caught: it runs to max_tokens.)
         if let Err(e) = matcher.compute_mask_or_eos() {
-            return Err(anyhow!("no output can satisfy it ({})", brief(&e)));
+            let first = brief(&e);
+            tracing::debug!(error = %format!("{e:#}"), "grammar rejected at its first mask");
+            return Err(if first.starts_with("NoExtensionBias") {
+                anyhow!("no output can satisfy it: the grammar admits no first token")
+            } else {
+                anyhow!("the grammar could not be started: {first}")
+            });
         }
         Ok(GrammarConstraint {
             matcher,
@@ -151,12 +159,15 @@ fn brief(e: &anyhow::Error) -> String {
     format!("{e}").lines().next().unwrap_or_default().to_string()
 }
 
+/// A matcher's error mid-generation: its first line for the client, the whole dump in the log.
+fn grammar_error(e: anyhow::Error) -> anyhow::Error {
+    tracing::debug!(error = %format!("{e:#}"), "grammar error");
+    anyhow!("grammar: {}", brief(&e))
+}
+
 impl Constraint for GrammarConstraint {
     fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| anyhow!("grammar: {}", brief(&e)))?;
+        let allowed = self.matcher.compute_mask_or_eos().map_err(grammar_error)?;
         for (i, l) in logits.iter_mut().enumerate().take(self.vocab) {
             if !allowed.is_allowed(i as u32) {
                 *l = f32::NEG_INFINITY;
@@ -173,7 +184,7 @@ impl Constraint for GrammarConstraint {
             // The grammar is complete: only the end of generation follows.
             return Ok(());
         }
-        self.matcher.consume_token(token)
+        self.matcher.consume_token(token).map_err(grammar_error)
     }
 
     fn valid_prefix(&mut self, tokens: &[u32]) -> usize {

@@ -989,8 +989,8 @@ impl Engine {
                     for (&i, out) in group.iter().zip(outs) {
                         let absorbed = (|| {
                             if seqs[i].argmax_suffices() {
-                                // Greedy without penalties, logprobs or taps: only the argmax
-                                // of each row matters, read in place.
+                                // Greedy without logit bias, penalties, logprobs or taps: only
+                                // the argmax of each row matters, read in place.
                                 return seqs[i].absorb_argmax(argmax_rows(&out.logits)?);
                             }
                             let rows = out.logits.to_vec2::<f32>()?;

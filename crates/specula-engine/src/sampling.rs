@@ -2,9 +2,10 @@
 //!
 //! The pipeline, applied to one row of logits (`f32`, length = vocab size), in this order (the
 //! order llama.cpp and vLLM use):
-//! 1. penalties over the tokens generated so far (repetition: CTRL, Keskar et al. 2019 — divide a
-//!    positive logit by the penalty, multiply a negative one; presence and frequency: OpenAI's
-//!    definition, `logit -= presence * [count > 0] + frequency * count`);
+//! 1. the logit bias (OpenAI's `logit_bias`: `logit += bias`), then the penalties over the
+//!    tokens generated so far (repetition: CTRL, Keskar et al. 2019 — divide a positive logit by
+//!    the penalty, multiply a negative one; presence and frequency: OpenAI's definition,
+//!    `logit -= presence * [count > 0] + frequency * count`): [`Sampler::process_logits`];
 //! 2. greedy (temperature 0) takes the argmax (lowest id on ties) and stops here;
 //! 3. temperature, then top-k, top-p (nucleus, Holtzman et al. 2019) and min-p filtering;
 //! 4. softmax over the survivors and one draw from a per-request seeded ChaCha20 RNG.
@@ -195,7 +196,8 @@ impl Sampler {
 
     /// The processed distribution the sampler draws from, as `(token id, probability)` pairs
     /// sorted by descending probability (ties: lower id first), zero-probability tokens omitted.
-    /// For greedy this is the one-hot argmax. Penalties must already be applied to `logits`.
+    /// For greedy this is the one-hot argmax. [`Sampler::process_logits`] must already have run
+    /// on `logits`.
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
         let p = &self.params;
         if p.is_greedy() {
@@ -398,6 +400,26 @@ pub fn draft_sampler(params: &SamplingParams, seed: u64) -> Option<Sampler> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bias comes before the penalties: a logit of 0.5 biased by -1 is -0.5, which a
+    /// repetition penalty of 2 doubles (a negative logit is multiplied) to -1.0; the other order
+    /// would give 0.25 - 1 = -0.75. Tokens past the row are ignored.
+    #[test]
+    fn logit_bias_comes_before_the_penalties() {
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy()
+        }
+        .with_logit_bias(vec![(9, 5.0), (1, -1.0)])
+        .expect("bias");
+        let mut s = Sampler::new(p);
+        s.observe(1);
+        let mut row = vec![0.5f32, 0.5, 0.5];
+        s.process_logits(&mut row);
+        assert_eq!(row, vec![0.5, -1.0, 0.5]);
+        let twice = SamplingParams::greedy().with_logit_bias(vec![(3, 1.0), (3, 2.0)]);
+        assert!(twice.is_err_and(|e| e.to_string().contains("logit_bias")));
+    }
 
     #[test]
     fn argmax_is_the_first_strict_maximum_of_the_scan() {

@@ -541,8 +541,9 @@ impl Sequence {
             _ => None,
         };
         let draft = std::mem::take(&mut self.draft);
-        // Row processing as plain decoding does it: penalties, then the constraint's mask; both
-        // see the drafts before a row as committed (observed in order, row by row).
+        // Row processing as plain decoding does it: the logit bias and penalties, then the
+        // constraint's mask; both see the drafts before a row as committed (observed in order,
+        // row by row).
         let tokens = &draft.tokens;
         let mut observed = 0;
         let mut failure: Option<anyhow::Error> = None;

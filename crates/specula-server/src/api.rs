@@ -163,7 +163,7 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let tools = params::tools(&b)?;
     let kwargs = params::template_kwargs(&b)?;
     let spec = parse_spec(h, &b)?;
-    let grammar = params::response_format(&b)?;
+    let mut grammar = params::response_format(&b)?;
     let limits = params::reasoning_limits(&b)?;
     let want = b.bool("logprobs")?.unwrap_or(false);
     let top = b.int_in("top_logprobs", 0, MAX_TOP_LOGPROBS as i128)?;
@@ -175,9 +175,21 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
         .with_code("invalid_value"));
     }
     // `tool_choice: "none"`: the model is not shown the tools and its output is not parsed for
-    // calls. `required` and a named function are passed to the template (which may or may not
-    // use them); nothing forces a call yet (that needs grammar-constrained decoding).
+    // calls. `required` and a named function are passed to the template and, where the dialect
+    // allows, forced: the answer is constrained to calls of the chosen tools (the sampling
+    // mask, exact under speculation as `response_format` is).
     let m = h.model();
+    if let Some(forced) = tools.as_ref().and_then(|t| t.forced(m.chat.tool_dialect)) {
+        if grammar.is_some() {
+            return Err(ApiError::invalid(
+                "response_format cannot be combined with tool_choice 'required' or a named function \
+                 (both constrain the answer).",
+                Some("tool_choice"),
+            )
+            .with_code("invalid_value"));
+        }
+        grammar = Some(forced);
+    }
     let parse_tools = tools.as_ref().filter(|t| t.choice != ToolChoice::None).map(|t| {
         let id_prefix = format!("{}_", new_id("call").replace('-', "_"));
         (

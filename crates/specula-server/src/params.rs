@@ -556,6 +556,34 @@ pub struct Tools {
     pub choice: ToolChoice,
     /// `tool_choice` as given (for the template), when given.
     pub choice_json: Option<Value>,
+    /// `parallel_tool_calls` (default true): a forced call may be several.
+    pub parallel: bool,
+}
+
+impl Tools {
+    /// The grammar `tool_choice` `"required"` (any offered tool) or a named function forces on
+    /// the answer in `dialect` ([`crate::tools::Dialect::forced_calls`]); `None` for `"auto"`,
+    /// `"none"`, or a dialect whose calls cannot be forced.
+    pub fn forced(&self, dialect: crate::tools::Dialect) -> Option<GrammarSpec> {
+        let pick = |o: &&Value| match &self.choice {
+            ToolChoice::Required => true,
+            ToolChoice::Named(n) => o["function"]["name"].as_str() == Some(n.as_str()),
+            ToolChoice::None | ToolChoice::Auto => false,
+        };
+        let tools: Vec<(&str, Option<&Value>)> = self
+            .objects
+            .iter()
+            .filter(pick)
+            .filter_map(|o| {
+                let f = &o["function"];
+                Some((f["name"].as_str()?, f.get("parameters").filter(|p| !p.is_null())))
+            })
+            .collect();
+        if tools.is_empty() {
+            return None;
+        }
+        dialect.forced_calls(&tools, self.parallel).map(GrammarSpec::Lark)
+    }
 }
 
 /// Tool names: OpenAI's `^[a-zA-Z0-9_-]{1,64}$`, plus `.` and `:` (namespaced MCP tools).
@@ -628,7 +656,7 @@ pub fn tools(b: &Body) -> Result<Option<Tools>, ApiError> {
         }
         Some(v) => return Err(bad_type("tools", "an array", v)),
     }
-    b.bool("parallel_tool_calls")?;
+    let parallel = b.bool("parallel_tool_calls")?.unwrap_or(true);
     let choice_json = b.get("tool_choice").cloned();
     let choice = match &choice_json {
         None => {
@@ -687,6 +715,7 @@ pub fn tools(b: &Body) -> Result<Option<Tools>, ApiError> {
         specs,
         choice,
         choice_json,
+        parallel,
     }))
 }
 
@@ -730,13 +759,21 @@ pub fn template_kwargs(b: &Body) -> Result<Map<String, Value>, ApiError> {
 pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
     let v = b.get("prompt").ok_or_else(|| missing("prompt"))?;
     let expected = "a string, an array of one string, or an array of token ids";
-    let token_ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
+    // `at` names the array of token ids (`prompt` or `prompt[0]`), so a bad element is named
+    // by its index.
+    let token_ids = |items: &[Value], at: &str| -> Result<Vec<u32>, ApiError> {
         items
             .iter()
-            .map(|t| match as_integer(t) {
+            .enumerate()
+            .map(|(n, t)| match as_integer(t) {
                 Some(i) if (0..=u32::MAX as i128).contains(&i) => Ok(i as u32),
                 Some(i) => Err(bad_value("prompt", format!("Invalid token id {i} in 'prompt'."))),
-                None => Err(bad_type("prompt", expected, t)),
+                None => Err(bad_field_type(
+                    "prompt",
+                    &format!("{at}[{n}]"),
+                    "a token id (an integer)",
+                    t,
+                )),
             })
             .collect()
     };
@@ -765,9 +802,9 @@ pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
                 }
                 Value::Array(inner) => {
                     single()?;
-                    Ok(Prompt::Tokens(token_ids(inner)?))
+                    Ok(Prompt::Tokens(token_ids(inner, "prompt[0]")?))
                 }
-                Value::Number(_) => Ok(Prompt::Tokens(token_ids(items)?)),
+                Value::Number(_) => Ok(Prompt::Tokens(token_ids(items, "prompt")?)),
                 other => Err(bad_type("prompt", expected, other)),
             }
         }

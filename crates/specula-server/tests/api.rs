@@ -611,6 +611,13 @@ async fn bad_requests_get_openai_errors() {
         ),
         (
             "/v1/completions",
+            json!({"prompt": [1, "a"]}),
+            StatusCode::BAD_REQUEST,
+            Some("prompt"),
+            None,
+        ),
+        (
+            "/v1/completions",
             json!({"prompt": [1, 99999]}),
             StatusCode::BAD_REQUEST,
             None,

@@ -196,6 +196,87 @@ async fn tools_tool_calls_and_tool_results_render_through_the_template() {
     assert_eq!(v["usage"]["prompt_tokens"], n_named, "{v}");
 }
 
+/// A tool whose arguments are one of two words, so a forced call is short whatever the model.
+fn unit_tool() -> Value {
+    json!({"type": "function", "function": {"name": "set_unit", "parameters": {"type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+        "additionalProperties": false}}})
+}
+
+/// `tool_choice` `"required"` or a named function forces a call: a random model, which never
+/// calls on its own, answers with a call of the chosen tool whose arguments match its schema,
+/// the same with speculation; `response_format` beside it is a 400.
+#[tokio::test]
+async fn a_required_or_named_tool_choice_forces_a_call() {
+    // The template's dialect (Hermes), then the other forceable ones by `--tool-parser`.
+    for dialect in [None, Some(Dialect::Bracket), Some(Dialect::Llama3)] {
+        let h = EngineHandle::spawn(load(&tools_model())).with_tool_parser(dialect);
+        forced_calls_in(specula_server::router(h), dialect).await;
+    }
+}
+
+async fn forced_calls_in(app: axum::Router, dialect: Option<Dialect>) {
+    let base = json!({
+        "messages": [{"role": "user", "content": "the thin then the"}],
+        "tools": [weather_tool(), unit_tool()],
+        "temperature": 0, "max_tokens": 160, "parallel_tool_calls": false,
+    });
+    // Left to itself the model does not call.
+    let v = post(&app, CHAT, base.clone()).await.json();
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
+    for choice in [
+        json!({"type": "function", "function": {"name": "set_unit"}}),
+        json!("required"),
+    ] {
+        let mut body = base.clone();
+        body["tool_choice"] = choice.clone();
+        if choice == "required" {
+            body["tools"] = json!([unit_tool()]);
+        }
+        let plain = post(&app, CHAT, body.clone()).await;
+        assert_eq!(plain.status, StatusCode::OK, "{dialect:?}: {}", plain.text);
+        let v = plain.json();
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{dialect:?}: {v}");
+        let calls = c["message"]["tool_calls"].as_array().cloned().unwrap_or_default();
+        assert_eq!(calls.len(), 1, "{v}");
+        assert_eq!(calls[0]["function"]["name"], "set_unit", "{v}");
+        let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap_or_default())
+            .expect("arguments are JSON");
+        assert!(
+            ["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap_or_default()),
+            "{args}"
+        );
+        for spec in [
+            json!("ngram"),
+            json!({"mode": "ngram", "draft_max": 7, "adaptive": false}),
+        ] {
+            let mut b = body.clone();
+            b["spec"] = spec.clone();
+            let s = post(&app, CHAT, b).await.json();
+            let (sc, sm) = (&s["choices"][0], &s["choices"][0]["message"]);
+            assert_eq!(sc["finish_reason"], "tool_calls", "{choice} {spec}: {s}");
+            assert_eq!(sm["content"], c["message"]["content"], "{choice} {spec}: {s}");
+            // The same call (its id is new per response).
+            assert_eq!(
+                sm["tool_calls"][0]["function"], calls[0]["function"],
+                "{choice} {spec}: {s}"
+            );
+            assert_eq!(
+                sm["tool_calls"].as_array().map(Vec::len),
+                Some(1),
+                "{choice} {spec}: {s}"
+            );
+        }
+    }
+    let mut both = base.clone();
+    both["tool_choice"] = json!("required");
+    both["response_format"] = json!({"type": "json_object"});
+    let r = post(&app, CHAT, both).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text);
+    assert_eq!(r.json()["error"]["param"], "tool_choice", "{}", r.text);
+}
+
 #[tokio::test]
 async fn tool_output_is_identical_streamed_and_with_speculation() {
     let path = tools_model();
@@ -424,8 +505,8 @@ async fn reasoning_budget_and_think_prelude_through_the_api() {
             "response_format",
         ),
         (json!({"response_format": "json"}), "response_format"),
-        // Valid grammars that no output satisfies: an empty language, a rule with no finite
-        // sentence. They compile; the constraint has no first token.
+        // Valid grammars that admit no first token: an empty language, rules that only recurse
+        // into each other. They compile; the constraint fails at its first mask.
         (
             json!({"response_format": {"type": "regex", "regex": "[^\\s\\S]"}}),
             "response_format",
@@ -448,6 +529,9 @@ async fn reasoning_budget_and_think_prelude_through_the_api() {
         // The client reads what is wrong, not the grammar library's state dump.
         let msg = e["message"].as_str().unwrap_or_default();
         assert!(!msg.contains("<state>"), "{body}: {msg}");
+        if body.to_string().contains("S]") || body.to_string().contains("b: a") {
+            assert!(msg.contains("admits no first token"), "{body}: {msg}");
+        }
     }
 }
 

@@ -226,14 +226,14 @@ unsafe fn quantize_block_q8k_avx512(chunk: &[f32], q: &mut [i8], bsums: &mut [i1
     1.0 / iscale
 }
 
-/// [`quantize_block_q8k`] 8 lanes at a time, the same bytes, as [`quantize_block_q8k_avx512`]
-/// argues: the largest magnitude is exact in any order, `max` is the first value in index order
-/// that has it, `vcvtps2dq` rounds half to even; the quants are within ±127, so the saturating
-/// packs change nothing, and two registers are one 16-quant sum.
+/// [`quantize_block_q8k`] 8 lanes at a time, the same bytes for every input: the largest
+/// magnitude is exact in any order, `max` is the first value in index order that has it, the
+/// rounding is the scalar's `nearest_int` lane by lane, then `min(127)` and the low byte (`as
+/// i8`); two registers are one 16-quant sum.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_block_q8k_avx2(chunk: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
-    use super::qmatmul::quant_avx2::{abs, hmax, hsum_i32, max_abs, store_bytes};
+    use super::qmatmul::quant_avx2::{abs, hmax, hsum_i32, max_abs, nearest_int, store_bytes};
     use std::arch::x86_64::*;
     assert!(chunk.len() == QK_K && q.len() == QK_K && bsums.len() == QK_K / 16);
     let at = |t: usize| _mm256_loadu_ps(chunk.as_ptr().add(8 * t));
@@ -259,7 +259,7 @@ unsafe fn quantize_block_q8k_avx2(chunk: &[f32], q: &mut [i8], bsums: &mut [i16]
     let top = _mm256_set1_epi32(127);
     for u in 0..QK_K / 32 {
         let qi: [__m256i; 4] =
-            std::array::from_fn(|i| _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(sv, at(4 * u + i))), top));
+            std::array::from_fn(|i| _mm256_min_epi32(nearest_int(_mm256_mul_ps(sv, at(4 * u + i))), top));
         store_bytes(q.as_mut_ptr().add(32 * u), qi);
         bsums[2 * u] = hsum_i32(_mm256_add_epi32(qi[0], qi[1])) as i16;
         bsums[2 * u + 1] = hsum_i32(_mm256_add_epi32(qi[2], qi[3])) as i16;
@@ -2108,11 +2108,20 @@ mod tests {
                     }
                     _ => {}
                 }
+                // A block below 127 / f32::MAX (an infinite -127 / max) and an infinite lane: the
+                // AVX2 path keeps the scalar's bytes and sums; the AVX-512 one is not asked to.
+                let extreme = case % 13 == 12;
+                if extreme {
+                    match case % 2 {
+                        0 => x.iter_mut().for_each(|v| *v *= 1e-38 / scale),
+                        _ => x[(case as usize * 7) % QK_K] = f32::NEG_INFINITY,
+                    }
+                }
                 let (mut q1, mut s1) = (vec![0i8; QK_K], [0i16; 16]);
                 let d1 = quantize_block_q8k(&x, &mut q1, &mut s1);
                 type Simd = unsafe fn(&[f32], &mut [i8], &mut [i16]) -> f32;
                 let paths: [(&str, bool, Simd); 2] = [
-                    ("avx512", avx512, quantize_block_q8k_avx512),
+                    ("avx512", avx512 && !extreme, quantize_block_q8k_avx512),
                     ("avx2", avx2, quantize_block_q8k_avx2),
                 ];
                 for (isa, _, f) in paths.into_iter().filter(|p| p.1) {

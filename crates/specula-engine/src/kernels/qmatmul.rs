@@ -129,10 +129,12 @@ pub struct QuantRow {
 /// Quantize one row of `k` floats (`k` a multiple of 32) as ggml's `quantize_row_q8_0` /
 /// `quantize_row_q8_1` (x86 path: multiply by `127 / amax`, round half to even).
 ///
-/// On AVX-512 the blocks are quantized 16 lanes at a time (`quantize_block_avx512`): the
-/// same maximum, the same scalar `127 / amax`, the same per-value product and round half to
-/// even, so the same bytes (`simd_quantization_matches_scalar`); the activations of a
-/// forward are quantized on the thread that waits for the kernel pool, so this is serial time.
+/// On AVX-512 the blocks are quantized 16 lanes at a time (`quantize_block_avx512`), on AVX2
+/// 8 at a time ([`quant_avx2::quantize_block`]): the same maximum, the same scalar
+/// `127 / amax`, the same per-value product and round half to even, so the same bytes
+/// (`simd_quantization_matches_scalar`; AVX-512 for finite products, AVX2 for every input).
+/// The activations of a forward are quantized on the thread that waits for the kernel pool, so
+/// this is serial time.
 pub fn quantize_row(x: &[f32]) -> QuantRow {
     let nb = x.len() / QK;
     let mut d = Vec::with_capacity(nb);
@@ -235,22 +237,40 @@ pub(crate) mod quant_avx2 {
         _mm_cvtsi128_si32(h)
     }
 
-    /// 32 quants in four registers of 8 i32 lanes (each within ±127, so the saturating packs
-    /// change nothing) stored as 32 bytes in index order at `q`.
+    /// [`super::nearest_int`] per lane, bit for bit for every input (the 1.5 · 2^23 trick, not
+    /// `vcvtps2dq`, which would give `i32::MIN` where the scalar gives -2^22 for an infinite or
+    /// NaN product: a block whose largest magnitude is below 127 / `f32::MAX`).
+    #[inline(always)]
+    pub(crate) unsafe fn nearest_int(v: __m256) -> __m256i {
+        let t = _mm256_castps_si256(_mm256_add_ps(v, _mm256_set1_ps(12_582_912.0)));
+        _mm256_sub_epi32(
+            _mm256_and_si256(t, _mm256_set1_epi32(0x007f_ffff)),
+            _mm256_set1_epi32(0x0040_0000),
+        )
+    }
+
+    /// 32 quants in four registers of 8 i32 lanes stored as 32 bytes in index order at `q`,
+    /// each the low byte of its lane (`as i8`, as the scalar definitions narrow).
     #[inline(always)]
     pub(crate) unsafe fn store_bytes(q: *mut i8, v: [__m256i; 4]) {
-        // packs work per 128-bit half: bytes come out as a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 ...
-        let ab = _mm256_packs_epi32(v[0], v[1]);
-        let cd = _mm256_packs_epi32(v[2], v[3]);
-        let bytes = _mm256_packs_epi16(ab, cd);
+        // Byte 0 of each dword to the low dword of each 128-bit half, then the halves' dwords
+        // into index order.
+        let low = _mm256_setr_epi8(
+            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+            -1, -1, -1, -1,
+        );
+        let [a, b, c, d] = v.map(|x| _mm256_shuffle_epi8(x, low));
+        // a: [a0-3 . . . | a4-7 . . .]; combine to [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7].
+        let ab = _mm256_unpacklo_epi32(a, b);
+        let cd = _mm256_unpacklo_epi32(c, d);
+        let bytes = _mm256_unpacklo_epi64(ab, cd);
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         _mm256_storeu_si256(q as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
     }
 
     /// [`super::quantize_block`] in four 8-lane registers: `max` of the absolute values is exact
-    /// in any order, `vcvtps2dq` rounds half to even under the default MXCSR (as
-    /// [`super::nearest_int`] does for the |v| ≤ 127 here), and the quants narrow without
-    /// saturation.
+    /// in any order, [`nearest_int`] is the scalar's rounding lane by lane, and the quants narrow
+    /// to their low byte as the scalar's `as i8` does: the same bytes and sum for every input.
     #[target_feature(enable = "avx2")]
     pub(crate) unsafe fn quantize_block(chunk: &[f32], q: &mut [i8]) -> (f32, i32) {
         assert!(chunk.len() == QK && q.len() == QK);
@@ -260,7 +280,7 @@ pub(crate) mod quant_avx2 {
         let dd = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let idv = _mm256_set1_ps(id);
-        let qi: [__m256i; 4] = std::array::from_fn(|t| _mm256_cvtps_epi32(_mm256_mul_ps(v[t], idv)));
+        let qi: [__m256i; 4] = std::array::from_fn(|t| nearest_int(_mm256_mul_ps(v[t], idv)));
         store_bytes(q.as_mut_ptr(), qi);
         let sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
         (dd, hsum_i32(sum))
@@ -1688,10 +1708,21 @@ mod tests {
                     2 => x[(next() % 32) as usize] = -0.0,
                     _ => {}
                 }
+                // Past the finite range: a block below 127 / f32::MAX (an infinite 127 / amax)
+                // and non-finite lanes. The AVX2 path keeps the scalar's bytes and sum there too;
+                // the AVX-512 one does not (`vcvtps2dq`), and is not asked to.
+                let extreme = case % 13 == 12;
+                if extreme {
+                    match case % 3 {
+                        0 => x.iter_mut().for_each(|v| *v *= 1e-38 / scale),
+                        1 => x[(next() % 32) as usize] = f32::INFINITY,
+                        _ => x[(next() % 32) as usize] = f32::NAN,
+                    }
+                }
                 let mut q1 = [0i8; QK];
                 let a = quantize_block(&x, &mut q1);
                 let mut simd: Vec<(&str, [i8; QK], (f32, i32))> = Vec::new();
-                if avx512 {
+                if avx512 && !extreme {
                     let mut q = [0i8; QK];
                     // SAFETY: AVX-512 F is present (checked above).
                     let b = unsafe { quantize_block_avx512(&x, &mut q) };
@@ -1705,7 +1736,7 @@ mod tests {
                 }
                 for (isa, q2, b) in simd {
                     assert_eq!(q1, q2, "{isa} case {case}");
-                    assert_eq!(a.0.to_bits(), b.0.to_bits(), "{isa} case {case}");
+                    assert_eq!(a.0.to_bits(), b.0.to_bits(), "{isa} case {case} {x:?}");
                     assert_eq!(a.1, b.1, "{isa} case {case}");
                 }
             }

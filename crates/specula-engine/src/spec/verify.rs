@@ -140,9 +140,10 @@ pub fn accept_greedy(draft: &[u32], target: &mut dyn FnMut(usize) -> u32) -> (us
     unreachable!("the last row has no draft token and always returns")
 }
 
-/// [`accept_greedy`] over precomputed rows with a sampler's penalties: row i is penalised with
-/// the sampler having observed `draft[..i]` (the sampler is left having observed the accepted
-/// drafts; the returned token is not observed).
+/// [`accept_greedy`] over precomputed rows with a sampler's logit bias and penalties
+/// ([`Sampler::process_logits`]): row i is processed with the sampler having observed
+/// `draft[..i]` (the sampler is left having observed the accepted drafts; the returned token is
+/// not observed).
 pub fn accept_greedy_rows(draft: &[u32], rows: &mut [Vec<f32>], sampler: &mut Sampler) -> (usize, u32) {
     debug_assert_eq!(rows.len(), draft.len() + 1);
     debug_assert!(sampler.params().is_greedy());

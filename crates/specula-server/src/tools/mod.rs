@@ -190,6 +190,68 @@ impl Dialect {
         }
     }
 
+    /// A Lark grammar (llguidance's dialect) whose every sentence is one call, or with
+    /// `parallel` one or more calls, of this dialect to one of `tools` (`(name, parameters
+    /// schema)`; `None` for a tool without `parameters`: any JSON object), arguments valid
+    /// against the schema: what `tool_choice` `"required"` or a named function forces.
+    /// `None` for the dialects whose calls are not plain text around one JSON value (Qwen3-Coder's
+    /// XML parameters, Mistral's control-token markers): there a call is asked for, not forced.
+    pub fn forced_calls(self, tools: &[(&str, Option<&serde_json::Value>)], parallel: bool) -> Option<String> {
+        use serde_json::json;
+        // JSON as the chat templates print it (`{"name": "f", "arguments": {...}}`): fixed
+        // separators and no free whitespace, which a model under a mask could repeat forever.
+        let layout = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        let args = |p: Option<&serde_json::Value>| p.cloned().unwrap_or_else(|| json!({"type": "object"}));
+        let with_layout = |mut schema: serde_json::Value| {
+            if let Some(o) = schema.as_object_mut() {
+                o.insert("x-guidance".into(), layout.clone());
+            }
+            schema
+        };
+        // One call's JSON object, for the dialects that name the tool inside it.
+        let object = |key: &str| {
+            let one: Vec<serde_json::Value> = tools
+                .iter()
+                .map(|&(name, params)| {
+                    json!({"type": "object", "properties": {"name": {"const": name}, key: args(params)},
+                           "required": ["name", key], "additionalProperties": false})
+                })
+                .collect();
+            format!("%json {}", with_layout(json!({ "anyOf": one })))
+        };
+        let (call, sep) = match self {
+            Dialect::Hermes => (
+                format!(
+                    "\"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: {}",
+                    object("arguments")
+                ),
+                "\"\\n\"",
+            ),
+            Dialect::Llama3 => (format!("body\nbody: {}", object("parameters")), ""),
+            Dialect::Bracket => {
+                let alts: Vec<String> = tools
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(name, params))| {
+                        let schema = with_layout(args(params));
+                        format!("\"[Calling tool: {name}(\" args{i} \")]\"\nargs{i}: %json {schema}")
+                    })
+                    .collect();
+                let names: Vec<String> = (0..alts.len()).map(|i| format!("t{i}")).collect();
+                let rules: Vec<String> = alts.iter().enumerate().map(|(i, a)| format!("t{i}: {a}")).collect();
+                (format!("{}\n{}", names.join(" | "), rules.join("\n")), "\"\\n\"")
+            }
+            Dialect::Qwen3Coder | Dialect::Mistral => return None,
+        };
+        // Llama 3 has no separator of its own between bare calls: one call.
+        let start = if parallel && self != Dialect::Llama3 {
+            format!("start: call ({sep} call)*")
+        } else {
+            "start: call".to_string()
+        };
+        Some(format!("{start}\ncall: {call}\n"))
+    }
+
     /// A fresh parser for one response.
     pub fn parser(self, cfg: &ParserConfig) -> Box<dyn ToolParser> {
         match self {
