@@ -615,6 +615,12 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
+    // Fail before the model loads (seconds to minutes) when the address is taken or not ours:
+    // a probe bind, released at once; the server binds it again once the model is ready.
+    if a.port != 0 {
+        std::net::TcpListener::bind((a.host.as_str(), a.port))
+            .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    }
     let report = a
         .placement
         .preflight(&a.model, a.spec.draft_model.as_deref(), a.memory_check)?;

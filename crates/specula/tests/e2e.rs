@@ -494,6 +494,19 @@ fn cli_errors() {
     );
     drop(server);
 
+    // `serve` on a port that is taken fails before it loads the model, naming the address.
+    let taken = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    let out = run(
+        specula().args(["serve", "--host", "127.0.0.1", "--port", &port, "/nonexistent.gguf"]),
+        CLI_TIMEOUT,
+    );
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(out.stderr.contains(&format!("127.0.0.1:{port}")), "{}", out.describe());
+    // The address is checked first: the missing model is never reached.
+    assert!(!out.stderr.contains("/nonexistent.gguf"), "{}", out.describe());
+    drop(taken);
+
     // `pull` of an unknown name lists the known names (and downloads nothing).
     let out = run(specula().args(["pull", "nope"]), CLI_TIMEOUT);
     assert!(!out.status.success(), "{}", out.describe());
