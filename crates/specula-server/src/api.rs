@@ -126,8 +126,8 @@ fn parse_spec(h: &EngineHandle, b: &Body) -> Result<SpecOptions, ApiError> {
         return Err(ApiError::invalid(
             format!(
                 "Invalid 'spec': speculative mode 'draft' needs a draft model, and {} has none attached \
-                 (start the server with --draft-model).",
-                m.id
+                 (start the server with --draft-model, or attach one with POST /v1/models/{}/speculative).",
+                m.id, m.id
             ),
             Some("spec"),
         )

@@ -101,7 +101,8 @@ pub(crate) fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_
             }
             let why = match tuned {
                 Some(t) => format!("tuning file choice: {}", t.describe()),
-                None => format!("--spec {}", spec.mode.as_str()),
+                // `--spec` at start, or the runtime speculation endpoint since.
+                None => format!("the server's spec setting: {}", spec.mode.as_str()),
             };
             (name, why)
         }
