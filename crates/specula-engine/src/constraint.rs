@@ -43,6 +43,19 @@ pub enum GrammarSpec {
     Regex(String),
     /// A Lark grammar (llguidance's Lark dialect).
     Lark(String),
+    /// A Lark grammar built from a request's tools, forcing a call (`tool_choice` `"required"`
+    /// or a named function): compiled as [`GrammarSpec::Lark`], its errors are the tools'.
+    ToolCalls(String),
+}
+
+impl GrammarSpec {
+    /// The request parameter a compile error of this grammar names.
+    pub fn param(&self) -> &'static str {
+        match self {
+            GrammarSpec::ToolCalls(_) => "tools",
+            _ => "response_format",
+        }
+    }
 }
 
 /// Builds constraints for one tokenizer. Building the token trie costs ~0.1 s for a 150k vocab,
@@ -61,8 +74,9 @@ impl std::fmt::Debug for GrammarCompiler {
 }
 
 /// The bytes each token id stands for, in toktrie's convention: byte-level BPE tokens decoded
-/// through the GPT-2 byte alphabet; added/special tokens as `0xFF` followed by their text (so a
-/// grammar never matches them as text); ids the tokenizer does not know (model rows past the
+/// through the GPT-2 byte alphabet; special (control) tokens as `0xFF` followed by their text (so
+/// a grammar never matches them as text), other added tokens as their text, which they decode
+/// to; ids the tokenizer does not know (model rows past the
 /// vocabulary) as empty words (never allowed).
 fn token_words(tokenizer: &Tokenizer, rows: usize) -> Vec<Vec<u8>> {
     let alphabet = crate::testing::bytes_to_unicode();
@@ -74,6 +88,11 @@ fn token_words(tokenizer: &Tokenizer, rows: usize) -> Vec<Vec<u8>> {
     (0..rows as u32)
         .map(|id| {
             if let Some(t) = added.get(&id) {
+                if !t.special {
+                    // A user-defined token (Qwen's `<tool_call>`) decodes to its text, so a
+                    // grammar may match it as that text.
+                    return t.content.as_bytes().to_vec();
+                }
                 let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
                 w.extend_from_slice(t.content.as_bytes());
                 return w;
@@ -119,7 +138,7 @@ impl GrammarCompiler {
             GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
             GrammarSpec::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
             GrammarSpec::Regex(r) => TopLevelGrammar::from_regex(r),
-            GrammarSpec::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
+            GrammarSpec::Lark(l) | GrammarSpec::ToolCalls(l) => TopLevelGrammar::from_lark(l.clone()),
         };
         let parser = self.factory.create_parser(grammar)?;
         let mut matcher = Matcher::new(Ok(parser));

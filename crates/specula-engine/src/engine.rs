@@ -695,7 +695,13 @@ impl Engine {
         self.grammar_compiler()?
             .compile(spec)
             .map(|c| Box::new(c) as Box<dyn Constraint>)
-            .map_err(|e| RequestError::InvalidParameter(format!("response_format: {e:#}")))
+            .map_err(|e| match spec {
+                GrammarSpec::ToolCalls(_) => RequestError::InvalidParameter(format!(
+                    "tools: tool_choice forces a call, and the grammar for it could not be built \
+                     from the tools' parameters: {e:#}"
+                )),
+                _ => RequestError::InvalidParameter(format!("{}: {e:#}", spec.param())),
+            })
     }
 
     /// Build the constraint of `control` for this model: the grammar alone, or the reasoning

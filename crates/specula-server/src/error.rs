@@ -113,6 +113,7 @@ impl ApiError {
                     None if m.starts_with("speculative") || m.starts_with("draft_max") => Some("spec"),
                     None if m.starts_with("chat template") => Some("messages"),
                     None if m.starts_with("response_format") => Some("response_format"),
+                    None if m.starts_with("tools") => Some("tools"),
                     None if m.starts_with("prompt") => Some(prompt_param),
                     None => None,
                 };

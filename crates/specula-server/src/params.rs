@@ -582,7 +582,7 @@ impl Tools {
         if tools.is_empty() {
             return None;
         }
-        dialect.forced_calls(&tools, self.parallel).map(GrammarSpec::Lark)
+        dialect.forced_calls(&tools, self.parallel).map(GrammarSpec::ToolCalls)
     }
 }
 

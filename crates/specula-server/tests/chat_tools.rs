@@ -197,9 +197,12 @@ async fn tools_tool_calls_and_tool_results_render_through_the_template() {
 }
 
 /// A tool whose arguments are one of two words, so a forced call is short whatever the model.
+/// Its schema is written as Pydantic writes one: the enum behind a `$ref` into `$defs`, a
+/// `format` llguidance does not know.
 fn unit_tool() -> Value {
     json!({"type": "function", "function": {"name": "set_unit", "parameters": {"type": "object",
-        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+        "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"], "format": "int32"}},
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
         "additionalProperties": false}}})
 }
 
@@ -275,6 +278,14 @@ async fn forced_calls_in(app: axum::Router, dialect: Option<Dialect>) {
     let r = post(&app, CHAT, both).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text);
     assert_eq!(r.json()["error"]["param"], "tool_choice", "{}", r.text);
+    // A schema that cannot be compiled is the tools' error, not response_format's.
+    let mut broken = base.clone();
+    broken["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]);
+    broken["tool_choice"] = json!("required");
+    let r = post(&app, CHAT, broken).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{dialect:?}: {}", r.text);
+    assert_eq!(r.json()["error"]["param"], "tools", "{}", r.text);
 }
 
 #[tokio::test]

@@ -198,58 +198,53 @@ impl Dialect {
     /// XML parameters, Mistral's control-token markers): there a call is asked for, not forced.
     pub fn forced_calls(self, tools: &[(&str, Option<&serde_json::Value>)], parallel: bool) -> Option<String> {
         use serde_json::json;
-        // JSON as the chat templates print it (`{"name": "f", "arguments": {...}}`): fixed
-        // separators and no free whitespace, which a model under a mask could repeat forever.
-        let layout = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
-        let args = |p: Option<&serde_json::Value>| p.cloned().unwrap_or_else(|| json!({"type": "object"}));
-        let with_layout = |mut schema: serde_json::Value| {
+        // Each tool's parameters schema is the root of its own `%json` rule (so its `$ref`s
+        // resolve as the client wrote them), its arguments an object (a schema without a `type`
+        // gets `"type": "object"`), laid out as the chat templates print JSON (`", "`, `": "`,
+        // no free whitespace, which a model under a mask could repeat forever), and lenient as
+        // OpenAI's non-strict tools are (unsupported keywords and formats are ignored).
+        let args = |p: Option<&serde_json::Value>| {
+            let mut schema = p.cloned().unwrap_or_else(|| json!({"type": "object"}));
             if let Some(o) = schema.as_object_mut() {
-                o.insert("x-guidance".into(), layout.clone());
+                o.entry("type").or_insert_with(|| json!("object"));
+                o.insert(
+                    "x-guidance".into(),
+                    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ",
+                           "lenient": true}),
+                );
             }
             schema
         };
-        // One call's JSON object, for the dialects that name the tool inside it.
-        let object = |key: &str| {
-            let one: Vec<serde_json::Value> = tools
-                .iter()
-                .map(|&(name, params)| {
-                    json!({"type": "object", "properties": {"name": {"const": name}, key: args(params)},
-                           "required": ["name", key], "additionalProperties": false})
-                })
-                .collect();
-            format!("%json {}", with_layout(json!({ "anyOf": one })))
-        };
-        let (call, sep) = match self {
+        // The text around a tool's arguments (tool names are `[a-zA-Z0-9_.:-]`: nothing to
+        // escape in a Lark literal or a JSON string).
+        let (open, close): (fn(&str) -> String, &str) = match self {
             Dialect::Hermes => (
-                format!(
-                    "\"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: {}",
-                    object("arguments")
-                ),
-                "\"\\n\"",
+                |name| format!("<tool_call>\n{{\"name\": \"{name}\", \"arguments\": "),
+                "}\n</tool_call>",
             ),
-            Dialect::Llama3 => (format!("body\nbody: {}", object("parameters")), ""),
-            Dialect::Bracket => {
-                let alts: Vec<String> = tools
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(name, params))| {
-                        let schema = with_layout(args(params));
-                        format!("\"[Calling tool: {name}(\" args{i} \")]\"\nargs{i}: %json {schema}")
-                    })
-                    .collect();
-                let names: Vec<String> = (0..alts.len()).map(|i| format!("t{i}")).collect();
-                let rules: Vec<String> = alts.iter().enumerate().map(|(i, a)| format!("t{i}: {a}")).collect();
-                (format!("{}\n{}", names.join(" | "), rules.join("\n")), "\"\\n\"")
-            }
+            Dialect::Llama3 => (|name| format!("{{\"name\": \"{name}\", \"parameters\": "), "}"),
+            Dialect::Bracket => (|name| format!("[Calling tool: {name}("), ")]"),
             Dialect::Qwen3Coder | Dialect::Mistral => return None,
         };
-        // Llama 3 has no separator of its own between bare calls: one call.
-        let start = if parallel && self != Dialect::Llama3 {
-            format!("start: call ({sep} call)*")
+        let lit = |s: &str| serde_json::Value::from(s).to_string();
+        let mut rules = Vec::new();
+        for (i, &(name, params)) in tools.iter().enumerate() {
+            rules.push(format!("t{i}: {} args{i} {}", lit(&open(name)), lit(close)));
+            rules.push(format!("args{i}: %json {}", args(params)));
+        }
+        let alts: Vec<String> = (0..tools.len()).map(|i| format!("t{i}")).collect();
+        // Up to two newlines may come first (a thinking model's after `</think>`); calls in
+        // parallel are one a line. Llama 3 has no separator of its own: one call.
+        let calls = if parallel && self != Dialect::Llama3 {
+            "call (\"\\n\" call)*"
         } else {
-            "start: call".to_string()
+            "call"
         };
-        Some(format!("{start}\ncall: {call}\n"))
+        Some(format!(
+            "start: LEAD? {calls}\nLEAD: /\\n\\n?/\ncall: {}\n{}\n",
+            alts.join(" | "),
+            rules.join("\n")
+        ))
     }
 
     /// A fresh parser for one response.
