@@ -48,16 +48,6 @@ pub enum GrammarSpec {
     ToolCalls(String),
 }
 
-impl GrammarSpec {
-    /// The request parameter a compile error of this grammar names.
-    pub fn param(&self) -> &'static str {
-        match self {
-            GrammarSpec::ToolCalls(_) => "tools",
-            _ => "response_format",
-        }
-    }
-}
-
 /// Builds constraints for one tokenizer. Building the token trie costs ~0.1 s for a 150k vocab,
 /// so an engine keeps one.
 pub struct GrammarCompiler {

@@ -700,7 +700,7 @@ impl Engine {
                     "tools: tool_choice forces a call, and the grammar for it could not be built \
                      from the tools' parameters: {e:#}"
                 )),
-                _ => RequestError::InvalidParameter(format!("{}: {e:#}", spec.param())),
+                _ => RequestError::InvalidParameter(format!("response_format: {e:#}")),
             })
     }
 
