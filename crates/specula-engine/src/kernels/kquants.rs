@@ -187,20 +187,22 @@ fn quantize_block_q8k(chunk: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
     1.0 / iscale
 }
 
-/// [`quantize_block_q8k`] 16 lanes at a time, the same bytes: the largest magnitude is exact
-/// in any order, and `max` is the first value (in index order) that has it, as the scalar
-/// scan's strict `>` picks; `vcvtps2dq` rounds half to even (the default MXCSR) as
-/// [`nearest_int`] does; one register is one 16-quant sum.
+/// [`quantize_block_q8k`] 16 lanes at a time, the same bytes for every input: the largest
+/// magnitude is exact in any order and skips NaN lanes as the scalar scan does, `max` is the
+/// first value (in index order) that has it, as the scalar scan's strict `>` picks; the rounding
+/// is the scalar's `nearest_int` lane by lane, then `min(127)` and the low byte (`vpmovdb`, as
+/// `as i8`); one register is one 16-quant sum.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn quantize_block_q8k_avx512(chunk: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
+    use super::qmatmul::quant_avx512::{max_abs, nearest_int};
     use std::arch::x86_64::*;
     assert!(chunk.len() == QK_K && q.len() == QK_K && bsums.len() == QK_K / 16);
     let mut v = [_mm512_setzero_ps(); 16];
     let mut m = _mm512_setzero_ps();
     for (t, r) in v.iter_mut().enumerate() {
         *r = _mm512_loadu_ps(chunk.as_ptr().add(16 * t));
-        m = _mm512_max_ps(m, _mm512_abs_ps(*r));
+        m = max_abs(m, *r);
     }
     let amax = _mm512_reduce_max_ps(m);
     if amax == 0.0 {
@@ -219,7 +221,7 @@ unsafe fn quantize_block_q8k_avx512(chunk: &[f32], q: &mut [i8], bsums: &mut [i1
     let sv = _mm512_set1_ps(iscale);
     let top = _mm512_set1_epi32(127);
     for (t, r) in v.iter().enumerate() {
-        let qi = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(sv, *r)), top);
+        let qi = _mm512_min_epi32(nearest_int(_mm512_mul_ps(sv, *r)), top);
         _mm_storeu_si128(q.as_mut_ptr().add(16 * t) as *mut __m128i, _mm512_cvtepi32_epi8(qi));
         bsums[t] = _mm512_reduce_add_epi32(qi) as i16;
     }
@@ -2108,20 +2110,20 @@ mod tests {
                     }
                     _ => {}
                 }
-                // A block below 127 / f32::MAX (an infinite -127 / max) and an infinite lane: the
-                // AVX2 path keeps the scalar's bytes and sums; the AVX-512 one is not asked to.
-                let extreme = case % 13 == 12;
-                if extreme {
-                    match case % 2 {
+                // A block below 127 / f32::MAX (an infinite -127 / max), an infinite lane and a
+                // NaN lane: the SIMD paths keep the scalar's bytes and sums there too.
+                if case % 13 == 12 {
+                    match case % 3 {
                         0 => x.iter_mut().for_each(|v| *v *= 1e-38 / scale),
-                        _ => x[(case as usize * 7) % QK_K] = f32::NEG_INFINITY,
+                        1 => x[(case as usize * 7) % QK_K] = f32::NEG_INFINITY,
+                        _ => x[(case as usize * 7) % QK_K] = f32::NAN,
                     }
                 }
                 let (mut q1, mut s1) = (vec![0i8; QK_K], [0i16; 16]);
                 let d1 = quantize_block_q8k(&x, &mut q1, &mut s1);
                 type Simd = unsafe fn(&[f32], &mut [i8], &mut [i16]) -> f32;
                 let paths: [(&str, bool, Simd); 2] = [
-                    ("avx512", avx512 && !extreme, quantize_block_q8k_avx512),
+                    ("avx512", avx512, quantize_block_q8k_avx512),
                     ("avx2", avx2, quantize_block_q8k_avx2),
                 ];
                 for (isa, _, f) in paths.into_iter().filter(|p| p.1) {

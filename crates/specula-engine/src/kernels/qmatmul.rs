@@ -132,7 +132,7 @@ pub struct QuantRow {
 /// On AVX-512 the blocks are quantized 16 lanes at a time (`quantize_block_avx512`), on AVX2
 /// 8 at a time ([`quant_avx2::quantize_block`]): the same maximum, the same scalar
 /// `127 / amax`, the same per-value product and round half to even, so the same bytes
-/// (`simd_quantization_matches_scalar`; AVX-512 for finite products, AVX2 for every input).
+/// (`simd_quantization_matches_scalar`, every input).
 /// The activations of a forward are quantized on the thread that waits for the kernel pool, so
 /// this is serial time.
 pub fn quantize_row(x: &[f32]) -> QuantRow {
@@ -176,25 +176,53 @@ fn quantize_block(chunk: &[f32], q: &mut [i8]) -> (f32, i32) {
     (dd, sum)
 }
 
-/// [`quantize_block`] in two 16-lane registers: `max` of the absolute values is exact in any
-/// order, `vcvtps2dq` rounds half to even under the default MXCSR (as [`nearest_int`] does for
-/// the |v| ≤ 127 here), and the quants narrow without saturation.
+/// [`quantize_block`] in two 16-lane registers, the same bytes and sum for every input: `max`
+/// of the absolute values is exact in any order and skips NaN lanes as `f32::max` does
+/// ([`quant_avx512::max_abs`]), the rounding is the scalar's [`nearest_int`] lane by lane
+/// ([`quant_avx512::nearest_int`], not `vcvtps2dq`), and `vpmovdb` keeps each lane's low byte
+/// as the scalar's `as i8` does.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn quantize_block_avx512(chunk: &[f32], q: &mut [i8]) -> (f32, i32) {
+    use quant_avx512::{max_abs, nearest_int};
     use std::arch::x86_64::*;
     assert!(chunk.len() == QK && q.len() == QK);
     let a = _mm512_loadu_ps(chunk.as_ptr());
     let b = _mm512_loadu_ps(chunk.as_ptr().add(16));
-    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    let amax = _mm512_reduce_max_ps(max_abs(max_abs(_mm512_setzero_ps(), a), b));
     let dd = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     let idv = _mm512_set1_ps(id);
-    let qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, idv));
-    let qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, idv));
+    let qa = nearest_int(_mm512_mul_ps(a, idv));
+    let qb = nearest_int(_mm512_mul_ps(b, idv));
     _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128(q.as_mut_ptr().add(16) as *mut __m128i, _mm512_cvtepi32_epi8(qb));
     (dd, _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)))
+}
+
+/// The lane steps the AVX-512 activation quantizers share with their scalar definitions.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod quant_avx512 {
+    use std::arch::x86_64::*;
+
+    /// `m.max(|v|)` per lane with `f32::max`'s NaN rule: `vmaxps` returns its second operand
+    /// when either is NaN, so a NaN `|v|` leaves `m` as the scalar fold leaves it.
+    #[inline(always)]
+    pub(crate) unsafe fn max_abs(m: __m512, v: __m512) -> __m512 {
+        _mm512_max_ps(_mm512_abs_ps(v), m)
+    }
+
+    /// [`super::nearest_int`] per lane, bit for bit for every input (the 1.5 · 2^23 trick;
+    /// `vcvtps2dq` would give `i32::MIN` where the scalar gives -2^22 for an infinite or NaN
+    /// product).
+    #[inline(always)]
+    pub(crate) unsafe fn nearest_int(v: __m512) -> __m512i {
+        let t = _mm512_castps_si512(_mm512_add_ps(v, _mm512_set1_ps(12_582_912.0)));
+        _mm512_sub_epi32(
+            _mm512_and_si512(t, _mm512_set1_epi32(0x007f_ffff)),
+            _mm512_set1_epi32(0x0040_0000),
+        )
+    }
 }
 
 /// The activation quantizations on AVX2 (CPUs without AVX-512): the same bytes, scales and sums
@@ -1709,8 +1737,7 @@ mod tests {
                     _ => {}
                 }
                 // Past the finite range: a block below 127 / f32::MAX (an infinite 127 / amax)
-                // and non-finite lanes. The AVX2 path keeps the scalar's bytes and sum there too;
-                // the AVX-512 one does not (`vcvtps2dq`), and is not asked to.
+                // and non-finite lanes; the SIMD paths keep the scalar's bytes and sum there too.
                 let extreme = case % 13 == 12;
                 if extreme {
                     match case % 3 {
@@ -1722,7 +1749,7 @@ mod tests {
                 let mut q1 = [0i8; QK];
                 let a = quantize_block(&x, &mut q1);
                 let mut simd: Vec<(&str, [i8; QK], (f32, i32))> = Vec::new();
-                if avx512 && !extreme {
+                if avx512 {
                     let mut q = [0i8; QK];
                     // SAFETY: AVX-512 F is present (checked above).
                     let b = unsafe { quantize_block_avx512(&x, &mut q) };
