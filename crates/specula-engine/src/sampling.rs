@@ -171,11 +171,7 @@ impl Sampler {
     /// AR or speculative, so both see the same values.
     pub fn process_logits(&self, logits: &mut [f32]) {
         let p = &self.params;
-        for &(tok, bias) in &p.logit_bias {
-            if let Some(l) = logits.get_mut(tok as usize) {
-                *l += bias;
-            }
-        }
+        add_logit_bias(logits, &p.logit_bias);
         if !p.has_penalties() {
             return;
         }
@@ -382,19 +378,15 @@ pub fn top_n(logprobs: &[f32], n: usize) -> Vec<(u32, f32)> {
     idx
 }
 
-/// The sampler a drafter draws with for a request with sampling parameters `params`: `None`
-/// when the request is greedy (drafts are argmaxes); else the request's temperature and filters
-/// with penalties off, seeded with `seed` (drafts are draws, their distribution the proposal's q).
-pub fn draft_sampler(params: &SamplingParams, seed: u64) -> Option<Sampler> {
-    (!params.is_greedy()).then(|| {
-        Sampler::new(SamplingParams {
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: Some(seed),
-            ..params.clone()
-        })
-    })
+/// OpenAI's `logit_bias` on a logits row, in place: `logits[id] += bias` for each `(id, bias)`;
+/// ids past the row are skipped. The first of [`Sampler::process_logits`]'s changes, and what a
+/// drafter adds to its own rows ([`crate::spec::DraftSampling`]).
+pub fn add_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(tok, b) in bias {
+        if let Some(l) = logits.get_mut(tok as usize) {
+            *l += b;
+        }
+    }
 }
 
 #[cfg(test)]

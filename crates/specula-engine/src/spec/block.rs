@@ -32,7 +32,7 @@ use super::head::{
 };
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::SamplingParams;
 
 /// A block drafter's `config.json`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -281,7 +281,7 @@ pub struct BlockDrafter {
     base: usize,
     /// Context keys / values per layer (all layers cover the same positions).
     ctx: Vec<RowCache>,
-    sampler: Option<Sampler>,
+    sampling: super::DraftSampling,
     /// Tokens of the last proposal, and the catch-up seconds of the last proposal
     /// ([`Drafter::last_catch_up_s`]).
     last_draft: usize,
@@ -290,7 +290,7 @@ pub struct BlockDrafter {
 
 impl BlockDrafter {
     pub fn new(model: Arc<BlockDrafterModel>, params: &SamplingParams, seed: u64) -> Self {
-        let sampler = crate::sampling::draft_sampler(params, seed);
+        let sampling = super::DraftSampling::new(params, seed);
         let n = model.taps.len();
         let layers = model.weights.layers.len();
         Self {
@@ -298,7 +298,7 @@ impl BlockDrafter {
             hidden: vec![Vec::new(); n],
             base: 0,
             ctx: vec![RowCache::default(); layers],
-            sampler,
+            sampling,
             last_draft: 0,
             catch_up_s: 0.0,
         }
@@ -408,7 +408,7 @@ impl Drafter for BlockDrafter {
         let mut qs = Vec::with_capacity(k);
         let mut confidence = Vec::with_capacity(k);
         for row in logits.chunks_exact(vr) {
-            let (t, q, c) = self.model.vocab.pick_with_confidence(row, self.sampler.as_mut());
+            let (t, q, c) = self.model.vocab.pick_with_confidence(row, &mut self.sampling);
             tokens.push(t);
             qs.extend(q);
             confidence.push(c);
@@ -416,7 +416,7 @@ impl Drafter for BlockDrafter {
         self.last_draft = tokens.len();
         Ok(Proposal {
             tokens,
-            q: self.sampler.is_some().then_some(qs),
+            q: self.sampling.is_sampling().then_some(qs),
             confidence: Some(confidence),
         })
     }

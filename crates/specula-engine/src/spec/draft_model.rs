@@ -15,6 +15,7 @@
 //! temperature 0 it proposes its argmax (q one-hot, greedy acceptance); at temperature > 0 it
 //! samples from its processed distribution (the request's temperature, top-k, top-p and min-p,
 //! no penalties) with its own RNG and returns that distribution as q for rejection sampling.
+//! Both add the request's logit bias to its rows first ([`super::DraftSampling`]).
 
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ use anyhow::{anyhow, Result};
 use super::{Drafter, Proposal};
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model};
-use crate::sampling::{argmax, Sampler, SamplingParams};
+use crate::sampling::SamplingParams;
 
 /// Unseen committed tokens above which the drafter re-seeds from a window instead of catching up.
 pub const RESEED_GAP: usize = 96;
@@ -126,8 +127,8 @@ pub struct DraftModelDrafter {
     offset: usize,
     /// Seconds the last proposal spent feeding context before drafting.
     catch_up_s: f64,
-    /// `None` at temperature 0 (argmax drafts); else the sampler drafts are drawn with.
-    sampler: Option<Sampler>,
+    /// The request's logit bias, then argmax drafts at temperature 0, sampled ones otherwise.
+    sampling: super::DraftSampling,
     prefill_chunk: usize,
 }
 
@@ -136,7 +137,7 @@ impl DraftModelDrafter {
     /// drafts greedily when they are greedy, else samples with the same temperature and filters
     /// (penalties off) and an RNG seeded from `seed`.
     pub fn new(model: Arc<Model>, params: &SamplingParams, seed: u64, prefill_chunk: usize) -> Self {
-        let sampler = crate::sampling::draft_sampler(params, seed);
+        let sampling = super::DraftSampling::new(params, seed);
         let kv = model.new_kv_cache();
         Self {
             model,
@@ -144,7 +145,7 @@ impl DraftModelDrafter {
             cached: Vec::new(),
             offset: 0,
             catch_up_s: 0.0,
-            sampler,
+            sampling,
             prefill_chunk: prefill_chunk.max(1),
         }
     }
@@ -229,19 +230,8 @@ impl Drafter for DraftModelDrafter {
         let mut qs = Vec::with_capacity(k);
         let mut confidence = Vec::with_capacity(k);
         for i in 0..k {
-            let (t, c) = match self.sampler.as_mut() {
-                None => {
-                    let t = argmax(&logits);
-                    (t, super::softmax_probability(&logits, t as usize))
-                }
-                Some(s) => {
-                    let dist = s.distribution(&logits);
-                    let t = s.draw(&dist);
-                    let c = dist.iter().find(|&&(id, _)| id == t).map_or(0.0, |&(_, p)| p);
-                    qs.push(dist);
-                    (t, c)
-                }
-            };
+            let (t, q, c) = self.sampling.pick(&mut logits);
+            qs.extend(q);
             tokens.push(t);
             confidence.push(c);
             if i + 1 == k || !go_on(&confidence) {
@@ -251,7 +241,7 @@ impl Drafter for DraftModelDrafter {
         }
         Ok(Proposal {
             tokens,
-            q: self.sampler.is_some().then_some(qs),
+            q: self.sampling.is_sampling().then_some(qs),
             confidence: Some(confidence),
         })
     }
@@ -314,6 +304,42 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("dv.json"));
+    }
+
+    /// The request's logit bias is added to the draft model's rows: a token it favours by 100 is
+    /// drafted at every position, greedy or sampled (with q on it); the greedy draft it bans by
+    /// -100 is not drafted. (Exactness never depended on it; acceptance does.)
+    #[test]
+    fn drafts_carry_the_logit_bias() {
+        let (_dir, model) = tiny();
+        let v = model.config.vocab_size as u32;
+        let ctx: Vec<u32> = (0..20u32).map(|i| (i * 5 + 1) % v).collect();
+        let draft = |params: &SamplingParams, k: usize| {
+            DraftModelDrafter::new(model.clone(), params, 7, 64)
+                .propose(&ctx, k)
+                .expect("propose")
+        };
+        let plain = draft(&SamplingParams::greedy(), 4).tokens;
+        assert_eq!(plain.len(), 4);
+        let fav = (plain[0] + 1) % v;
+        let favoured = SamplingParams::greedy()
+            .with_logit_bias(vec![(fav, 100.0)])
+            .expect("bias");
+        assert_eq!(draft(&favoured, 4).tokens, vec![fav; 4]);
+        let sampled = SamplingParams {
+            temperature: 1.0,
+            ..favoured
+        };
+        let p = draft(&sampled, 4);
+        assert_eq!(p.tokens, vec![fav; 4]);
+        for q in p.q.expect("a sampled proposal carries q") {
+            assert_eq!(q[0].0, fav, "{q:?}");
+            assert!(q[0].1 > 0.999, "{q:?}");
+        }
+        let banned = SamplingParams::greedy()
+            .with_logit_bias(vec![(plain[0], -100.0)])
+            .expect("bias");
+        assert_ne!(draft(&banned, 1).tokens[0], plain[0]);
     }
 
     #[test]

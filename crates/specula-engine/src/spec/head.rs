@@ -452,9 +452,8 @@ pub fn block_tensors(b: &HeadBlock, prefix: &str) -> Vec<(String, Tensor)> {
     v
 }
 
-/// A draft token and, when it was sampled, the sparse distribution it was drawn from.
-pub type DraftPick = (u32, Option<Vec<(u32, f32)>>);
-/// A [`DraftPick`] with the drafter's probability of the token ([`super::Proposal::confidence`]).
+/// A draft token, the sparse distribution it was drawn from when it was sampled, and the
+/// drafter's probability of it ([`super::Proposal::confidence`]).
 pub type ConfidentPick = (u32, Option<Vec<(u32, f32)>>, f32);
 
 /// The draft LM head: rows of the target's LM head (all of them, or a frequency-ranked subset,
@@ -521,29 +520,16 @@ impl DraftVocab {
         Ok(Tensor::from_vec(v, n, &Device::Cpu)?)
     }
 
-    /// The draft token of one logits row: its argmax (greedy), or a draw from `sampler`'s
-    /// processed distribution over the full vocabulary, returned as the proposal's q.
-    pub fn pick(&self, row: &[f32], sampler: Option<&mut crate::sampling::Sampler>) -> DraftPick {
-        let (t, q, _) = self.pick_with_confidence(row, sampler);
-        (t, q)
-    }
-
-    /// [`DraftVocab::pick`] and the drafter's probability of the picked token
-    /// ([`super::Proposal::confidence`]): the softmax of `row` (over the draft vocabulary) at
-    /// the argmax when greedy, `q(token)` when sampling.
-    pub fn pick_with_confidence(&self, row: &[f32], sampler: Option<&mut crate::sampling::Sampler>) -> ConfidentPick {
-        match sampler {
-            None => {
-                let i = crate::sampling::argmax(row) as usize;
-                (self.token(i), None, super::softmax_probability(row, i))
-            }
-            Some(s) => {
-                let dist = s.distribution(&self.full_row(row));
-                let t = s.draw(&dist);
-                let c = dist.iter().find(|&&(id, _)| id == t).map_or(0.0, |&(_, p)| p);
-                (t, Some(dist), c)
-            }
+    /// The draft token of one draft row (`[rows]`, over this vocabulary), its distribution
+    /// when sampling, and the drafter's probability of it, as [`super::DraftSampling::pick`]
+    /// gives them on the full-vocabulary row. A greedy request without a logit bias takes the
+    /// argmax of the draft row itself (no full row is built).
+    pub fn pick_with_confidence(&self, row: &[f32], sampling: &mut super::DraftSampling) -> ConfidentPick {
+        if !sampling.is_sampling() && !sampling.has_bias() {
+            let i = crate::sampling::argmax(row) as usize;
+            return (self.token(i), None, super::softmax_probability(row, i));
         }
+        sampling.pick(&mut self.full_row(row))
     }
 
     /// Use a Q8_0 copy of the rows from now on (drafting, not training).
@@ -844,6 +830,33 @@ impl HeadBlock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A draft vocabulary of a subset picks in the full vocabulary's ids: the argmax of the
+    /// draft row without a bias; with one, the biased argmax among the subset's tokens (a token
+    /// outside the subset stays out, whatever its bias).
+    #[test]
+    fn a_subset_pick_adds_the_logit_bias_by_token_id() {
+        let vocab = DraftVocab {
+            rows: Tensor::zeros((3, 4), DType::F32, &Device::Cpu).expect("rows"),
+            fast: None,
+            ids: Some(vec![2, 5, 7]),
+            vocab_size: 10,
+        };
+        let row = [0.5f32, 1.0, 0.2];
+        let pick = |bias: Vec<(u32, f32)>| {
+            let params = crate::sampling::SamplingParams::greedy()
+                .with_logit_bias(bias)
+                .expect("bias");
+            vocab.pick_with_confidence(&row, &mut super::super::DraftSampling::new(&params, 0))
+        };
+        assert_eq!(pick(vec![]).0, 5);
+        let (t, q, c) = pick(vec![(7, 2.0)]);
+        assert_eq!((t, q), (7, None));
+        // softmax of [0.5, 1.0, 2.2] at 2.2.
+        let e = [0.5f32 - 2.2, 1.0 - 2.2, 0.0].map(f32::exp);
+        assert!((c - e[2] / e.iter().sum::<f32>()).abs() < 1e-5, "{c}");
+        assert_eq!(pick(vec![(3, 100.0), (9, 50.0)]).0, 5);
+    }
 
     fn rand(shape: &[usize], seed: &mut u64) -> Tensor {
         let n: usize = shape.iter().product();

@@ -159,6 +159,71 @@ pub fn softmax_probability(row: &[f32], i: usize) -> f32 {
     (head::exp_nonpositive(xi - max) / sum).clamp(0.0, 1.0)
 }
 
+/// How a drafter turns a row of its logits into a draft token for one request: the request's
+/// `logit_bias` first (the target's rows carry it, so a token the request bans is not drafted
+/// only to be rejected, and one it favours is drafted where the target would pick it), then the
+/// argmax at temperature 0, or, when sampling, a draw from the processed distribution (the
+/// request's temperature, top-k, top-p and min-p; penalties off) with the drafter's own RNG,
+/// returned as q for rejection sampling (Leviathan et al. 2023). What is committed never depends
+/// on it: the target verifies every draft.
+#[derive(Debug, Clone)]
+pub struct DraftSampling {
+    /// The request's `(token id, bias)` pairs ([`crate::sampling::SamplingParams::logit_bias`]).
+    bias: Vec<(u32, f32)>,
+    /// `None` at temperature 0 (argmax drafts).
+    sampler: Option<crate::sampling::Sampler>,
+}
+
+impl DraftSampling {
+    /// For a request with sampling parameters `params`; `seed` seeds the drafter's RNG.
+    pub fn new(params: &crate::sampling::SamplingParams, seed: u64) -> Self {
+        let sampler = (!params.is_greedy()).then(|| {
+            crate::sampling::Sampler::new(crate::sampling::SamplingParams {
+                repetition_penalty: 1.0,
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
+                logit_bias: Vec::new(),
+                seed: Some(seed),
+                ..params.clone()
+            })
+        });
+        Self {
+            bias: params.logit_bias.clone(),
+            sampler,
+        }
+    }
+
+    /// Drafts are sampled (the proposal carries q), not argmax.
+    pub fn is_sampling(&self) -> bool {
+        self.sampler.is_some()
+    }
+
+    /// The request has a logit bias, which [`DraftSampling::pick`] adds to every row.
+    pub fn has_bias(&self) -> bool {
+        !self.bias.is_empty()
+    }
+
+    /// The draft token of a full-vocabulary logits row `[vocab]` (f32; the bias is added in
+    /// place), the distribution it was drawn from when sampling, and the drafter's probability
+    /// of it ([`Proposal::confidence`]: the softmax at temperature 1 when greedy, q(token) when
+    /// sampling).
+    pub fn pick(&mut self, row: &mut [f32]) -> head::ConfidentPick {
+        crate::sampling::add_logit_bias(row, &self.bias);
+        match self.sampler.as_mut() {
+            None => {
+                let t = crate::sampling::argmax(row);
+                (t, None, softmax_probability(row, t as usize))
+            }
+            Some(s) => {
+                let dist = s.distribution(row);
+                let t = s.draw(&dist);
+                let c = dist.iter().find(|&&(id, _)| id == t).map_or(0.0, |&(_, p)| p);
+                (t, Some(dist), c)
+            }
+        }
+    }
+}
+
 /// A drafter: proposes up to k tokens continuing the committed context.
 ///
 /// Drafters are stateless from the engine's point of view: each call gets the whole committed

@@ -34,7 +34,7 @@ use super::head::{
 };
 use super::{Drafter, Proposal};
 use crate::model::{Embedding, Model};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::SamplingParams;
 
 /// Which target hidden state an MTP head reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -391,7 +391,7 @@ pub struct MtpDrafter {
     /// (exclusive); rows past it came from a draft chain and are dropped at the next proposal.
     kv_true_end: usize,
     cache: RowCache,
-    sampler: Option<Sampler>,
+    sampling: super::DraftSampling,
     /// Tokens of the last proposal, and the catch-up seconds of the last proposal
     /// ([`Drafter::last_catch_up_s`]).
     last_draft: usize,
@@ -402,14 +402,14 @@ impl MtpDrafter {
     /// A drafter for one request: greedy drafts for greedy requests, else drafts sampled with
     /// the request's temperature and filters (penalties off) from an RNG seeded by `seed`.
     pub fn new(head: Arc<MtpHead>, params: &SamplingParams, seed: u64) -> Self {
-        let sampler = crate::sampling::draft_sampler(params, seed);
+        let sampling = super::DraftSampling::new(params, seed);
         Self {
             head,
             hidden: Vec::new(),
             base: 0,
             kv_true_end: 0,
             cache: RowCache::default(),
-            sampler,
+            sampling,
             last_draft: 0,
             catch_up_s: 0.0,
         }
@@ -448,7 +448,7 @@ impl MtpDrafter {
         let eps = self.head.weights.block.shape.rms_norm_eps;
         let normed = rms_rows(h_last, &self.head.weights.norm.to_vec1::<f32>()?, eps);
         let row = self.head.vocab.logits_rows(&normed, 1)?;
-        Ok(self.head.vocab.pick_with_confidence(&row, self.sampler.as_mut()))
+        Ok(self.head.vocab.pick_with_confidence(&row, &mut self.sampling))
     }
 }
 
@@ -519,7 +519,7 @@ impl Drafter for MtpDrafter {
         self.last_draft = tokens.len();
         Ok(Proposal {
             tokens,
-            q: self.sampler.is_some().then_some(qs),
+            q: self.sampling.is_sampling().then_some(qs),
             confidence: Some(confidence),
         })
     }
