@@ -55,6 +55,8 @@ pub struct GrammarCompiler {
     vocab: usize,
     /// The bytes of every token id ([`token_words`]), shared with reasoning constraints.
     words: Arc<Vec<Vec<u8>>>,
+    /// The model's end-of-generation ids; the first is the one llguidance knows.
+    eos: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for GrammarCompiler {
@@ -100,11 +102,15 @@ fn token_words(tokenizer: &Tokenizer, rows: usize) -> Vec<Vec<u8>> {
 }
 
 impl GrammarCompiler {
-    /// For `tokenizer` and a model with `rows` logits rows; `eos` is the token the grammar ends
-    /// with.
-    pub fn new(tokenizer: &Tokenizer, rows: usize, eos: u32) -> Result<Self> {
+    /// For `tokenizer` and a model with `rows` logits rows; `eos` are the model's
+    /// end-of-generation ids (a completed grammar may end with any of them, as Llama 3's
+    /// `<|eot_id|>` or `<|eom_id|>`). Errors: `eos` is empty.
+    pub fn new(tokenizer: &Tokenizer, rows: usize, eos: &[u32]) -> Result<Self> {
+        let &first = eos
+            .first()
+            .ok_or_else(|| anyhow!("no end-of-generation token to end a grammar"))?;
         let words = token_words(tokenizer, rows);
-        let info = TokRxInfo::new(rows as u32, eos);
+        let info = TokRxInfo::new(rows as u32, first);
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| anyhow!("grammar setup: {e}"))?;
@@ -113,6 +119,7 @@ impl GrammarCompiler {
             factory,
             vocab: rows,
             words: Arc::new(words),
+            eos: eos.into(),
         })
     }
 
@@ -137,21 +144,26 @@ impl GrammarCompiler {
         }
         // A grammar that compiles may still admit no first token (a regex of the empty
         // language, a rule that only recurses into itself): its first mask is an error. Found
-        // here it is the client's error, before any token; the mask is computed again at the
-        // first step. (A grammar whose every sentence is infinite but that has a first token,
+        // here it is the client's error, before any token; the mask is kept for the first step.
+        // (A grammar whose every sentence is infinite but that has a first token,
         // `start: "a" start`, is not caught: it runs to max_tokens.)
-        if let Err(e) = matcher.compute_mask_or_eos() {
-            let first = brief(&e);
-            tracing::debug!(error = %format!("{e:#}"), "grammar rejected at its first mask");
-            return Err(if first.starts_with("NoExtensionBias") {
-                anyhow!("no output can satisfy it: the grammar admits no first token")
-            } else {
-                anyhow!("the grammar could not be started: {first}")
-            });
-        }
+        let first = match matcher.compute_mask_or_eos() {
+            Ok(m) => m,
+            Err(e) => {
+                let first = brief(&e);
+                tracing::debug!(error = %format!("{e:#}"), "grammar rejected at its first mask");
+                return Err(if first.starts_with("NoExtensionBias") {
+                    anyhow!("no output can satisfy it: the grammar admits no first token")
+                } else {
+                    anyhow!("the grammar could not be started: {first}")
+                });
+            }
+        };
         Ok(GrammarConstraint {
             matcher,
             vocab: self.vocab,
+            eos: self.eos.clone(),
+            first_mask: Some(first),
         })
     }
 }
@@ -160,6 +172,23 @@ impl GrammarCompiler {
 pub struct GrammarConstraint {
     matcher: Matcher,
     vocab: usize,
+    /// The model's end-of-generation ids: wherever the grammar allows its end (the first id, the
+    /// one llguidance knows), every one of them is allowed, and each is committed as the first.
+    eos: Arc<[u32]>,
+    /// The mask of the grammar's start, computed when it was compiled; used by the first
+    /// [`Constraint::mask`] if no token was committed before it.
+    first_mask: Option<llguidance::toktrie::SimpleVob>,
+}
+
+impl GrammarConstraint {
+    /// `token` as the matcher knows it: any end-of-generation id is the first one.
+    fn as_matcher_token(&self, token: u32) -> u32 {
+        if self.eos.contains(&token) {
+            self.eos[0]
+        } else {
+            token
+        }
+    }
 }
 
 /// The first line of an llguidance error: its later lines dump the parser's state, which is
@@ -176,9 +205,14 @@ fn grammar_error(e: anyhow::Error) -> anyhow::Error {
 
 impl Constraint for GrammarConstraint {
     fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = self.matcher.compute_mask_or_eos().map_err(grammar_error)?;
+        let allowed = match self.first_mask.take() {
+            Some(m) => m,
+            None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
+        };
+        let may_end = allowed.is_allowed(self.eos[0]);
         for (i, l) in logits.iter_mut().enumerate().take(self.vocab) {
-            if !allowed.is_allowed(i as u32) {
+            let i = i as u32;
+            if !(allowed.is_allowed(i) || (may_end && self.eos.contains(&i))) {
                 *l = f32::NEG_INFINITY;
             }
         }
@@ -189,10 +223,12 @@ impl Constraint for GrammarConstraint {
     }
 
     fn commit(&mut self, token: u32) -> Result<()> {
+        self.first_mask = None;
         if self.matcher.is_stopped() {
             // The grammar is complete: only the end of generation follows.
             return Ok(());
         }
+        let token = self.as_matcher_token(token);
         self.matcher.consume_token(token).map_err(grammar_error)
     }
 
@@ -200,7 +236,8 @@ impl Constraint for GrammarConstraint {
         if self.matcher.is_stopped() {
             return 0;
         }
-        self.matcher.validate_tokens(tokens).unwrap_or(0)
+        let tokens: Vec<u32> = tokens.iter().map(|&t| self.as_matcher_token(t)).collect();
+        self.matcher.validate_tokens(&tokens).unwrap_or(0)
     }
 }
 
@@ -504,6 +541,47 @@ mod tests {
     const GTNL: u32 = 10;
     const X: u32 = 11;
     const NL: u32 = 12;
+
+    /// A completed grammar may end with any of the model's end-of-generation ids (Llama 3's
+    /// `<|eot_id|>` and `<|eom_id|>`), not only the first: each is allowed where the grammar may
+    /// end, committed and validated as the end. The tiny model's two special tokens stand in.
+    #[test]
+    fn a_grammar_may_end_with_any_end_of_generation_id() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny.gguf");
+        crate::testing::write_tiny_gguf(&path, &crate::testing::TinySpec::new(crate::model::Family::Llama))
+            .expect("write");
+        let bundle = crate::bundle::load(&path, &candle_core::Device::Cpu).expect("load");
+        let tok = &bundle.tokenizer;
+        let rows = bundle.model.config().vocab_size;
+        let (end, start) = (
+            tok.token_to_id("<|im_end|>").expect("<|im_end|>"),
+            tok.token_to_id("<|im_start|>").expect("<|im_start|>"),
+        );
+        let ends = [end, start];
+        let compiler = GrammarCompiler::new(tok, rows, &ends).expect("compiler");
+        let allowed = |c: &mut GrammarConstraint| {
+            let mut l = vec![0f32; rows];
+            c.mask(&mut l).expect("mask");
+            (0..rows as u32)
+                .filter(|&i| l[i as usize].is_finite())
+                .collect::<Vec<_>>()
+        };
+        let ab = tok.encode("ab").expect("encode");
+        for last in ends {
+            let mut c = compiler.compile(&GrammarSpec::Regex("ab".into())).expect("compile");
+            assert!(!allowed(&mut c).contains(&start), "not before the grammar may end");
+            let mut all = ab.clone();
+            all.push(last);
+            assert_eq!(c.valid_prefix(&all), all.len(), "ending with {last}");
+            for &t in &ab {
+                c.commit(t).expect("commit");
+            }
+            assert_eq!(allowed(&mut c), vec![end.min(start), end.max(start)]);
+            c.commit(last).expect("the end commits");
+        }
+        assert!(GrammarCompiler::new(tok, rows, &[]).is_err());
+    }
 
     fn control(starts_open: bool, max_tokens: Option<usize>) -> ReasoningControl {
         ReasoningControl {

@@ -677,10 +677,12 @@ impl Engine {
     /// The grammar compiler of this model (built on first use: ~0.1 s for a 150k vocabulary).
     fn grammar_compiler(&mut self) -> Result<&GrammarCompiler, RequestError> {
         if self.grammar.is_none() {
-            let eos = self.bundle.eos_ids.first().copied().ok_or_else(|| {
-                RequestError::InvalidParameter("this model has no end-of-generation token to end a grammar".into())
-            })?;
-            let c = GrammarCompiler::new(&self.bundle.tokenizer, self.config().vocab_size, eos)
+            if self.bundle.eos_ids.is_empty() {
+                return Err(RequestError::InvalidParameter(
+                    "this model has no end-of-generation token to end a grammar".into(),
+                ));
+            }
+            let c = GrammarCompiler::new(&self.bundle.tokenizer, self.config().vocab_size, &self.bundle.eos_ids)
                 .map_err(|e| RequestError::Internal(format!("{e:#}")))?;
             self.grammar = Some(c);
         }
