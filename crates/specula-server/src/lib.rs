@@ -145,13 +145,9 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
     };
     let listener = TcpListener::bind((opts.host.as_str(), opts.port))
         .await
-        .with_context(|| format!("binding {}:{}", opts.host, opts.port))?;
+        .with_context(|| format!("binding {}", authority(&opts.host, opts.port)))?;
     let port = listener.local_addr()?.port();
-    let host = if opts.host.contains(':') {
-        format!("[{}]", opts.host)
-    } else {
-        opts.host.clone()
-    };
+    let address = authority(&opts.host, port);
     let m = handle.model();
     tracing::info!(
         model = %m.id,
@@ -165,7 +161,7 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         tool_parser = %m.chat.tool_dialect,
         tool_parser_from = m.chat.tool_dialect_from,
         thinking = m.chat.thinking,
-        "listening on http://{host}:{port}"
+        "listening on http://{address}"
     );
     serve_with_shutdown(handle, listener, shutdown_signal()).await
 }
@@ -193,6 +189,16 @@ pub async fn serve_with_shutdown(
     Ok(())
 }
 
+/// `host:port` as a URL's authority writes it (RFC 3986 §3.2.2): an IPv6 address in brackets
+/// (`[::1]:8000`), a name or IPv4 address as it is (`127.0.0.1:8000`).
+pub fn authority(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// Ctrl-C, or SIGTERM on Unix.
 async fn shutdown_signal() {
     let ctrl_c = async {
@@ -215,4 +221,15 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn authority_brackets_ipv6_hosts() {
+        assert_eq!(super::authority("::1", 8000), "[::1]:8000");
+        assert_eq!(super::authority("127.0.0.1", 80), "127.0.0.1:80");
+        assert_eq!(super::authority("localhost", 8000), "localhost:8000");
+        assert_eq!(super::authority("[::1]", 1), "[::1]:1");
+    }
 }

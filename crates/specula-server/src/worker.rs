@@ -161,10 +161,15 @@ pub struct ReasoningLimits {
 
 impl ReasoningLimits {
     /// The engine's reasoning control for a prompt ending in `prompt_tail`, with or without a
-    /// grammar for the answer; `None` when the model does not think here or nothing is bounded.
+    /// grammar for the answer; `None` when the model does not think here (the prompt opens no
+    /// block and the model does not think on its own, or the prompt already closed an empty
+    /// block: Qwen3's `enable_thinking: false` renders `<think>\n\n</think>\n\n`) or nothing
+    /// is bounded. Without the second rule the control would start in its "may open `<think>`"
+    /// phase and could read the answer's first piece (a forced tool call's `<`) as the start of
+    /// the open marker.
     pub fn control(&self, prompt_tail: &str, grammar: bool) -> Option<ReasoningControl> {
         let opens = prompt_opens_reasoning(prompt_tail);
-        if !(self.thinking || opens) {
+        if !(self.thinking || opens) || prompt_tail.trim_end().ends_with(THINK_CLOSE) {
             return None;
         }
         let max_chars = grammar.then_some(self.prelude_chars);
@@ -862,7 +867,42 @@ fn record_done(metrics: &Metrics, endpoint: &str, out: &GenerateOutput) {
 
 #[cfg(test)]
 mod tests {
-    use super::decode_path_label;
+    use super::{decode_path_label, ReasoningLimits};
+
+    /// A prompt that opens `<think>` starts the control inside the reasoning; one that closed an
+    /// empty block (thinking turned off) gets no control; a thinking model's plain prompt gets
+    /// one that may open the block; nothing bounded is no control.
+    #[test]
+    fn reasoning_control_follows_the_prompt_tail() {
+        let limits = ReasoningLimits {
+            max_tokens: Some(8),
+            prelude_chars: 64,
+            thinking: true,
+        };
+        let opened = limits
+            .control("<|im_start|>assistant\n<think>\n", false)
+            .expect("control");
+        assert!(opened.starts_open);
+        assert_eq!(opened.max_tokens, Some(8));
+        assert_eq!(opened.max_chars, None);
+        assert_eq!(
+            limits.control("<|im_start|>assistant\n<think>\n\n</think>\n\n", true),
+            None
+        );
+        let may_open = limits.control("<|im_start|>assistant\n", true).expect("control");
+        assert!(!may_open.starts_open);
+        assert_eq!(may_open.max_chars, Some(64));
+        let unbounded = ReasoningLimits {
+            max_tokens: None,
+            ..limits
+        };
+        assert_eq!(unbounded.control("<|im_start|>assistant\n", false), None);
+        let not_thinking = ReasoningLimits {
+            thinking: false,
+            ..limits
+        };
+        assert_eq!(not_thinking.control("<|im_start|>assistant\n", true), None);
+    }
 
     #[test]
     fn decode_path_labels() {

@@ -619,7 +619,7 @@ fn serve(a: ServeArgs) -> Result<()> {
     // a probe bind, released at once; the server binds it again once the model is ready.
     if a.port != 0 {
         std::net::TcpListener::bind((a.host.as_str(), a.port))
-            .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+            .with_context(|| format!("binding {}", specula_server::authority(&a.host, a.port)))?;
     }
     let report = a
         .placement
