@@ -31,10 +31,13 @@ impl ApiError {
         }
     }
 
-    /// 400 `invalid_request_error` naming the offending parameter.
+    /// 400 `invalid_request_error` naming the offending parameter, code `invalid_value` unless
+    /// [`ApiError::with_code`] names another (`invalid_type`, `unknown_parameter`, ...): every
+    /// 4xx body has a code a client can branch on.
     pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
         let mut e = Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message);
         e.param = param.map(str::to_string);
+        e.code = Some("invalid_value".to_string());
         e
     }
 
@@ -168,12 +171,14 @@ impl From<JsonRejection> for ApiError {
         } else {
             "invalid_request_error"
         };
-        let message = match &r {
-            JsonRejection::JsonSyntaxError(_) => {
-                format!("We could not parse the JSON body of your request. ({})", r.body_text())
-            }
-            _ => r.body_text(),
+        let (message, code) = match &r {
+            JsonRejection::JsonSyntaxError(_) => (
+                format!("We could not parse the JSON body of your request. ({})", r.body_text()),
+                "invalid_json",
+            ),
+            JsonRejection::MissingJsonContentType(_) => (r.body_text(), "unsupported_media_type"),
+            _ => (r.body_text(), "invalid_body"),
         };
-        Self::new(status, kind, message)
+        Self::new(status, kind, message).with_code(code)
     }
 }

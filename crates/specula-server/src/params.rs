@@ -76,7 +76,8 @@ impl<'a> Body<'a> {
             other => Err(ApiError::invalid(
                 format!("The request body must be a JSON object, but got {}.", type_name(other)),
                 None,
-            )),
+            )
+            .with_code("invalid_type")),
         }
     }
 

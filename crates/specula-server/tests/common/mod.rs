@@ -191,6 +191,13 @@ pub fn assert_error(reply: &Reply, status: StatusCode, param: Option<&str>) -> V
         assert!(obj.contains_key(key), "error lacks '{key}': {}", reply.text);
     }
     assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{}", reply.text);
+    if status.is_client_error() {
+        assert!(
+            e["code"].as_str().is_some_and(|c| !c.is_empty()),
+            "a 4xx error has a code: {}",
+            reply.text
+        );
+    }
     let kind = if status.is_server_error() {
         "server_error"
     } else {
