@@ -653,10 +653,9 @@ impl Engine {
             prefill_chunk: self.opts.prefill_chunk,
             batch_invariant: self.batch_invariant(),
             draft: self.draft.as_ref().map(|d| (d.model.clone(), d.id.clone())),
-            draft_size: self
-                .draft
-                .as_ref()
-                .map(|d| crate::spec::controller::SizeRatio::of(d.model.config(), self.model().config())),
+            draft_size: self.draft.as_ref().map(|d| {
+                crate::spec::controller::SizeRatio::of(d.model.config(), d.model.logit_rows(), self.model().config())
+            }),
             mtp: self.mtp.clone(),
             block: self.block.clone(),
             controller_priors: self.controller_priors.clone(),

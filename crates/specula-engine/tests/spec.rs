@@ -803,7 +803,9 @@ fn a_reduced_logit_set_keeps_the_full_heads_bits() {
         .model;
     let vocab = full.config.vocab_size;
     let keep: Vec<u32> = (0..vocab as u32).filter(|t| t % 3 == 1).collect();
+    assert_eq!(part.logit_rows(), vocab);
     part.restrict_logits(&keep).expect("restrict");
+    assert_eq!(part.logit_rows(), keep.len());
     let tokens = [5u32, 9, 2, 7];
     let logits = |m: &specula_engine::model::Model| {
         let mut kv = m.new_kv_cache();

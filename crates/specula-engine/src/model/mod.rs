@@ -179,7 +179,13 @@ impl ModelConfig {
     /// [`ModelConfig::block_params`] plus the LM head (`vocab × hidden`): the weights a decode
     /// step reads.
     pub fn step_params(&self) -> usize {
-        self.block_params() + self.vocab_size * self.hidden_size
+        self.step_params_over(self.vocab_size)
+    }
+
+    /// [`ModelConfig::block_params`] plus an LM head of `logit_rows` rows (a drafter's reduced
+    /// vocabulary, [`Model::logit_rows`]).
+    pub fn step_params_over(&self, logit_rows: usize) -> usize {
+        self.block_params() + logit_rows * self.hidden_size
     }
 }
 
@@ -564,6 +570,14 @@ impl Model {
         };
         self.logit_subset = Some((head, ids.to_vec()));
         Ok(())
+    }
+
+    /// Rows of the LM head a forward computes: the vocabulary, or the token subset of
+    /// [`Model::restrict_logits`].
+    pub fn logit_rows(&self) -> usize {
+        self.logit_subset
+            .as_ref()
+            .map_or(self.config.vocab_size, |(_, ids)| ids.len())
     }
 
     /// Keep the LM head's weight table (the GGUF tensor behind [`Model::lm_head`]) so that

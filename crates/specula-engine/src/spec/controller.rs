@@ -412,11 +412,13 @@ pub struct SizeRatio {
 }
 
 impl SizeRatio {
-    /// The ratio of `draft` to `target`; 1.0 where the target has no weights to compare with.
-    pub fn of(draft: &ModelConfig, target: &ModelConfig) -> Self {
+    /// The ratio of `draft` to `target`, the draft computing `draft_logit_rows` logits a step
+    /// (its vocabulary, or the reduced one of `--draft-vocab`: [`crate::model::Model::logit_rows`]);
+    /// 1.0 where the target has no weights to compare with.
+    pub fn of(draft: &ModelConfig, draft_logit_rows: usize, target: &ModelConfig) -> Self {
         let ratio = |d: usize, t: usize| if t == 0 { 1.0 } else { d as f64 / t as f64 };
         Self {
-            step: ratio(draft.step_params(), target.step_params()),
+            step: ratio(draft.step_params_over(draft_logit_rows), target.step_params()),
             blocks: ratio(draft.block_params(), target.block_params()),
         }
     }
@@ -1723,8 +1725,12 @@ mod tests {
         assert_eq!(draft.block_params(), 357_826_560);
         assert_eq!(target.block_params(), 1_310_195_712);
         assert_eq!(target.step_params(), 1_310_195_712 + 151_936 * 1536);
-        let r = SizeRatio::of(&draft, &target);
+        let r = SizeRatio::of(&draft, draft.vocab_size, &target);
         assert!((r.blocks - 0.27311).abs() < 1e-4, "{r:?}");
         assert!((r.step - 0.32001).abs() < 1e-4, "{r:?}");
+        // A draft vocabulary of 32,768 tokens: (357,826,560 + 32,768 · 896) / 1,543,569,408.
+        let r = SizeRatio::of(&draft, 32_768, &target);
+        assert!((r.blocks - 0.27311).abs() < 1e-4, "{r:?}");
+        assert!((r.step - 0.25084).abs() < 1e-4, "{r:?}");
     }
 }
