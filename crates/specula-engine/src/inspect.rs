@@ -234,7 +234,9 @@ impl Tier {
 /// What one speculative mode runs on this bundle.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ModeResolution {
-    /// `ar`, `ngram`, `draft-model`, `mtp` or `block`.
+    /// `ar`, `ngram`, `draft-model`, `mtp` or `block`; a model drafter with adaptive k in
+    /// `default` / `on` runs n-gram lookup beside it and ends in `+ngram`, as the requests'
+    /// `spec_stats.decode_path` and `/v1/models`' `effective_spec` name it.
     pub drafter: String,
     /// Draft length (cap when adaptive); `None` for AR.
     pub k: Option<usize>,
@@ -1868,6 +1870,7 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
     }
     if let Some(b) = best.as_mut() {
         // `crate::sequence::lookup_beside`: adaptive k with a model drafter.
+        b.drafter.push_str("+ngram");
         b.reason.push_str(", with n-gram lookup beside it");
     }
     let mut chain = best.unwrap_or_else(|| ModeResolution {
@@ -1883,8 +1886,22 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
         Some(t) => ModeResolution {
             drafter: match t.mode {
                 SpecMode::Off => "ar".into(),
-                SpecMode::Draft => "draft-model".into(),
-                m => m.as_str().to_string(),
+                m => {
+                    let name = if m == SpecMode::Draft {
+                        "draft-model"
+                    } else {
+                        m.as_str()
+                    };
+                    let beside = crate::sequence::lookup_beside(
+                        &crate::spec::SpecOptions {
+                            mode: SpecMode::Default,
+                            draft_max: t.draft_max,
+                            adaptive: t.adaptive,
+                        },
+                        Some(m),
+                    );
+                    format!("{name}{}", if beside { "+ngram" } else { "" })
+                }
             },
             k: (t.mode != SpecMode::Off).then_some(t.draft_max),
             adaptive: t.mode != SpecMode::Off && t.adaptive,

@@ -245,7 +245,7 @@ fn catalog_models_inspect_under_a_second_with_the_right_report() {
             "{name}"
         );
         assert_eq!(r.modes.off.drafter, "ar");
-        let chain = if shipped_head { "mtp" } else { "ngram" };
+        let chain = if shipped_head { "mtp+ngram" } else { "ngram" };
         assert_eq!(r.modes.on.drafter, chain, "{name}");
         if !tuned {
             assert_eq!(r.modes.default.drafter, chain, "{name}");
@@ -306,9 +306,9 @@ fn qwen_pair_as_target_and_draft() {
     let d = r.capabilities.draft_model.as_ref().expect("draft model");
     assert!(d.compatible && d.tokenizer_match, "{d:?}");
     assert_eq!(d.vocab_size, Some(151936));
-    assert_eq!(r.modes.on.drafter, "draft-model");
+    assert_eq!(r.modes.on.drafter, "draft-model+ngram");
     if !r.tuning.as_ref().is_some_and(|t| t.applies) {
-        assert_eq!(r.modes.default.drafter, "draft-model");
+        assert_eq!(r.modes.default.drafter, "draft-model+ngram");
     }
     let m = r.memory.as_ref().expect("memory");
     assert!(m.draft_model_bytes > 400_000_000, "{m:?}");
@@ -648,14 +648,14 @@ fn a_drafter_found_but_not_attached_leaves_the_modes() {
     assert_eq!(r.capabilities.mtp.status, MtpStatus::Present, "{:?}", r.diagnostics);
     assert_eq!(
         (r.modes.on.drafter.as_str(), r.modes.default.drafter.as_str()),
-        ("mtp", "mtp")
+        ("mtp+ngram", "mtp+ngram")
     );
     let before = r.diagnostics.len();
 
     // Nothing left out: nothing changes.
     assert!(!r.not_attached(None, None));
     assert_eq!(r.diagnostics.len(), before);
-    assert_eq!(r.modes.on.drafter, "mtp");
+    assert_eq!(r.modes.on.drafter, "mtp+ngram");
 
     let why = "the device leaves native drafters out";
     assert!(r.not_attached(Some(why), None));
@@ -688,7 +688,7 @@ fn a_drafter_found_but_not_attached_leaves_the_modes() {
         "{:?}",
         r.diagnostics
     );
-    assert_eq!(r.modes.on.drafter, "block");
+    assert_eq!(r.modes.on.drafter, "block+ngram");
     assert!(r.not_attached(None, Some("its load failed")));
     assert!(r.capabilities.block_drafter.as_ref().is_some_and(|b| !b.valid));
     assert!(r
@@ -800,8 +800,8 @@ fn block_drafter_folder_is_found_and_validated() {
     let b = r.capabilities.block_drafter.as_ref().expect("sidecar drafter");
     assert!(b.valid && b.path.ends_with("dflash"), "{b:?}");
     // Default and on draft with it (no MTP head to prefer), k = block_size - 1.
-    assert_eq!(r.modes.default.drafter, "block");
-    assert_eq!(r.modes.on.drafter, "block");
+    assert_eq!(r.modes.default.drafter, "block+ngram");
+    assert_eq!(r.modes.on.drafter, "block+ngram");
     assert!(
         r.modes.default.reason.contains("block drafter"),
         "{:?}",
@@ -834,7 +834,7 @@ fn draft_model_checked_from_metadata() {
     );
     let dm = r.capabilities.draft_model.as_ref().expect("draft");
     assert!(dm.compatible && dm.tokenizer_match, "{:?}", r.diagnostics);
-    assert_eq!(r.modes.on.drafter, "draft-model");
+    assert_eq!(r.modes.on.drafter, "draft-model+ngram");
     assert_eq!(r.tier, Tier::CompatibleUnmeasured);
     // An HF draft for a GGUF target: compared through the tokenizers themselves.
     let hf = dir.path().join("hf");
