@@ -104,11 +104,13 @@ fn token_words(tokenizer: &Tokenizer, rows: usize) -> Vec<Vec<u8>> {
 impl GrammarCompiler {
     /// For `tokenizer` and a model with `rows` logits rows; `eos` are the model's
     /// end-of-generation ids (a completed grammar may end with any of them, as Llama 3's
-    /// `<|eot_id|>` or `<|eom_id|>`). Errors: `eos` is empty.
+    /// `<|eot_id|>` or `<|eom_id|>`; ids past the rows are left out). Errors: no id in `eos`
+    /// is below `rows`.
     pub fn new(tokenizer: &Tokenizer, rows: usize, eos: &[u32]) -> Result<Self> {
+        let eos: Vec<u32> = eos.iter().copied().filter(|&t| (t as usize) < rows).collect();
         let &first = eos
             .first()
-            .ok_or_else(|| anyhow!("no end-of-generation token to end a grammar"))?;
+            .ok_or_else(|| anyhow!("no end-of-generation token within the model's {rows} logits to end a grammar"))?;
         let words = token_words(tokenizer, rows);
         let info = TokRxInfo::new(rows as u32, first);
         let trie = TokTrie::from(&info, &words);
@@ -181,9 +183,12 @@ pub struct GrammarConstraint {
 }
 
 impl GrammarConstraint {
-    /// `token` as the matcher knows it: any end-of-generation id is the first one.
-    fn as_matcher_token(&self, token: u32) -> u32 {
-        if self.eos.contains(&token) {
+    /// `token` as the matcher knows it at its current state: an end-of-generation id that the
+    /// grammar does not take as a token of its own (a Lark grammar may name `<|eom_id|>`) is the
+    /// end, the first id.
+    fn as_matcher_token(&mut self, token: u32) -> u32 {
+        if token != self.eos[0] && self.eos.contains(&token) && self.matcher.validate_tokens(&[token]).unwrap_or(0) == 0
+        {
             self.eos[0]
         } else {
             token
@@ -209,12 +214,23 @@ impl Constraint for GrammarConstraint {
             Some(m) => m,
             None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
         };
-        let may_end = allowed.is_allowed(self.eos[0]);
+        // Where the grammar may end, every end-of-generation id may: their logits are put back
+        // after the mask.
+        let ends: Vec<(usize, f32)> = if allowed.is_allowed(self.eos[0]) {
+            self.eos
+                .iter()
+                .filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         for (i, l) in logits.iter_mut().enumerate().take(self.vocab) {
-            let i = i as u32;
-            if !(allowed.is_allowed(i) || (may_end && self.eos.contains(&i))) {
+            if !allowed.is_allowed(i as u32) {
                 *l = f32::NEG_INFINITY;
             }
+        }
+        for (i, l) in ends {
+            logits[i] = l;
         }
         for l in logits.iter_mut().skip(self.vocab) {
             *l = f32::NEG_INFINITY;
@@ -236,8 +252,16 @@ impl Constraint for GrammarConstraint {
         if self.matcher.is_stopped() {
             return 0;
         }
-        let tokens: Vec<u32> = tokens.iter().map(|&t| self.as_matcher_token(t)).collect();
-        self.matcher.validate_tokens(&tokens).unwrap_or(0)
+        // Position by position: where the grammar stops at an end-of-generation id that is not
+        // the first, it is tried as the first (the end).
+        let mut tokens = tokens.to_vec();
+        loop {
+            let n = self.matcher.validate_tokens(&tokens).unwrap_or(0);
+            match tokens.get(n) {
+                Some(&t) if t != self.eos[0] && self.eos.contains(&t) => tokens[n] = self.eos[0],
+                _ => return n,
+            }
+        }
     }
 }
 
@@ -580,6 +604,22 @@ mod tests {
             assert_eq!(allowed(&mut c), vec![end.min(start), end.max(start)]);
             c.commit(last).expect("the end commits");
         }
+        // The start's mask, kept from compiling, is used only before the first commit.
+        let mut c = compiler.compile(&GrammarSpec::Regex("ab".into())).expect("compile");
+        c.commit(ab[0]).expect("commit");
+        assert_eq!(allowed(&mut c), vec![ab[1]]);
+        // An end-of-generation id the grammar names as a token of its own is that token.
+        let mut c = compiler
+            .compile(&GrammarSpec::Lark("start: \"a\" <|im_start|> \"b\"".into()))
+            .expect("compile");
+        assert_eq!(c.valid_prefix(&[ab[0], start, ab[1], end]), 4);
+        c.commit(ab[0]).expect("commit");
+        assert_eq!(allowed(&mut c), vec![start]);
+        c.commit(start).expect("the grammar's own token");
+        assert_eq!(allowed(&mut c), vec![ab[1]]);
+        // Ids past the model's rows are left out; none left is an error.
+        assert!(GrammarCompiler::new(tok, rows, &[rows as u32 + 5, end]).is_ok());
+        assert!(GrammarCompiler::new(tok, rows, &[rows as u32]).is_err());
         assert!(GrammarCompiler::new(tok, rows, &[]).is_err());
     }
 

@@ -178,9 +178,9 @@ fn penalties_at_temperature_zero() {
 }
 
 /// OpenAI's `logit_bias` moves greedy output (a banned token never appears, a favoured one
-/// takes over) and speculation commits the same bytes: the n-gram and draft-model drafters
-/// do not see the bias (they need not: drafts are only proposals), so their drafts of a banned
-/// token are rejected like any other. Without logprobs a greedy request takes the argmax-only
+/// takes over) and speculation commits the same bytes: n-gram lookup does not see the bias
+/// (drafts are only proposals), so its drafts of a banned token are rejected like any other;
+/// the draft model adds it to its rows (`spec::DraftSampling`). Without logprobs a greedy request takes the argmax-only
 /// path (`Sequence::argmax_suffices`), which must see the bias too.
 #[test]
 fn logit_bias_at_temperature_zero() {

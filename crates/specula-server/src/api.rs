@@ -25,7 +25,7 @@ use crate::chat_prompt::ChatPrompt;
 use crate::error::ApiError;
 use crate::logprobs;
 use crate::params::{self, Body, Common, ToolChoice, MAX_TOP_LOGPROBS};
-use crate::reasoning::prompt_opens_reasoning;
+use crate::reasoning::output_reasoning;
 use crate::tools::{Dialect, ParserConfig};
 use crate::worker::{EngineHandle, Event, Prompt, ReasoningLimits, Submission, SubmitError};
 
@@ -85,8 +85,7 @@ struct ChatSetup {
 impl ChatSetup {
     /// The pipeline for one response, given the end of its rendered prompt.
     fn output(&self, prompt_tail: &str) -> ChatOutput {
-        let open = prompt_opens_reasoning(prompt_tail);
-        let reasoning = (self.thinking || open).then_some(open);
+        let reasoning = output_reasoning(prompt_tail, self.thinking);
         let tools = self.tools.as_ref().map(|(d, cfg)| d.parser(cfg));
         ChatOutput::new(reasoning, tools)
     }

@@ -177,6 +177,8 @@ impl From<JsonRejection> for ApiError {
                 "invalid_json",
             ),
             JsonRejection::MissingJsonContentType(_) => (r.body_text(), "unsupported_media_type"),
+            _ if status == StatusCode::PAYLOAD_TOO_LARGE => (r.body_text(), "request_too_large"),
+            _ if status.is_server_error() => (r.body_text(), "server_error"),
             _ => (r.body_text(), "invalid_body"),
         };
         Self::new(status, kind, message).with_code(code)

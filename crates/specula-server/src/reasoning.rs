@@ -42,6 +42,22 @@ pub fn prompt_opens_reasoning(prompt_tail: &str) -> bool {
     prompt_tail.trim_end().ends_with(THINK_OPEN)
 }
 
+/// Where the output starts relative to reasoning, for a prompt ending in `prompt_tail` and a
+/// model that does (`thinking`) or does not think on its own: `Some(true)` inside a block the
+/// prompt opened, `Some(false)` before one the model may open, `None` when no reasoning follows
+/// (a model that does not think, or a prompt that already closed an empty block: Qwen3's
+/// `enable_thinking: false` renders `<think>\n\n</think>\n\n`).
+pub fn output_reasoning(prompt_tail: &str, thinking: bool) -> Option<bool> {
+    let tail = prompt_tail.trim_end();
+    if tail.ends_with(THINK_OPEN) {
+        Some(true)
+    } else if thinking && !tail.ends_with(THINK_CLOSE) {
+        Some(false)
+    } else {
+        None
+    }
+}
+
 /// The incremental splitter of one response.
 #[derive(Debug, Clone)]
 pub struct ReasoningSplitter {
@@ -216,6 +232,15 @@ mod tests {
         assert!(!prompt_opens_reasoning(
             "<|im_start|>assistant\n<think>\n\n</think>\n\n"
         ));
+        for thinking in [false, true] {
+            assert_eq!(
+                output_reasoning("<|im_start|>assistant\n<think>\n", thinking),
+                Some(true)
+            );
+            assert_eq!(output_reasoning("<think>\n\n</think>\n\n", thinking), None);
+        }
+        assert_eq!(output_reasoning("<|im_start|>assistant\n", true), Some(false));
+        assert_eq!(output_reasoning("<|im_start|>assistant\n", false), None);
         assert_eq!(
             all_splits(true, "\nhmm, 2+2.\n</think>\n\n4"),
             ("hmm, 2+2.".into(), "4".into())

@@ -20,7 +20,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::chat_prompt::{self, ChatInfo, ChatPrompt};
 use crate::logprobs::TokenBytes;
 use crate::metrics::Metrics;
-use crate::reasoning::{prompt_opens_reasoning, THINK_CLOSE, THINK_OPEN};
+use crate::reasoning::{output_reasoning, THINK_CLOSE, THINK_OPEN};
 
 /// Default number of requests decoded together by `specula serve` (continuous batching).
 pub const DEFAULT_MAX_BATCH: usize = 8;
@@ -161,17 +161,12 @@ pub struct ReasoningLimits {
 
 impl ReasoningLimits {
     /// The engine's reasoning control for a prompt ending in `prompt_tail`, with or without a
-    /// grammar for the answer; `None` when the model does not think here (the prompt opens no
-    /// block and the model does not think on its own, or the prompt already closed an empty
-    /// block: Qwen3's `enable_thinking: false` renders `<think>\n\n</think>\n\n`) or nothing
-    /// is bounded. Without the second rule the control would start in its "may open `<think>`"
-    /// phase and could read the answer's first piece (a forced tool call's `<`) as the start of
-    /// the open marker.
+    /// grammar for the answer; `None` when no reasoning follows the prompt
+    /// ([`output_reasoning`]: among others, a prompt that already closed an empty block, where
+    /// a control in its "may open `<think>`" phase could read the answer's first piece, a forced
+    /// tool call's `<`, as the start of the open marker) or nothing is bounded.
     pub fn control(&self, prompt_tail: &str, grammar: bool) -> Option<ReasoningControl> {
-        let opens = prompt_opens_reasoning(prompt_tail);
-        if !(self.thinking || opens) || prompt_tail.trim_end().ends_with(THINK_CLOSE) {
-            return None;
-        }
+        let opens = output_reasoning(prompt_tail, self.thinking)?;
         let max_chars = grammar.then_some(self.prelude_chars);
         (self.max_tokens.is_some() || max_chars.is_some()).then(|| ReasoningControl {
             open: THINK_OPEN.to_string(),

@@ -679,11 +679,24 @@ async fn bad_requests_get_openai_errors() {
     let r = post_raw(&app, chat, "{\"messages\": [").await;
     let e = assert_error(&r, StatusCode::BAD_REQUEST, None);
     assert!(e["message"].as_str().unwrap().contains("JSON"), "{}", r.text);
+    assert_eq!(e["code"], "invalid_json");
     let req = axum::http::Request::post(chat)
         .body(axum::body::Body::from(json!({"messages": msgs}).to_string()))
         .unwrap();
     let r = send(&app, req).await;
-    assert_error(&r, StatusCode::UNSUPPORTED_MEDIA_TYPE, None);
+    let e = assert_error(&r, StatusCode::UNSUPPORTED_MEDIA_TYPE, None);
+    assert_eq!(e["code"], "unsupported_media_type");
+    let r = post_raw(&app, chat, "[1, 2]").await;
+    let e = assert_error(&r, StatusCode::BAD_REQUEST, None);
+    assert_eq!(e["code"], "invalid_type");
+    // A body over the server's limit.
+    let big = format!(
+        "{{\"messages\": [], \"x\": \"{}\"}}",
+        "a".repeat(specula_server::MAX_BODY_BYTES)
+    );
+    let r = post_raw(&app, chat, &big).await;
+    let e = assert_error(&r, StatusCode::PAYLOAD_TOO_LARGE, None);
+    assert_eq!(e["code"], "request_too_large");
 
     // Unknown routes and wrong methods.
     let r = get(&app, "/v1/nothing").await;
