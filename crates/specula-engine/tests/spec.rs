@@ -548,6 +548,35 @@ fn sampling_spec_matches_ar_in_distribution_on_tiny_models() {
             z > 3.09,
             "temperature 0.8 vs 1.2 must be told apart (chi2 {stat:.1}, df {df}, z {z:.2})"
         );
+        // With a logit bias: the draft model draws from its biased rows and q must be that
+        // distribution (`spec::DraftSampling`), or the law moves. The bias moves AR's law.
+        // AR's two most frequent first tokens: the first is banned, the second favoured.
+        let mut counts = std::collections::BTreeMap::<u32, usize>::new();
+        for o in &ar {
+            *counts.entry(o[0]).or_default() += 1;
+        }
+        let mut by_count: Vec<(usize, u32)> = counts.into_iter().map(|(t, c)| (c, t)).collect();
+        by_count.sort_unstable_by(|a, b| b.cmp(a));
+        let mut biased = req.clone();
+        biased.sampling = biased
+            .sampling
+            .clone()
+            .with_logit_bias(vec![(by_count[0].1, -100.0), (by_count[1].1, 4.0)])
+            .expect("bias");
+        let (ar_b, ..) = samples(&mut e, &biased, SpecOptions::default(), runs);
+        let (sp_b, drafted, accepted, _) = samples(&mut e, &biased, mode(m, 3, false), runs);
+        assert!(accepted > 0 && accepted < drafted, "{which:?} biased");
+        let (stat, df, z) = chi_square(&window(&ar_b, 0..3), &window(&sp_b, 0..3));
+        eprintln!("{which:?} biased: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
+        assert!(
+            z < 3.09,
+            "{which:?}: with a logit bias the law differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
+        );
+        let (stat, df, z) = chi_square(&window(&ar, 0..3), &window(&ar_b, 0..3));
+        assert!(
+            z > 3.09,
+            "the bias must move the law (chi2 {stat:.1}, df {df}, z {z:.2})"
+        );
     }
 }
 
