@@ -525,9 +525,25 @@ impl DraftVocab {
     /// gives them on the full-vocabulary row. A greedy request without a logit bias takes the
     /// argmax of the draft row itself (no full row is built).
     pub fn pick_with_confidence(&self, row: &[f32], sampling: &mut super::DraftSampling) -> ConfidentPick {
-        if !sampling.is_sampling() && !sampling.has_bias() {
+        let greedy = |row: &[f32]| {
             let i = crate::sampling::argmax(row) as usize;
-            return (self.token(i), None, super::softmax_probability(row, i));
+            (self.token(i), None, super::softmax_probability(row, i))
+        };
+        if !sampling.is_sampling() {
+            if !sampling.has_bias() {
+                return greedy(row);
+            }
+            // A subset in id order: the bias by subset index (binary search), no full row; the
+            // argmax's first index is then its first id, as on the full row.
+            if let Some(ids) = self.ids.as_ref().filter(|ids| ids.windows(2).all(|w| w[0] < w[1])) {
+                let mut biased = row.to_vec();
+                for &(t, b) in sampling.bias() {
+                    if let Ok(i) = ids.binary_search(&t) {
+                        biased[i] += b;
+                    }
+                }
+                return greedy(&biased);
+            }
         }
         sampling.pick(&mut self.full_row(row))
     }
@@ -856,6 +872,18 @@ mod tests {
         let e = [0.5f32 - 2.2, 1.0 - 2.2, 0.0].map(f32::exp);
         assert!((c - e[2] / e.iter().sum::<f32>()).abs() < 1e-5, "{c}");
         assert_eq!(pick(vec![(3, 100.0), (9, 50.0)]).0, 5);
+        // A subset not in id order takes the full row: the same picks.
+        let unordered = DraftVocab {
+            ids: Some(vec![7, 2, 5]),
+            ..vocab.clone()
+        };
+        let row = [0.2f32, 0.5, 1.0];
+        let params = crate::sampling::SamplingParams::greedy()
+            .with_logit_bias(vec![(7, 2.0)])
+            .expect("bias");
+        let (t, _, c2) = unordered.pick_with_confidence(&row, &mut super::super::DraftSampling::new(&params, 0));
+        assert_eq!(t, 7);
+        assert!((c2 - c).abs() < 1e-6, "{c2} vs {c}");
     }
 
     fn rand(shape: &[usize], seed: &mut u64) -> Tensor {

@@ -203,6 +203,11 @@ impl DraftSampling {
         !self.bias.is_empty()
     }
 
+    /// The request's `(token id, bias)` pairs.
+    pub fn bias(&self) -> &[(u32, f32)] {
+        &self.bias
+    }
+
     /// The draft token of a full-vocabulary logits row `[vocab]` (f32; the bias is added in
     /// place), the distribution it was drawn from when sampling, and the drafter's probability
     /// of it ([`Proposal::confidence`]: the softmax at temperature 1 when greedy, q(token) when
