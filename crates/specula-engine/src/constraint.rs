@@ -134,8 +134,10 @@ impl GrammarCompiler {
     /// message says what is wrong.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<GrammarConstraint> {
         let grammar = match spec {
-            GrammarSpec::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
-            GrammarSpec::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
+            GrammarSpec::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact_layout(serde_json::json!({"type": "object"})))
+            }
+            GrammarSpec::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact_layout(s.clone())),
             GrammarSpec::Regex(r) => TopLevelGrammar::from_regex(r),
             GrammarSpec::Lark(l) | GrammarSpec::ToolCalls(l) => TopLevelGrammar::from_lark(l.clone()),
         };
@@ -168,6 +170,32 @@ impl GrammarCompiler {
             first_mask: Some(first),
         })
     }
+}
+
+/// llguidance's JSON options (its `x-guidance` object) for JSON a model writes under a mask:
+/// `", "` between items, `": "` after keys and no other whitespace, as chat templates print
+/// JSON. llguidance's default allows any run of whitespace between two tokens, and a model that
+/// prefers whitespace to the next required key emits it until `max_tokens` (Qwen2.5-Coder-0.5B
+/// with a book schema whose third key never came); a bound on each run (llama.cpp's one space,
+/// or newlines and up to 20 of indentation) still let that model put 18 tabs before the comma.
+/// `lenient`: unsupported keywords and formats are ignored (OpenAI's non-strict tools) instead
+/// of being errors.
+pub fn json_layout(lenient: bool) -> serde_json::Value {
+    serde_json::json!({
+        "whitespace_flexible": false,
+        "item_separator": ", ",
+        "key_separator": ": ",
+        "lenient": lenient,
+    })
+}
+
+/// `schema` with [`json_layout`] (not lenient), unless the schema sets its own options
+/// (`x-guidance`) or is not an object.
+fn compact_layout(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| json_layout(false));
+    }
+    schema
 }
 
 /// An llguidance matcher as a [`Constraint`].
@@ -621,6 +649,71 @@ mod tests {
         assert!(GrammarCompiler::new(tok, rows, &[rows as u32 + 5, end]).is_ok());
         assert!(GrammarCompiler::new(tok, rows, &[rows as u32]).is_err());
         assert!(GrammarCompiler::new(tok, rows, &[]).is_err());
+    }
+
+    /// JSON answers are laid out as `{"a": 1, "b": 2}`: no whitespace but the separators'
+    /// own, so a model cannot fill its output with whitespace. A schema's own options stand.
+    #[test]
+    fn json_answers_have_no_free_whitespace() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny.gguf");
+        crate::testing::write_tiny_gguf(&path, &crate::testing::TinySpec::new(crate::model::Family::Llama))
+            .expect("write");
+        let bundle = crate::bundle::load(&path, &candle_core::Device::Cpu).expect("load");
+        let tok = &bundle.tokenizer;
+        let rows = bundle.model.config().vocab_size;
+        let end = tok.token_to_id("<|im_end|>").expect("<|im_end|>");
+        let compiler = GrammarCompiler::new(tok, rows, &[end]).expect("compiler");
+        let one = |text: &str| {
+            let t = tok.encode(text).expect("encode");
+            assert_eq!(t.len(), 1, "{text:?}");
+            t[0]
+        };
+        let [open, space, nl, quote, a, colon, one_digit, comma] = ["{", " ", "\n", "\"", "a", ":", "1", ","].map(one);
+        let allowed = |c: &mut GrammarConstraint| {
+            let mut l = vec![0f32; rows];
+            c.mask(&mut l).expect("mask");
+            (0..rows as u32)
+                .filter(|&t| l[t as usize].is_finite())
+                .collect::<Vec<_>>()
+        };
+        for spec in [
+            GrammarSpec::JsonObject,
+            GrammarSpec::JsonSchema(serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}})),
+        ] {
+            let mut c = compiler.compile(&spec).expect("compile");
+            assert_eq!(allowed(&mut c), vec![open], "{spec:?}");
+            c.commit(open).expect("{");
+            let next = allowed(&mut c);
+            assert!(
+                next.contains(&quote) && !next.contains(&space) && !next.contains(&nl),
+                "{spec:?}"
+            );
+            for t in [quote, a, quote] {
+                c.commit(t).expect("key");
+            }
+            assert_eq!(allowed(&mut c), vec![colon], "{spec:?}");
+            c.commit(colon).expect(":");
+            let next = allowed(&mut c);
+            assert!(
+                next.contains(&space) && next.iter().all(|&t| tok.decode(&[t]).starts_with(' ')),
+                "{spec:?}: the key separator is \": \" ({next:?})"
+            );
+            c.commit(space).expect("space");
+            c.commit(one_digit).expect("1");
+            let next = allowed(&mut c);
+            assert!(
+                !next.contains(&space) && !next.contains(&nl) && next.contains(&comma),
+                "{spec:?}"
+            );
+        }
+        let own =
+            GrammarSpec::JsonSchema(serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": true}}));
+        let mut c = compiler.compile(&own).expect("compile");
+        c.commit(open).expect("{");
+        for _ in 0..30 {
+            c.commit(space).expect("any run of whitespace");
+        }
     }
 
     fn control(starts_open: bool, max_tokens: Option<usize>) -> ReasoningControl {

@@ -207,11 +207,7 @@ impl Dialect {
             let mut schema = p.cloned().unwrap_or_else(|| json!({"type": "object"}));
             if let Some(o) = schema.as_object_mut() {
                 o.entry("type").or_insert_with(|| json!("object"));
-                o.insert(
-                    "x-guidance".into(),
-                    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ",
-                           "lenient": true}),
-                );
+                o.insert("x-guidance".into(), specula_engine::constraint::json_layout(true));
             }
             schema
         };
