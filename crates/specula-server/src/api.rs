@@ -302,7 +302,11 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
     };
     let prompt_tail = match rx.recv().await {
         Some(Event::Started { prompt_tail, .. }) => prompt_tail,
-        Some(Event::Failed(e)) => return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response(),
+        Some(Event::Failed(e)) => {
+            return ApiError::from_request_error(&e, p.kind.prompt_param())
+                .naming_max_tokens(c.max_tokens_param)
+                .into_response()
+        }
         Some(other) => return ApiError::internal(format!("unexpected engine event {other:?}")).into_response(),
         None => return ApiError::internal("the engine worker stopped").into_response(),
     };
@@ -325,7 +329,9 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
             match rx.recv().await {
                 Some(Event::Done(out)) => return Json(ctx.full_response(&out, output)).into_response(),
                 Some(Event::Failed(e)) => {
-                    return ApiError::from_request_error(&e, p.kind.prompt_param()).into_response()
+                    return ApiError::from_request_error(&e, p.kind.prompt_param())
+                        .naming_max_tokens(c.max_tokens_param)
+                        .into_response()
                 }
                 Some(_) => continue,
                 None => return ApiError::internal("the engine worker stopped").into_response(),

@@ -120,10 +120,25 @@ impl ApiError {
                     None if m.starts_with("prompt") => Some(prompt_param),
                     None => None,
                 };
+                // OpenAI's wording ("Invalid 'top_p': ...") where the parameter is known; the
+                // engine's own prefix ("invalid request: ") says nothing a 400 does not.
+                let message = match param {
+                    Some(p) => format!("Invalid '{p}': {m}"),
+                    None => m.clone(),
+                };
                 Self::invalid(message, param)
             }
             RequestError::Internal(_) => Self::internal(message),
         }
+    }
+
+    /// The same error naming `field` where it names `max_tokens`: the length limit as the
+    /// request spelt it (`max_completion_tokens` wins over `max_tokens` when both are given).
+    pub fn naming_max_tokens(mut self, field: &str) -> Self {
+        if self.param.as_deref() == Some("max_tokens") {
+            self.param = Some(field.to_string());
+        }
+        self
     }
 
     /// The JSON body.

@@ -160,10 +160,15 @@ fn logit_bias(b: &Body) -> Result<Vec<(u32, f32)>, ApiError> {
     };
     m.iter()
         .map(|(k, v)| {
-            let id = k.trim().parse::<u32>().map_err(|_| {
+            // A token id as OpenAI's clients write it (`str(id)`): digits only, no sign, space or
+            // leading zero, so two spellings never name one token.
+            let id = k.parse::<u32>().ok().filter(|id| id.to_string() == *k).ok_or_else(|| {
                 bad_value(
                     "logit_bias",
-                    format!("Invalid 'logit_bias': the key {k:?} is not a token id (a non-negative integer)."),
+                    format!(
+                        "Invalid 'logit_bias': the key {k:?} is not a token id (a non-negative integer \
+                             written in decimal digits)."
+                    ),
                 )
             })?;
             let bias = v
@@ -185,6 +190,9 @@ fn logit_bias(b: &Body) -> Result<Vec<(u32, f32)>, ApiError> {
 pub struct Common {
     pub sampling: SamplingParams,
     pub max_tokens: Option<usize>,
+    /// The field `max_tokens` came from (`max_completion_tokens` or `max_tokens`), which an
+    /// error about the length limit names.
+    pub max_tokens_param: &'static str,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub stream: bool,
@@ -193,7 +201,7 @@ pub struct Common {
 
 /// Check `model` (absent, or the served id) and `n`, then read the sampling fields.
 /// `max_tokens_keys` are the accepted names of the length limit, highest precedence first.
-pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Common, ApiError> {
+pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&'static str]) -> Result<Common, ApiError> {
     if let Some(model) = b.str("model")? {
         if model != model_id {
             return Err(ApiError::model_not_found(model));
@@ -208,9 +216,13 @@ pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Comm
         }
     }
     let mut max_tokens = None;
-    for key in max_tokens_keys {
+    let mut max_tokens_param = "max_tokens";
+    for &key in max_tokens_keys {
         if let Some(v) = b.int_in(key, 1, u32::MAX as i128)? {
-            max_tokens.get_or_insert(v as usize);
+            if max_tokens.is_none() {
+                max_tokens = Some(v as usize);
+                max_tokens_param = key;
+            }
         }
     }
     let d = SamplingParams::default();
@@ -269,6 +281,7 @@ pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&str]) -> Result<Comm
     Ok(Common {
         sampling,
         max_tokens,
+        max_tokens_param,
         stop,
         ignore_eos: b.bool("ignore_eos")?.unwrap_or(false),
         stream,
@@ -851,6 +864,20 @@ pub fn response_format(b: &Body) -> Result<Option<GrammarSpec>, ApiError> {
                 None => return Err(missing("response_format.json_schema")),
             };
             match js.get("name") {
+                // OpenAI's rule for the name: letters, digits, '_' and '-', at most 64.
+                Some(Value::String(n))
+                    if n.is_empty()
+                        || n.len() > 64
+                        || !n.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-') =>
+                {
+                    return Err(bad_value(
+                        param,
+                        format!(
+                            "Invalid 'response_format.json_schema.name': {n:?} must be 1 to 64 letters, \
+                             digits, '_' or '-'."
+                        ),
+                    ));
+                }
                 None | Some(Value::String(_)) => {}
                 Some(v) => return Err(bad_field_type(param, "response_format.json_schema.name", "a string", v)),
             }

@@ -555,6 +555,41 @@ async fn bad_requests_get_openai_errors() {
         ),
         (
             chat,
+            json!({"messages": msgs, "logit_bias": {" 5": 1}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"+5": 1}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"05": 1}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"-1": 1}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "logit_bias": {"": 1}}),
+            StatusCode::BAD_REQUEST,
+            Some("logit_bias"),
+            Some("invalid_value"),
+        ),
+        (
+            chat,
             json!({"messages": msgs, "logit_bias": {"5": "x"}}),
             StatusCode::BAD_REQUEST,
             Some("logit_bias"),
@@ -674,6 +709,14 @@ async fn bad_requests_get_openai_errors() {
         "{}",
         r.text
     );
+    // Named as the request spelt it; max_completion_tokens wins over max_tokens.
+    for body in [
+        json!({"messages": msgs, "max_completion_tokens": 1000}),
+        json!({"messages": msgs, "max_completion_tokens": 1000, "max_tokens": 5}),
+    ] {
+        let r = post(&app, chat, body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, Some("max_completion_tokens"));
+    }
 
     // Malformed JSON, and a body without a JSON content type.
     let r = post_raw(&app, chat, "{\"messages\": [").await;

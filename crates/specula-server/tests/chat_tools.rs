@@ -516,6 +516,10 @@ async fn reasoning_budget_and_think_prelude_through_the_api() {
             "response_format",
         ),
         (json!({"response_format": "json"}), "response_format"),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "has space!", "schema": {}}}}),
+            "response_format",
+        ),
         // Valid grammars that admit no first token: an empty language, rules that only recurse
         // into each other. They compile; the constraint fails at its first mask.
         (

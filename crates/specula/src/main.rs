@@ -55,7 +55,9 @@ struct ServeArgs {
     /// A GGUF file, a Hugging Face bundle directory, or a catalog name (pulled if missing).
     #[arg(default_value = DEFAULT_MODEL)]
     model: String,
-    #[arg(long, default_value = "127.0.0.1")]
+    /// The address to listen on: a host name, an IPv4 address, or an IPv6 address with or
+    /// without brackets (`::1`, `[::1]`).
+    #[arg(long, default_value = "127.0.0.1", value_parser = parse_host)]
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
@@ -612,6 +614,17 @@ fn parse_tool_parser(s: &str) -> Result<specula_server::tools::Dialect, String> 
             specula_server::tools::Dialect::names()
         )
     })
+}
+
+/// `--host`: an IPv6 address may come in brackets, as URLs write it (`[::1]`); the socket
+/// address takes it without them.
+fn parse_host(s: &str) -> Result<String, String> {
+    match s.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+        Some(inner) if inner.contains(':') => Ok(inner.to_string()),
+        Some(_) => Err(format!("'{s}': only an IPv6 address goes in brackets")),
+        None if s.is_empty() => Err("the host is empty".to_string()),
+        None => Ok(s.to_string()),
+    }
 }
 
 fn serve(a: ServeArgs) -> Result<()> {

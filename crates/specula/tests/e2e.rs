@@ -506,6 +506,31 @@ fn cli_errors() {
     // The address is checked first: the missing model is never reached.
     assert!(!out.stderr.contains("/nonexistent.gguf"), "{}", out.describe());
     drop(taken);
+    // An IPv6 host, given in brackets as URLs write it, is named in brackets (where this machine
+    // has IPv6 loopback); brackets around anything else are refused.
+    if let Ok(taken) = std::net::TcpListener::bind(("::1", 0)) {
+        let port = taken.local_addr().expect("addr").port().to_string();
+        let out = run(
+            specula().args(["serve", "--host", "[::1]", "--port", &port, "/nonexistent.gguf"]),
+            CLI_TIMEOUT,
+        );
+        assert!(!out.status.success(), "{}", out.describe());
+        assert!(
+            out.stderr.contains(&format!("binding [::1]:{port}")),
+            "{}",
+            out.describe()
+        );
+    }
+    let out = run(
+        specula().args(["serve", "--host", "[localhost]", "/nonexistent.gguf"]),
+        CLI_TIMEOUT,
+    );
+    assert!(!out.status.success(), "{}", out.describe());
+    assert!(
+        out.stderr.contains("only an IPv6 address goes in brackets"),
+        "{}",
+        out.describe()
+    );
 
     // `pull` of an unknown name lists the known names (and downloads nothing).
     let out = run(specula().args(["pull", "nope"]), CLI_TIMEOUT);
