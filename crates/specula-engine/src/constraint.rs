@@ -594,18 +594,24 @@ mod tests {
     const X: u32 = 11;
     const NL: u32 = 12;
 
-    /// A completed grammar may end with any of the model's end-of-generation ids (Llama 3's
-    /// `<|eot_id|>` and `<|eom_id|>`), not only the first: each is allowed where the grammar may
-    /// end, committed and validated as the end. The tiny model's two special tokens stand in.
-    #[test]
-    fn a_grammar_may_end_with_any_end_of_generation_id() {
+    /// The tiny test model's tokenizer and its logits rows.
+    fn tiny_tokenizer() -> (crate::tokenizer::Tokenizer, usize) {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("tiny.gguf");
         crate::testing::write_tiny_gguf(&path, &crate::testing::TinySpec::new(crate::model::Family::Llama))
             .expect("write");
         let bundle = crate::bundle::load(&path, &candle_core::Device::Cpu).expect("load");
-        let tok = &bundle.tokenizer;
         let rows = bundle.model.config().vocab_size;
+        (bundle.tokenizer, rows)
+    }
+
+    /// A completed grammar may end with any of the model's end-of-generation ids (Llama 3's
+    /// `<|eot_id|>` and `<|eom_id|>`), not only the first: each is allowed where the grammar may
+    /// end, committed and validated as the end. The tiny model's two special tokens stand in.
+    #[test]
+    fn a_grammar_may_end_with_any_end_of_generation_id() {
+        let (tok, rows) = tiny_tokenizer();
+        let tok = &tok;
         let (end, start) = (
             tok.token_to_id("<|im_end|>").expect("<|im_end|>"),
             tok.token_to_id("<|im_start|>").expect("<|im_start|>"),
@@ -655,13 +661,8 @@ mod tests {
     /// own, so a model cannot fill its output with whitespace. A schema's own options stand.
     #[test]
     fn json_answers_have_no_free_whitespace() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("tiny.gguf");
-        crate::testing::write_tiny_gguf(&path, &crate::testing::TinySpec::new(crate::model::Family::Llama))
-            .expect("write");
-        let bundle = crate::bundle::load(&path, &candle_core::Device::Cpu).expect("load");
-        let tok = &bundle.tokenizer;
-        let rows = bundle.model.config().vocab_size;
+        let (tok, rows) = tiny_tokenizer();
+        let tok = &tok;
         let end = tok.token_to_id("<|im_end|>").expect("<|im_end|>");
         let compiler = GrammarCompiler::new(tok, rows, &[end]).expect("compiler");
         let one = |text: &str| {
