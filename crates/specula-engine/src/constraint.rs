@@ -189,11 +189,21 @@ pub fn json_layout(lenient: bool) -> serde_json::Value {
     })
 }
 
-/// `schema` with [`json_layout`] (not lenient), unless the schema sets its own options
-/// (`x-guidance`) or is not an object.
+/// `schema` with [`json_layout`] (not lenient) under the options the schema sets itself
+/// (`x-guidance`: its keys win, the others are the layout's); a schema that is not an object is
+/// left as it is.
 fn compact_layout(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(o) = schema.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(|| json_layout(false));
+        let mut options = json_layout(false);
+        match (options.as_object_mut(), o.get("x-guidance")) {
+            (Some(base), Some(serde_json::Value::Object(own))) => {
+                base.extend(own.iter().map(|(k, v)| (k.clone(), v.clone())));
+            }
+            // Not an object: llguidance names the error.
+            (_, Some(_)) => return schema,
+            _ => {}
+        }
+        o.insert("x-guidance".into(), options);
     }
     schema
 }
@@ -715,6 +725,13 @@ mod tests {
         for _ in 0..30 {
             c.commit(space).expect("any run of whitespace");
         }
+        // Options the schema does not set keep the layout's.
+        let partial = GrammarSpec::JsonSchema(serde_json::json!({"type": "object", "x-guidance": {"lenient": true}}));
+        let mut c = compiler.compile(&partial).expect("compile");
+        c.commit(open).expect("{");
+        assert!(!allowed(&mut c).contains(&space));
+        let bad = GrammarSpec::JsonSchema(serde_json::json!({"type": "object", "x-guidance": "compact"}));
+        assert!(compiler.compile(&bad).is_err());
     }
 
     fn control(starts_open: bool, max_tokens: Option<usize>) -> ReasoningControl {

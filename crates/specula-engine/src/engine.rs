@@ -676,7 +676,8 @@ impl Engine {
     /// The grammar compiler of this model (built on first use: ~0.1 s for a 150k vocabulary).
     fn grammar_compiler(&mut self) -> Result<&GrammarCompiler, RequestError> {
         if self.grammar.is_none() {
-            if self.bundle.eos_ids.is_empty() {
+            let rows = self.config().vocab_size;
+            if !self.bundle.eos_ids.iter().any(|&t| (t as usize) < rows) {
                 return Err(RequestError::InvalidParameter(
                     "this model has no end-of-generation token to end a grammar".into(),
                 ));

@@ -234,9 +234,10 @@ impl Tier {
 /// What one speculative mode runs on this bundle.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ModeResolution {
-    /// `ar`, `ngram`, `draft-model`, `mtp` or `block`; a model drafter with adaptive k in
-    /// `default` / `on` runs n-gram lookup beside it and ends in `+ngram`, as the requests'
-    /// `spec_stats.decode_path` and `/v1/models`' `effective_spec` name it.
+    /// `ar`, `ngram`, `draft-model`, `mtp` or `block`; the best model drafter of `default` /
+    /// `on` (adaptive k) runs n-gram lookup beside it and ends in `+ngram`, as the requests'
+    /// `spec_stats.decode_path` and `/v1/models`' `effective_spec` name it (a tuned choice
+    /// runs its drafter alone).
     pub drafter: String,
     /// Draft length (cap when adaptive); `None` for AR.
     pub k: Option<usize>,
@@ -1884,24 +1885,12 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
     }
     let default = match x.tuned {
         Some(t) => ModeResolution {
+            // A tuned choice runs its drafter alone (`Engine::effective_spec` replaces `default`
+            // with the tuned mode, so no lookup beside it).
             drafter: match t.mode {
                 SpecMode::Off => "ar".into(),
-                m => {
-                    let name = if m == SpecMode::Draft {
-                        "draft-model"
-                    } else {
-                        m.as_str()
-                    };
-                    let beside = crate::sequence::lookup_beside(
-                        &crate::spec::SpecOptions {
-                            mode: SpecMode::Default,
-                            draft_max: t.draft_max,
-                            adaptive: t.adaptive,
-                        },
-                        Some(m),
-                    );
-                    format!("{name}{}", if beside { "+ngram" } else { "" })
-                }
+                SpecMode::Draft => "draft-model".into(),
+                m => m.as_str().to_string(),
             },
             k: (t.mode != SpecMode::Off).then_some(t.draft_max),
             adaptive: t.mode != SpecMode::Off && t.adaptive,

@@ -557,6 +557,7 @@ fn sampling_spec_matches_ar_in_distribution_on_tiny_models() {
         }
         let mut by_count: Vec<(usize, u32)> = counts.into_iter().map(|(t, c)| (c, t)).collect();
         by_count.sort_unstable_by(|a, b| b.cmp(a));
+        assert!(by_count.len() >= 2, "{which:?}: AR's first tokens vary ({by_count:?})");
         let mut biased = req.clone();
         biased.sampling = biased
             .sampling

@@ -122,8 +122,14 @@ impl ApiError {
                 };
                 // OpenAI's wording ("Invalid 'top_p': ...") where the parameter is known; the
                 // engine's own prefix ("invalid request: ") says nothing a 400 does not.
+                // The engine's message starts with the name too ("top_p must be ..."): said once.
                 let message = match param {
-                    Some(p) => format!("Invalid '{p}': {m}"),
+                    Some(p) => {
+                        let rest = m
+                            .strip_prefix(p)
+                            .map_or(m.as_str(), |r| r.trim_start_matches(':').trim_start());
+                        format!("Invalid '{p}': {rest}")
+                    }
                     None => m.clone(),
                 };
                 Self::invalid(message, param)

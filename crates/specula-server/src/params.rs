@@ -167,7 +167,7 @@ fn logit_bias(b: &Body) -> Result<Vec<(u32, f32)>, ApiError> {
                     "logit_bias",
                     format!(
                         "Invalid 'logit_bias': the key {k:?} is not a token id (a non-negative integer \
-                             written in decimal digits)."
+                             without sign, spaces or leading zeros)."
                     ),
                 )
             })?;

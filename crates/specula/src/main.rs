@@ -622,6 +622,7 @@ fn parse_host(s: &str) -> Result<String, String> {
     match s.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
         Some(inner) if inner.contains(':') => Ok(inner.to_string()),
         Some(_) => Err(format!("'{s}': only an IPv6 address goes in brackets")),
+        None if s.starts_with('[') || s.ends_with(']') => Err(format!("'{s}': a bracket is not closed")),
         None if s.is_empty() => Err("the host is empty".to_string()),
         None => Ok(s.to_string()),
     }

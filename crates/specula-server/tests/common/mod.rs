@@ -208,6 +208,16 @@ pub fn assert_error(reply: &Reply, status: StatusCode, param: Option<&str>) -> V
     }
     if let Some(p) = param {
         assert_eq!(e["param"], p, "{}", reply.text);
+        let said_twice = format!("Invalid '{p}': {p}");
+        let twice = |m: &str| {
+            m.strip_prefix(&said_twice)
+                .is_some_and(|rest| !rest.starts_with(|c: char| c.is_alphanumeric() || c == '_'))
+        };
+        assert!(
+            !e["message"].as_str().is_some_and(twice),
+            "the parameter is named once: {}",
+            reply.text
+        );
     }
     e
 }
