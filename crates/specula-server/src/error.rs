@@ -141,8 +141,9 @@ impl ApiError {
     /// The same error naming `field` where it names `max_tokens`: the length limit as the
     /// request spelt it (`max_completion_tokens` wins over `max_tokens` when both are given).
     pub fn naming_max_tokens(mut self, field: &str) -> Self {
-        if self.param.as_deref() == Some("max_tokens") {
+        if self.param.as_deref() == Some("max_tokens") && field != "max_tokens" {
             self.param = Some(field.to_string());
+            self.message = self.message.replace("max_tokens (", &format!("{field} ("));
         }
         self
     }

@@ -715,7 +715,15 @@ async fn bad_requests_get_openai_errors() {
         json!({"messages": msgs, "max_completion_tokens": 1000, "max_tokens": 5}),
     ] {
         let r = post(&app, chat, body).await;
-        assert_error(&r, StatusCode::BAD_REQUEST, Some("max_completion_tokens"));
+        let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("max_completion_tokens"));
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .contains("+ max_completion_tokens (1000)"),
+            "{}",
+            r.text
+        );
     }
 
     // Malformed JSON, and a body without a JSON content type.
