@@ -615,6 +615,13 @@ mod tests {
         (bundle.tokenizer, rows)
     }
 
+    /// The ids a constraint's mask leaves finite on a row of `rows` logits.
+    fn allowed_ids(c: &mut GrammarConstraint, rows: usize) -> Vec<u32> {
+        let mut l = vec![0f32; rows];
+        c.mask(&mut l).expect("mask");
+        (0..rows as u32).filter(|&t| l[t as usize].is_finite()).collect()
+    }
+
     /// A completed grammar may end with any of the model's end-of-generation ids (Llama 3's
     /// `<|eot_id|>` and `<|eom_id|>`), not only the first: each is allowed where the grammar may
     /// end, committed and validated as the end. The tiny model's two special tokens stand in.
@@ -628,13 +635,7 @@ mod tests {
         );
         let ends = [end, start];
         let compiler = GrammarCompiler::new(tok, rows, &ends).expect("compiler");
-        let allowed = |c: &mut GrammarConstraint| {
-            let mut l = vec![0f32; rows];
-            c.mask(&mut l).expect("mask");
-            (0..rows as u32)
-                .filter(|&i| l[i as usize].is_finite())
-                .collect::<Vec<_>>()
-        };
+        let allowed = |c: &mut GrammarConstraint| allowed_ids(c, rows);
         let ab = tok.encode("ab").expect("encode");
         for last in ends {
             let mut c = compiler.compile(&GrammarSpec::Regex("ab".into())).expect("compile");
@@ -681,13 +682,7 @@ mod tests {
             t[0]
         };
         let [open, space, nl, quote, a, colon, one_digit, comma] = ["{", " ", "\n", "\"", "a", ":", "1", ","].map(one);
-        let allowed = |c: &mut GrammarConstraint| {
-            let mut l = vec![0f32; rows];
-            c.mask(&mut l).expect("mask");
-            (0..rows as u32)
-                .filter(|&t| l[t as usize].is_finite())
-                .collect::<Vec<_>>()
-        };
+        let allowed = |c: &mut GrammarConstraint| allowed_ids(c, rows);
         for spec in [
             GrammarSpec::JsonObject,
             GrammarSpec::JsonSchema(serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}})),

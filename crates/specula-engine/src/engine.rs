@@ -682,7 +682,7 @@ impl Engine {
                     "this model has no end-of-generation token to end a grammar".into(),
                 ));
             }
-            let c = GrammarCompiler::new(&self.bundle.tokenizer, self.config().vocab_size, &self.bundle.eos_ids)
+            let c = GrammarCompiler::new(&self.bundle.tokenizer, rows, &self.bundle.eos_ids)
                 .map_err(|e| RequestError::Internal(format!("{e:#}")))?;
             self.grammar = Some(c);
         }

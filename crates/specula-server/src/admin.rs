@@ -132,7 +132,6 @@ fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
                 format!("Invalid 'mode' '{m}': expected one of 'off', 'default', 'on', 'ngram', 'draft', 'mtp' and 'block'."),
                 Some("mode"),
             )
-            .with_code("invalid_value")
         })?),
     };
     let draft_max = b.int_in("draft_max", 1, MAX_DRAFT as i128)?.map(|k| k as usize);
@@ -142,16 +141,14 @@ fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
         return Err(ApiError::invalid(
             "Invalid 'draft_model': expected a file, a directory or a catalog name, got ''.",
             Some("draft_model"),
-        )
-        .with_code("invalid_value"));
+        ));
     }
     let unload_draft = b.bool("unload_draft")?.unwrap_or(false);
     if unload_draft && (draft_model.is_some() || mode == Some(SpecMode::Draft)) {
         return Err(ApiError::invalid(
             "'unload_draft' cannot be combined with 'draft_model' or mode 'draft'.",
             Some("unload_draft"),
-        )
-        .with_code("invalid_value"));
+        ));
     }
     Ok(SpecChange {
         mode,
@@ -313,8 +310,7 @@ fn change_on_worker(
                 cur.id
             ),
             Some("mode"),
-        )
-        .with_code("invalid_value"));
+        ));
     }
 
     let mut events = Vec::new();
@@ -364,8 +360,7 @@ fn change_on_worker(
         engine.set_tuned_default(tuned);
     }
     // Cannot fail after the checks above; kept as the one definition of a servable default.
-    crate::worker::check_spec_default(engine, &spec)
-        .map_err(|e| ApiError::invalid(e, Some("mode")).with_code("invalid_value"))?;
+    crate::worker::check_spec_default(engine, &spec).map_err(|e| ApiError::invalid(e, Some("mode")))?;
 
     let mut loads = cur.loads.clone();
     loads.extend(events.iter().cloned());

@@ -129,8 +129,7 @@ fn parse_spec(h: &EngineHandle, b: &Body) -> Result<SpecOptions, ApiError> {
                 m.id, m.id
             ),
             Some("spec"),
-        )
-        .with_code("invalid_value"));
+        ));
     }
     for (mode, kind, flag) in [
         (SpecMode::Mtp, "mtp", "an MTP head"),
@@ -144,8 +143,7 @@ fn parse_spec(h: &EngineHandle, b: &Body) -> Result<SpecOptions, ApiError> {
                     m.id
                 ),
                 Some("spec"),
-            )
-            .with_code("invalid_value"));
+            ));
         }
     }
     Ok(spec)
@@ -170,8 +168,7 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
         return Err(ApiError::invalid(
             "logprobs must be set to true when top_logprobs is used.",
             Some("top_logprobs"),
-        )
-        .with_code("invalid_value"));
+        ));
     }
     // `tool_choice: "none"`: the model is not shown the tools and its output is not parsed for
     // calls. `required` and a named function are passed to the template and, where the dialect
@@ -184,8 +181,7 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
                 "response_format cannot be combined with tool_choice 'required' or a named function \
                  (both constrain the answer).",
                 Some("tool_choice"),
-            )
-            .with_code("invalid_value"));
+            ));
         }
         grammar = Some(forced);
     }

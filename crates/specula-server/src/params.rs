@@ -49,7 +49,7 @@ fn bad_field_type(param: &str, field: &str, expected: &str, got: &Value) -> ApiE
 }
 
 fn bad_value(param: &str, message: String) -> ApiError {
-    ApiError::invalid(message, Some(param)).with_code("invalid_value")
+    ApiError::invalid(message, Some(param))
 }
 
 fn missing(param: &str) -> ApiError {
@@ -251,9 +251,9 @@ pub fn common(b: &Body, model_id: &str, max_tokens_keys: &[&'static str]) -> Res
     };
     let sampling = sampling
         .with_logit_bias(logit_bias(b)?)
-        .map_err(|e| ApiError::from_request_error(&e, "prompt").with_code("invalid_value"))?;
+        .map_err(|e| ApiError::from_request_error(&e, "prompt"))?;
     if let Err(e) = sampling.validate() {
-        return Err(ApiError::from_request_error(&e, "prompt").with_code("invalid_value"));
+        return Err(ApiError::from_request_error(&e, "prompt"));
     }
     let stop = match b.get("stop") {
         None => Vec::new(),
@@ -383,8 +383,7 @@ fn message_content(obj: &Map<String, Value>, content_param: &str) -> Result<Opti
                         return Err(ApiError::invalid(
                             format!("Unsupported content part type '{k}': only 'text' parts are supported."),
                             Some(&format!("{part_param}.type")),
-                        )
-                        .with_code("invalid_value"))
+                        ))
                     }
                     (None, _) => return Err(missing(&format!("{part_param}.type"))),
                 }
@@ -529,8 +528,7 @@ pub fn messages(b: &Body) -> Result<Vec<ChatMessage>, ApiError> {
                              with 'tool_calls'; '{id}' answers none of the calls of the assistant message before it."
                         ),
                         Some(&id_param),
-                    )
-                    .with_code("invalid_value"));
+                    ));
                 }
                 if content.is_none() {
                     return Err(missing(&content_param));

@@ -48,10 +48,9 @@ pub fn prompt_opens_reasoning(prompt_tail: &str) -> bool {
 /// (a model that does not think, or a prompt that already closed an empty block: Qwen3's
 /// `enable_thinking: false` renders `<think>\n\n</think>\n\n`).
 pub fn output_reasoning(prompt_tail: &str, thinking: bool) -> Option<bool> {
-    let tail = prompt_tail.trim_end();
-    if tail.ends_with(THINK_OPEN) {
+    if prompt_opens_reasoning(prompt_tail) {
         Some(true)
-    } else if thinking && !tail.ends_with(THINK_CLOSE) {
+    } else if thinking && !prompt_tail.trim_end().ends_with(THINK_CLOSE) {
         Some(false)
     } else {
         None
