@@ -99,6 +99,24 @@ impl SamplingParams {
         Ok(self)
     }
 
+    /// How many leading tokens of `draft` the request's `logit_bias` does not ban (a bias of
+    /// -100, OpenAI's "should result in a ban"). A drafter without logits of its own (n-gram
+    /// lookup) may copy a banned token from the context; the target would reject it, so it is
+    /// not verified. Only what is verified changes, never what is committed.
+    pub fn unbanned_prefix(&self, draft: &[u32]) -> usize {
+        if self.logit_bias.is_empty() {
+            return draft.len();
+        }
+        draft
+            .iter()
+            .take_while(|&&t| {
+                self.logit_bias
+                    .binary_search_by_key(&t, |&(id, _)| id)
+                    .map_or(true, |i| self.logit_bias[i].1 > -100.0)
+            })
+            .count()
+    }
+
     /// Check ranges; the error names the parameter.
     pub fn validate(&self) -> Result<(), RequestError> {
         let bad = |m: String| Err(RequestError::InvalidParameter(m));
@@ -392,6 +410,19 @@ pub fn add_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A draft is cut before its first token with a bias of -100 (a ban); other biases, and
+    /// tokens without one, stay.
+    #[test]
+    fn a_draft_is_cut_before_a_banned_token() {
+        let p = SamplingParams::greedy()
+            .with_logit_bias(vec![(7, -100.0), (3, -99.5), (9, 100.0)])
+            .expect("bias");
+        assert_eq!(p.unbanned_prefix(&[1, 3, 9, 7, 2]), 3);
+        assert_eq!(p.unbanned_prefix(&[7]), 0);
+        assert_eq!(p.unbanned_prefix(&[1, 2]), 2);
+        assert_eq!(SamplingParams::greedy().unbanned_prefix(&[7, 7]), 2);
+    }
 
     /// The bias comes before the penalties: a logit of 0.5 biased by -1 is -0.5, which a
     /// repetition penalty of 2 doubles (a negative logit is multiplied) to -1.0; the other order

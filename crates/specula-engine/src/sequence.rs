@@ -702,10 +702,20 @@ impl Sequence {
         }
         self.stats.spec.trimmed += proposal.len() - keep;
         proposal.truncate(keep);
-        if let Some(c) = self.constraint.as_mut() {
-            // A draft token the grammar does not allow would be rejected: do not verify it.
-            let valid = c.valid_prefix(&proposal.tokens);
-            proposal.truncate(valid);
+        if proposal.q.is_none() {
+            // A deterministic draft (n-gram lookup, greedy model drafts) is cut before the first
+            // token the target would reject anyway: one the request bans (the lookup copies
+            // it from the context) or one the grammar does not allow (no drafter masks its
+            // rows). A sampled draft is not cut: whether a drawn token is verified must not
+            // depend on the token drawn. Verified, a forbidden token has p = 0 and is
+            // rejected, and that position is drawn from the residual max(0, p - q) as
+            // rejection sampling requires; cut, it would be drawn from p, and the law moves
+            // (`tests/spec.rs` `sampling_spec_under_a_grammar_matches_ar_in_distribution`).
+            let mut keep = self.req.sampling.unbanned_prefix(&proposal.tokens);
+            if let Some(c) = self.constraint.as_mut() {
+                keep = c.valid_prefix(&proposal.tokens[..keep]);
+            }
+            proposal.truncate(keep);
         }
         if let Some(a) = self.lookup_alphas.as_mut() {
             a.truncate(proposal.len());
