@@ -598,18 +598,13 @@ impl Sequence {
             c.commit(next)?;
         }
         let from_lookup = self.lookup_alphas.take().is_some();
-        if !draft.is_empty() {
-            self.stats.spec.record(draft.len(), accepted);
-            if from_lookup {
-                // The lookup learns its own outcome at its next proposal; the controller's
-                // estimates are the model drafter's.
-                self.stats.spec.lookup_drafted += draft.len();
-                self.stats.spec.lookup_accepted += accepted;
-            } else {
-                self.k_ctl.update(draft.len(), accepted);
-                if let Some(c) = &draft.confidence {
-                    self.k_ctl.observe_confidence(c, accepted);
-                }
+        if !draft.is_empty() && !from_lookup {
+            // The lookup learns its own outcome at its next proposal; the controller's
+            // estimates are the model drafter's, from what the target agreed with (drafts
+            // past a stop point included).
+            self.k_ctl.update(draft.len(), accepted);
+            if let Some(c) = &draft.confidence {
+                self.k_ctl.observe_confidence(c, accepted);
             }
         }
         let mut block = draft.tokens[..accepted].to_vec();
@@ -627,6 +622,16 @@ impl Sequence {
                 .collect::<Vec<_>>()
         });
         let out = self.emitter.emit_block(&block, block_lps.as_deref());
+        if !draft.is_empty() {
+            // The stats count as accepted only the drafts that reached the output: a block cut
+            // at EOS, a stop string or max_tokens drops the accepted drafts after the cut.
+            let in_output = accepted.min(out.committed);
+            self.stats.spec.record(draft.len(), in_output);
+            if from_lookup {
+                self.stats.spec.lookup_drafted += draft.len();
+                self.stats.spec.lookup_accepted += in_output;
+            }
+        }
         if self.stats.decode_steps > 0 {
             // Tokens committed by target decode steps (the first token came from prefill).
             self.stats.spec.committed += out.committed;

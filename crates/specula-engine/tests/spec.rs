@@ -58,6 +58,24 @@ fn assert_same_as(
     assert_eq!(ar.logprobs, sp.logprobs, "{what}: logprobs");
     assert_eq!(ar_stream, &sp_stream, "{what}: streamed text");
     assert_eq!(sp_stream, sp.text, "{what}: stream equals final text");
+    // The stats count only the accepted drafts that reached the output (a block cut at EOS, a
+    // stop string or max_tokens drops the rest), and every target step commits its own token
+    // unless the output ended inside its block.
+    let s = &sp.stats.spec;
+    assert!(
+        s.accepted <= s.drafted && s.accepted <= s.committed,
+        "{what}: stats {s:?}"
+    );
+    assert!(s.committed <= s.accepted + s.target_steps, "{what}: stats {s:?}");
+    assert!(
+        s.committed >= s.accepted + s.target_steps.saturating_sub(1),
+        "{what}: stats {s:?}"
+    );
+    assert_eq!(
+        s.accepted_by_position.iter().sum::<usize>(),
+        s.accepted,
+        "{what}: stats {s:?}"
+    );
     sp
 }
 

@@ -312,6 +312,17 @@ fn change_on_worker(
             Some("mode"),
         ));
     }
+    if let Some(what) = cur.missing_native_drafter(spec.mode) {
+        return Err(ApiError::invalid(
+            format!(
+                "Speculative mode '{}' needs {what}, and {} has none attached (start the server \
+                 with --drafter DIR); nothing was changed.",
+                spec.mode.as_str(),
+                cur.id
+            ),
+            Some("mode"),
+        ));
+    }
 
     let mut events = Vec::new();
     match action {
@@ -397,7 +408,11 @@ pub async fn post_model(
     body: Result<Json<Value>, JsonRejection>,
 ) -> Response {
     let Some(id) = rest.strip_suffix("/speculative") else {
-        return ApiError::route_not_found("POST", &format!("/v1/models/{rest}")).into_response();
+        let path = format!("/v1/models/{rest}");
+        if rest == h.model().id {
+            return ApiError::method_not_allowed_here("POST", &path, "GET").into_response();
+        }
+        return ApiError::route_not_found("POST", &path).into_response();
     };
     if id != h.model().id {
         return ApiError::model_not_found(id).into_response();

@@ -131,20 +131,16 @@ fn parse_spec(h: &EngineHandle, b: &Body) -> Result<SpecOptions, ApiError> {
             Some("spec"),
         ));
     }
-    for (mode, kind, flag) in [
-        (SpecMode::Mtp, "mtp", "an MTP head"),
-        (SpecMode::Block, "block", "a block drafter"),
-    ] {
-        if spec.mode == mode && !m.native_drafters.iter().any(|d| d.starts_with(&format!("{kind}:"))) {
-            return Err(ApiError::invalid(
-                format!(
-                    "Invalid 'spec': speculative mode '{kind}' needs {flag}, and {} has none attached \
-                     (start the server with --drafter DIR).",
-                    m.id
-                ),
-                Some("spec"),
-            ));
-        }
+    if let Some(what) = m.missing_native_drafter(spec.mode) {
+        return Err(ApiError::invalid(
+            format!(
+                "Invalid 'spec': speculative mode '{}' needs {what}, and {} has none attached \
+                 (start the server with --drafter DIR).",
+                spec.mode.as_str(),
+                m.id
+            ),
+            Some("spec"),
+        ));
     }
     Ok(spec)
 }
@@ -599,8 +595,12 @@ pub async fn list_models(State(h): State<EngineHandle>) -> Json<Value> {
 }
 
 pub async fn get_model(State(h): State<EngineHandle>, Path(model): Path<String>) -> Response {
-    if model == h.model().id {
+    let m = h.model();
+    let id = m.id.as_str();
+    if model == id {
         Json(model_json(&h)).into_response()
+    } else if model.strip_suffix("/speculative") == Some(id) {
+        ApiError::method_not_allowed_here("GET", &format!("/v1/models/{model}"), "POST").into_response()
     } else {
         ApiError::model_not_found(&model).into_response()
     }

@@ -17,6 +17,8 @@ pub struct ApiError {
     pub code: Option<String>,
     /// Seconds for a `Retry-After` header (429 answers).
     pub retry_after: Option<u32>,
+    /// The methods for an `Allow` header (405 answers the handler gives itself).
+    pub allow: Option<&'static str>,
 }
 
 impl ApiError {
@@ -28,6 +30,7 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            allow: None,
         }
     }
 
@@ -76,6 +79,13 @@ impl ApiError {
             format!("Method {method} is not allowed for {path}."),
         )
         .with_code("method_not_allowed")
+    }
+
+    /// 405 for a path a handler owns, with the methods it does allow (`Allow`).
+    pub fn method_not_allowed_here(method: &str, path: &str, allow: &'static str) -> Self {
+        let mut e = Self::method_not_allowed(method, path);
+        e.allow = Some(allow);
+        e
     }
 
     /// 429: the queue of waiting requests is full.
@@ -180,6 +190,9 @@ impl IntoResponse for ApiError {
         let mut resp = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if let Some(a) = self.allow {
+            resp.headers_mut().insert(header::ALLOW, HeaderValue::from_static(a));
         }
         resp
     }

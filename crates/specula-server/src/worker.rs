@@ -13,7 +13,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use specula_engine::constraint::{GrammarSpec, OutputControl, ReasoningControl};
 use specula_engine::sequence::{Sequence, StepOutcome};
-use specula_engine::spec::SpecOptions;
+use specula_engine::spec::{SpecMode, SpecOptions};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -64,6 +64,20 @@ pub struct ModelInfo {
     /// the target's and any draft model's before serving, then those made by
     /// `POST /v1/models/{id}/speculative`.
     pub loads: Vec<crate::admin::LoadEvent>,
+}
+
+impl ModelInfo {
+    /// What speculative mode `mode` needs that this model lacks: `Some("an MTP head")` for
+    /// `mtp` without an attached MTP head, `Some("a block drafter")` for `block` without one;
+    /// `None` otherwise (a draft model is checked on its own: it can be attached at run time).
+    pub fn missing_native_drafter(&self, mode: SpecMode) -> Option<&'static str> {
+        let (kind, what) = match mode {
+            SpecMode::Mtp => ("mtp:", "an MTP head"),
+            SpecMode::Block => ("block:", "a block drafter"),
+            _ => return None,
+        };
+        (!self.native_drafters.iter().any(|d| d.starts_with(kind))).then_some(what)
+    }
 }
 
 /// The current [`ModelInfo`] of a handle; a speculation change replaces the whole value.

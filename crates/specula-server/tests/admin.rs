@@ -245,6 +245,9 @@ async fn bad_changes_are_4xx_and_change_nothing() {
         (json!({"draft_max": MAX_DRAFT + 1}), "draft_max", "invalid_value"),
         (json!({"adaptive": 1}), "adaptive", "invalid_type"),
         (json!({"mode": "draft"}), "mode", "invalid_value"),
+        // No MTP head or block drafter is attached: every request without `spec` would fail.
+        (json!({"mode": "mtp"}), "mode", "invalid_value"),
+        (json!({"mode": "block", "draft_max": 3}), "mode", "invalid_value"),
         (
             json!({"mode": "draft", "draft_model": path_str(&missing)}),
             "draft_model",

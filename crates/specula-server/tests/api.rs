@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use common::*;
 use serde_json::{json, Value};
 use specula_engine::spec::SpecOptions;
@@ -755,6 +755,17 @@ async fn bad_requests_get_openai_errors() {
     assert!(e["message"].as_str().unwrap().contains("/v1/nothing"));
     let r = get(&app, chat).await;
     assert_error(&r, StatusCode::METHOD_NOT_ALLOWED, None);
+    // The model's own paths under the /v1/models/{id} route: the other method is a 405 that
+    // says which one is allowed, not a 404 for a model named "tiny/speculative".
+    let r = get(&app, &format!("/v1/models/{MODEL}/speculative")).await;
+    let e = assert_error(&r, StatusCode::METHOD_NOT_ALLOWED, None);
+    assert_eq!(e["code"], "method_not_allowed");
+    assert_eq!(r.headers[header::ALLOW], "POST");
+    let r = post(&app, &format!("/v1/models/{MODEL}"), json!({})).await;
+    assert_error(&r, StatusCode::METHOD_NOT_ALLOWED, None);
+    assert_eq!(r.headers[header::ALLOW], "GET");
+    let r = get(&app, "/v1/models/other/speculative").await;
+    assert_error(&r, StatusCode::NOT_FOUND, Some("model"));
 
     // Errors cost no generation.
     let m = get(&app, "/metrics").await.text;

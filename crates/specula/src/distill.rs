@@ -58,8 +58,8 @@ pub struct DistillArgs {
     #[arg(long, default_value_t = 256)]
     answer_tokens: usize,
     /// Optimizer steps (default: --epochs passes over the training rows).
-    #[arg(long)]
-    steps: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: Option<u64>,
     #[arg(long, default_value_t = 3.0)]
     epochs: f64,
     /// Windows per step.
@@ -178,7 +178,7 @@ pub fn run(a: DistillArgs) -> Result<()> {
         answer_tokens: a.answer_tokens,
         seq_len: a.seq_len,
         batch: a.batch,
-        steps: a.steps,
+        steps: a.steps.map(|n| n as usize),
         epochs: a.epochs,
         lr: a.lr,
         warmup: a.warmup,

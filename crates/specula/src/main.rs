@@ -80,7 +80,7 @@ struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     kv_budget_mb: usize,
     /// The model id clients use (default: the catalog name or the file name).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_model_id)]
     served_model_name: Option<String>,
     /// Speculative decoding for requests that do not choose (the `spec` request field).
     #[command(flatten)]
@@ -207,8 +207,9 @@ struct PlacementArgs {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Cap the context window (prompt + output tokens of a request) below the model's own; on
-    /// a GPU each KV slot then takes less memory, so more requests fit.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    /// a GPU each KV slot then takes less memory, so more requests fit. At least 16 (a chat
+    /// template alone takes about 10 tokens).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(16..))]
     ctx_size: Option<u64>,
 }
 
@@ -508,6 +509,19 @@ struct BenchArgs {
     compare_gemv: bool,
 }
 
+/// `--served-model-name`: clients name the model by it in every request and in URLs
+/// (`/v1/models/{id}`), so it is not empty and has no leading or trailing whitespace or control
+/// characters.
+fn parse_model_id(s: &str) -> std::result::Result<String, String> {
+    if s.is_empty() {
+        return Err("the model id must not be empty".into());
+    }
+    if s.trim() != s || s.chars().any(char::is_control) {
+        return Err("the model id must not have leading or trailing whitespace or control characters".into());
+    }
+    Ok(s.to_string())
+}
+
 fn main() {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
@@ -528,6 +542,21 @@ fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
         if n == 0 {
             bail!("--threads must be at least 1");
+        }
+        // The kernel pool spins its workers: more than the hardware runs at once only makes
+        // them wait for each other, and a huge count exhausts memory for their stacks.
+        let hw = std::thread::available_parallelism().map_or(256, |n| n.get());
+        let limit = (4 * hw).max(8);
+        if n > limit {
+            bail!(
+                "--threads {n} is too many: this machine gives the process {hw} hardware threads \
+                 (at most {limit} are accepted; more than {hw} is slower)"
+            );
+        }
+        if n > hw {
+            tracing::warn!(
+                "--threads {n} is more than the {hw} hardware threads: the kernel workers will wait for each other"
+            );
         }
         // candle's CPU kernels size their pools from RAYON_NUM_THREADS; set it before any runs.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());

@@ -532,6 +532,40 @@ fn cli_errors() {
         out.describe()
     );
 
+    // Values no run could use are refused before anything loads, naming the flag.
+    for (args, says) in [
+        (&["--threads", "100000", "list"][..], "--threads 100000 is too many"),
+        (
+            &["serve", "--served-model-name", "", "/nonexistent.gguf"][..],
+            "--served-model-name",
+        ),
+        (&["serve", "--ctx-size", "8", "/nonexistent.gguf"][..], "--ctx-size"),
+        (
+            &[
+                "distill",
+                "--target",
+                "/nonexistent.gguf",
+                "--kind",
+                "mtp",
+                "--out",
+                "/tmp/x",
+                "--steps",
+                "0",
+            ][..],
+            "--steps",
+        ),
+    ] {
+        let out = run(specula().args(args), CLI_TIMEOUT);
+        assert!(!out.status.success(), "{args:?}: {}", out.describe());
+        assert!(out.stderr.contains(says), "{args:?}: {}", out.describe());
+        assert!(
+            !out.stderr.contains("/nonexistent.gguf"),
+            "{args:?}: {}",
+            out.describe()
+        );
+        assert!(!out.stderr.contains("panicked"), "{args:?}: {}", out.describe());
+    }
+
     // `pull` of an unknown name lists the known names (and downloads nothing).
     let out = run(specula().args(["pull", "nope"]), CLI_TIMEOUT);
     assert!(!out.status.success(), "{}", out.describe());

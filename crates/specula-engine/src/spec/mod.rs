@@ -308,9 +308,11 @@ pub trait Drafter: Send {
 pub struct SpecStats {
     /// "ar", or the drafter's name; with the reason when speculation was asked for but not used.
     pub decode_path: String,
-    /// Draft tokens proposed.
+    /// Draft tokens verified by the target.
     pub drafted: usize,
-    /// Draft tokens accepted.
+    /// Draft tokens accepted that reached the output: a verified block cut at EOS, a stop
+    /// string or `max_tokens` counts only the drafts before the cut, so `accepted` ≤
+    /// `committed` and `committed` ≤ `accepted` + `target_steps`.
     pub accepted: usize,
     /// Draft tokens proposed but not verified: the batch's draft budget
     /// ([`controller::draft_budget`]) dropped them because the step was cheaper without them,
