@@ -30,6 +30,15 @@ pub trait Constraint: Send {
     fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
         tokens.len()
     }
+    /// Mask `logits` as [`Constraint::mask`] would once `drafted` were committed (the tokens a
+    /// drafter proposed so far in this step), leaving the state as it was. Returns whether it
+    /// masked: `false` (the default, and where `drafted` is not allowed in sequence) leaves the
+    /// row as it is. A drafter's rows so masked propose only what the target's masked verify
+    /// rows can accept ([`crate::spec::DraftGuide::mask`]).
+    fn mask_after(&mut self, drafted: &[u32], logits: &mut [f32]) -> Result<bool> {
+        let _ = (drafted, logits);
+        Ok(false)
+    }
 }
 
 /// What a request constrains its output to.
@@ -246,12 +255,23 @@ fn grammar_error(e: anyhow::Error) -> anyhow::Error {
     anyhow!("grammar: {}", brief(&e))
 }
 
-impl Constraint for GrammarConstraint {
-    fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = match self.first_mask.take() {
-            Some(m) => m,
-            None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
-        };
+impl GrammarConstraint {
+    /// `tokens` as the matcher knows them from its current state (an end-of-generation id the
+    /// grammar does not take as its own token becomes the first id where it stands), and how
+    /// many of them it allows in sequence.
+    fn validated(&mut self, tokens: &[u32]) -> (Vec<u32>, usize) {
+        let mut tokens = tokens.to_vec();
+        loop {
+            let n = self.matcher.validate_tokens(&tokens).unwrap_or(0);
+            match tokens.get(n) {
+                Some(&t) if t != self.eos[0] && self.eos.contains(&t) => tokens[n] = self.eos[0],
+                _ => return (tokens, n),
+            }
+        }
+    }
+
+    /// Set the logits of tokens `allowed` does not hold to `-inf`.
+    fn apply(&self, allowed: &llguidance::toktrie::SimpleVob, logits: &mut [f32]) {
         // Where the grammar may end, every end-of-generation id may: their logits are put back
         // after the mask.
         let ends: Vec<(usize, f32)> = if allowed.is_allowed(self.eos[0]) {
@@ -273,6 +293,16 @@ impl Constraint for GrammarConstraint {
         for l in logits.iter_mut().skip(self.vocab) {
             *l = f32::NEG_INFINITY;
         }
+    }
+}
+
+impl Constraint for GrammarConstraint {
+    fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+        let allowed = match self.first_mask.take() {
+            Some(m) => m,
+            None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
+        };
+        self.apply(&allowed, logits);
         Ok(())
     }
 
@@ -290,16 +320,33 @@ impl Constraint for GrammarConstraint {
         if self.matcher.is_stopped() {
             return 0;
         }
-        // Position by position: where the grammar stops at an end-of-generation id that is not
-        // the first, it is tried as the first (the end).
-        let mut tokens = tokens.to_vec();
-        loop {
-            let n = self.matcher.validate_tokens(&tokens).unwrap_or(0);
-            match tokens.get(n) {
-                Some(&t) if t != self.eos[0] && self.eos.contains(&t) => tokens[n] = self.eos[0],
-                _ => return n,
-            }
+        self.validated(tokens).1
+    }
+
+    fn mask_after(&mut self, drafted: &[u32], logits: &mut [f32]) -> Result<bool> {
+        if drafted.is_empty() {
+            let allowed = match &self.first_mask {
+                Some(m) => m.clone(),
+                None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
+            };
+            self.apply(&allowed, logits);
+            return Ok(true);
         }
+        if self.matcher.is_stopped() {
+            return Ok(false);
+        }
+        let (tokens, n) = self.validated(drafted);
+        if n < tokens.len() {
+            return Ok(false);
+        }
+        // Advance over the drafts (allowed in sequence, so this cannot fail), read the mask,
+        // and roll back: llguidance's rollback restores the exact state (also out of a stop
+        // the drafts reached), so the target's masks are what they would have been.
+        self.matcher.consume_tokens(&tokens).map_err(grammar_error)?;
+        let allowed = self.matcher.compute_mask_or_eos().map_err(grammar_error);
+        self.matcher.rollback(tokens.len()).map_err(grammar_error)?;
+        self.apply(&allowed?, logits);
+        Ok(true)
     }
 }
 
@@ -579,6 +626,15 @@ impl Constraint for ReasoningConstraint {
         }
         tokens.len()
     }
+
+    /// Once the answer has begun, the answer's grammar masks draft rows; before it (reasoning,
+    /// the forced close) draft rows are left as they are.
+    fn mask_after(&mut self, drafted: &[u32], logits: &mut [f32]) -> Result<bool> {
+        match (&self.phase, self.answer.as_mut()) {
+            (Phase::Answer, Some(a)) => a.mask_after(drafted, logits),
+            _ => Ok(false),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -666,6 +722,66 @@ mod tests {
         assert!(GrammarCompiler::new(tok, rows, &[rows as u32 + 5, end]).is_ok());
         assert!(GrammarCompiler::new(tok, rows, &[rows as u32]).is_err());
         assert!(GrammarCompiler::new(tok, rows, &[]).is_err());
+    }
+
+    /// A draft row's mask after drafted tokens is the mask the verify row there gets once those
+    /// tokens are committed, and reading it changes nothing: the next masks are the same as
+    /// without it, also when the drafts complete the grammar (llguidance rolls back out of the
+    /// stop). Drafts the grammar does not allow in sequence leave the row as it is.
+    #[test]
+    fn a_draft_rows_mask_is_the_committed_mask_and_changes_nothing() {
+        let (tok, rows) = tiny_tokenizer();
+        let tok = &tok;
+        let end = tok.token_to_id("<|im_end|>").expect("<|im_end|>");
+        let compiler = GrammarCompiler::new(tok, rows, &[end]).expect("compiler");
+        let text = tok.encode("aba cab").expect("encode");
+        let after = |c: &mut GrammarConstraint, drafted: &[u32]| {
+            let mut l = vec![0f32; rows];
+            assert!(c.mask_after(drafted, &mut l).expect("mask_after"));
+            (0..rows as u32)
+                .filter(|&t| l[t as usize].is_finite())
+                .collect::<Vec<u32>>()
+        };
+        // The second grammar stops after the text: only the end may follow.
+        for (spec, split) in ["(ab|a c)+", "aba cab"]
+            .into_iter()
+            .flat_map(|g| (0..text.len()).map(move |split| (GrammarSpec::Regex(g.into()), split)))
+        {
+            let mut c = compiler.compile(&spec).expect("compile");
+            let mut reference = compiler.compile(&spec).expect("compile");
+            for &t in &text[..split] {
+                c.commit(t).expect("commit");
+                reference.commit(t).expect("commit");
+            }
+            // Every draft prefix from here, including the one that reaches the end.
+            let mut drafted = text[split..].to_vec();
+            drafted.push(end);
+            for n in 0..=drafted.len() - 1 {
+                let masked = after(&mut c, &drafted[..n]);
+                let mut r = compiler.compile(&spec).expect("compile");
+                for &t in text[..split].iter().chain(&drafted[..n]) {
+                    r.commit(t).expect("commit");
+                }
+                assert_eq!(masked, allowed_ids(&mut r, rows), "split {split}, {n} drafted");
+            }
+            assert_eq!(
+                allowed_ids(&mut c, rows),
+                allowed_ids(&mut reference, rows),
+                "split {split}"
+            );
+            for &t in &text[split..] {
+                c.commit(t).expect("the state was left as it was");
+            }
+        }
+        // Drafts the grammar does not allow: no mask.
+        let mut c = compiler
+            .compile(&GrammarSpec::Regex("(ab|a c)+".into()))
+            .expect("compile");
+        let bad = tok.encode("ba").expect("encode");
+        let mut l = vec![0f32; rows];
+        assert!(!c.mask_after(&bad, &mut l).expect("mask_after"));
+        assert!(l.iter().all(|x| *x == 0.0));
+        assert_eq!(allowed_ids(&mut c, rows), vec![tok.encode("a").expect("encode")[0]]);
     }
 
     /// JSON answers are laid out as `{"a": 1, "b": 2}`: no whitespace but the separators'

@@ -22,7 +22,7 @@ use crate::sampling::{self, Sampler};
 use crate::spec::draft_model::DraftModelDrafter;
 use crate::spec::ngram::NgramDrafter;
 use crate::spec::verify::{self, UniformRandomness};
-use crate::spec::{DraftLength, Drafter, Proposal, SpecMode};
+use crate::spec::{DraftGuide, DraftLength, Drafter, Proposal, SpecMode};
 use crate::tokenizer::Tokenizer;
 use crate::types::{
     FinishReason, GenerateOutput, GenerateRequest, GenerationStats, StreamDelta, TokenLogprob, TopLogprob,
@@ -106,6 +106,9 @@ pub struct Sequence {
     accept_rng: Option<UniformRandomness<ChaCha20Rng>>,
     /// Structured-output constraint, applied to every row like the penalties.
     constraint: Option<Box<dyn Constraint>>,
+    /// Model drafters' rows are masked with `constraint` ([`StepGuide`]); off only for
+    /// side-by-side measurement and tests (`SPECULA_DRAFT_MASK=0`).
+    mask_drafts: bool,
     k_ctl: DraftLength,
     /// The model drafter has not started: it must catch up on the prompt first, and starts
     /// when that pays ([`DraftLength::start_pays`]). Meanwhile the request decodes with the
@@ -274,6 +277,7 @@ impl Sequence {
             constraint,
             k_ctl,
             deferred,
+            mask_drafts: std::env::var("SPECULA_DRAFT_MASK").map_or(true, |v| v != "0"),
             deferred_committed: 0,
             deferred_spent: 0.0,
             draft_size,
@@ -671,12 +675,12 @@ impl Sequence {
             (None, Some(d)) if k > 0 => {
                 let catch_up = d.catch_up_tokens(&self.context);
                 let td = Instant::now();
-                let ctl = &self.k_ctl;
-                let p = if ctl.confidence_driven() {
-                    d.propose_while(&self.context, k, &mut |c| ctl.go_on(c))?
-                } else {
-                    d.propose(&self.context, k)?
+                let mut guide = StepGuide {
+                    ctl: &self.k_ctl,
+                    confidence_driven: self.k_ctl.confidence_driven(),
+                    constraint: self.constraint.as_deref_mut().filter(|_| self.mask_drafts),
                 };
+                let p = d.propose_guided(&self.context, k, &mut guide)?;
                 let secs = td.elapsed().as_secs_f64();
                 self.stats.spec.draft_s += secs;
                 // Catch-up after a pause is paid once per probe, not per draft token.
@@ -837,6 +841,37 @@ impl Sequence {
             stats: self.stats,
         };
         (out, self.kv)
+    }
+}
+
+/// The [`DraftGuide`] of one draft step: the controller's `go_on` when its calibrated
+/// confidences drive the draft length, and the request's constraint, which masks each draft row
+/// as the verify row at that position will be masked (so a model drafter proposes only what the
+/// target can accept; what is committed does not change).
+struct StepGuide<'a> {
+    ctl: &'a DraftLength,
+    confidence_driven: bool,
+    constraint: Option<&'a mut (dyn Constraint + 'static)>,
+}
+
+impl DraftGuide for StepGuide<'_> {
+    fn go_on(&mut self, confidence: &[f32]) -> bool {
+        !self.confidence_driven || self.ctl.go_on(confidence)
+    }
+
+    fn masks(&self) -> bool {
+        self.constraint.is_some()
+    }
+
+    fn mask(&mut self, drafted: &[u32], row: &mut [f32]) -> bool {
+        let Some(c) = self.constraint.as_mut() else {
+            return false;
+        };
+        c.mask_after(drafted, row).unwrap_or_else(|e| {
+            // The draft goes unmasked; verification decides as always.
+            tracing::debug!(error = %e, "draft row not masked");
+            false
+        })
     }
 }
 

@@ -374,6 +374,12 @@ impl BlockDrafter {
 
 impl Drafter for BlockDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
+        self.propose_guided(context, k, &mut super::Unguided)
+    }
+
+    /// The block's rows are computed in one pass; the guide's mask applies to each row with
+    /// the tokens picked before it (`go_on` is not asked: the pass is paid already).
+    fn propose_guided(&mut self, context: &[u32], k: usize, guide: &mut dyn super::DraftGuide) -> Result<Proposal> {
         let n = context.len();
         let bs = self.model.block_size;
         self.catch_up_s = 0.0;
@@ -408,7 +414,9 @@ impl Drafter for BlockDrafter {
         let mut qs = Vec::with_capacity(k);
         let mut confidence = Vec::with_capacity(k);
         for row in logits.chunks_exact(vr) {
-            let (t, q, c) = self.model.vocab.pick_with_confidence(row, &mut self.sampling);
+            let Some((t, q, c)) = self.model.vocab.pick_guided(row, &mut self.sampling, &tokens, guide) else {
+                break;
+            };
             tokens.push(t);
             qs.extend(q);
             confidence.push(c);

@@ -196,10 +196,10 @@ impl DraftModelDrafter {
 
 impl Drafter for DraftModelDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
-        self.propose_while(context, k, &mut |_| true)
+        self.propose_guided(context, k, &mut super::Unguided)
     }
 
-    fn propose_while(&mut self, context: &[u32], k: usize, go_on: &mut dyn FnMut(&[f32]) -> bool) -> Result<Proposal> {
+    fn propose_guided(&mut self, context: &[u32], k: usize, guide: &mut dyn super::DraftGuide) -> Result<Proposal> {
         self.catch_up_s = 0.0;
         if k == 0 || context.is_empty() {
             return Ok(Proposal::default());
@@ -230,11 +230,13 @@ impl Drafter for DraftModelDrafter {
         let mut qs = Vec::with_capacity(k);
         let mut confidence = Vec::with_capacity(k);
         for i in 0..k {
-            let (t, q, c) = self.sampling.pick(&mut logits);
+            let Some((t, q, c)) = self.sampling.pick_guided(&mut logits, &tokens, guide) else {
+                break;
+            };
             qs.extend(q);
             tokens.push(t);
             confidence.push(c);
-            if i + 1 == k || !go_on(&confidence) {
+            if i + 1 == k || !guide.go_on(&confidence) {
                 break;
             }
             logits = self.feed(&[t])?;

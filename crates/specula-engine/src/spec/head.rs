@@ -548,6 +548,22 @@ impl DraftVocab {
         sampling.pick(&mut self.full_row(row))
     }
 
+    /// [`DraftVocab::pick_with_confidence`] with the row masked by `guide` for the draft
+    /// position after `drafted` (on the full-vocabulary row, when the guide masks): `None` when
+    /// the mask leaves no token of this vocabulary ([`super::DraftSampling::pick_guided`]).
+    pub fn pick_guided(
+        &self,
+        row: &[f32],
+        sampling: &mut super::DraftSampling,
+        drafted: &[u32],
+        guide: &mut dyn super::DraftGuide,
+    ) -> Option<ConfidentPick> {
+        if !guide.masks() {
+            return Some(self.pick_with_confidence(row, sampling));
+        }
+        sampling.pick_guided(&mut self.full_row(row), drafted, guide)
+    }
+
     /// Use a Q8_0 copy of the rows from now on (drafting, not training).
     pub fn quantize_for_drafting(&mut self) -> Result<()> {
         self.fast = quantize_as(&self.rows, None, GgmlDType::Q8_0)?;

@@ -214,6 +214,27 @@ impl DraftSampling {
     /// sampling).
     pub fn pick(&mut self, row: &mut [f32]) -> head::ConfidentPick {
         crate::sampling::add_logit_bias(row, &self.bias);
+        self.pick_biased(row)
+    }
+
+    /// [`DraftSampling::pick`] with the row (bias added) masked by `guide` for the draft
+    /// position after `drafted`, the tokens drafted so far in this step; the mask is part of
+    /// the distribution drawn from, so q is still exactly that. `None` when the mask leaves no
+    /// token (nothing can be drafted there).
+    pub fn pick_guided(
+        &mut self,
+        row: &mut [f32],
+        drafted: &[u32],
+        guide: &mut dyn DraftGuide,
+    ) -> Option<head::ConfidentPick> {
+        crate::sampling::add_logit_bias(row, &self.bias);
+        if guide.mask(drafted, row) && !row.iter().any(|l| l.is_finite()) {
+            return None;
+        }
+        Some(self.pick_biased(row))
+    }
+
+    fn pick_biased(&mut self, row: &[f32]) -> head::ConfidentPick {
         match self.sampler.as_mut() {
             None => {
                 let t = crate::sampling::argmax(row);
@@ -229,6 +250,35 @@ impl DraftSampling {
     }
 }
 
+/// What the sequence tells a model drafter while it drafts one step token by token.
+pub trait DraftGuide {
+    /// Whether one more token is worth drafting after tokens with these confidences (the
+    /// draft-length controller's judgement, [`controller::DraftLength::go_on`]). Default: yes.
+    fn go_on(&mut self, confidence: &[f32]) -> bool {
+        let _ = confidence;
+        true
+    }
+    /// Whether [`DraftGuide::mask`] masks rows (the request has a constraint: structured
+    /// output, a forced tool call). Default: no.
+    fn masks(&self) -> bool {
+        false
+    }
+    /// Mask a full-vocabulary draft row `[vocab]` (f32 logits, the logit bias added) for the
+    /// position after `drafted` (the tokens drafted so far in this step) as the target's verify
+    /// row there will be masked (`Constraint::mask_after`): the draft then proposes only what
+    /// verification can accept. Returns whether it masked. Default: leaves the row.
+    fn mask(&mut self, drafted: &[u32], row: &mut [f32]) -> bool {
+        let _ = (drafted, row);
+        false
+    }
+}
+
+/// A [`DraftGuide`] that lets a drafter draft all k tokens from unmasked rows
+/// ([`Drafter::propose`]).
+pub struct Unguided;
+
+impl DraftGuide for Unguided {}
+
 /// A drafter: proposes up to k tokens continuing the committed context.
 ///
 /// Drafters are stateless from the engine's point of view: each call gets the whole committed
@@ -238,17 +288,14 @@ impl DraftSampling {
 pub trait Drafter: Send {
     /// Propose up to `k` tokens continuing `context`. May return fewer, or none.
     fn propose(&mut self, context: &[u32], k: usize) -> anyhow::Result<Proposal>;
-    /// [`Drafter::propose`], but a drafter that drafts token by token and knows its
-    /// [`Proposal::confidence`] asks `go_on` with the confidences so far before each further
-    /// token, and stops when it answers false (the draft-length controller's judgement that one
-    /// more token would not pay). The default ignores `go_on`.
-    fn propose_while(
-        &mut self,
-        context: &[u32],
-        k: usize,
-        go_on: &mut dyn FnMut(&[f32]) -> bool,
-    ) -> anyhow::Result<Proposal> {
-        let _ = go_on;
+    /// [`Drafter::propose`] under a [`DraftGuide`]: a drafter that drafts token by token and
+    /// knows its [`Proposal::confidence`] asks [`DraftGuide::go_on`] with the confidences so far
+    /// before each further token, and stops when it answers false (the draft-length
+    /// controller's judgement that one more token would not pay); a drafter with logits rows
+    /// has each row masked by [`DraftGuide::mask`] before it picks (the request's constraint).
+    /// The default ignores the guide.
+    fn propose_guided(&mut self, context: &[u32], k: usize, guide: &mut dyn DraftGuide) -> anyhow::Result<Proposal> {
+        let _ = guide;
         self.propose(context, k)
     }
     /// A short name for stats and logs.

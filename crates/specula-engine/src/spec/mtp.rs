@@ -444,20 +444,26 @@ impl MtpDrafter {
 
     /// The next draft token from `h'` (one row), its distribution when sampling, and the
     /// head's probability of it.
-    fn pick(&mut self, h_last: &[f32]) -> Result<super::head::ConfidentPick> {
+    /// `None` when `guide`'s mask leaves no token after `drafted`.
+    fn pick(
+        &mut self,
+        h_last: &[f32],
+        drafted: &[u32],
+        guide: &mut dyn super::DraftGuide,
+    ) -> Result<Option<super::head::ConfidentPick>> {
         let eps = self.head.weights.block.shape.rms_norm_eps;
         let normed = rms_rows(h_last, &self.head.weights.norm.to_vec1::<f32>()?, eps);
         let row = self.head.vocab.logits_rows(&normed, 1)?;
-        Ok(self.head.vocab.pick_with_confidence(&row, &mut self.sampling))
+        Ok(self.head.vocab.pick_guided(&row, &mut self.sampling, drafted, guide))
     }
 }
 
 impl Drafter for MtpDrafter {
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Proposal> {
-        self.propose_while(context, k, &mut |_| true)
+        self.propose_guided(context, k, &mut super::Unguided)
     }
 
-    fn propose_while(&mut self, context: &[u32], k: usize, go_on: &mut dyn FnMut(&[f32]) -> bool) -> Result<Proposal> {
+    fn propose_guided(&mut self, context: &[u32], k: usize, guide: &mut dyn super::DraftGuide) -> Result<Proposal> {
         let n = context.len();
         let hs = self.hidden_size();
         self.catch_up_s = 0.0;
@@ -501,13 +507,15 @@ impl Drafter for MtpDrafter {
         let mut qs = Vec::with_capacity(k);
         let mut confidence = Vec::with_capacity(k);
         for i in 0..k {
-            let (t, q, c) = self.pick(&h_last)?;
+            let Some((t, q, c)) = self.pick(&h_last, &tokens, guide)? else {
+                break;
+            };
             tokens.push(t);
             confidence.push(c);
             if let Some(q) = q {
                 qs.push(q);
             }
-            if i + 1 == k || !go_on(&confidence) {
+            if i + 1 == k || !guide.go_on(&confidence) {
                 break;
             }
             let emb = self.embed(&[t])?;
