@@ -66,8 +66,8 @@ pub struct Engine {
     block: Option<Arc<crate::spec::block::BlockDrafterModel>>,
     /// KV rows of seen prefixes (`LoadOptions::prefix_cache_bytes`).
     prefix: Option<PrefixCache>,
-    /// What finished requests learned about drafting, by decode path (see
-    /// [`crate::spec::DraftLength::warm_start`]).
+    /// What finished requests learned about drafting, by decode path and greedy or sampled
+    /// (see [`crate::spec::DraftLength::warm_start`]).
     controller_priors: std::collections::HashMap<String, crate::spec::DraftLength>,
     /// Seconds of batched forwards by row count, for the draft-length controllers under load.
     batch_cost: std::sync::Mutex<crate::spec::controller::BatchCost>,
@@ -872,8 +872,8 @@ impl Engine {
     /// model: the prompt and every output token but the last).
     pub fn retire(&mut self, seq: Sequence, ok: bool) -> GenerateOutput {
         let prompt = seq.request().prompt_tokens.clone();
-        if let Some((path, ctl)) = seq.controller() {
-            self.controller_priors.insert(path.to_string(), ctl.clone());
+        if let Some((key, ctl)) = seq.controller() {
+            self.controller_priors.insert(key, ctl.clone());
         }
         let slot = seq.device_slot();
         let (out, kv) = seq.finish();
