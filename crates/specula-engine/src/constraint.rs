@@ -5,9 +5,13 @@
 //! prefix and advances only on committed tokens. Under speculation, verify row i is masked with
 //! the state after `draft[..i]` (the drafts are committed into the constraint as they are
 //! accepted, like penalties see them), so the committed tokens are exactly those plain decoding
-//! with the same mask would give; nothing ever needs rolling back, because a rejected draft token
-//! was never committed. Drafts are cut at their first token the grammar does not allow
-//! ([`Constraint::valid_prefix`]): such a token would be rejected anyway.
+//! with the same mask would give; the committed state never needs rolling back, because a
+//! rejected draft token was never committed. A deterministic draft (n-gram lookup, greedy model
+//! drafts) is cut at its first token the grammar does not allow ([`Constraint::valid_prefix`]):
+//! such a token would be rejected anyway. A sampled draft is not (whether a drawn token is
+//! verified must not depend on it). Model drafters mask their own rows with the state after
+//! the drafts before them ([`Constraint::mask_after`], on a copy of the matcher), so they rarely
+//! draw a forbidden token at all.
 
 use std::sync::Arc;
 
@@ -38,6 +42,11 @@ pub trait Constraint: Send {
     fn mask_after(&mut self, drafted: &[u32], logits: &mut [f32]) -> Result<bool> {
         let _ = (drafted, logits);
         Ok(false)
+    }
+    /// Whether [`Constraint::mask_after`] may mask a draft row in the current state (a drafter
+    /// with a reduced vocabulary then builds full-vocabulary rows for it). Default: no.
+    fn masks_drafts(&self) -> bool {
+        false
     }
 }
 
@@ -323,6 +332,10 @@ impl Constraint for GrammarConstraint {
         self.validated(tokens).1
     }
 
+    fn masks_drafts(&self) -> bool {
+        !self.matcher.is_stopped()
+    }
+
     fn mask_after(&mut self, drafted: &[u32], logits: &mut [f32]) -> Result<bool> {
         if drafted.is_empty() {
             let allowed = match &self.first_mask {
@@ -339,13 +352,13 @@ impl Constraint for GrammarConstraint {
         if n < tokens.len() {
             return Ok(false);
         }
-        // Advance over the drafts (allowed in sequence, so this cannot fail), read the mask,
-        // and roll back: llguidance's rollback restores the exact state (also out of a stop
-        // the drafts reached), so the target's masks are what they would have been.
-        self.matcher.consume_tokens(&tokens).map_err(grammar_error)?;
-        let allowed = self.matcher.compute_mask_or_eos().map_err(grammar_error);
-        self.matcher.rollback(tokens.len()).map_err(grammar_error)?;
-        self.apply(&allowed?, logits);
+        // On a copy of the matcher (it shares the lexer's caches, not its state): an error
+        // there, or a grammar llguidance cannot roll back (`stop=` and `max_tokens=` lexemes),
+        // never touches the committed state the target's masks come from.
+        let mut ahead = self.matcher.clone();
+        ahead.consume_tokens(&tokens).map_err(grammar_error)?;
+        let allowed = ahead.compute_mask_or_eos().map_err(grammar_error)?;
+        self.apply(&allowed, logits);
         Ok(true)
     }
 }
@@ -635,6 +648,10 @@ impl Constraint for ReasoningConstraint {
             _ => Ok(false),
         }
     }
+
+    fn masks_drafts(&self) -> bool {
+        matches!((&self.phase, &self.answer), (Phase::Answer, Some(a)) if a.masks_drafts())
+    }
 }
 
 #[cfg(test)]
@@ -726,8 +743,9 @@ mod tests {
 
     /// A draft row's mask after drafted tokens is the mask the verify row there gets once those
     /// tokens are committed, and reading it changes nothing: the next masks are the same as
-    /// without it, also when the drafts complete the grammar (llguidance rolls back out of the
-    /// stop). Drafts the grammar does not allow in sequence leave the row as it is.
+    /// without it, also when the drafts complete the grammar or end it, and for a grammar
+    /// llguidance cannot roll back. Drafts the grammar does not allow in sequence leave the row
+    /// as it is.
     #[test]
     fn a_draft_rows_mask_is_the_committed_mask_and_changes_nothing() {
         let (tok, rows) = tiny_tokenizer();
@@ -756,7 +774,7 @@ mod tests {
             // Every draft prefix from here, including the one that reaches the end.
             let mut drafted = text[split..].to_vec();
             drafted.push(end);
-            for n in 0..=drafted.len() - 1 {
+            for n in 0..=drafted.len() {
                 let masked = after(&mut c, &drafted[..n]);
                 let mut r = compiler.compile(&spec).expect("compile");
                 for &t in text[..split].iter().chain(&drafted[..n]) {
@@ -773,6 +791,21 @@ mod tests {
                 c.commit(t).expect("the state was left as it was");
             }
         }
+        // A grammar llguidance cannot roll back (a `stop=` lexeme): the lookahead runs on a
+        // copy, so the committed state stays usable.
+        let spec = GrammarSpec::Lark("start: \"a\" line\nline[stop=\"c\"]: /[ab ]*/".into());
+        let mut c = compiler.compile(&spec).expect("compile");
+        let mut r = compiler.compile(&spec).expect("compile");
+        let drafted = tok.encode("aab").expect("encode");
+        let masked = after(&mut c, &drafted);
+        for &t in &drafted {
+            r.commit(t).expect("commit");
+        }
+        assert_eq!(masked, allowed_ids(&mut r, rows));
+        for &t in &drafted {
+            c.commit(t).expect("the committed state is still usable");
+        }
+        assert_eq!(allowed_ids(&mut c, rows), allowed_ids(&mut r, rows));
         // Drafts the grammar does not allow: no mask.
         let mut c = compiler
             .compile(&GrammarSpec::Regex("(ab|a c)+".into()))

@@ -100,9 +100,11 @@ impl SamplingParams {
     }
 
     /// How many leading tokens of `draft` the request's `logit_bias` does not ban (a bias of
-    /// -100, OpenAI's "should result in a ban"). A drafter without logits of its own (n-gram
-    /// lookup) may copy a banned token from the context; the target would reject it, so it is
-    /// not verified. Only what is verified changes, never what is committed.
+    /// -100, OpenAI's "should result in a ban": the logit is lowered by 100, so the target all
+    /// but never picks it). A drafter without logits of its own (n-gram lookup) may copy such a
+    /// token from the context; it is not verified. Call it on deterministic drafts only: only
+    /// what is verified changes, never what is committed, because such a draft is a function of
+    /// the context.
     pub fn unbanned_prefix(&self, draft: &[u32]) -> usize {
         if self.logit_bias.is_empty() {
             return draft.len();

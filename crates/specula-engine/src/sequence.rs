@@ -107,6 +107,8 @@ pub struct Sequence {
     accept_rng: Option<UniformRandomness<ChaCha20Rng>>,
     /// Structured-output constraint, applied to every row like the penalties.
     constraint: Option<Box<dyn Constraint>>,
+    /// The last decode forward's row count and seconds, until its rows are accepted.
+    step_forward: Option<(usize, f64)>,
     /// Model drafters' rows are masked with `constraint` ([`StepGuide`]); off only for
     /// side-by-side measurement and tests (`SPECULA_DRAFT_MASK=0`).
     mask_drafts: bool,
@@ -282,6 +284,7 @@ impl Sequence {
             k_ctl,
             deferred,
             mask_drafts: std::env::var("SPECULA_DRAFT_MASK").map_or(true, |v| v != "0"),
+            step_forward: None,
             deferred_committed: 0,
             deferred_spent: 0.0,
             draft_size,
@@ -395,7 +398,11 @@ impl Sequence {
             return None;
         }
         // A sampled draft is never kept or dropped by its own confidence
-        // (`DraftLength::verified_prefix`): the budget prices it by position only.
+        // (`DraftLength::verified_prefix`), nor trimmed by the batch's budget: the budget's
+        // choice of a prefix depends on the draft's whole length, which depends on the tokens
+        // drawn (the controller's `go_on`, a mask that leaves nothing), so whether a drawn
+        // token is verified could depend on that token itself, which rejection sampling does
+        // not allow.
         let alphas = match (&self.lookup_alphas, &self.draft.confidence) {
             (Some(a), _) => a.clone(),
             (None, Some(c)) if self.k_ctl.confidence_driven() && self.draft.q.is_none() => self.k_ctl.calibrated(c),
@@ -404,7 +411,7 @@ impl Sequence {
         Some(crate::spec::controller::PendingDraft {
             len: self.draft.len(),
             alphas,
-            trimmable: self.k_ctl.adaptive(),
+            trimmable: self.k_ctl.adaptive() && self.draft.q.is_none(),
         })
     }
 
@@ -520,7 +527,9 @@ impl Sequence {
             self.stats.decode_steps += 1;
             let fed = 1 + self.draft.len();
             self.stats.spec.record_forward(fed, secs);
-            self.k_ctl.observe_forward(fed, secs);
+            // The controller prices the step as the forward plus its rows' acceptance
+            // (sampling, masks, the emit): observed once they are done.
+            self.step_forward = Some((fed, secs));
             if has_taps {
                 self.tapped = Some((self.kv.len().saturating_sub(fed), hidden));
             }
@@ -543,6 +552,7 @@ impl Sequence {
     }
 
     fn accept_and_emit(&mut self, rows: &mut TargetRows) -> anyhow::Result<StepOutcome> {
+        let accept_started = Instant::now();
         // rows[i] = logits after the committed prefix and draft[..i].
         let lps = match (&*rows, self.req.logprobs) {
             (TargetRows::Logits(rows), Some(n)) => Some(
@@ -634,6 +644,13 @@ impl Sequence {
                 .collect::<Vec<_>>()
         });
         let out = self.emitter.emit_block(&block, block_lps.as_deref());
+        if let Some((fed, secs)) = self.step_forward.take() {
+            // A row's processing (the logit bias, penalties, the grammar's mask, the
+            // distribution, rejection sampling) grows with the rows as the forward does; priced
+            // apart from it, drafts that barely pay by the forward alone lose.
+            self.k_ctl
+                .observe_forward(fed, secs + accept_started.elapsed().as_secs_f64());
+        }
         if !draft.is_empty() {
             // The stats count as accepted only the drafts that reached the output: a block cut
             // at EOS, a stop string or max_tokens drops the accepted drafts after the cut.
@@ -721,13 +738,14 @@ impl Sequence {
         proposal.truncate(keep);
         if proposal.q.is_none() {
             // A deterministic draft (n-gram lookup, greedy model drafts) is cut before the first
-            // token the target would reject anyway: one the request bans (the lookup copies
-            // it from the context) or one the grammar does not allow (no drafter masks its
-            // rows). A sampled draft is not cut: whether a drawn token is verified must not
-            // depend on the token drawn. Verified, a forbidden token has p = 0 and is
-            // rejected, and that position is drawn from the residual max(0, p - q) as
-            // rejection sampling requires; cut, it would be drawn from p, and the law moves
-            // (`tests/spec.rs` `sampling_spec_under_a_grammar_matches_ar_in_distribution`).
+            // token the target would reject anyway: one the grammar does not allow (the lookup
+            // sees no grammar, and a model drafter's mask may not apply), or, as a heuristic,
+            // one the request biases by -100 (the lookup copies it from the context). A sampled
+            // draft is not cut: whether a drawn token is verified must not depend on the token
+            // drawn. Verified, a forbidden token has p = 0 and is rejected, and that position
+            // is drawn from the residual max(0, p - q) as rejection sampling requires; cut, it
+            // would be drawn from p, and the law moves (`tests/spec.rs`
+            // `sampled_drafts_under_a_grammar`).
             let mut keep = self.req.sampling.unbanned_prefix(&proposal.tokens);
             if let Some(c) = self.constraint.as_mut() {
                 keep = c.valid_prefix(&proposal.tokens[..keep]);
@@ -877,7 +895,7 @@ impl DraftGuide for StepGuide<'_> {
     }
 
     fn masks(&self) -> bool {
-        self.constraint.is_some()
+        self.constraint.as_ref().is_some_and(|c| c.masks_drafts())
     }
 
     fn mask(&mut self, drafted: &[u32], row: &mut [f32]) -> bool {
@@ -885,7 +903,8 @@ impl DraftGuide for StepGuide<'_> {
             return false;
         };
         c.mask_after(drafted, row).unwrap_or_else(|e| {
-            // The draft goes unmasked; verification decides as always.
+            // The draft goes unmasked (the committed state was not touched: the lookahead runs
+            // on a copy); verification decides as always.
             tracing::debug!(error = %e, "draft row not masked");
             false
         })

@@ -510,14 +510,17 @@ struct BenchArgs {
 }
 
 /// `--served-model-name`: clients name the model by it in every request and in URLs
-/// (`/v1/models/{id}`), so it is not empty and has no leading or trailing whitespace or control
-/// characters.
+/// (`/v1/models/{id}`), so it is not empty, has no leading or trailing whitespace or control
+/// characters, and does not end in `/speculative` (`/v1/models/{id}/speculative`).
 fn parse_model_id(s: &str) -> std::result::Result<String, String> {
     if s.is_empty() {
         return Err("the model id must not be empty".into());
     }
     if s.trim() != s || s.chars().any(char::is_control) {
         return Err("the model id must not have leading or trailing whitespace or control characters".into());
+    }
+    if s.ends_with("/speculative") {
+        return Err("the model id must not end in /speculative (the runtime speculation endpoint's path)".into());
     }
     Ok(s.to_string())
 }

@@ -358,8 +358,9 @@ pub struct SpecStats {
     /// Draft tokens verified by the target.
     pub drafted: usize,
     /// Draft tokens accepted that reached the output: a verified block cut at EOS, a stop
-    /// string or `max_tokens` counts only the drafts before the cut, so `accepted` ≤
-    /// `committed` and `committed` ≤ `accepted` + `target_steps`.
+    /// string or `max_tokens` counts the drafts up to the one that ends the output (an EOS or
+    /// the last token of a stop string is in the output's token count) and none after it, so
+    /// `accepted` ≤ `committed` ≤ `accepted` + `target_steps`.
     pub accepted: usize,
     /// Draft tokens proposed but not verified: the batch's draft budget
     /// ([`controller::draft_budget`]) dropped them because the step was cheaper without them,
