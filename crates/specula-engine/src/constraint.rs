@@ -185,7 +185,7 @@ impl GrammarCompiler {
             matcher,
             vocab: self.vocab,
             eos: self.eos.clone(),
-            first_mask: Some(first),
+            state_mask: Some(first),
         })
     }
 }
@@ -233,9 +233,11 @@ pub struct GrammarConstraint {
     /// The model's end-of-generation ids: wherever the grammar allows its end (the first id, the
     /// one llguidance knows), every one of them is allowed, and each is committed as the first.
     eos: Arc<[u32]>,
-    /// The mask of the grammar's start, computed when it was compiled; used by the first
-    /// [`Constraint::mask`] if no token was committed before it.
-    first_mask: Option<llguidance::toktrie::SimpleVob>,
+    /// The mask of the committed state, when already computed (at compile time for the start,
+    /// or by [`Constraint::mask_after`] for a draft row with nothing drafted before it, which
+    /// the verify row at that position needs again): the next [`Constraint::mask`] takes it,
+    /// [`Constraint::commit`] drops it.
+    state_mask: Option<llguidance::toktrie::SimpleVob>,
 }
 
 impl GrammarConstraint {
@@ -307,7 +309,7 @@ impl GrammarConstraint {
 
 impl Constraint for GrammarConstraint {
     fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let allowed = match self.first_mask.take() {
+        let allowed = match self.state_mask.take() {
             Some(m) => m,
             None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
         };
@@ -316,7 +318,7 @@ impl Constraint for GrammarConstraint {
     }
 
     fn commit(&mut self, token: u32) -> Result<()> {
-        self.first_mask = None;
+        self.state_mask = None;
         if self.matcher.is_stopped() {
             // The grammar is complete: only the end of generation follows.
             return Ok(());
@@ -338,11 +340,12 @@ impl Constraint for GrammarConstraint {
 
     fn mask_after(&mut self, drafted: &[u32], logits: &mut [f32]) -> Result<bool> {
         if drafted.is_empty() {
-            let allowed = match &self.first_mask {
-                Some(m) => m.clone(),
+            let allowed = match self.state_mask.take() {
+                Some(m) => m,
                 None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
             };
             self.apply(&allowed, logits);
+            self.state_mask = Some(allowed);
             return Ok(true);
         }
         if self.matcher.is_stopped() {
