@@ -399,6 +399,7 @@ impl Engine {
                     mode: t.mode,
                     draft_max: t.draft_max.clamp(1, MAX_DRAFT),
                     adaptive: t.adaptive,
+                    sampled_verify: spec.sampled_verify,
                 }
             }
             _ => spec,

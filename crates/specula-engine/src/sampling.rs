@@ -8,7 +8,17 @@
 //!    `logit -= presence * [count > 0] + frequency * count`): [`Sampler::process_logits`];
 //! 2. greedy (temperature 0) takes the argmax (lowest id on ties) and stops here;
 //! 3. temperature, then top-k, top-p (nucleus, Holtzman et al. 2019) and min-p filtering;
-//! 4. softmax over the survivors and one draw from a per-request seeded ChaCha20 RNG.
+//! 4. softmax over the survivors and one draw ([`keyed_draw`]): the token whose exponential
+//!    race time `E_v / p(v)` is least, with `E_v = -ln u_v` and `u_v` counter-based noise of the
+//!    request's seed, the token's position in the sequence and its id ([`unit_noise`]).
+//!
+//! The draw is a function of (seed, position, distribution) alone, not of how many draws came
+//! before. That is what makes seeded sampling drafter-invariant (Daliri, Musco, Suresh 2024,
+//! "Coupling without Communication and Drafter-Invariant Speculative Decoding", Gumbel-max
+//! coupling): the target's token at a position is the same whatever was drafted, so a seeded
+//! request's output with speculation is byte-identical to plain decoding with that seed
+//! ([`crate::spec::SampledVerify::Coupled`]). `argmin E_v / p(v)` is the Gumbel-max trick in
+//! the exponential form; it selects v with probability p(v).
 //!
 //! [`Sampler::distribution`] exposes the processed distribution as probabilities: speculative
 //! verification needs exactly the `p` (and `q`) the sampler draws from.
@@ -155,10 +165,13 @@ impl SamplingParams {
     }
 }
 
-/// Per-request sampler state: parameters, RNG and token counts for penalties.
+/// Per-request sampler state: parameters, the noise key and RNG, token counts for penalties.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
+    /// The key of this request's draws ([`keyed_draw`]), from its seed.
+    key: u64,
+    /// Derived streams (a drafter's, rejection sampling's), from the same seed.
     rng: ChaCha20Rng,
     /// (token id, count) of generated tokens, for penalties; small, so a sorted vec.
     counts: Vec<(u32, u32)>,
@@ -169,9 +182,18 @@ impl Sampler {
         let seed = params.seed.unwrap_or_else(rand::random);
         Self {
             params,
+            key: noise_key(seed),
             rng: ChaCha20Rng::seed_from_u64(seed),
             counts: Vec::new(),
         }
+    }
+
+    /// The key of this request's draws: [`Sampler::draw`] at position `pos` is
+    /// `keyed_draw(key, pos, dist)`. A drafter that draws its tokens with the same key
+    /// proposes what the target will sample wherever their distributions agree
+    /// ([`crate::spec::SampledVerify::Coupled`]).
+    pub fn noise_key(&self) -> u64 {
+        self.key
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -281,8 +303,18 @@ impl Sampler {
         cand
     }
 
-    /// Draw one token from a distribution made by [`Sampler::distribution`].
-    pub fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
+    /// The token at sequence position `pos` (the number of tokens before it, prompt included)
+    /// drawn from a distribution made by [`Sampler::distribution`]: [`keyed_draw`] with this
+    /// request's key. The same seed, position and distribution give the same token, whatever
+    /// was drawn before.
+    pub fn draw(&self, dist: &[(u32, f32)], pos: usize) -> u32 {
+        keyed_draw(self.key, pos, dist)
+    }
+
+    /// One token from `dist` by inverse CDF over a uniform from this request's RNG stream
+    /// (each call consumes one): the draws of a drafter under rejection sampling, whose q
+    /// must be independent of the acceptance's uniforms and of earlier drafts' outcomes.
+    pub fn draw_from_stream(&mut self, dist: &[(u32, f32)]) -> u32 {
         if dist.len() == 1 {
             return dist[0].0;
         }
@@ -297,26 +329,86 @@ impl Sampler {
         dist[dist.len() - 1].0
     }
 
-    /// A uniform draw in [0, 1) from this request's RNG.
-    pub fn uniform(&mut self) -> f32 {
-        self.rng.gen()
-    }
-
     /// A seed for a derived RNG (a drafter's, speculative acceptance's), drawn from this request's
     /// RNG so a seeded request stays reproducible.
     pub fn fork_seed(&mut self) -> u64 {
         self.rng.gen()
     }
 
-    /// Logit bias, penalties, transforms and one draw: the next token for this row of logits.
-    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+    /// Logit bias, penalties, transforms and one draw: the token at sequence position `pos`
+    /// for this row of logits.
+    pub fn sample(&mut self, logits: &mut [f32], pos: usize) -> u32 {
         self.process_logits(logits);
         if self.params.is_greedy() {
             return argmax(logits);
         }
         let dist = self.distribution(logits);
-        self.draw(&dist)
+        self.draw(&dist, pos)
     }
+}
+
+/// SplitMix64's output function (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number
+/// generators"; the constants of Java's `SplittableRandom`) applied to `z`: a bijection of u64
+/// that passes BigCrush on a counter.
+pub fn splitmix64(z: u64) -> u64 {
+    let mut z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The draw key of a request seed ([`keyed_draw`]).
+pub fn noise_key(seed: u64) -> u64 {
+    splitmix64(seed ^ 0x5EED_DA7A_0F5E_C01A)
+}
+
+/// The noise stream of one sequence position under `key`.
+fn position_stream(key: u64, pos: usize) -> u64 {
+    splitmix64(key ^ splitmix64(pos as u64))
+}
+
+/// Counter-based uniform noise in (0, 1] of token `token` at the position whose stream is
+/// `stream` ([`position_stream`]): SplitMix64 of the stream advanced by the token id, 53 bits.
+fn unit_noise(stream: u64, token: u32) -> f64 {
+    let x = splitmix64(stream.wrapping_add((token as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+    ((x >> 11) + 1) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// The token at sequence position `pos` drawn from `dist` (sparse `(token id, probability)`
+/// pairs, e.g. [`Sampler::distribution`], probabilities > 0; descending probability first makes
+/// it fastest) with noise key `key` ([`noise_key`]): the exponential race
+/// `argmin_v E_v / p(v)`, `E_v = -ln u_v`, `u_v` = [`unit_noise`] of (key, pos, v), which picks
+/// v with probability p(v) (the Gumbel-max trick: `-ln E_v` is a standard Gumbel). Ties keep the
+/// earlier entry. Deterministic: a function of (key, pos, dist) alone, so a drafter drawing from
+/// its own q with the same key proposes the target's token wherever the two races agree
+/// (Daliri et al. 2024: with probability at least (1 - TV(p, q)) / (1 + TV(p, q))).
+///
+/// Cost: one SplitMix64 and one multiply-compare per entry; the logarithm only for entries that
+/// can still win (`u > 1 - b·p` is necessary for `E/p < b`, since `e^{-x} >= 1 - x`).
+/// An empty `dist` gives token 0.
+pub fn keyed_draw(key: u64, pos: usize, dist: &[(u32, f32)]) -> u32 {
+    match dist {
+        [] => return 0,
+        [(t, _)] => return *t,
+        _ => {}
+    }
+    let stream = position_stream(key, pos);
+    let (mut best_t, mut best) = (dist[0].0, f64::INFINITY);
+    for &(t, p) in dist {
+        let p = p as f64;
+        if p <= 0.0 {
+            continue;
+        }
+        let u = unit_noise(stream, t);
+        if u <= 1.0 - best * p {
+            continue;
+        }
+        let e = -u.ln() / p;
+        if e < best {
+            (best_t, best) = (t, e);
+        }
+    }
+    best_t
 }
 
 /// A sort key for `(id, value)` whose ascending order is descending `value` in
@@ -489,8 +581,8 @@ mod tests {
                 seed: Some(3),
                 ..Default::default()
             });
-            for _ in 0..20 {
-                assert_eq!(s.sample(&mut [0.5, 3.0, 2.9, -1.0]), 1, "temperature {t}");
+            for pos in 0..20 {
+                assert_eq!(s.sample(&mut [0.5, 3.0, 2.9, -1.0], pos), 1, "temperature {t}");
             }
         }
     }
@@ -498,7 +590,7 @@ mod tests {
     #[test]
     fn greedy_is_argmax_lowest_id_on_tie() {
         let mut s = Sampler::new(SamplingParams::greedy());
-        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(s.sample(&mut [0.1, 3.0, 3.0, -1.0], 0), 1);
     }
 
     #[test]
@@ -510,13 +602,144 @@ mod tests {
         let logits = vec![0.5f32, 0.4, 0.3, 0.2, 0.1];
         let mut a = Sampler::new(p.clone());
         let mut b = Sampler::new(p);
-        let xa: Vec<u32> = (0..50).map(|_| a.sample(&mut logits.clone())).collect();
-        let xb: Vec<u32> = (0..50).map(|_| b.sample(&mut logits.clone())).collect();
-        assert_eq!(xa, xb);
+        let xa: Vec<u32> = (0..50).map(|i| a.sample(&mut logits.clone(), i)).collect();
+        let xb: Vec<u32> = (0..50).rev().map(|i| b.sample(&mut logits.clone(), i)).collect();
+        assert_eq!(
+            xa,
+            xb.into_iter().rev().collect::<Vec<_>>(),
+            "a draw depends on its position, not on the draws before it"
+        );
         assert!(
             xa.iter().any(|&t| t != xa[0]),
             "temperature 1 over near-uniform logits must vary"
         );
+        let mut c = Sampler::new(SamplingParams {
+            seed: Some(8),
+            ..Default::default()
+        });
+        let xc: Vec<u32> = (0..50).map(|i| c.sample(&mut logits.clone(), i)).collect();
+        assert_ne!(xa, xc, "another seed, other draws");
+    }
+
+    /// A random sparse distribution of `n` entries over ids below 1000, sorted as
+    /// [`Sampler::distribution`] sorts (descending probability).
+    fn random_dist(next: &mut impl FnMut() -> u64, n: usize) -> Vec<(u32, f32)> {
+        let mut ids: Vec<u32> = Vec::new();
+        while ids.len() < n {
+            let id = (next() % 1000) as u32;
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        // Heavy-tailed weights: a few large, many tiny (as in a language model's row).
+        let w: Vec<f64> = ids
+            .iter()
+            .map(|_| (-((next() >> 11) as f64 / (1u64 << 53) as f64 * 12.0)).exp())
+            .collect();
+        let total: f64 = w.iter().sum();
+        let mut d: Vec<(u32, f32)> = ids.iter().zip(&w).map(|(&t, &x)| (t, (x / total) as f32)).collect();
+        d.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        d
+    }
+
+    fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        }
+    }
+
+    #[test]
+    fn keyed_draw_is_the_exponential_race_in_any_order() {
+        // The pruned race equals the race over every entry, and does not depend on the order
+        // of `dist` (ties aside, which random weights do not have).
+        let mut next = xorshift(0x1234_5678_9ABC_DEF1);
+        for case in 0..2000 {
+            let d = random_dist(&mut next, 2 + case % 40);
+            let key = noise_key(case as u64);
+            let pos = (next() % 5000) as usize;
+            let stream = position_stream(key, pos);
+            let full = d
+                .iter()
+                .map(|&(t, p)| (-unit_noise(stream, t).ln() / p as f64, t))
+                .min_by(|a, b| a.0.total_cmp(&b.0))
+                .map(|x| x.1);
+            let t = keyed_draw(key, pos, &d);
+            assert_eq!(Some(t), full, "case {case}");
+            let mut rev = d.clone();
+            rev.reverse();
+            assert_eq!(keyed_draw(key, pos, &rev), t, "case {case}: order");
+        }
+    }
+
+    #[test]
+    fn keyed_draws_follow_the_distribution() {
+        // Over positions, token frequencies match p: chi-square over 6 tokens (5 degrees of
+        // freedom; 25 is far past the 0.9999 quantile, 25.7). A fixed computation: it cannot flake.
+        let d = [(7u32, 0.4f32), (3, 0.25), (11, 0.15), (2, 0.1), (40, 0.07), (5, 0.03)];
+        let n = 200_000usize;
+        for seed in [1u64, 2, 3] {
+            let key = noise_key(seed);
+            let mut counts = [0usize; 6];
+            for pos in 0..n {
+                let t = keyed_draw(key, pos, &d);
+                let i = d.iter().position(|x| x.0 == t).expect("a token of dist");
+                counts[i] += 1;
+            }
+            let chi2: f64 = d
+                .iter()
+                .zip(counts)
+                .map(|(&(_, p), c)| {
+                    let e = p as f64 * n as f64;
+                    (c as f64 - e).powi(2) / e
+                })
+                .sum();
+            assert!(chi2 < 25.0, "seed {seed}: chi2 {chi2}, counts {counts:?}");
+        }
+    }
+
+    #[test]
+    fn keyed_draws_of_close_distributions_mostly_agree() {
+        // The coupling a drafter gets by drawing with the target's key: agreement at least
+        // (1 - TV) / (1 + TV) (Daliri et al. 2024), and well above what independent draws give.
+        let mut next = xorshift(0xDEAD_BEEF_CAFE_F00D);
+        for case in 0..20 {
+            let p = random_dist(&mut next, 30);
+            // q: p with every probability moved by up to ±50%, renormalised.
+            let mut q: Vec<(u32, f32)> = p
+                .iter()
+                .map(|&(t, x)| (t, x * (0.5 + (next() % 1000) as f32 / 1000.0)))
+                .collect();
+            let total: f32 = q.iter().map(|x| x.1).sum();
+            q.iter_mut().for_each(|x| x.1 /= total);
+            q.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let tv: f64 = p
+                .iter()
+                .map(|&(t, x)| (x as f64 - q.iter().find(|y| y.0 == t).map_or(0.0, |y| y.1 as f64)).abs())
+                .sum::<f64>()
+                / 2.0;
+            let key = noise_key(case);
+            let n = 20_000;
+            let agree = (0..n)
+                .filter(|&pos| keyed_draw(key, pos, &p) == keyed_draw(key, pos, &q))
+                .count() as f64
+                / n as f64;
+            let bound = (1.0 - tv) / (1.0 + tv);
+            let independent: f64 = p
+                .iter()
+                .map(|&(t, x)| x as f64 * q.iter().find(|y| y.0 == t).map_or(0.0, |y| y.1 as f64))
+                .sum();
+            assert!(
+                agree > bound - 0.02,
+                "case {case}: agreement {agree} below (1-TV)/(1+TV) = {bound}"
+            );
+            assert!(
+                agree > independent + 0.1,
+                "case {case}: agreement {agree}, independent draws {independent}"
+            );
+        }
     }
 
     #[test]

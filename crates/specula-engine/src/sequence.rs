@@ -104,7 +104,12 @@ pub struct Sequence {
     /// The pending draft is the lookup's (its conditional acceptance estimates for the batch's
     /// draft budget), not the model drafter's.
     lookup_alphas: Option<Vec<f64>>,
+    /// Rejection sampling's randomness (sampled requests verified by
+    /// [`crate::spec::SampledVerify::Rejection`]).
     accept_rng: Option<UniformRandomness<ChaCha20Rng>>,
+    /// Sampled drafts are verified by coupling ([`crate::spec::SampledVerify::Coupled`]): the target's token
+    /// at each row is its keyed draw, as plain decoding draws it.
+    coupled: bool,
     /// Structured-output constraint, applied to every row like the penalties.
     constraint: Option<Box<dyn Constraint>>,
     /// The last decode forward's row count and seconds, until its rows are accepted.
@@ -244,9 +249,24 @@ impl Sequence {
         if lookup.is_some() {
             stats.spec.decode_path.push_str("+ngram");
         }
-        // Acceptance at temperature > 0 draws from its own stream, derived from the request seed.
-        let accept_rng = (drafter.is_some() && !req.sampling.is_greedy())
+        // A sampled request verifies by coupling (a seed's output is plain decoding's, whatever
+        // the drafts) or by rejection sampling, whose acceptance draws from its own stream,
+        // derived from the request seed.
+        let coupled = drafter.is_some() && !greedy && req.spec.sampled_verify.coupled(req.sampling.seed.is_some());
+        if coupled {
+            if let Some(d) = drafter.as_mut() {
+                d.couple(sampler.noise_key());
+            }
+        }
+        let accept_rng = (drafter.is_some() && !greedy && !coupled)
             .then(|| UniformRandomness(ChaCha20Rng::seed_from_u64(sampler.fork_seed())));
+        if drafter.is_some() {
+            stats.spec.verify = match (greedy, coupled) {
+                (true, _) => "greedy",
+                (false, true) => "coupled",
+                (false, false) => "rejection",
+            };
+        }
         let mut k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
         if let Some(p) = drafter.as_ref().and_then(|d| d.max_pause()) {
             k_ctl.set_max_pause(p);
@@ -280,6 +300,7 @@ impl Sequence {
             lookup,
             lookup_alphas: None,
             accept_rng,
+            coupled,
             constraint,
             k_ctl,
             deferred,
@@ -563,6 +584,10 @@ impl Sequence {
             _ => None,
         };
         let draft = std::mem::take(&mut self.draft);
+        let sampling = !self.req.sampling.is_greedy();
+        // Row i decides the token at sequence position `base + i`.
+        let base = self.context.len();
+        let key = self.sampler.noise_key();
         // Row processing as plain decoding does it: the logit bias and penalties, then the
         // constraint's mask; both see the drafts before a row as committed (observed in order,
         // row by row).
@@ -596,10 +621,17 @@ impl Sequence {
                 }
             }
         };
-        let sampling = !self.req.sampling.is_greedy();
         let (accepted, next, ar_dist) = match self.accept_rng.as_mut() {
             Some(rng) if sampling && !draft.is_empty() => {
                 let (a, t) = verify::accept_sampled(tokens, draft.q.as_deref(), &mut |i| process(i, rows), rng);
+                (a, t, None)
+            }
+            // Coupled: each row's token is the keyed draw plain decoding makes there, so the
+            // drafts are checked against it as greedy drafts are against the argmax.
+            _ if sampling && self.coupled && !draft.is_empty() => {
+                let (a, t) = verify::accept_greedy(tokens, &mut |i| {
+                    crate::sampling::keyed_draw(key, base + i, &process(i, rows))
+                });
                 (a, t, None)
             }
             _ if sampling => (0, 0, Some(process(0, rows))),
@@ -609,7 +641,7 @@ impl Sequence {
             }
         };
         let next = match ar_dist {
-            Some(dist) => self.sampler.draw(&dist),
+            Some(dist) => self.sampler.draw(&dist, base),
             None => next,
         };
         if let Some(e) = failure {
@@ -717,6 +749,12 @@ impl Sequence {
         };
         if self.lookup_alphas.is_none() {
             proposal.truncate(k);
+        }
+        if self.coupled {
+            // Coupled drafts are verified against the target's own draws: a draft is a
+            // deterministic guess whatever distribution it came from (every coupled drafter
+            // returns none; a drafter that ignored `couple` would lose acceptance, not exactness).
+            proposal.q = None;
         }
         // Verify the prefix the drafter's confidences say pays (greedy drafts only; the rest
         // is trimmed).

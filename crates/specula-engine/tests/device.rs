@@ -72,6 +72,7 @@ fn req(e: &Engine, text: &str, max_tokens: usize, mode: SpecMode, sampling: Samp
             mode,
             draft_max: 4,
             adaptive: false,
+            sampled_verify: Default::default(),
         },
     }
 }

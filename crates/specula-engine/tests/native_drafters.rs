@@ -41,6 +41,7 @@ fn req(prompt: Vec<u32>, mode: SpecMode, k: usize, sampling: SamplingParams) -> 
             mode,
             draft_max: k,
             adaptive: false,
+            sampled_verify: Default::default(),
         },
     }
 }

@@ -28,6 +28,7 @@ fn run(e: &mut Engine, messages: &[ChatMessage], mode: SpecMode) -> GenerateOutp
             mode,
             draft_max: 4,
             adaptive: false,
+            sampled_verify: Default::default(),
         },
     };
     e.generate(&req, &mut |_| true).expect("generate")

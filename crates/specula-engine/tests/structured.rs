@@ -25,6 +25,7 @@ fn req(prompt: Vec<u32>, max_tokens: usize, mode: SpecMode, k: usize) -> Generat
             mode,
             draft_max: k,
             adaptive: false,
+            sampled_verify: Default::default(),
         },
     }
 }

@@ -27,7 +27,7 @@ use axum::Json;
 use serde::Serialize;
 use serde_json::{json, Value};
 use specula_engine::engine::MAX_DRAFT;
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::tuning::TunedDefault;
 use specula_engine::Engine;
 use tokio::sync::oneshot;
@@ -102,6 +102,7 @@ pub(crate) struct SpecChange {
     pub mode: Option<SpecMode>,
     pub draft_max: Option<usize>,
     pub adaptive: Option<bool>,
+    pub sampled_verify: Option<SampledVerify>,
     /// Attach this draft model (a GGUF file, a bundle directory or a pulled catalog name),
     /// unless it is the attached one.
     pub draft_model: Option<String>,
@@ -109,8 +110,15 @@ pub(crate) struct SpecChange {
     pub unload_draft: bool,
 }
 
-const FIELD_NAMES: [&str; 5] = ["mode", "draft_model", "draft_max", "adaptive", "unload_draft"];
-const FIELDS: &str = "'mode', 'draft_model', 'draft_max', 'adaptive' and 'unload_draft'";
+const FIELD_NAMES: [&str; 6] = [
+    "mode",
+    "draft_model",
+    "draft_max",
+    "adaptive",
+    "sampled_verify",
+    "unload_draft",
+];
+const FIELDS: &str = "'mode', 'draft_model', 'draft_max', 'adaptive', 'sampled_verify' and 'unload_draft'";
 
 /// Parse the body of `POST /v1/models/{id}/speculative`.
 fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
@@ -136,6 +144,10 @@ fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
     };
     let draft_max = b.int_in("draft_max", 1, MAX_DRAFT as i128)?.map(|k| k as usize);
     let adaptive = b.bool("adaptive")?;
+    let sampled_verify = match b.str("sampled_verify")? {
+        None => None,
+        Some(m) => Some(crate::params::sampled_verify(m, "sampled_verify")?),
+    };
     let draft_model = b.str("draft_model")?.map(str::to_string);
     if draft_model.as_deref() == Some("") {
         return Err(ApiError::invalid(
@@ -154,6 +166,7 @@ fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
         mode,
         draft_max,
         adaptive,
+        sampled_verify,
         draft_model,
         unload_draft,
     })
@@ -192,7 +205,12 @@ impl Outcome {
 }
 
 fn spec_json(s: &SpecOptions) -> Value {
-    json!({"mode": s.mode.as_str(), "draft_max": s.draft_max, "adaptive": s.adaptive})
+    json!({
+        "mode": s.mode.as_str(),
+        "draft_max": s.draft_max,
+        "adaptive": s.adaptive,
+        "sampled_verify": s.sampled_verify.as_str(),
+    })
 }
 
 /// Which draft model is attached: the id it was attached under and its file (canonical), when
@@ -274,6 +292,7 @@ fn change_on_worker(
         mode: change.mode.unwrap_or(previous.mode),
         draft_max: change.draft_max.unwrap_or(previous.draft_max),
         adaptive: change.adaptive.unwrap_or(previous.adaptive),
+        sampled_verify: change.sampled_verify.unwrap_or(previous.sampled_verify),
     };
 
     // What must be loaded or unloaded.

@@ -6,7 +6,7 @@
 use serde_json::{Map, Value};
 use specula_engine::chat::{ChatFunctionCall, ChatToolCall, RESERVED_TEMPLATE_VARIABLES};
 use specula_engine::engine::MAX_DRAFT;
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, SamplingParams};
 
 use specula_engine::constraint::GrammarSpec;
@@ -300,9 +300,21 @@ fn spec_mode(v: &str) -> Result<SpecMode, ApiError> {
     })
 }
 
+/// A `sampled_verify` value (`auto`, `rejection`, `coupled`; [`SampledVerify`]); errors name
+/// `param`.
+pub fn sampled_verify(v: &str, param: &str) -> Result<SampledVerify, ApiError> {
+    SampledVerify::parse(v).ok_or_else(|| {
+        ApiError::invalid(
+            format!("Invalid '{param}' '{v}': expected one of 'auto', 'rejection' and 'coupled'."),
+            Some(param),
+        )
+    })
+}
+
 /// The `spec` extension: a mode string (`"ngram"`), or an object
-/// `{"mode": ..., "draft_max": K, "adaptive": bool}` whose missing (or null) fields come from
-/// `default` (the server-wide setting); absent or null = `default`. Every error names `spec`.
+/// `{"mode": ..., "draft_max": K, "adaptive": bool, "sampled_verify": "auto"|"rejection"|"coupled"}`
+/// whose missing (or null) fields come from `default` (the server-wide setting); absent or
+/// null = `default`. Every error names `spec`.
 pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
     let mut out = *default;
     match b.get("spec") {
@@ -311,10 +323,12 @@ pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
         Some(Value::Object(o)) => {
             if let Some(key) = o
                 .keys()
-                .find(|k| !matches!(k.as_str(), "mode" | "draft_max" | "adaptive"))
+                .find(|k| !matches!(k.as_str(), "mode" | "draft_max" | "adaptive" | "sampled_verify"))
             {
                 return Err(ApiError::invalid(
-                    format!("Unknown field 'spec.{key}': 'spec' takes 'mode', 'draft_max' and 'adaptive'."),
+                    format!(
+                        "Unknown field 'spec.{key}': 'spec' takes 'mode', 'draft_max', 'adaptive' and 'sampled_verify'."
+                    ),
                     Some("spec"),
                 )
                 .with_code("unknown_parameter"));
@@ -343,6 +357,18 @@ pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
                 None | Some(Value::Null) => {}
                 Some(Value::Bool(a)) => out.adaptive = *a,
                 Some(v) => return Err(bad_field_type("spec", "spec.adaptive", "a boolean", v)),
+            }
+            match o.get("sampled_verify") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(m)) => out.sampled_verify = SampledVerify::parse(m).ok_or_else(|| {
+                    bad_value(
+                        "spec",
+                        format!(
+                            "Invalid 'spec.sampled_verify' '{m}': expected one of 'auto', 'rejection' and 'coupled'."
+                        ),
+                    )
+                })?,
+                Some(v) => return Err(bad_field_type("spec", "spec.sampled_verify", "a string", v)),
             }
         }
         Some(v) => {

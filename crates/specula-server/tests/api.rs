@@ -1279,6 +1279,7 @@ async fn models_show_the_speculation_settings() {
             mode: specula_engine::spec::SpecMode::Default,
             draft_max: 6,
             adaptive: false,
+            sampled_verify: Default::default(),
         },
     );
     let m = get(&app, "/v1/models/tiny").await.json();
@@ -1324,6 +1325,7 @@ async fn server_spec_default_applies_to_requests_without_the_field() {
         mode: specula_engine::spec::SpecMode::Ngram,
         draft_max: 3,
         adaptive: false,
+        sampled_verify: Default::default(),
     };
     let (app, h) = app_with_spec(spec_engine(), ngram);
     let v = post(&app, CHAT, spec_chat_body(None)).await.json();
@@ -1378,6 +1380,7 @@ fn serve_checks_the_spec_default() {
         mode,
         draft_max,
         adaptive: true,
+        sampled_verify: Default::default(),
     };
     assert!(check_spec_default(&eng, &opts(SpecMode::Ngram, 4)).is_ok());
     assert!(check_spec_default(&eng, &opts(SpecMode::Default, 32)).is_ok());

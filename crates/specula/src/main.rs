@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use specula_engine::catalog::{self, DEFAULT_MODEL};
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, Engine, GenerateRequest, LoadOptions, SamplingParams};
 
 /// Specula: a local LLM inference server with exact speculative decoding.
@@ -280,6 +280,20 @@ struct SpecArgs {
     /// Use a fixed k = --draft-max instead of adapting k to recent acceptance.
     #[arg(long)]
     fixed_k: bool,
+    /// How sampled requests (temperature > 0) verify drafts. coupled: each token is the
+    /// target's own seeded draw, so a seeded request's output is byte-identical to plain
+    /// decoding with that seed, whatever was drafted. rejection: speculative sampling
+    /// (Leviathan et al. 2023), the most accepted drafts, same distribution, but a seed's output
+    /// depends on the drafts. auto: coupled for requests with a seed, else rejection.
+    #[arg(long, value_enum, default_value = "auto")]
+    sampled_verify: SampledVerifyArg,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy)]
+enum SampledVerifyArg {
+    Auto,
+    Rejection,
+    Coupled,
 }
 
 /// A decoding mode of `bench --engine`.
@@ -317,6 +331,11 @@ impl SpecArgs {
             },
             draft_max: self.draft_max as usize,
             adaptive: !self.fixed_k,
+            sampled_verify: match self.sampled_verify {
+                SampledVerifyArg::Auto => SampledVerify::Auto,
+                SampledVerifyArg::Rejection => SampledVerify::Rejection,
+                SampledVerifyArg::Coupled => SampledVerify::Coupled,
+            },
         }
     }
 

@@ -203,12 +203,14 @@ pub fn run(a: TuneArgs) -> Result<()> {
                 mode,
                 draft_max: k,
                 adaptive: false,
+                sampled_verify: Default::default(),
             });
         }
         specs.push(SpecOptions {
             mode,
             draft_max: k_max,
             adaptive: true,
+            sampled_verify: Default::default(),
         });
     }
     let mut configs = vec![ar.config.clone()];

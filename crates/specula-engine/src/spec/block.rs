@@ -380,6 +380,8 @@ impl Drafter for BlockDrafter {
     /// The block's rows are computed in one pass; the guide's mask applies to each row with
     /// the tokens picked before it (`go_on` is not asked: the pass is paid already).
     fn propose_guided(&mut self, context: &[u32], k: usize, guide: &mut dyn super::DraftGuide) -> Result<Proposal> {
+        // The first draft token is at sequence position context.len() (coupled draws).
+        self.sampling.begin(context.len());
         let n = context.len();
         let bs = self.model.block_size;
         self.catch_up_s = 0.0;
@@ -424,13 +426,17 @@ impl Drafter for BlockDrafter {
         self.last_draft = tokens.len();
         Ok(Proposal {
             tokens,
-            q: self.sampling.is_sampling().then_some(qs),
+            q: self.sampling.carries_q().then_some(qs),
             confidence: Some(confidence),
         })
     }
 
     fn name(&self) -> &'static str {
         "block"
+    }
+
+    fn couple(&mut self, key: u64) {
+        self.sampling.couple(key);
     }
 
     fn last_catch_up_s(&self) -> f64 {

@@ -200,6 +200,8 @@ impl Drafter for DraftModelDrafter {
     }
 
     fn propose_guided(&mut self, context: &[u32], k: usize, guide: &mut dyn super::DraftGuide) -> Result<Proposal> {
+        // The first draft token is at sequence position context.len() (coupled draws).
+        self.sampling.begin(context.len());
         self.catch_up_s = 0.0;
         if k == 0 || context.is_empty() {
             return Ok(Proposal::default());
@@ -243,13 +245,17 @@ impl Drafter for DraftModelDrafter {
         }
         Ok(Proposal {
             tokens,
-            q: self.sampling.is_sampling().then_some(qs),
+            q: self.sampling.carries_q().then_some(qs),
             confidence: Some(confidence),
         })
     }
 
     fn name(&self) -> &'static str {
         "draft-model"
+    }
+
+    fn couple(&mut self, key: u64) {
+        self.sampling.couple(key);
     }
 
     fn last_catch_up_s(&self) -> f64 {

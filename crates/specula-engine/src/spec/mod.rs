@@ -74,6 +74,63 @@ impl SpecMode {
     }
 }
 
+/// How a sampled request (temperature > 0) verifies drafts.
+///
+/// Both commit tokens distributed exactly as plain sampling from the target's processed
+/// distribution p. They differ in what a seed fixes and in acceptance:
+/// - `Rejection`: speculative sampling (Leviathan et al. 2023, Chen et al. 2023;
+///   [`verify::accept_sampled`]): accept a draft d drawn from q with probability
+///   min(1, p(d)/q(d)), else draw from norm(max(0, p − q)). The most accepted drafts any
+///   verification can give (1 − TV(p, q) per token), but a seeded request's output depends on
+///   what was drafted (draft lengths chosen from measured timings, the batch's draft budget).
+/// - `Coupled`: drafter-invariant sampling (Daliri, Musco, Suresh 2024, "Coupling without
+///   Communication and Drafter-Invariant Speculative Decoding"). The target's token at each
+///   position is [`crate::sampling::keyed_draw`] of its row: a function of the seed, the
+///   position and p alone, as plain sampling draws it. Drafts are verified as greedy ones are
+///   (the longest prefix equal to the target's tokens, then the target's own token), so a
+///   seeded request's output is byte-identical to plain decoding with that seed, whatever the
+///   drafter, k, batch or timing. Model drafters draw their tokens with the same key and
+///   agree with the target with probability at least (1 − TV)/(1 + TV); a deterministic
+///   drafter (n-gram lookup) is accepted with probability p(d), as under rejection.
+/// - `Auto` (the default): `Coupled` when the request has a seed, else `Rejection`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SampledVerify {
+    #[default]
+    Auto,
+    Rejection,
+    Coupled,
+}
+
+impl SampledVerify {
+    /// Parse `auto|rejection|coupled`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "auto" => Self::Auto,
+            "rejection" => Self::Rejection,
+            "coupled" => Self::Coupled,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Rejection => "rejection",
+            Self::Coupled => "coupled",
+        }
+    }
+
+    /// Whether a sampled request with (`seeded`) or without a seed verifies by coupling.
+    pub fn coupled(&self, seeded: bool) -> bool {
+        match self {
+            Self::Auto => seeded,
+            Self::Rejection => false,
+            Self::Coupled => true,
+        }
+    }
+}
+
 /// Speculation settings of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpecOptions {
@@ -82,6 +139,9 @@ pub struct SpecOptions {
     pub draft_max: usize,
     /// Choose k per step from recent acceptance (else always `draft_max` when a draft exists).
     pub adaptive: bool,
+    /// How a sampled request verifies drafts ([`SampledVerify`]); greedy requests ignore it.
+    #[serde(default)]
+    pub sampled_verify: SampledVerify,
 }
 
 impl Default for SpecOptions {
@@ -90,6 +150,7 @@ impl Default for SpecOptions {
             mode: SpecMode::Off,
             draft_max: 4,
             adaptive: true,
+            sampled_verify: SampledVerify::Auto,
         }
     }
 }
@@ -172,6 +233,12 @@ pub struct DraftSampling {
     bias: Vec<(u32, f32)>,
     /// `None` at temperature 0 (argmax drafts).
     sampler: Option<crate::sampling::Sampler>,
+    /// The target's draw key under [`SampledVerify::Coupled`] ([`DraftSampling::couple`]):
+    /// draft tokens are then [`crate::sampling::keyed_draw`]s of q at their positions, a
+    /// deterministic draft (no q).
+    coupled: Option<u64>,
+    /// The sequence position of the next draft token ([`DraftSampling::begin`]).
+    next_pos: usize,
 }
 
 impl DraftSampling {
@@ -190,12 +257,32 @@ impl DraftSampling {
         Self {
             bias: params.logit_bias.clone(),
             sampler,
+            coupled: None,
+            next_pos: 0,
         }
     }
 
-    /// Drafts are sampled (the proposal carries q), not argmax.
+    /// Draw with the target's key `key` ([`crate::sampling::Sampler::noise_key`]) from now on
+    /// ([`SampledVerify::Coupled`]). No effect on greedy drafting.
+    pub fn couple(&mut self, key: u64) {
+        self.coupled = Some(key);
+    }
+
+    /// A proposal continuing a context of `context_len` tokens starts: its first draft token
+    /// is at sequence position `context_len`, and each pick is at the next position.
+    pub fn begin(&mut self, context_len: usize) {
+        self.next_pos = context_len;
+    }
+
+    /// Drafts are sampled from the drafter's distribution, not argmax.
     pub fn is_sampling(&self) -> bool {
         self.sampler.is_some()
+    }
+
+    /// The proposal carries q (sampled drafts for rejection sampling); false for argmax and
+    /// coupled drafts, which are deterministic given the context and the key.
+    pub fn carries_q(&self) -> bool {
+        self.sampler.is_some() && self.coupled.is_none()
     }
 
     /// The request has a logit bias, which [`DraftSampling::pick`] adds to every row.
@@ -235,6 +322,8 @@ impl DraftSampling {
     }
 
     fn pick_biased(&mut self, row: &[f32]) -> head::ConfidentPick {
+        let pos = self.next_pos;
+        self.next_pos += 1;
         match self.sampler.as_mut() {
             None => {
                 let t = crate::sampling::argmax(row);
@@ -242,9 +331,12 @@ impl DraftSampling {
             }
             Some(s) => {
                 let dist = s.distribution(row);
-                let t = s.draw(&dist);
+                let t = match self.coupled {
+                    Some(key) => crate::sampling::keyed_draw(key, pos, &dist),
+                    None => s.draw_from_stream(&dist),
+                };
                 let c = dist.iter().find(|&&(id, _)| id == t).map_or(0.0, |&(_, p)| p);
-                (t, Some(dist), c)
+                (t, self.coupled.is_none().then_some(dist), c)
             }
         }
     }
@@ -348,6 +440,13 @@ pub trait Drafter: Send {
     fn priced_per_pass(&self) -> bool {
         false
     }
+
+    /// Draw sampled drafts with the target's draw key `key` from now on
+    /// ([`SampledVerify::Coupled`], [`DraftSampling::couple`]): the proposals are then
+    /// deterministic (no q). The default (drafters without a distribution) ignores it.
+    fn couple(&mut self, key: u64) {
+        let _ = key;
+    }
 }
 
 /// Per-request speculation counters.
@@ -355,6 +454,9 @@ pub trait Drafter: Send {
 pub struct SpecStats {
     /// "ar", or the drafter's name; with the reason when speculation was asked for but not used.
     pub decode_path: String,
+    /// How drafts were verified: "greedy", "rejection" or "coupled" ([`SampledVerify`]);
+    /// empty when nothing was drafted for (plain decoding).
+    pub verify: &'static str,
     /// Draft tokens verified by the target.
     pub drafted: usize,
     /// Draft tokens accepted that reached the output: a verified block cut at EOS, a stop
@@ -431,6 +533,7 @@ impl SpecStats {
             .collect();
         serde_json::json!({
             "decode_path": self.decode_path,
+            "verify": self.verify,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "trimmed": self.trimmed,

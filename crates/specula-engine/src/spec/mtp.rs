@@ -464,6 +464,8 @@ impl Drafter for MtpDrafter {
     }
 
     fn propose_guided(&mut self, context: &[u32], k: usize, guide: &mut dyn super::DraftGuide) -> Result<Proposal> {
+        // The first draft token is at sequence position context.len() (coupled draws).
+        self.sampling.begin(context.len());
         let n = context.len();
         let hs = self.hidden_size();
         self.catch_up_s = 0.0;
@@ -527,13 +529,17 @@ impl Drafter for MtpDrafter {
         self.last_draft = tokens.len();
         Ok(Proposal {
             tokens,
-            q: self.sampling.is_sampling().then_some(qs),
+            q: self.sampling.carries_q().then_some(qs),
             confidence: Some(confidence),
         })
     }
 
     fn name(&self) -> &'static str {
         "mtp"
+    }
+
+    fn couple(&mut self, key: u64) {
+        self.sampling.couple(key);
     }
 
     fn last_catch_up_s(&self) -> f64 {
