@@ -924,9 +924,10 @@ impl Engine {
     /// batching gain). Then each sequence absorbs its rows (acceptance, emission, the next
     /// draft).
     ///
-    /// Prompt rows are budgeted: at most `LoadOptions::prefill_chunk` of them per step (the
-    /// first prefilling sequence always runs), so a burst of new requests does not stall the
-    /// running streams; a deferred sequence gets an empty outcome and feeds its chunk later.
+    /// Prompt rows are budgeted: at most `LoadOptions::prefill_chunk` of them per step, shortest
+    /// remaining prompt first (one prefilling sequence always runs), so a burst of new requests
+    /// does not stall the running streams and a short prompt is not kept waiting behind a long
+    /// one; a deferred sequence gets an empty outcome and feeds its chunk later.
     ///
     /// Returns one entry per sequence, in order: `Ok(None)` for a sequence that was already
     /// finished, `Ok(Some(outcome))`, or the error of its forward or acceptance (an internal
@@ -936,21 +937,30 @@ impl Engine {
     pub fn step(&self, seqs: &mut [&mut Sequence]) -> Vec<Result<Option<StepOutcome>, RequestError>> {
         let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
         let mut inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();
-        // Prefill budget: at most `prefill_chunk` prompt rows per step (and always the first
+        // Prefill budget: at most `prefill_chunk` prompt rows per step (and always one
         // prefilling sequence's chunk), so running streams keep flowing while new prompts are
-        // prefilled; a deferred sequence feeds the same chunk at a later step.
+        // prefilled. The rows go to the prompts with the fewest tokens left first (shortest
+        // remaining first, which minimises the mean time to first token): a short prompt that
+        // arrives behind a long one is prefilled at once, and the long one takes the rows it
+        // left (a shorter chunk; where chunks end changes no bit). A sequence left without rows
+        // is deferred: it feeds its chunk at a later step.
         let mut deferred = vec![false; seqs.len()];
+        let mut order: Vec<usize> = (0..seqs.len())
+            .filter(|&i| inputs[i].is_some() && seqs[i].is_prefilling())
+            .collect();
+        order.sort_by_key(|&i| (seqs[i].prefill_remaining(), i));
         let mut prefill_rows = 0;
-        for (i, s) in seqs.iter().enumerate() {
-            let Some(inp) = inputs[i].as_ref().filter(|_| s.is_prefilling()) else {
-                continue;
-            };
-            let n = inp.tokens.len();
-            if prefill_rows > 0 && prefill_rows + n > self.opts.prefill_chunk {
+        for i in order {
+            let n = inputs[i].as_ref().map_or(0, |inp| inp.tokens.len());
+            let room = self.opts.prefill_chunk.saturating_sub(prefill_rows);
+            if prefill_rows == 0 || n <= room {
+                prefill_rows += n;
+            } else if room > 0 {
+                inputs[i] = seqs[i].next_input_capped(room);
+                prefill_rows += room;
+            } else {
                 inputs[i] = None;
                 deferred[i] = true;
-            } else {
-                prefill_rows += n;
             }
         }
         if draft_budget_on() {

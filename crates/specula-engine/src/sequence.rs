@@ -138,6 +138,9 @@ pub struct Sequence {
     max_tokens: usize,
     /// Prompt tokens already fed.
     prefilled: usize,
+    /// Where the prompt chunk last handed out by [`Sequence::next_input`] ends (what its
+    /// forward's absorb advances `prefilled` to).
+    prefill_end: usize,
     /// The draft being verified by the pending forward.
     draft: Proposal,
     /// The input of the next forward, once decoding.
@@ -315,6 +318,7 @@ impl Sequence {
             kv,
             max_tokens,
             prefilled: 0,
+            prefill_end: 0,
             draft: Proposal::default(),
             pending: None,
             started: Instant::now(),
@@ -363,6 +367,15 @@ impl Sequence {
         self.decode_started.is_none()
     }
 
+    /// Prompt tokens not fed yet (0 once decoding).
+    pub fn prefill_remaining(&self) -> usize {
+        if self.is_prefilling() {
+            self.req.prompt_tokens.len().saturating_sub(self.prefilled)
+        } else {
+            0
+        }
+    }
+
     /// Mark the first `n` prompt tokens as already in the KV cache (a prefix-cache hit). At least
     /// one prompt token is always left to feed, since its logits give the first output token.
     pub fn skip_prefix(&mut self, n: usize) {
@@ -391,13 +404,23 @@ impl Sequence {
 
     /// The next forward's input, or `None` when finished.
     pub fn next_input(&mut self) -> Option<StepInput> {
+        self.next_input_capped(usize::MAX)
+    }
+
+    /// As [`Sequence::next_input`], with a prompt chunk of at most `max_rows` rows (at least
+    /// one): the batch's prompt-row budget gives a long prompt what a shorter one left. Where a
+    /// chunk ends does not change a bit of the result (every row's forward is the same
+    /// whatever the rows beside it: the batch-invariant kernels).
+    pub fn next_input_capped(&mut self, max_rows: usize) -> Option<StepInput> {
         if self.emitter.finished().is_some() {
             return None;
         }
         self.forward_started = Some(Instant::now());
         if self.decode_started.is_none() {
             let prompt = &self.req.prompt_tokens;
-            let end = (self.prefilled + self.env.prefill_chunk.max(1)).min(prompt.len());
+            let chunk = self.env.prefill_chunk.min(max_rows).max(1);
+            let end = (self.prefilled + chunk).min(prompt.len());
+            self.prefill_end = end;
             let rows = if end == prompt.len() {
                 LogitsRows::Last
             } else {
@@ -515,7 +538,7 @@ impl Sequence {
         let has_taps = !hidden.is_empty() && !self.taps().is_empty();
         if self.decode_started.is_none() {
             let prompt_len = self.req.prompt_tokens.len();
-            let end = (self.prefilled + self.env.prefill_chunk.max(1)).min(prompt_len);
+            let end = self.prefill_end;
             if has_taps {
                 // Every prompt row is committed.
                 let (start, n) = (self.prefilled, end - self.prefilled);

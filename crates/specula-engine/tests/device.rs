@@ -9,7 +9,7 @@ use specula_engine::device::{run_segments, CpuSlots, DeviceSegment, DeviceTarget
 use specula_engine::model::{Family, LogitsRows};
 use specula_engine::sampling::argmax;
 use specula_engine::spec::mtp::MtpLayout;
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::testing::{write_tiny_gguf, TinySpec};
 use specula_engine::{bundle, Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 use std::path::Path;
@@ -100,17 +100,27 @@ fn device_path_equals_the_cpu_path_for_ar_and_every_drafter() {
     let (mut plain, mut dev) = pair(dir.path(), 2, 5);
     assert_eq!(dev.device_name(), Some("cpu (slots)"));
     let prompt = "the then the thin the then the thin the then, and a longer prompt past one chunk";
+    let mut seeded_ar = None;
     for mode in [SpecMode::Off, SpecMode::Ngram, SpecMode::Draft] {
-        for (what, sampling, n) in [
-            ("greedy, argmax rows", SamplingParams::greedy(), 60),
-            ("greedy, logits rows", SamplingParams::greedy(), 61),
-            ("sampled", sampled(11), 60),
+        for (what, sampling, n, verify) in [
+            ("greedy, argmax rows", SamplingParams::greedy(), 60, SampledVerify::Auto),
+            ("greedy, logits rows", SamplingParams::greedy(), 61, SampledVerify::Auto),
+            ("sampled, coupled", sampled(11), 60, SampledVerify::Auto),
+            ("sampled, rejection", sampled(11), 60, SampledVerify::Rejection),
         ] {
-            let r = req(&plain, prompt, n, mode, sampling);
+            let mut r = req(&plain, prompt, n, mode, sampling);
+            r.spec.sampled_verify = verify;
             let a = plain.generate(&r, &mut |_| true).expect("plain");
             let b = dev.generate(&r, &mut |_| true).expect("device");
             same(&a, &b, &format!("{mode:?} {what}"));
             assert_eq!(a.stats.spec.decode_path, b.stats.spec.decode_path);
+            if what == "sampled, coupled" {
+                // A seeded request verified by coupling is the seed's plain output.
+                match &seeded_ar {
+                    None => seeded_ar = Some(b.clone()),
+                    Some(ar) => same(ar, &b, &format!("{mode:?} coupled against plain")),
+                }
+            }
             if mode == SpecMode::Draft {
                 // Other weights draft: some rows are rejected and rolled back by position.
                 assert!(b.stats.spec.drafted > 0, "{what}: drafted");

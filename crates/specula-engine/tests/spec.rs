@@ -587,6 +587,64 @@ fn trimmed_drafts_in_a_batch_still_equal_ar() {
     }
 }
 
+/// The step's prompt-row budget goes to the prompt with the fewest tokens left first: a short
+/// prompt that arrives while a long one is being prefilled gets its first token at the next
+/// step, the long one takes the rows it left (chunks that end at other places), and every
+/// output equals its solo run (greedy and seeded sampled, with and without speculation).
+#[test]
+fn a_short_prompt_is_not_kept_behind_a_long_prefill() {
+    let (_d, mut e) = tiny(Family::Llama, GgmlDType::Q4_1, 4096);
+    let long_text = "the then the thin then the ".repeat(150);
+    let long = e.tokenize(&long_text).expect("tokenize");
+    assert!(long.len() > 1500 && long.len() < 4000, "{} tokens", long.len());
+    let short = e.tokenize("a b a b").expect("tokenize");
+    let mut reqs = [greedy_req(long, 8), greedy_req(short.clone(), 8), sampled_req(short, 8)];
+    reqs[0].spec = spec(4, true);
+    reqs[2].sampling.seed = Some(5);
+    reqs[2].spec = spec(4, false);
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| run(&mut e, r).0.token_ids).collect();
+    let mut seqs = vec![e.start_sequence(&reqs[0], None).expect("start")];
+    {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+    }
+    assert_eq!(seqs[0].prefill_remaining(), reqs[0].prompt_tokens.len() - 512);
+    seqs.push(e.start_sequence(&reqs[1], None).expect("start"));
+    seqs.push(e.start_sequence(&reqs[2], None).expect("start"));
+    let mut first_token_step = [None; 3];
+    let mut step = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let before = seqs[0].prefill_remaining();
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        let outs = e.step(&mut refs);
+        for (i, r) in outs.into_iter().enumerate() {
+            let out = r.expect("step");
+            if out.is_some_and(|o| !o.delta.token_ids.is_empty()) && first_token_step[i].is_none() {
+                first_token_step[i] = Some(step);
+            }
+        }
+        if step == 0 {
+            // The two short prompts ran whole; the long one took the rest of the budget.
+            let short_rows = 2 * reqs[1].prompt_tokens.len();
+            assert_eq!(before - seqs[0].prefill_remaining(), 512 - short_rows);
+        }
+        step += 1;
+        assert!(step < 100, "no progress");
+    }
+    assert_eq!(
+        first_token_step[1],
+        Some(0),
+        "the short prompt's first token comes at once"
+    );
+    assert_eq!(first_token_step[2], Some(0));
+    assert!(first_token_step[0] > Some(0));
+    for (i, s) in seqs.into_iter().enumerate() {
+        assert_eq!(e.retire(s, true).token_ids, solo[i], "request {i}");
+    }
+}
+
 #[test]
 fn draft_mode_needs_a_draft_model_and_default_falls_back_to_ngram() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -580,6 +580,7 @@ fn model_json(h: &EngineHandle) -> Value {
             "spec_default": m.spec.mode.as_str(),
             "draft_max": m.spec.draft_max,
             "adaptive": m.spec.adaptive,
+            "sampled_verify": m.spec.sampled_verify.as_str(),
             "batch_invariant": m.batch_invariant,
             "device": m.device,
             "effective_spec": m.effective_spec,

@@ -7,7 +7,9 @@
 //! `{"error": {"message", "type", "param", "code"}}`.
 //!
 //! Speculative decoding extensions: the request field `spec` (a mode string, or
-//! `{"mode", "draft_max", "adaptive"}` over the server default [`ServeOptions::spec`]), the
+//! `{"mode", "draft_max", "adaptive", "sampled_verify"}` over the server default
+//! [`ServeOptions::spec`]; `sampled_verify` chooses how sampled drafts are verified, and a
+//! seeded request is by default reproducible with speculation), the
 //! response object `spec_stats` (non-streamed responses; the finish and usage chunks of a
 //! stream), and the `specula` object of each model in `/v1/models`.
 //!

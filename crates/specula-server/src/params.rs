@@ -360,14 +360,16 @@ pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
             }
             match o.get("sampled_verify") {
                 None | Some(Value::Null) => {}
-                Some(Value::String(m)) => out.sampled_verify = SampledVerify::parse(m).ok_or_else(|| {
-                    bad_value(
-                        "spec",
-                        format!(
+                Some(Value::String(m)) => {
+                    out.sampled_verify = SampledVerify::parse(m).ok_or_else(|| {
+                        bad_value(
+                            "spec",
+                            format!(
                             "Invalid 'spec.sampled_verify' '{m}': expected one of 'auto', 'rejection' and 'coupled'."
                         ),
-                    )
-                })?,
+                        )
+                    })?
+                }
                 Some(v) => return Err(bad_field_type("spec", "spec.sampled_verify", "a string", v)),
             }
         }

@@ -110,7 +110,7 @@ async fn switching_among_modes_without_a_new_drafter_loads_nothing() {
         assert_eq!(v["previous"]["mode"], before["spec_default"], "{v}");
         assert_eq!(
             v["spec"],
-            json!({"mode": mode, "draft_max": 4, "adaptive": true}),
+            json!({"mode": mode, "draft_max": 4, "adaptive": true, "sampled_verify": "auto"}),
             "{v}"
         );
         let sp = specula(&app).await;
@@ -134,6 +134,11 @@ async fn switching_among_modes_without_a_new_drafter_loads_nothing() {
     );
     assert_eq!(sp["effective_spec"]["draft_max"], 2);
     assert_eq!(run(&app).await, (ar_text, "ngram".to_string()));
+    assert_eq!(sp["sampled_verify"], "auto");
+    let v = change(&app, ADMIN, json!({"sampled_verify": "rejection"})).await;
+    assert_eq!(v["spec"]["sampled_verify"], "rejection", "{v}");
+    assert_eq!(v["previous"]["sampled_verify"], "auto", "{v}");
+    assert_eq!(specula(&app).await["sampled_verify"], "rejection");
 
     assert_eq!(counter(&app, "specula_model_loads_total", "target").await, 1);
     assert_eq!(counter(&app, "specula_model_loads_total", "draft").await, 0);
@@ -244,6 +249,7 @@ async fn bad_changes_are_4xx_and_change_nothing() {
         (json!({"draft_max": 0}), "draft_max", "invalid_value"),
         (json!({"draft_max": MAX_DRAFT + 1}), "draft_max", "invalid_value"),
         (json!({"adaptive": 1}), "adaptive", "invalid_type"),
+        (json!({"sampled_verify": "always"}), "sampled_verify", "invalid_value"),
         (json!({"mode": "draft"}), "mode", "invalid_value"),
         // No MTP head or block drafter is attached: every request without `spec` would fail.
         (json!({"mode": "mtp"}), "mode", "invalid_value"),

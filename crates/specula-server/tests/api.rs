@@ -1106,6 +1106,64 @@ async fn spec_ngram_equals_off_chat_and_stream() {
     );
 }
 
+/// A seeded sampled request is reproducible with speculation: its output equals the same
+/// request's without speculation, byte for byte (`auto` verifies a seeded request by coupling);
+/// `sampled_verify: "rejection"` verifies by rejection sampling, and the stats say which.
+#[tokio::test]
+async fn seeded_sampled_requests_with_speculation_equal_plain_decoding() {
+    let (app, _h) = app_with_spec(spec_engine(), SpecOptions::default());
+    let body = |seed: u64, spec: Value, stream: bool| {
+        let mut b = spec_chat_body(Some(spec));
+        // Peaked (a random model's rows are flat): the lookup's drafts are accepted at times.
+        b["temperature"] = json!(0.3);
+        b["top_k"] = json!(3);
+        b["seed"] = json!(seed);
+        b["max_tokens"] = json!(60);
+        b["logprobs"] = json!(true);
+        b["stream"] = json!(stream);
+        b
+    };
+    let mut accepted = 0;
+    for seed in [1u64, 2, 3] {
+        let off = post(&app, CHAT, body(seed, json!("off"), false)).await;
+        assert_eq!(off.status, StatusCode::OK, "{}", off.text);
+        let off = off.json();
+        assert_eq!(spec_stats(&off)["verify"], "");
+        for spec in [
+            json!("ngram"),
+            json!({"mode": "on", "sampled_verify": "coupled", "draft_max": 6}),
+        ] {
+            let v = post(&app, CHAT, body(seed, spec.clone(), false)).await.json();
+            assert_eq!(
+                v["choices"][0]["message"], off["choices"][0]["message"],
+                "seed {seed} {spec}"
+            );
+            assert_eq!(
+                v["choices"][0]["logprobs"], off["choices"][0]["logprobs"],
+                "seed {seed} {spec}"
+            );
+            assert_eq!(v["usage"], off["usage"], "seed {seed} {spec}");
+            assert_eq!(spec_stats(&v)["verify"], "coupled", "{spec}");
+            accepted += spec_stats(&v)["accepted"].as_u64().unwrap();
+            let (_, text) = stream_chunks(&post(&app, CHAT, body(seed, spec.clone(), true)).await, true);
+            assert_eq!(
+                text,
+                off["choices"][0]["message"]["content"].as_str().unwrap(),
+                "seed {seed} {spec}: streamed"
+            );
+        }
+        let v = post(
+            &app,
+            CHAT,
+            body(seed, json!({"mode": "ngram", "sampled_verify": "rejection"}), false),
+        )
+        .await
+        .json();
+        assert_eq!(spec_stats(&v)["verify"], "rejection");
+    }
+    assert!(accepted > 0, "the repetitive prompt gets drafts accepted");
+}
+
 #[tokio::test]
 async fn spec_ngram_equals_off_completions() {
     let (app, _h) = app_with_spec(spec_engine(), SpecOptions::default());
@@ -1171,6 +1229,8 @@ async fn spec_bad_values_get_400() {
         (json!({"draft_max": "4"}), "invalid_type"),
         (json!({"adaptive": "yes"}), "invalid_type"),
         (json!({"adaptive": 1}), "invalid_type"),
+        (json!({"sampled_verify": "exact"}), "invalid_value"),
+        (json!({"sampled_verify": true}), "invalid_type"),
         (json!({"k": 4}), "unknown_parameter"),
         (json!(true), "invalid_type"),
         (json!(4), "invalid_type"),
@@ -1194,7 +1254,8 @@ async fn spec_bad_values_get_400() {
     for spec in [
         Value::Null,
         json!({}),
-        json!({"mode": null, "draft_max": null, "adaptive": null}),
+        json!({"mode": null, "draft_max": null, "adaptive": null, "sampled_verify": null}),
+        json!({"sampled_verify": "coupled"}),
         json!({"draft_max": 32.0}),
         json!("default"),
     ] {

@@ -247,12 +247,13 @@ impl PlacementArgs {
 
 #[derive(Args, Debug, Clone)]
 struct SpecArgs {
-    /// Speculative decoding. off: plain decoding. default / on: the best drafter attached (MTP
-    /// head, block drafter, draft model), else n-gram prompt lookup, with k adapted per step.
-    /// ngram / draft / mtp / block: that drafter. Output is
-    /// byte-identical to plain decoding (greedy) or identically distributed (sampling); where that
-    /// cannot be guaranteed, plain decoding is used and the stats say why.
-    #[arg(long, value_enum, default_value = "off")]
+    /// Speculative decoding. off: plain decoding. default (the default): what `specula tune`
+    /// measured best for this model, else as on. on: the best drafter attached (MTP head, block
+    /// drafter, draft model), else n-gram prompt lookup, with k adapted per step. ngram / draft /
+    /// mtp / block: that drafter. Output is byte-identical to plain decoding (greedy, and sampled
+    /// with a seed: --sampled-verify) or identically distributed (sampled without a seed); where
+    /// that cannot be guaranteed, plain decoding is used and the stats say why.
+    #[arg(long, value_enum, default_value = "default")]
     spec: SpecArg,
     /// A draft model (GGUF file, bundle directory or catalog name) with the target's tokenizer.
     #[arg(long)]

@@ -252,6 +252,9 @@ fn openai_python_client() {
     // `spec: "ngram"` speculates where that is exact (batch-invariant kernels), else decodes AR
     // and says why; the output is the plain output either way.
     let spec_decode_path = if batch_invariant { "ngram" } else { "ar" };
+    // A request without `spec` runs the server's default, `--spec default`: the MTP head the
+    // default model ships with, n-gram lookup beside it.
+    let plain_decode_path = if batch_invariant { "mtp+ngram" } else { "ar" };
     let expect = json!({
         "model": MODEL,
         "chat": {
@@ -270,7 +273,7 @@ fn openai_python_client() {
             "prompt_tokens": completion.prompt_tokens,
             "completion_tokens": completion.completion_tokens,
         },
-        "spec": {"mode": "ngram", "decode_path": spec_decode_path},
+        "spec": {"mode": "ngram", "decode_path": spec_decode_path, "plain_decode_path": plain_decode_path},
     });
 
     server.wait_ready();
