@@ -71,6 +71,8 @@ pub struct Engine {
     controller_priors: std::collections::HashMap<String, crate::spec::DraftLength>,
     /// Seconds of batched forwards by row count, for the draft-length controllers under load.
     batch_cost: std::sync::Mutex<crate::spec::controller::BatchCost>,
+    /// Prompt rows per step beside decoding streams ([`PrefillBudget`]).
+    prefill_budget: std::sync::Mutex<PrefillBudget>,
     /// The accelerator that runs the target's forwards, when one is attached
     /// ([`Engine::attach_device`]).
     device: Option<DeviceState>,
@@ -137,6 +139,7 @@ impl Engine {
             prefix,
             controller_priors: Default::default(),
             batch_cost: Default::default(),
+            prefill_budget: Default::default(),
             bundle,
             id: id.to_string(),
             kv,
@@ -924,10 +927,11 @@ impl Engine {
     /// batching gain). Then each sequence absorbs its rows (acceptance, emission, the next
     /// draft).
     ///
-    /// Prompt rows are budgeted: at most `LoadOptions::prefill_chunk` of them per step, shortest
-    /// remaining prompt first (one prefilling sequence always runs), so a burst of new requests
-    /// does not stall the running streams and a short prompt is not kept waiting behind a long
-    /// one; a deferred sequence gets an empty outcome and feeds its chunk later.
+    /// Prompt rows are budgeted: at most `LoadOptions::prefill_chunk` of them per step, fewer
+    /// beside decoding streams ([`PrefillBudget`]), shortest remaining prompt first, so a burst
+    /// of new requests does not stall the running streams and a short prompt is not kept
+    /// waiting behind a long one; a deferred sequence gets an empty outcome and feeds its chunk
+    /// later.
     ///
     /// Returns one entry per sequence, in order: `Ok(None)` for a sequence that was already
     /// finished, `Ok(Some(outcome))`, or the error of its forward or acceptance (an internal
@@ -937,13 +941,21 @@ impl Engine {
     pub fn step(&self, seqs: &mut [&mut Sequence]) -> Vec<Result<Option<StepOutcome>, RequestError>> {
         let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
         let mut inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();
-        // Prefill budget: at most `prefill_chunk` prompt rows per step (and always one
-        // prefilling sequence's chunk), so running streams keep flowing while new prompts are
-        // prefilled. The rows go to the prompts with the fewest tokens left first (shortest
+        // Prefill budget: at most `prefill_chunk` prompt rows per step (at least one), so
+        // running streams keep flowing while new prompts are prefilled. The rows go to the prompts with the fewest tokens left first (shortest
         // remaining first, which minimises the mean time to first token): a short prompt that
         // arrives behind a long one is prefilled at once, and the long one takes the rows it
         // left (a shorter chunk; where chunks end changes no bit). A sequence left without rows
         // is deferred: it feeds its chunk at a later step.
+        // While streams decode, a step's prompt rows are fewer ([`PrefillBudget`]): each of
+        // their tokens waits for the whole step.
+        let decoding = (0..seqs.len()).any(|i| inputs[i].is_some() && !seqs[i].is_prefilling());
+        let budget = self
+            .prefill_budget
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .rows(decoding, self.opts.prefill_chunk)
+            .max(1);
         let mut deferred = vec![false; seqs.len()];
         let mut order: Vec<usize> = (0..seqs.len())
             .filter(|&i| inputs[i].is_some() && seqs[i].is_prefilling())
@@ -952,8 +964,8 @@ impl Engine {
         let mut prefill_rows = 0;
         for i in order {
             let n = inputs[i].as_ref().map_or(0, |inp| inp.tokens.len());
-            let room = self.opts.prefill_chunk.saturating_sub(prefill_rows);
-            if prefill_rows == 0 || n <= room {
+            let room = budget.saturating_sub(prefill_rows);
+            if n <= room {
                 prefill_rows += n;
             } else if room > 0 {
                 inputs[i] = seqs[i].next_input_capped(room);
@@ -1077,6 +1089,12 @@ impl Engine {
     /// the chunks in the fit its slope came out low, so drafts at 32-64 streams looked cheap.
     fn note_batch(&self, seqs: &mut [&mut Sequence], group: &[usize], rows: usize, seconds: Option<f64>) {
         let prefill = group.iter().any(|&i| seqs[i].is_prefilling());
+        if let Some(s) = seconds.filter(|_| prefill) {
+            self.prefill_budget
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .observe(rows, s);
+        }
         let load = {
             let mut bc = self.batch_cost.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(s) = seconds.filter(|_| !prefill) {
@@ -1160,6 +1178,49 @@ impl Engine {
     }
 }
 
+/// Seconds a step with prompt rows may take while other streams decode: their next token waits
+/// for the whole step (vLLM's chunked prefill puts decode rows first for the same reason).
+pub const PREFILL_STEP_S: f64 = 0.1;
+
+/// The fewest prompt rows a step feeds beside decoding streams.
+pub const MIN_PREFILL_ROWS: usize = 16;
+
+/// How many prompt rows a step feeds ([`Engine::step`]): `LoadOptions::prefill_chunk` when no
+/// stream is decoding (prefill alone, the fastest it goes); beside decoding streams, as many as
+/// fit in [`PREFILL_STEP_S`] at the measured seconds per row of forwards that fed prompt rows
+/// (at least [`MIN_PREFILL_ROWS`]; a quarter of the chunk until measured). On two CPU cores a
+/// 512-row SmolLM2 chunk takes 0.8-1.4 s: a stream beside a long prefill got one token a
+/// second; with the budget, about ten. The long prompt's prefill takes the steps' decode rows
+/// longer. Where chunks end changes no bit (batch-invariant forwards).
+#[derive(Debug, Clone, Default)]
+pub struct PrefillBudget {
+    /// Moving average of the seconds per row of forwards that fed prompt rows.
+    row_s: Option<f64>,
+}
+
+impl PrefillBudget {
+    /// A forward of `rows` rows (prompt rows among them) took `seconds`.
+    pub fn observe(&mut self, rows: usize, seconds: f64) {
+        if rows < MIN_PREFILL_ROWS || !(seconds > 0.0) {
+            return;
+        }
+        let x = seconds / rows as f64;
+        self.row_s = Some(self.row_s.map_or(x, |r| 0.5 * r + 0.5 * x));
+    }
+
+    /// Prompt rows for the next step, `chunk` being `LoadOptions::prefill_chunk`.
+    pub fn rows(&self, decoding: bool, chunk: usize) -> usize {
+        if !decoding {
+            return chunk;
+        }
+        let fit = match self.row_s {
+            Some(r) => (PREFILL_STEP_S / r) as usize,
+            None => chunk / 4,
+        };
+        fit.clamp(MIN_PREFILL_ROWS.min(chunk), chunk)
+    }
+}
+
 /// The argmax of each row of a `[rows, vocab]` f32 CPU tensor ([`crate::sampling::argmax`]),
 /// read from its storage without copying the rows out.
 fn argmax_rows(t: &Tensor) -> Result<Vec<u32>> {
@@ -1228,4 +1289,29 @@ fn draft_budget_on() -> bool {
 fn load_aware() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SPECULA_LOAD_AWARE").map_or(true, |v| v != "0"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_budget_shrinks_beside_decoding_streams() {
+        let mut b = PrefillBudget::default();
+        assert_eq!(b.rows(false, 512), 512, "prefill alone: the whole chunk");
+        assert_eq!(b.rows(true, 512), 128, "a quarter of the chunk until measured");
+        b.observe(512, 1.0); // 1.95 ms a row: 51 rows in 0.1 s
+        assert_eq!(b.rows(true, 512), 51);
+        assert_eq!(b.rows(false, 512), 512);
+        b.observe(8, 10.0);
+        assert_eq!(b.rows(true, 512), 51, "a forward of few rows says little: ignored");
+        for _ in 0..20 {
+            b.observe(512, 0.001); // a fast device
+        }
+        assert_eq!(b.rows(true, 512), 512, "at most the chunk");
+        let mut slow = PrefillBudget::default();
+        slow.observe(100, 100.0);
+        assert_eq!(slow.rows(true, 512), MIN_PREFILL_ROWS, "at least the minimum");
+        assert_eq!(slow.rows(true, 8), 8, "never above the chunk");
+    }
 }
