@@ -1201,7 +1201,7 @@ pub struct PrefillBudget {
 impl PrefillBudget {
     /// A forward of `rows` rows (prompt rows among them) took `seconds`.
     pub fn observe(&mut self, rows: usize, seconds: f64) {
-        if rows < MIN_PREFILL_ROWS || !(seconds > 0.0) {
+        if rows < MIN_PREFILL_ROWS || !seconds.is_finite() || seconds <= 0.0 {
             return;
         }
         let x = seconds / rows as f64;
