@@ -313,7 +313,9 @@ impl Sampler {
 
     /// One token from `dist` by inverse CDF over a uniform from this request's RNG stream
     /// (each call consumes one): the draws of a drafter under rejection sampling, whose q
-    /// must be independent of the acceptance's uniforms and of earlier drafts' outcomes.
+    /// must be independent of the acceptance's uniforms and of earlier drafts' outcomes, and
+    /// plain draws of requests without a seed (cheaper than [`Sampler::draw`], whose
+    /// position-keyed draws only seeded and coupled requests need).
     pub fn draw_from_stream(&mut self, dist: &[(u32, f32)]) -> u32 {
         if dist.len() == 1 {
             return dist[0].0;
