@@ -11,7 +11,7 @@ decode tok/s is (completion tokens - 1) / (time from its first content chunk to 
 report gives, per kind and overall, each variant's speed as a ratio to AR (summed seconds per
 token, as spec_bench), its tau and how many drafts the lookup made, and checks that every
 output is byte-identical to AR's (greedy, and with --temperature above 0 too: every request is
-seeded, so `auto` verifies by coupling; a variant with `sampled_verify=rejection` gives other
+seeded and verified by coupling, the default; a variant with `sampled_verify=rejection` gives other
 samples and is not compared).
 
     python3 scripts/serve_bench.py --spec on --variant new --variant old:SPECULA_NGRAM_WRAP=0
@@ -24,7 +24,7 @@ model's MTP head) has it beside the cached file, so `on`/`default` draft with it
 --draft-model is given too (pass --model as a path to another copy to measure the draft model).
 
 A variant is NAME[:KEY=VALUE[,KEY=VALUE...]]: `mode`, `draft_max`, `adaptive` (true/false) and
-`sampled_verify` (auto/rejection/coupled) set that variant's requests' `spec` fields (default: --spec, --draft-max, adaptive), any other
+`sampled_verify` (coupled/rejection) set that variant's requests' `spec` fields (default: --spec, --draft-max, adaptive), any other
 KEY is an environment variable of its server. Standard library only.
 """
 
@@ -132,9 +132,9 @@ def main():
                     outs[name] = request(url, p["messages"], a.max_tokens, specs[name], a.temperature, 1000 * rnd + 7)
                 ar = outs["ar"]
                 for name, o in outs.items():
-                    # Greedy, and seeded samples verified by coupling (`auto` with a seed), are
+                    # Greedy, and seeded samples verified by coupling (the default), are
                     # plain decoding's output.
-                    exact = a.temperature == 0 or specs[name].get("sampled_verify", "auto") != "rejection"
+                    exact = a.temperature == 0 or specs[name].get("sampled_verify", "coupled") != "rejection"
                     if exact and o["text"] != ar["text"]:
                         sys.exit(f"{p['id']}: {name} output differs from AR")
                 if any(o["tokens"] < 2 for o in outs.values()):

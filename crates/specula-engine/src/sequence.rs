@@ -258,9 +258,9 @@ impl Sequence {
             stats.spec.decode_path.push_str("+ngram");
         }
         // A sampled request verifies by coupling (a seed's output is plain decoding's, whatever
-        // the drafts) or by rejection sampling, whose acceptance draws from its own stream,
-        // derived from the request seed.
-        let coupled = drafter.is_some() && !greedy && req.spec.sampled_verify.coupled(req.sampling.seed.is_some());
+        // the drafts; the default) or by rejection sampling, whose acceptance draws from its
+        // own stream, derived from the request seed.
+        let coupled = drafter.is_some() && !greedy && req.spec.sampled_verify.coupled();
         if coupled {
             if let Some(d) = drafter.as_mut() {
                 d.couple(sampler.noise_key());

@@ -103,9 +103,19 @@ fn device_path_equals_the_cpu_path_for_ar_and_every_drafter() {
     let mut seeded_ar = None;
     for mode in [SpecMode::Off, SpecMode::Ngram, SpecMode::Draft] {
         for (what, sampling, n, verify) in [
-            ("greedy, argmax rows", SamplingParams::greedy(), 60, SampledVerify::Auto),
-            ("greedy, logits rows", SamplingParams::greedy(), 61, SampledVerify::Auto),
-            ("sampled, coupled", sampled(11), 60, SampledVerify::Auto),
+            (
+                "greedy, argmax rows",
+                SamplingParams::greedy(),
+                60,
+                SampledVerify::Coupled,
+            ),
+            (
+                "greedy, logits rows",
+                SamplingParams::greedy(),
+                61,
+                SampledVerify::Coupled,
+            ),
+            ("sampled, coupled", sampled(11), 60, SampledVerify::Coupled),
             ("sampled, rejection", sampled(11), 60, SampledVerify::Rejection),
         ] {
             let mut r = req(&plain, prompt, n, mode, sampling);

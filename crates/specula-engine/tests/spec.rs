@@ -13,8 +13,8 @@ use specula_engine::testing::{write_tiny_gguf, TinySpec};
 use specula_engine::{ChatMessage, Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 
 /// n-gram speculation. Sampled requests verify by rejection sampling (the S-law tests below are
-/// about it; their runs are seeded, which `auto` would verify by coupling); the coupled tests set
-/// [`SampledVerify::Coupled`] themselves.
+/// about it; coupling, the default, is tested byte for byte by the coupled tests, which set
+/// [`SampledVerify::Coupled`] themselves).
 fn spec(k: usize, adaptive: bool) -> SpecOptions {
     SpecOptions {
         mode: SpecMode::Ngram,
@@ -341,7 +341,7 @@ fn coupled(m: SpecMode, k: usize, adaptive: bool) -> SpecOptions {
 /// with speculation is byte-identical to plain decoding with the same seed (text, token ids,
 /// logprobs, usage, finish reason, stream), for a draft model that agrees with the target often
 /// and one that mostly does not, n-gram lookup, fixed and adaptive k, with top-k, top-p, a logit
-/// bias and penalties. `auto` couples seeded requests. Rejection sampling with the same seeds
+/// bias and penalties; coupling is the default. Rejection sampling with the same seeds
 /// gives other samples (same law, `sampling_spec_matches_ar_in_distribution_on_tiny_models`):
 /// without the coupling this test fails.
 #[test]
@@ -378,8 +378,9 @@ fn seeded_sampling_with_speculation_is_plain_decoding() {
                 coupled(SpecMode::On, 4, true),
                 coupled(SpecMode::Ngram, 4, false),
                 SpecOptions {
-                    sampled_verify: SampledVerify::Auto,
-                    ..mode(SpecMode::Draft, 2, false)
+                    mode: SpecMode::Draft,
+                    draft_max: 2,
+                    ..SpecOptions::default()
                 },
             ] {
                 let sp = assert_same_as(&mut e, &ar, &r, opts, &format!("{which:?} seed {seed} {opts:?}"));

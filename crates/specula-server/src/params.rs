@@ -300,19 +300,19 @@ fn spec_mode(v: &str) -> Result<SpecMode, ApiError> {
     })
 }
 
-/// A `sampled_verify` value (`auto`, `rejection`, `coupled`; [`SampledVerify`]); errors name
+/// A `sampled_verify` value (`coupled`, `rejection`; [`SampledVerify`]); errors name
 /// `param`.
 pub fn sampled_verify(v: &str, param: &str) -> Result<SampledVerify, ApiError> {
     SampledVerify::parse(v).ok_or_else(|| {
         ApiError::invalid(
-            format!("Invalid '{param}' '{v}': expected one of 'auto', 'rejection' and 'coupled'."),
+            format!("Invalid '{param}' '{v}': expected 'coupled' or 'rejection'."),
             Some(param),
         )
     })
 }
 
 /// The `spec` extension: a mode string (`"ngram"`), or an object
-/// `{"mode": ..., "draft_max": K, "adaptive": bool, "sampled_verify": "auto"|"rejection"|"coupled"}`
+/// `{"mode": ..., "draft_max": K, "adaptive": bool, "sampled_verify": "coupled"|"rejection"}`
 /// whose missing (or null) fields come from `default` (the server-wide setting); absent or
 /// null = `default`. Every error names `spec`.
 pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
@@ -364,9 +364,7 @@ pub fn spec(b: &Body, default: &SpecOptions) -> Result<SpecOptions, ApiError> {
                     out.sampled_verify = SampledVerify::parse(m).ok_or_else(|| {
                         bad_value(
                             "spec",
-                            format!(
-                            "Invalid 'spec.sampled_verify' '{m}': expected one of 'auto', 'rejection' and 'coupled'."
-                        ),
+                            format!("Invalid 'spec.sampled_verify' '{m}': expected 'coupled' or 'rejection'."),
                         )
                     })?
                 }

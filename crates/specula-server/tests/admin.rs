@@ -110,7 +110,7 @@ async fn switching_among_modes_without_a_new_drafter_loads_nothing() {
         assert_eq!(v["previous"]["mode"], before["spec_default"], "{v}");
         assert_eq!(
             v["spec"],
-            json!({"mode": mode, "draft_max": 4, "adaptive": true, "sampled_verify": "auto"}),
+            json!({"mode": mode, "draft_max": 4, "adaptive": true, "sampled_verify": "coupled"}),
             "{v}"
         );
         let sp = specula(&app).await;
@@ -134,10 +134,10 @@ async fn switching_among_modes_without_a_new_drafter_loads_nothing() {
     );
     assert_eq!(sp["effective_spec"]["draft_max"], 2);
     assert_eq!(run(&app).await, (ar_text, "ngram".to_string()));
-    assert_eq!(sp["sampled_verify"], "auto");
+    assert_eq!(sp["sampled_verify"], "coupled");
     let v = change(&app, ADMIN, json!({"sampled_verify": "rejection"})).await;
     assert_eq!(v["spec"]["sampled_verify"], "rejection", "{v}");
-    assert_eq!(v["previous"]["sampled_verify"], "auto", "{v}");
+    assert_eq!(v["previous"]["sampled_verify"], "coupled", "{v}");
     assert_eq!(specula(&app).await["sampled_verify"], "rejection");
 
     assert_eq!(counter(&app, "specula_model_loads_total", "target").await, 1);

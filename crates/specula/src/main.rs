@@ -282,19 +282,18 @@ struct SpecArgs {
     #[arg(long)]
     fixed_k: bool,
     /// How sampled requests (temperature > 0) verify drafts. coupled: each token is the
-    /// target's own seeded draw, so a seeded request's output is byte-identical to plain
+    /// target's own keyed draw, so a seeded request's output is byte-identical to plain
     /// decoding with that seed, whatever was drafted. rejection: speculative sampling
-    /// (Leviathan et al. 2023), the most accepted drafts, same distribution, but a seed's output
-    /// depends on the drafts. auto: coupled for requests with a seed, else rejection.
-    #[arg(long, value_enum, default_value = "auto")]
+    /// (Leviathan et al. 2023): the same distribution, more drafts accepted a token, but a
+    /// seed's output depends on the drafts.
+    #[arg(long, value_enum, default_value = "coupled")]
     sampled_verify: SampledVerifyArg,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy)]
 enum SampledVerifyArg {
-    Auto,
-    Rejection,
     Coupled,
+    Rejection,
 }
 
 /// A decoding mode of `bench --engine`.
@@ -333,7 +332,6 @@ impl SpecArgs {
             draft_max: self.draft_max as usize,
             adaptive: !self.fixed_k,
             sampled_verify: match self.sampled_verify {
-                SampledVerifyArg::Auto => SampledVerify::Auto,
                 SampledVerifyArg::Rejection => SampledVerify::Rejection,
                 SampledVerifyArg::Coupled => SampledVerify::Coupled,
             },

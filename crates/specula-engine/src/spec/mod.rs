@@ -78,12 +78,7 @@ impl SpecMode {
 ///
 /// Both commit tokens distributed exactly as plain sampling from the target's processed
 /// distribution p. They differ in what a seed fixes and in acceptance:
-/// - `Rejection`: speculative sampling (Leviathan et al. 2023, Chen et al. 2023;
-///   [`verify::accept_sampled`]): accept a draft d drawn from q with probability
-///   min(1, p(d)/q(d)), else draw from norm(max(0, p − q)). The most accepted drafts any
-///   verification can give (1 − TV(p, q) per token), but a seeded request's output depends on
-///   what was drafted (draft lengths chosen from measured timings, the batch's draft budget).
-/// - `Coupled`: drafter-invariant sampling (Daliri, Musco, Suresh 2024, "Coupling without
+/// - `Coupled` (the default): drafter-invariant sampling (Daliri, Musco, Suresh 2024, "Coupling without
 ///   Communication and Drafter-Invariant Speculative Decoding"). The target's token at each
 ///   position is [`crate::sampling::keyed_draw`] of its row: a function of the seed, the
 ///   position and p alone, as plain sampling draws it. Drafts are verified as greedy ones are
@@ -91,22 +86,29 @@ impl SpecMode {
 ///   seeded request's output is byte-identical to plain decoding with that seed, whatever the
 ///   drafter, k, batch or timing. Model drafters draw their tokens with the same key and
 ///   agree with the target with probability at least (1 − TV)/(1 + TV); a deterministic
-///   drafter (n-gram lookup) is accepted with probability p(d), as under rejection.
-/// - `Auto` (the default): `Coupled` when the request has a seed, else `Rejection`.
+///   drafter (n-gram lookup) is accepted with probability p(d), as under rejection. Coupled
+///   drafts are deterministic, so the controller's confidence cut, the grammar cut and the
+///   batch's draft budget apply to them as to greedy drafts; measured through the server at
+///   temperature 1 (docs/perf.md, session 37) that made coupling as fast as rejection on
+///   SmolLM2 with its MTP head and 4-10% faster on the Qwen pair.
+/// - `Rejection`: speculative sampling (Leviathan et al. 2023, Chen et al. 2023;
+///   [`verify::accept_sampled`]): accept a draft d drawn from q with probability
+///   min(1, p(d)/q(d)), else draw from norm(max(0, p − q)). The most accepted drafts any
+///   verification can give a token (1 − TV(p, q)), but a seeded request's output depends on
+///   what was drafted (draft lengths chosen from measured timings, the batch's draft budget),
+///   and a sampled draft may not be cut or trimmed by what was drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SampledVerify {
     #[default]
-    Auto,
-    Rejection,
     Coupled,
+    Rejection,
 }
 
 impl SampledVerify {
-    /// Parse `auto|rejection|coupled`.
+    /// Parse `coupled|rejection`.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
-            "auto" => Self::Auto,
             "rejection" => Self::Rejection,
             "coupled" => Self::Coupled,
             _ => return None,
@@ -115,19 +117,14 @@ impl SampledVerify {
 
     pub fn as_str(&self) -> &'static str {
         match self {
-            Self::Auto => "auto",
             Self::Rejection => "rejection",
             Self::Coupled => "coupled",
         }
     }
 
-    /// Whether a sampled request with (`seeded`) or without a seed verifies by coupling.
-    pub fn coupled(&self, seeded: bool) -> bool {
-        match self {
-            Self::Auto => seeded,
-            Self::Rejection => false,
-            Self::Coupled => true,
-        }
+    /// Whether sampled requests verify by coupling.
+    pub fn coupled(&self) -> bool {
+        *self == Self::Coupled
     }
 }
 
@@ -150,7 +147,7 @@ impl Default for SpecOptions {
             mode: SpecMode::Off,
             draft_max: 4,
             adaptive: true,
-            sampled_verify: SampledVerify::Auto,
+            sampled_verify: SampledVerify::Coupled,
         }
     }
 }
