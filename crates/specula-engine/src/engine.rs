@@ -66,7 +66,7 @@ pub struct Engine {
     block: Option<Arc<crate::spec::block::BlockDrafterModel>>,
     /// KV rows of seen prefixes (`LoadOptions::prefix_cache_bytes`).
     prefix: Option<PrefixCache>,
-    /// What finished requests learned about drafting, by decode path and greedy or sampled
+    /// What finished requests learned about drafting, by decode path and verification
     /// (see [`crate::spec::DraftLength::warm_start`]).
     controller_priors: std::collections::HashMap<String, crate::spec::DraftLength>,
     /// Seconds of batched forwards by row count, for the draft-length controllers under load.
@@ -941,40 +941,7 @@ impl Engine {
     pub fn step(&self, seqs: &mut [&mut Sequence]) -> Vec<Result<Option<StepOutcome>, RequestError>> {
         let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
         let mut inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();
-        // Prefill budget: at most `prefill_chunk` prompt rows per step (at least one), so
-        // running streams keep flowing while new prompts are prefilled. The rows go to the prompts with the fewest tokens left first (shortest
-        // remaining first, which minimises the mean time to first token): a short prompt that
-        // arrives behind a long one is prefilled at once, and the long one takes the rows it
-        // left (a shorter chunk; where chunks end changes no bit). A sequence left without rows
-        // is deferred: it feeds its chunk at a later step.
-        // While streams decode, a step's prompt rows are fewer ([`PrefillBudget`]): each of
-        // their tokens waits for the whole step.
-        let decoding = (0..seqs.len()).any(|i| inputs[i].is_some() && !seqs[i].is_prefilling());
-        let budget = self
-            .prefill_budget
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .rows(decoding, self.opts.prefill_chunk)
-            .max(1);
-        let mut deferred = vec![false; seqs.len()];
-        let mut order: Vec<usize> = (0..seqs.len())
-            .filter(|&i| inputs[i].is_some() && seqs[i].is_prefilling())
-            .collect();
-        order.sort_by_key(|&i| (seqs[i].prefill_remaining(), i));
-        let mut prefill_rows = 0;
-        for i in order {
-            let n = inputs[i].as_ref().map_or(0, |inp| inp.tokens.len());
-            let room = budget.saturating_sub(prefill_rows);
-            if n <= room {
-                prefill_rows += n;
-            } else if room > 0 {
-                inputs[i] = seqs[i].next_input_capped(room);
-                prefill_rows += room;
-            } else {
-                inputs[i] = None;
-                deferred[i] = true;
-            }
-        }
+        let deferred = self.budget_prompt_rows(seqs, &mut inputs);
         if draft_budget_on() {
             self.apply_draft_budget(seqs, &mut inputs);
         }
@@ -1078,6 +1045,74 @@ impl Engine {
                 inputs[i] = seqs[i].next_input();
             }
         }
+    }
+
+    /// The step's prompt rows ([`Engine::step`]); returns which sequences were deferred (their
+    /// input taken away: they feed their chunk at a later step).
+    ///
+    /// At most `prefill_chunk` prompt rows per step (at least one), so running streams keep
+    /// flowing while new prompts are prefilled. On batch-invariant forwards:
+    /// - While streams decode, fewer ([`PrefillBudget`]): each of their tokens waits for the
+    ///   whole step.
+    /// - The rows go to the prompts with the fewest tokens left first (shortest remaining first,
+    ///   which minimises the mean time to first token): a short prompt that arrives behind a
+    ///   long one is prefilled at once, and the long one takes the rows left (a chunk that ends
+    ///   elsewhere, which changes no bit there). The longest-waiting prefilling sequence (the
+    ///   first in `seqs`) is promised a quarter of the rows first, so a stream of short prompts
+    ///   cannot starve it.
+    ///
+    /// Without batch invariance a chunk's rows change its bits, so chunks keep fixed
+    /// boundaries whatever the load: the first prefilling sequence runs its whole chunk and
+    /// the others wait while the chunk budget is spent, in arrival order (as before).
+    fn budget_prompt_rows(&self, seqs: &mut [&mut Sequence], inputs: &mut [Option<StepInput>]) -> Vec<bool> {
+        let mut deferred = vec![false; seqs.len()];
+        let prefilling: Vec<usize> = (0..seqs.len())
+            .filter(|&i| inputs[i].is_some() && seqs[i].is_prefilling())
+            .collect();
+        let rows = |inputs: &[Option<StepInput>], i: usize| inputs[i].as_ref().map_or(0, |inp| inp.tokens.len());
+        if !self.batch_invariant() {
+            let mut used = 0;
+            for i in prefilling {
+                let n = rows(inputs, i);
+                if used > 0 && used + n > self.opts.prefill_chunk {
+                    inputs[i] = None;
+                    deferred[i] = true;
+                } else {
+                    used += n;
+                }
+            }
+            return deferred;
+        }
+        let decoding = (0..seqs.len()).any(|i| inputs[i].is_some() && !seqs[i].is_prefilling());
+        let budget = self
+            .prefill_budget
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .rows(decoding, self.opts.prefill_chunk)
+            .max(1);
+        let mut grant = vec![0usize; seqs.len()];
+        let mut left = budget;
+        if let (Some(&oldest), true) = (prefilling.first(), prefilling.len() > 1) {
+            let g = (budget / 4).max(1).min(rows(inputs, oldest));
+            grant[oldest] = g;
+            left -= g;
+        }
+        let mut order = prefilling.clone();
+        order.sort_by_key(|&i| (seqs[i].prefill_remaining(), i));
+        for &i in &order {
+            let g = (rows(inputs, i) - grant[i]).min(left);
+            grant[i] += g;
+            left -= g;
+        }
+        for i in prefilling {
+            if grant[i] == 0 {
+                inputs[i] = None;
+                deferred[i] = true;
+            } else if grant[i] < rows(inputs, i) {
+                inputs[i] = seqs[i].next_input_capped(grant[i]);
+            }
+        }
+        deferred
     }
 
     /// Record a batched forward of `rows` rows that took `seconds` (`None`: it failed) and tell

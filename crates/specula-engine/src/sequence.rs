@@ -48,7 +48,7 @@ pub struct SequenceEnv {
     /// The attached block drafter.
     pub block: Option<Arc<crate::spec::block::BlockDrafterModel>>,
     /// What earlier requests learned about drafting, by decode path (`ngram`,
-    /// `draft-model:ID`) and greedy or sampled ([`prior_key`]): a new request's draft-length
+    /// `draft-model:ID`) and verification (greedy, coupled, rejection; [`prior_key`]): a new request's draft-length
     /// controller starts from it.
     pub controller_priors: std::collections::HashMap<String, DraftLength>,
 }
@@ -285,7 +285,7 @@ impl Sequence {
         }
         if let Some(prior) = env
             .controller_priors
-            .get(&prior_key(&stats.spec.decode_path, req.sampling.is_greedy()))
+            .get(&prior_key(&stats.spec.decode_path, stats.spec.verify))
         {
             k_ctl.warm_start(prior);
         }
@@ -389,6 +389,7 @@ impl Sequence {
         let n = n.min(self.req.prompt_tokens.len().saturating_sub(1));
         self.kv.truncate(n);
         self.prefilled = n;
+        self.prefill_end = n;
         self.stats.cached_prompt_tokens = n;
     }
 
@@ -398,7 +399,7 @@ impl Sequence {
     pub fn controller(&self) -> Option<(String, &DraftLength)> {
         self.drafter.as_ref().map(|_| {
             (
-                prior_key(&self.stats.spec.decode_path, self.req.sampling.is_greedy()),
+                prior_key(&self.stats.spec.decode_path, self.stats.spec.verify),
                 &self.k_ctl,
             )
         })
@@ -448,7 +449,8 @@ impl Sequence {
         if self.is_prefilling() || self.emitter.finished().is_some() || self.draft.is_empty() {
             return None;
         }
-        // A sampled draft is never kept or dropped by its own confidence
+        // A sampled draft verified by rejection sampling (one with q; coupled drafts have none
+        // and are deterministic) is never kept or dropped by its own confidence
         // (`DraftLength::verified_prefix`), nor trimmed by the batch's budget: the budget's
         // choice of a prefix depends on the draft's whole length, which depends on the tokens
         // drawn (the controller's `go_on`, a mask that leaves nothing), so whether a drawn
@@ -545,7 +547,7 @@ impl Sequence {
         let has_taps = !hidden.is_empty() && !self.taps().is_empty();
         if self.decode_started.is_none() {
             let prompt_len = self.req.prompt_tokens.len();
-            let end = self.prefill_end;
+            let end = self.prefill_end.max(self.prefilled);
             if has_taps {
                 // Every prompt row is committed.
                 let (start, n) = (self.prefilled, end - self.prefilled);
@@ -806,7 +808,7 @@ impl Sequence {
         self.stats.spec.trimmed += proposal.len() - keep;
         proposal.truncate(keep);
         if proposal.q.is_none() {
-            // A deterministic draft (n-gram lookup, greedy model drafts) is cut before the first
+            // A deterministic draft (n-gram lookup, greedy or coupled model drafts) is cut before the first
             // token the target would reject anyway: one the grammar does not allow (the lookup
             // sees no grammar, and a model drafter's mask may not apply), or, as a heuristic,
             // one the request biases by -100 (the lookup copies it from the context). A sampled
@@ -940,12 +942,13 @@ impl Sequence {
 }
 
 /// The key under which a request's draft-length controller is kept for the requests after it
-/// ([`SequenceEnv::controller_priors`]): its decode path, and whether it samples. A sampled
-/// draft is accepted with probability min(1, p/q), a greedy one only when it is the argmax, so
-/// their acceptance differs (SmolLM2's MTP head on JSON: 0.84-0.94 greedy, 0.40 at temperature
-/// 1) and neither kind of request starts from the other's record.
-fn prior_key(decode_path: &str, greedy: bool) -> String {
-    format!("{decode_path} ({})", if greedy { "greedy" } else { "sampled" })
+/// ([`SequenceEnv::controller_priors`]): its decode path, and how it verifies
+/// ([`crate::spec::SpecStats::verify`]: greedy, coupled or rejection). A greedy draft is accepted
+/// only when it is the argmax, a sampled one when it is the target's draw (coupled) or with
+/// probability min(1, p/q) (rejection), so their acceptance differs (SmolLM2's MTP head on JSON:
+/// 0.84-0.94 greedy, 0.40 at temperature 1) and no kind of request starts from another's record.
+fn prior_key(decode_path: &str, verify: &str) -> String {
+    format!("{decode_path} ({verify})")
 }
 
 /// The [`DraftGuide`] of one draft step: the controller's `go_on` when its calibrated

@@ -8,7 +8,7 @@ use candle_core::quantized::GgmlDType;
 use specula_engine::device::CpuSlots;
 use specula_engine::model::Family;
 use specula_engine::spec::mtp::MtpLayout;
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::testing::{
     write_random_block_drafter, write_random_fused_mtp_head, write_random_mtp_head, write_tiny_gguf, TinySpec,
 };
@@ -132,20 +132,34 @@ fn random_mtp_heads_in_both_layouts_draft_and_match_ar() {
             let on = run(&mut e, &on_req);
             assert_eq!(on.stats.spec.decode_path, "mtp+ngram");
             assert_eq!(on.token_ids, ar.token_ids);
-            // Sampling requests draft from the head's distribution (rejection sampling); same
-            // seed, same output.
+            // Sampled requests verify by coupling (the default): the head draws its drafts from
+            // its distribution with the target's key, and a seeded output is the seed's plain
+            // output.
             let sampling = SamplingParams {
                 temperature: 0.8,
                 seed: Some(3),
                 ..SamplingParams::greedy()
             };
+            let a_sampling = sampling.clone();
             let a = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, 4, sampling.clone()));
-            let b = run(&mut e, &req(prompt.clone(), SpecMode::Mtp, 4, sampling));
+            let b = run(&mut e, &req(prompt.clone(), SpecMode::Off, 4, sampling));
             assert_eq!(
                 a.token_ids, b.token_ids,
-                "{family:?} {layout:?}: seeded sampling repeats"
+                "{family:?} {layout:?}: seeded sampling with the head is plain sampling"
             );
+            assert_eq!(a.stats.spec.verify, "coupled");
             assert!(a.stats.spec.drafted > 0);
+            // Rejection sampling: the head's sampled drafts carry q; with a fixed k the same
+            // seed repeats its output.
+            let mut rej = req(prompt.clone(), SpecMode::Mtp, 4, a_sampling.clone());
+            rej.spec.sampled_verify = SampledVerify::Rejection;
+            let (r1, r2) = (run(&mut e, &rej), run(&mut e, &rej));
+            assert_eq!(
+                r1.token_ids, r2.token_ids,
+                "{family:?} {layout:?}: seeded rejection repeats"
+            );
+            assert_eq!(r1.stats.spec.verify, "rejection");
+            assert!(r1.stats.spec.drafted > 0);
         }
     }
 }
@@ -644,9 +658,19 @@ fn random_block_drafters_draft_a_block_and_match_ar() {
             seed: Some(9),
             ..SamplingParams::greedy()
         };
+        let a_sampling = sampling.clone();
         let a = run(&mut e, &req(prompt.clone(), SpecMode::Block, 4, sampling.clone()));
-        let b = run(&mut e, &req(prompt.clone(), SpecMode::Block, 4, sampling));
-        assert_eq!(a.token_ids, b.token_ids, "{family:?}: seeded sampling repeats");
+        let b = run(&mut e, &req(prompt.clone(), SpecMode::Off, 4, sampling));
+        assert_eq!(
+            a.token_ids, b.token_ids,
+            "{family:?}: seeded sampling with the block drafter is plain sampling"
+        );
+        assert!(a.stats.spec.drafted > 0);
+        let mut rej = req(prompt.clone(), SpecMode::Block, 4, a_sampling);
+        rej.spec.sampled_verify = SampledVerify::Rejection;
+        let (r1, r2) = (run(&mut e, &rej), run(&mut e, &rej));
+        assert_eq!(r1.token_ids, r2.token_ids, "{family:?}: seeded rejection repeats");
+        assert_eq!(r1.stats.spec.verify, "rejection");
     }
 }
 

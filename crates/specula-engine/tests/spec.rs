@@ -431,6 +431,46 @@ fn seeded_sampling_with_speculation_is_plain_decoding() {
     }
 }
 
+/// Runs `reqs` as one batch, trimming every pending draft to another length at every step
+/// (`Sequence::trim_draft`, as the batch's draft budget may), and checks that each stream's
+/// tokens equal its solo plain run and that a draft is trimmable exactly when its k is adaptive;
+/// returns the outputs.
+fn batch_with_trims(e: &mut Engine, reqs: &[GenerateRequest]) -> Vec<GenerateOutput> {
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| {
+            let mut ar = r.clone();
+            ar.spec = SpecOptions::default();
+            run(e, &ar).0.token_ids
+        })
+        .collect();
+    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+    let mut step = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        for (i, s) in seqs.iter_mut().enumerate() {
+            if let Some(d) = s.pending_draft() {
+                assert!(d.len > 0 && d.alphas.len() == d.len && d.alphas.iter().all(|a| (0.0..=1.0).contains(a)));
+                assert_eq!(d.trimmable, reqs[i].spec.adaptive);
+                s.trim_draft((step + i) % (d.len + 1));
+            }
+        }
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+        step += 1;
+        assert!(step < 500, "no progress");
+    }
+    seqs.into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let out = e.retire(s, true);
+            assert_eq!(out.token_ids, solo[i], "stream {i} ({:?})", reqs[i].spec);
+            out
+        })
+        .collect()
+}
+
 /// Coupled drafts in a batch: the budget may trim them (they are deterministic drafts), and each
 /// seeded sampled stream still equals its solo plain run, whatever it kept.
 #[test]
@@ -454,33 +494,7 @@ fn seeded_sampled_streams_in_a_batch_equal_their_solo_runs() {
         r.spec = *m;
         reqs.push(r);
     }
-    let solo: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| {
-            let mut ar = r.clone();
-            ar.spec = SpecOptions::default();
-            run(&mut e, &ar).0.token_ids
-        })
-        .collect();
-    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
-    let mut step = 0;
-    while seqs.iter().any(|s| s.finished().is_none()) {
-        for (i, s) in seqs.iter_mut().enumerate() {
-            if let Some(d) = s.pending_draft() {
-                assert_eq!(d.trimmable, reqs[i].spec.adaptive, "coupled drafts are deterministic");
-                s.trim_draft((step + i) % (d.len + 1));
-            }
-        }
-        let mut refs: Vec<_> = seqs.iter_mut().collect();
-        for r in e.step(&mut refs) {
-            r.expect("step");
-        }
-        step += 1;
-        assert!(step < 500, "no progress");
-    }
-    for (i, s) in seqs.into_iter().enumerate() {
-        let out = e.retire(s, true);
-        assert_eq!(out.token_ids, solo[i], "stream {i} ({:?})", reqs[i].spec);
+    for out in batch_with_trims(&mut e, &reqs) {
         assert_eq!(out.stats.spec.verify, "coupled");
     }
 }
@@ -542,34 +556,7 @@ fn trimmed_drafts_in_a_batch_still_equal_ar() {
         r.spec = *m;
         reqs.push(r);
     }
-    let solo: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| {
-            let mut ar = r.clone();
-            ar.spec = SpecOptions::default();
-            run(&mut e, &ar).0.token_ids
-        })
-        .collect();
-    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
-    let mut step = 0;
-    while seqs.iter().any(|s| s.finished().is_none()) {
-        for (i, s) in seqs.iter_mut().enumerate() {
-            if let Some(d) = s.pending_draft() {
-                assert!(d.len > 0 && d.alphas.len() == d.len && d.alphas.iter().all(|a| (0.0..=1.0).contains(a)));
-                assert_eq!(d.trimmable, reqs[i].spec.adaptive);
-                s.trim_draft((step + i) % (d.len + 1));
-            }
-        }
-        let mut refs: Vec<_> = seqs.iter_mut().collect();
-        for r in e.step(&mut refs) {
-            r.expect("step");
-        }
-        step += 1;
-        assert!(step < 500, "no progress");
-    }
-    for (i, s) in seqs.into_iter().enumerate() {
-        let out = e.retire(s, true);
-        assert_eq!(out.token_ids, solo[i], "stream {i} ({:?})", reqs[i].spec);
+    for (i, out) in batch_with_trims(&mut e, &reqs).into_iter().enumerate() {
         let sp = &out.stats.spec;
         // A fixed-k stream verifies what is left after every trim; an adaptive one may also
         // pause drafting when its timings (noisy on a loaded machine) say drafts do not pay.
@@ -729,7 +716,11 @@ fn samples_constrained(
     grammar: Option<&GrammarSpec>,
 ) -> (Vec<Vec<u32>>, usize, usize, usize) {
     let (mut drafted, mut accepted, mut lookup) = (0, 0, 0);
-    let out = (0..runs)
+    // Speculative runs take other seeds than plain ones: a seed's plain draws are keyed by
+    // position, so the same seeds would pair the two samples (the first token, and every step
+    // without a draft, the same in both), which a two-sample test must not have.
+    let first = if opts.mode == SpecMode::Off { 0 } else { 1_000_000 };
+    let out = (first..first + runs)
         .map(|seed| {
             let mut r = req.clone();
             r.spec = opts;

@@ -1107,7 +1107,7 @@ async fn spec_ngram_equals_off_chat_and_stream() {
 }
 
 /// A seeded sampled request is reproducible with speculation: its output equals the same
-/// request's without speculation, byte for byte (`auto` verifies a seeded request by coupling);
+/// request's without speculation, byte for byte (coupled verification, the default);
 /// `sampled_verify: "rejection"` verifies by rejection sampling, and the stats say which.
 #[tokio::test]
 async fn seeded_sampled_requests_with_speculation_equal_plain_decoding() {

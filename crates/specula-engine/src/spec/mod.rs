@@ -221,9 +221,11 @@ pub fn softmax_probability(row: &[f32], i: usize) -> f32 {
 /// `logit_bias` first (the target's rows carry it, so a token the request bans is not drafted
 /// only to be rejected, and one it favours is drafted where the target would pick it), then the
 /// argmax at temperature 0, or, when sampling, a draw from the processed distribution (the
-/// request's temperature, top-k, top-p and min-p; penalties off) with the drafter's own RNG,
-/// returned as q for rejection sampling (Leviathan et al. 2023). What is committed never depends
-/// on it: the target verifies every draft.
+/// request's temperature, top-k, top-p and min-p; penalties off): under coupling (the default,
+/// [`SampledVerify::Coupled`]) the keyed draw with the target's key at the draft token's
+/// position, a deterministic draft without q; under rejection sampling a draw with the
+/// drafter's own RNG, returned as q (Leviathan et al. 2023). What is committed never depends on
+/// it: the target verifies every draft.
 #[derive(Debug, Clone)]
 pub struct DraftSampling {
     /// The request's `(token id, bias)` pairs ([`crate::sampling::SamplingParams::logit_bias`]).
