@@ -431,6 +431,13 @@ fn seeded_sampling_with_speculation_is_plain_decoding() {
     }
 }
 
+/// Prompts of the batch tests: a tiny model's text that repeats, so drafts are accepted.
+const BATCH_PROMPTS: [&str; 3] = [
+    "the then the thin the then",
+    "a b a b a b a",
+    "thin then thin then thin",
+];
+
 /// Runs `reqs` as one batch, trimming every pending draft to another length at every step
 /// (`Sequence::trim_draft`, as the batch's draft budget may), and checks that each stream's
 /// tokens equal its solo plain run and that a draft is trimmable exactly when its k is adaptive;
@@ -476,11 +483,7 @@ fn batch_with_trims(e: &mut Engine, reqs: &[GenerateRequest]) -> Vec<GenerateOut
 #[test]
 fn seeded_sampled_streams_in_a_batch_equal_their_solo_runs() {
     let (_d, mut e) = tiny_pair(Draft::Other);
-    let prompts = [
-        "the then the thin the then",
-        "a b a b a b a",
-        "thin then thin then thin",
-    ];
+    let prompts = BATCH_PROMPTS;
     let modes = [
         coupled(SpecMode::Draft, 4, true),
         coupled(SpecMode::Draft, 3, false),
@@ -539,11 +542,7 @@ fn draft_model_greedy_equals_ar_for_every_k() {
 #[test]
 fn trimmed_drafts_in_a_batch_still_equal_ar() {
     let (_d, mut e) = tiny_pair(Draft::Other);
-    let prompts = [
-        "the then the thin the then",
-        "a b a b a b a",
-        "thin then thin then thin",
-    ];
+    let prompts = BATCH_PROMPTS;
     let modes = [
         mode(SpecMode::Ngram, 4, true),
         mode(SpecMode::Draft, 4, false),
