@@ -345,6 +345,11 @@ impl EngineHandle {
         bundle: Option<serde_json::Value>,
     ) -> Self {
         let metrics = Metrics::new();
+        // The KV pool as the server starts (a preallocated pool shows at once; the worker sets
+        // the gauges again after every step).
+        let pool = engine.model().kv_pool_stats();
+        metrics.kv_pool_blocks_in_use.set(pool.in_use as i64);
+        metrics.kv_pool_bytes.set((pool.allocated * pool.block_bytes) as i64);
         let model = ModelInfo {
             loads: crate::admin::startup_loads(&engine, &metrics),
             effective_spec: effective_spec_json(&engine, &spec),

@@ -258,3 +258,17 @@ async fn the_kv_budget_refuses_what_cannot_fit_and_queues_what_must_wait() {
     let (shared, _) = batched_steps(&app).await;
     assert!(shared > after, "small requests were batched together");
 }
+
+/// The KV pool's gauges read the pool from the start (a preallocated pool, `--kv-budget-mb`),
+/// not only after the first request (fresh-user trial: `specula_kv_pool_bytes` read 0 after the
+/// log said the pool was preallocated).
+#[tokio::test]
+async fn kv_pool_gauges_read_the_pool_before_any_request() {
+    let engine = smollm2_with(LoadOptions::default());
+    let blocks = engine.model().kv_pool().reserve_bytes(4 << 20);
+    assert!(blocks > 0);
+    let app = router(EngineHandle::spawn_with_queue(engine, 4));
+    let m = get(&app, "/metrics").await.text;
+    assert!(metric_value(&m, "specula_kv_pool_bytes") > 0, "{m}");
+    assert_eq!(metric_value(&m, "specula_kv_pool_blocks_in_use"), 0, "{m}");
+}
