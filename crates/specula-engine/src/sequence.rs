@@ -110,11 +110,6 @@ pub struct Sequence {
     /// Sampled drafts are verified by coupling ([`crate::spec::SampledVerify::Coupled`]): the target's token
     /// at each row is its keyed draw, as plain decoding draws it.
     coupled: bool,
-    /// Plain sampling draws are keyed ([`Sampler::draw`]): the request has a seed (its output
-    /// must not depend on whether anything was drafted) or verifies by coupling. Otherwise the
-    /// cheaper draw from the request's stream ([`Sampler::draw_from_stream`]; about 0.1 ms a
-    /// token less on a 49k vocabulary).
-    keyed_draws: bool,
     /// Structured-output constraint, applied to every row like the penalties.
     constraint: Option<Box<dyn Constraint>>,
     /// The last decode forward's row count and seconds, until its rows are accepted.
@@ -266,7 +261,6 @@ impl Sequence {
                 d.couple(sampler.noise_key());
             }
         }
-        let keyed_draws = coupled || req.sampling.seed.is_some();
         let accept_rng = (drafter.is_some() && !greedy && !coupled)
             .then(|| UniformRandomness(ChaCha20Rng::seed_from_u64(sampler.fork_seed())));
         if drafter.is_some() {
@@ -310,7 +304,6 @@ impl Sequence {
             lookup_alphas: None,
             accept_rng,
             coupled,
-            keyed_draws,
             constraint,
             k_ctl,
             deferred,
@@ -673,7 +666,10 @@ impl Sequence {
             }
         };
         let next = match ar_dist {
-            Some(dist) if self.keyed_draws => self.sampler.draw(&dist, base),
+            // Keyed where it matters: coupling, or a seed (its output must not depend on
+            // whether anything was drafted); otherwise the cheaper stream draw (about 0.1 ms a
+            // token less on a 49k vocabulary).
+            Some(dist) if self.coupled || self.req.sampling.seed.is_some() => self.sampler.draw(&dist, base),
             Some(dist) => self.sampler.draw_from_stream(&dist),
             None => next,
         };
