@@ -32,11 +32,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::GgmlDType;
 use serde::Serialize;
 use serde_json::Value as Json;
 
+use crate::arch::{Architecture, AttentionKind, Kind, LayerPlan, MlpKind, Role};
 use crate::model::{Family, ModelConfig};
 use crate::spec::SpecMode;
 use crate::tuning::{self, BundleId, Machine, TunedDefault};
@@ -106,15 +107,7 @@ impl std::fmt::Display for Diagnostic {
     }
 }
 
-/// The two bundle layouts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BundleFormat {
-    /// One GGUF file (or a directory holding exactly one).
-    Gguf,
-    /// A Hugging Face directory: config.json + safetensors + tokenizer files.
-    Hf,
-}
+pub use crate::arch::BundleFormat;
 
 /// One weight file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -267,6 +260,8 @@ pub struct BundleReport {
     /// The hyper-parameters the loader will use (when the family is supported and the config is
     /// complete).
     pub config: Option<ModelConfig>,
+    /// Per layer, what the forward runs (from the architecture; empty without a config).
+    pub layer_plan: Vec<LayerPlan>,
     pub context_length: Option<usize>,
     pub files: Vec<WeightFile>,
     /// Elements of every tensor in the weight files (MTP tensors included).
@@ -497,6 +492,8 @@ pub struct Part {
     pub root: PathBuf,
     pub name: String,
     pub arch: Option<String>,
+    /// The architecture that reads it (None: not supported).
+    pub architecture: Option<&'static dyn Architecture>,
     pub family: Option<Family>,
     pub config: Option<ModelConfig>,
     pub hyper: RawHyper,
@@ -606,6 +603,12 @@ fn read_json(path: &Path) -> Result<Json, String> {
     serde_json::from_str(&s).map_err(|e| format!("invalid JSON: {e}"))
 }
 
+/// The family a supported architecture gives a bundle named `name` (a member of the dense
+/// Llama family, or the architecture itself).
+fn family_of(arch: Option<&'static dyn Architecture>, name: &str) -> Option<Family> {
+    arch.map(|a| Family::parse(name).unwrap_or(Family::Other(a.name())))
+}
+
 fn json_usize(c: &Json, key: &str) -> Option<usize> {
     c.get(key).and_then(Json::as_u64).and_then(|x| usize::try_from(x).ok())
 }
@@ -620,6 +623,7 @@ pub fn read_part(path: &Path, component: Component) -> anyhow::Result<Part> {
         root,
         name: String::new(),
         arch: None,
+        architecture: None,
         family: None,
         config: None,
         hyper: RawHyper::default(),
@@ -688,7 +692,8 @@ fn read_gguf_part(part: &mut Part, file: &Path) {
         return;
     };
     part.arch = Some(arch.clone());
-    part.family = Family::parse(&arch);
+    part.architecture = crate::arch::by_gguf(&arch);
+    part.family = family_of(part.architecture, &arch);
     let nextn = gguf::meta_usize(md, &format!("{arch}.nextn_predict_layers"));
     if let Some(n) = nextn {
         part.markers.push(Marker {
@@ -697,48 +702,41 @@ fn read_gguf_part(part: &mut Part, file: &Path) {
             value: n,
         });
     }
+    let schema = part.architecture.unwrap_or(&crate::arch::llama::Llama).tensors();
+    let embd = crate::arch::spec(schema, Role::TokenEmbedding).name(BundleFormat::Gguf, 0);
     part.hyper = RawHyper {
         hidden: gguf::meta_usize(md, &format!("{arch}.embedding_length")),
         layers: gguf::meta_usize(md, &format!("{arch}.block_count")).map(|b| b.saturating_sub(nextn.unwrap_or(0))),
-        vocab: part
-            .tensors
-            .get("token_embd.weight")
-            .and_then(|t| t.dims.first().copied()),
+        vocab: part.tensors.get(&embd).and_then(|t| t.dims.first().copied()),
     };
-    if part.family.is_none() {
-        part.diag(
+    let mut missing = false;
+    match part.architecture {
+        None => part.diag(
             Severity::Error,
             &fname,
             "general.architecture",
-            format!("'{arch}' is not supported (llama, qwen2, qwen3)"),
-        );
-    }
-    let mut missing = false;
-    for k in [
-        "embedding_length",
-        "attention.head_count",
-        "feed_forward_length",
-        "block_count",
-        "context_length",
-    ] {
-        let key = format!("{arch}.{k}");
-        if gguf::meta_usize(md, &key).is_none() {
-            part.diag(
-                Severity::Error,
-                &fname,
-                &key,
-                "missing (or not an integer) metadata key",
-            );
-            missing = true;
+            format!(
+                "'{arch}' is not supported ({})",
+                crate::arch::supported(BundleFormat::Gguf)
+            ),
+        ),
+        Some(a) => {
+            for k in a.gguf_required_keys() {
+                let key = format!("{arch}.{k}");
+                if gguf::meta_usize(md, &key).is_none() {
+                    part.diag(
+                        Severity::Error,
+                        &fname,
+                        &key,
+                        "missing (or not an integer) metadata key",
+                    );
+                    missing = true;
+                }
+            }
         }
     }
-    if part.tensors.get("token_embd.weight").is_none() {
-        part.diag(
-            Severity::Error,
-            &fname,
-            "token_embd.weight",
-            "missing tensor (the token embedding)",
-        );
+    if part.tensors.get(&embd).is_none() {
+        part.diag(Severity::Error, &fname, &embd, "missing tensor (the token embedding)");
         missing = true;
     }
     // Tokenizer.
@@ -820,37 +818,10 @@ fn read_gguf_part(part: &mut Part, file: &Path) {
             ),
         }
     }
-    // The loader's config, from the same keys (its semantics, not a re-implementation).
-    if part.family.is_some() && !missing {
-        let header = crate::bundle::gguf::GgufHeader {
-            content: gguf_file::Content {
-                magic: gguf_file::VersionedMagic::GgufV3,
-                metadata: md
-                    .iter()
-                    .filter(|(k, _)| !k.starts_with("tokenizer."))
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
-                tensor_infos: HashMap::from_iter(
-                    scan.tensors
-                        .iter()
-                        .filter(|t| t.name == "token_embd.weight")
-                        .filter_map(|t| {
-                            t.dtype.map(|dt| {
-                                (
-                                    t.name.clone(),
-                                    gguf_file::TensorInfo {
-                                        ggml_dtype: dt,
-                                        shape: candle_core::Shape::from(t.dims.clone()),
-                                        offset: t.offset,
-                                    },
-                                )
-                            })
-                        }),
-                ),
-                tensor_data_offset: scan.data_offset,
-            },
-        };
-        match header.config() {
+    // The loader's config, read by the same code.
+    if let (Some(a), false) = (part.architecture, missing) {
+        let tensors = &part.tensors;
+        match a.config_from_gguf(&arch, md, &|n: &str| tensors.get(n).map(|t| t.dims.clone())) {
             Ok(c) => part.config = Some(c),
             Err(e) => part.diag(Severity::Error, &fname, "metadata", format!("{e:#}")),
         }
@@ -922,32 +893,26 @@ fn read_hf_part(part: &mut Part) {
             ),
             Some(mt) => {
                 part.arch = Some(mt.to_string());
-                part.family = Family::parse(mt);
-                if part.family.is_none() {
+                part.architecture = crate::arch::by_hf(mt);
+                part.family = family_of(part.architecture, mt);
+                if part.architecture.is_none() {
                     part.diag(
                         Severity::Error,
                         &cfg_file,
                         "model_type",
-                        format!("'{mt}' is not supported (llama, qwen2, qwen3)"),
+                        format!("'{mt}' is not supported ({})", crate::arch::supported(BundleFormat::Hf)),
                     );
                 }
             }
         }
         let mut complete = true;
-        for k in [
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "max_position_embeddings",
-        ] {
+        for k in part.architecture.map_or(&[][..], |a| a.hf_required_fields()) {
             if json_usize(c, k).is_none() {
-                part.diag(Severity::Error, &cfg_file, k, "missing or non-integer field");
+                part.diag(Severity::Error, &cfg_file, *k, "missing or non-integer field");
                 complete = false;
             }
         }
-        if part.family.is_some() && complete {
+        if part.architecture.is_some() && complete {
             match crate::bundle::hf::read_config(&dir) {
                 Ok(c) => part.config = Some(c),
                 Err(e) => part.diag(Severity::Error, &cfg_file, "", format!("{e:#}")),
@@ -1201,60 +1166,14 @@ fn read_hf_tokenizer(part: &mut Part, dir: &Path) {
     }
 }
 
-/// The tensors the loader takes, with their expected shapes: (name, shape, required).
-fn expected_trunk(format: BundleFormat, c: &ModelConfig) -> Vec<(String, Vec<usize>, bool)> {
-    let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-    let (q, kv, d) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim);
-    let mut out = Vec::new();
-    let mut add = |n: String, s: Vec<usize>, req: bool| out.push((n, s, req));
-    match format {
-        BundleFormat::Gguf => {
-            add("token_embd.weight".into(), vec![v, h], true);
-            for l in 0..c.num_layers {
-                let p = format!("blk.{l}");
-                add(format!("{p}.attn_norm.weight"), vec![h], true);
-                add(format!("{p}.attn_q.weight"), vec![q, h], true);
-                add(format!("{p}.attn_k.weight"), vec![kv, h], true);
-                add(format!("{p}.attn_v.weight"), vec![kv, h], true);
-                add(format!("{p}.attn_output.weight"), vec![h, q], true);
-                add(format!("{p}.attn_q.bias"), vec![q], false);
-                add(format!("{p}.attn_k.bias"), vec![kv], false);
-                add(format!("{p}.attn_v.bias"), vec![kv], false);
-                add(format!("{p}.attn_q_norm.weight"), vec![d], false);
-                add(format!("{p}.attn_k_norm.weight"), vec![d], false);
-                add(format!("{p}.ffn_norm.weight"), vec![h], true);
-                add(format!("{p}.ffn_gate.weight"), vec![i, h], true);
-                add(format!("{p}.ffn_up.weight"), vec![i, h], true);
-                add(format!("{p}.ffn_down.weight"), vec![h, i], true);
-            }
-            add("output_norm.weight".into(), vec![h], true);
-            add("output.weight".into(), vec![v, h], false);
-            add("rope_freqs.weight".into(), vec![d / 2], false);
-        }
-        BundleFormat::Hf => {
-            add("model.embed_tokens.weight".into(), vec![v, h], true);
-            for l in 0..c.num_layers {
-                let p = format!("model.layers.{l}");
-                add(format!("{p}.input_layernorm.weight"), vec![h], true);
-                add(format!("{p}.self_attn.q_proj.weight"), vec![q, h], true);
-                add(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], true);
-                add(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], true);
-                add(format!("{p}.self_attn.o_proj.weight"), vec![h, q], true);
-                add(format!("{p}.self_attn.q_proj.bias"), vec![q], false);
-                add(format!("{p}.self_attn.k_proj.bias"), vec![kv], false);
-                add(format!("{p}.self_attn.v_proj.bias"), vec![kv], false);
-                add(format!("{p}.self_attn.q_norm.weight"), vec![d], false);
-                add(format!("{p}.self_attn.k_norm.weight"), vec![d], false);
-                add(format!("{p}.post_attention_layernorm.weight"), vec![h], true);
-                add(format!("{p}.mlp.gate_proj.weight"), vec![i, h], true);
-                add(format!("{p}.mlp.up_proj.weight"), vec![i, h], true);
-                add(format!("{p}.mlp.down_proj.weight"), vec![h, i], true);
-            }
-            add("model.norm.weight".into(), vec![h], true);
-            add("lm_head.weight".into(), vec![v, h], false);
-        }
-    }
-    out
+/// The tensors the loader takes, with their expected shapes: (name, shape, required), from
+/// the architecture's schema.
+fn expected_trunk(part: &Part, c: &ModelConfig) -> Vec<(String, Vec<usize>, bool)> {
+    let Some(a) = part.architecture else { return Vec::new() };
+    crate::arch::expected_tensors(a.tensors(), part.format, c.num_layers)
+        .into_iter()
+        .map(|(n, s)| (n, (s.shape)(c), s.required))
+        .collect()
 }
 
 /// Check the tensors the loader will take: present, right shape, a loadable dtype; and the
@@ -1262,7 +1181,7 @@ fn expected_trunk(format: BundleFormat, c: &ModelConfig) -> Vec<(String, Vec<usi
 fn check_trunk_tensors(part: &mut Part) {
     let Some(c) = part.config.clone() else { return };
     let mut problems = Vec::new();
-    for (name, shape, required) in expected_trunk(part.format, &c) {
+    for (name, shape, required) in expected_trunk(part, &c) {
         match part.tensors.get(&name) {
             None if required => problems.push((
                 part.files.first().map(|f| f.path.clone()).unwrap_or_default(),
@@ -1389,47 +1308,30 @@ fn compare_tokenizers(target: &Part, draft: &Part) -> Result<(), String> {
     }
 }
 
-/// The projection tensors of a trunk (the matrices the loader turns into `Linear`s).
-fn projection_names(format: BundleFormat, c: &ModelConfig, tensors: &Tensors) -> Vec<String> {
-    let mut v = Vec::new();
-    for l in 0..c.num_layers {
-        match format {
-            BundleFormat::Gguf => {
-                for s in [
-                    "attn_q",
-                    "attn_k",
-                    "attn_v",
-                    "attn_output",
-                    "ffn_gate",
-                    "ffn_up",
-                    "ffn_down",
-                ] {
-                    v.push(format!("blk.{l}.{s}.weight"));
-                }
-            }
-            BundleFormat::Hf => {
-                for s in [
-                    "self_attn.q_proj",
-                    "self_attn.k_proj",
-                    "self_attn.v_proj",
-                    "self_attn.o_proj",
-                    "mlp.gate_proj",
-                    "mlp.up_proj",
-                    "mlp.down_proj",
-                ] {
-                    v.push(format!("model.layers.{l}.{s}.weight"));
-                }
-            }
-        }
+/// The projection tensors of a trunk (the matrices the loader turns into `Linear`s): the
+/// schema's matrices present in the bundle, and the LM head (the embedding table when tied).
+fn projection_names(part: &Part, c: &ModelConfig) -> Vec<String> {
+    let Some(a) = part.architecture else { return Vec::new() };
+    let schema = a.tensors();
+    let mut v: Vec<String> = crate::arch::expected_tensors(schema, part.format, c.num_layers)
+        .into_iter()
+        .filter(|(n, s)| s.kind == Kind::Matrix && (s.required || part.tensors.get(n).is_some()))
+        .map(|(n, _)| n)
+        .collect();
+    if !v
+        .iter()
+        .any(|n| *n == crate::arch::spec(schema, Role::Output).name(part.format, 0))
+    {
+        v.push(crate::arch::spec(schema, Role::TokenEmbedding).name(part.format, 0));
     }
-    let head = match format {
-        BundleFormat::Gguf if tensors.get("output.weight").is_some() => "output.weight",
-        BundleFormat::Gguf => "token_embd.weight",
-        BundleFormat::Hf if tensors.get("lm_head.weight").is_some() => "lm_head.weight",
-        BundleFormat::Hf => "model.embed_tokens.weight",
-    };
-    v.push(head.to_string());
     v
+}
+
+/// Whether the LM head is tied to the embedding (the bundle has no separate one).
+fn tied_head(part: &Part) -> bool {
+    let Some(a) = part.architecture else { return false };
+    let out = crate::arch::spec(a.tensors(), Role::Output).name(part.format, 0);
+    part.tensors.get(&out).is_none()
 }
 
 /// Does a projection of this type and input width run on our batch-invariant kernels? Mirrors
@@ -1453,7 +1355,7 @@ fn kernel_report(part: &Part) -> Option<KernelReport> {
         });
     }
     let mut off: Vec<String> = Vec::new();
-    let names = projection_names(part.format, c, &part.tensors);
+    let names = projection_names(part, c);
     for n in &names {
         if let Some(t) = part.tensors.get(n) {
             let ok = t
@@ -1490,9 +1392,12 @@ fn weights_in_memory(part: &Part) -> u64 {
     let Some(c) = part.config.as_ref() else {
         return part.tensors.list.iter().map(|t| t.bytes).sum();
     };
-    let expected = expected_trunk(part.format, c);
-    let projections: std::collections::HashSet<String> =
-        projection_names(part.format, c, &part.tensors).into_iter().collect();
+    let expected = expected_trunk(part, c);
+    let projections: std::collections::HashSet<String> = projection_names(part, c).into_iter().collect();
+    let embd = part
+        .architecture
+        .map(|a| crate::arch::spec(a.tensors(), Role::TokenEmbedding).name(part.format, 0))
+        .unwrap_or_default();
     let mut total = 0u64;
     for (name, _, _) in &expected {
         let Some(t) = part.tensors.get(name) else { continue };
@@ -1500,7 +1405,7 @@ fn weights_in_memory(part: &Part) -> u64 {
             BundleFormat::Hf => t.elements() * 4,
             BundleFormat::Gguf => {
                 let dense = matches!(t.ggml, Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None);
-                if projections.contains(name) || name == "token_embd.weight" {
+                if projections.contains(name) || *name == embd {
                     if dense {
                         t.elements() * 4
                     } else {
@@ -1514,12 +1419,9 @@ fn weights_in_memory(part: &Part) -> u64 {
         };
     }
     // A tied LM head: the embedding's tensor made into a Linear as well.
-    let tied = match part.format {
-        BundleFormat::Gguf => part.tensors.get("output.weight").is_none(),
-        BundleFormat::Hf => false,
-    };
+    let tied = part.format == BundleFormat::Gguf && tied_head(part);
     if tied {
-        if let Some(t) = part.tensors.get("token_embd.weight") {
+        if let Some(t) = part.tensors.get(&embd) {
             total += match t.ggml {
                 Some(dt) if own_kernel(dt, t.dims.get(1).copied().unwrap_or(0)) => t.bytes,
                 Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None => t.elements() * 4,
@@ -1765,6 +1667,10 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleRepor
         name: target.name.clone(),
         architecture: target.arch.clone(),
         family: target.family,
+        layer_plan: match (target.architecture, &target.config) {
+            (Some(a), Some(c)) => a.layer_plan(c),
+            _ => Vec::new(),
+        },
         context_length: target.config.as_ref().map(|c| c.context_length),
         config: target.config.clone(),
         files: target.files.clone(),
@@ -1911,6 +1817,43 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
 // ---------------------------------------------------------------------------------------------
 // Text rendering.
 
+/// A layer plan in words, runs of equal layers counted: "30 x full attention, SwiGLU MLP".
+fn layer_plan_line(plan: &[LayerPlan]) -> String {
+    let words = |p: &LayerPlan| {
+        let mut w = vec![match p.attention {
+            AttentionKind::Full => "full attention",
+        }
+        .to_string()];
+        if p.qkv_bias {
+            w.push("q/k/v bias".into());
+        }
+        if p.qk_norm {
+            w.push("QK-norm".into());
+        }
+        w.push(
+            match p.mlp {
+                MlpKind::DenseSwiGlu => "SwiGLU MLP",
+            }
+            .into(),
+        );
+        if p.parallel {
+            w.push("in parallel from one norm".into());
+        }
+        w.join(", ")
+    };
+    let mut runs: Vec<(usize, &LayerPlan)> = Vec::new();
+    for p in plan {
+        match runs.last_mut() {
+            Some((n, q)) if *q == p => *n += 1,
+            _ => runs.push((1, p)),
+        }
+    }
+    runs.iter()
+        .map(|(n, p)| format!("{n} x {}", words(p)))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 fn millions(n: u64) -> String {
     if n >= 1_000_000_000 {
         format!("{:.2} B", n as f64 / 1e9)
@@ -1980,6 +1923,9 @@ impl std::fmt::Display for BundleReport {
                 "  context        {} tokens; {} layers, hidden {}, {} heads / {} KV heads x {}, vocab {}",
                 c.context_length, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
             )?;
+        }
+        if !self.layer_plan.is_empty() {
+            writeln!(f, "  layers         {}", layer_plan_line(&self.layer_plan))?;
         }
         let t = &self.tokenizer;
         if t.found {

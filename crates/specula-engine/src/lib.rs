@@ -3,6 +3,7 @@
 //!
 //! See `DESIGN.md` at the repository root for the pipeline and the exactness promise.
 
+pub mod arch;
 pub mod bundle;
 pub mod cache;
 pub mod catalog;

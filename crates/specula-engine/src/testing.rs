@@ -8,7 +8,8 @@ use anyhow::Result;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::model::Family;
+use crate::arch::{llama, Architecture, BundleFormat, Role};
+use crate::model::{Family, ModelConfig};
 
 /// Shape of a tiny test model.
 #[derive(Debug, Clone)]
@@ -101,89 +102,126 @@ pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {
 
 const TINY_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
-/// Deterministic random weights, N(0, scale²)-ish, named as HF names them. Shapes are HF's
-/// (`[out, in]`).
-fn tiny_weights(spec: &TinySpec, vocab: usize) -> Result<Vec<(String, Tensor)>> {
-    let dev = Device::Cpu;
-    let mut state = spec.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut rand = |shape: &[usize], scale: f32| -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                ((state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32 * scale
-            })
-            .collect();
-        Ok(Tensor::from_vec(v, shape, &dev)?)
-    };
-    let (h, i, d) = (spec.hidden, spec.intermediate, spec.head_dim);
-    let mut w = vec![("model.embed_tokens.weight".to_string(), rand(&[vocab, h], 1.0)?)];
-    for l in 0..spec.layers {
-        let p = format!("model.layers.{l}");
-        let ones = |n: usize| Tensor::ones(n, candle_core::DType::F32, &dev);
-        w.push((format!("{p}.input_layernorm.weight"), (ones(h)? + rand(&[h], 0.1)?)?));
-        w.push((format!("{p}.self_attn.q_proj.weight"), rand(&[spec.heads * d, h], 0.3)?));
-        w.push((
-            format!("{p}.self_attn.k_proj.weight"),
-            rand(&[spec.kv_heads * d, h], 0.3)?,
-        ));
-        w.push((
-            format!("{p}.self_attn.v_proj.weight"),
-            rand(&[spec.kv_heads * d, h], 0.3)?,
-        ));
-        w.push((format!("{p}.self_attn.o_proj.weight"), rand(&[h, spec.heads * d], 0.3)?));
-        if spec.family == Family::Qwen2 {
-            w.push((format!("{p}.self_attn.q_proj.bias"), rand(&[spec.heads * d], 0.1)?));
-            w.push((format!("{p}.self_attn.k_proj.bias"), rand(&[spec.kv_heads * d], 0.1)?));
-            w.push((format!("{p}.self_attn.v_proj.bias"), rand(&[spec.kv_heads * d], 0.1)?));
-        }
-        if spec.family == Family::Qwen3 {
-            w.push((format!("{p}.self_attn.q_norm.weight"), (ones(d)? + rand(&[d], 0.1)?)?));
-            w.push((format!("{p}.self_attn.k_norm.weight"), (ones(d)? + rand(&[d], 0.1)?)?));
-        }
-        w.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            (ones(h)? + rand(&[h], 0.1)?)?,
-        ));
-        w.push((format!("{p}.mlp.gate_proj.weight"), rand(&[i, h], 0.3)?));
-        w.push((format!("{p}.mlp.up_proj.weight"), rand(&[i, h], 0.3)?));
-        w.push((format!("{p}.mlp.down_proj.weight"), rand(&[h, i], 0.3)?));
+/// The config a [`TinySpec`] describes.
+fn tiny_config(spec: &TinySpec, vocab: usize) -> ModelConfig {
+    ModelConfig {
+        family: spec.family,
+        vocab_size: vocab,
+        hidden_size: spec.hidden,
+        intermediate_size: spec.intermediate,
+        num_layers: spec.layers,
+        num_heads: spec.heads,
+        num_kv_heads: spec.kv_heads,
+        head_dim: spec.head_dim,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000.0,
+        context_length: spec.context,
+        rope_style: crate::model::RopeStyle::Neox,
     }
-    w.push((
-        "model.norm.weight".to_string(),
-        Tensor::ones(h, candle_core::DType::F32, &dev)?,
-    ));
-    w.push(("lm_head.weight".to_string(), rand(&[vocab, h], 0.5)?));
+}
+
+/// A random tensor for `role` of shape `shape`: norms `1 + U(-0.1, 0.1)` (the output norm
+/// exactly 1), biases `U(-0.1, 0.1)`, the embedding `U(-1, 1)`, the LM head `U(-0.5, 0.5)`,
+/// projections `U(-0.3, 0.3)`.
+fn random_for(u: &mut Uniform, role: Role, shape: &[usize]) -> Result<Tensor> {
+    match role {
+        Role::AttnNorm | Role::FfnNorm | Role::AttnQNorm | Role::AttnKNorm => u.norm(shape[0], 0.1),
+        Role::OutputNorm => Ok(Tensor::ones(shape, candle_core::DType::F32, &Device::Cpu)?),
+        Role::AttnQBias | Role::AttnKBias | Role::AttnVBias => u.tensor(shape, 0.1),
+        Role::TokenEmbedding => u.tensor(shape, 1.0),
+        Role::Output => u.tensor(shape, 0.5),
+        _ => u.tensor(shape, 0.3),
+    }
+}
+
+/// Whether a tensor of `role` is written for a model of `family` (each member's optional
+/// tensors: Qwen2's biases, Qwen3's QK-norm; the RoPE factors never).
+fn tiny_has(family: Family, role: Role) -> bool {
+    match role {
+        Role::AttnQBias | Role::AttnKBias | Role::AttnVBias => family == Family::Qwen2,
+        Role::AttnQNorm | Role::AttnKNorm => family == Family::Qwen3,
+        Role::RopeFreqs => false,
+        _ => true,
+    }
+}
+
+/// Deterministic random weights (uniform, [`random_for`]'s scales), named as HF names them
+/// (the architecture's schema), in the schema's order, with their roles. Shapes are HF's
+/// (`[out, in]`).
+fn tiny_weights(spec: &TinySpec, vocab: usize) -> Result<Vec<(String, Role, Tensor)>> {
+    let mut u = Uniform::new(spec.seed);
+    let c = tiny_config(spec, vocab);
+    let mut w = Vec::new();
+    for (name, s) in crate::arch::expected_tensors(llama::TENSORS, BundleFormat::Hf, spec.layers) {
+        if tiny_has(spec.family, s.role) {
+            w.push((name, s.role, random_for(&mut u, s.role, &(s.shape)(&c))?));
+        }
+    }
     Ok(w)
 }
 
-/// The GGUF name of an HF tensor name.
-fn gguf_name(hf: &str) -> String {
-    let map = [
-        ("model.embed_tokens.weight", "token_embd.weight"),
-        ("model.norm.weight", "output_norm.weight"),
-        ("lm_head.weight", "output.weight"),
-    ];
-    if let Some((_, g)) = map.iter().find(|(h, _)| *h == hf) {
-        return g.to_string();
+/// Random weights for every tensor of `arch`'s schema that a bundle of config `c` must hold
+/// (the required ones, and an untied LM head), named in `format`, in the schema's order;
+/// values by role as [`random_for`] draws them.
+fn random_bundle_weights(
+    arch: &dyn Architecture,
+    c: &ModelConfig,
+    format: BundleFormat,
+    seed: u64,
+) -> Result<Vec<(String, Tensor)>> {
+    let mut u = Uniform::new(seed);
+    let mut w = Vec::new();
+    for (name, s) in crate::arch::expected_tensors(arch.tensors(), format, c.num_layers) {
+        if s.required || s.role == Role::Output {
+            w.push((name, random_for(&mut u, s.role, &(s.shape)(c))?));
+        }
     }
-    let rest = hf.trim_start_matches("model.layers.");
-    let (layer, name) = rest.split_once('.').unwrap_or((rest, ""));
-    let name = name
-        .replace("input_layernorm", "attn_norm")
-        .replace("post_attention_layernorm", "ffn_norm")
-        .replace("self_attn.q_proj", "attn_q")
-        .replace("self_attn.k_proj", "attn_k")
-        .replace("self_attn.v_proj", "attn_v")
-        .replace("self_attn.o_proj", "attn_output")
-        .replace("self_attn.q_norm", "attn_q_norm")
-        .replace("self_attn.k_norm", "attn_k_norm")
-        .replace("mlp.gate_proj", "ffn_gate")
-        .replace("mlp.up_proj", "ffn_up")
-        .replace("mlp.down_proj", "ffn_down");
-    format!("blk.{layer}.{name}")
+    Ok(w)
+}
+
+/// Write a random-weight GGUF file of architecture `arch` (its `general.architecture` is
+/// `gguf_arch`) with config `c` (its `vocab_size` must be the tiny vocabulary's, [`tiny_vocab`]):
+/// the metadata from [`Architecture::gguf_metadata`], matrices in `dtype`, vectors in f32, the
+/// tiny tokenizer. Weights are those [`write_random_hf`] writes with the same seed.
+pub fn write_random_gguf(
+    path: &Path,
+    arch: &dyn Architecture,
+    gguf_arch: &str,
+    c: &ModelConfig,
+    dtype: GgmlDType,
+    seed: u64,
+) -> Result<()> {
+    use gguf_file::Value as V;
+    let mut qtensors: Vec<(String, QTensor)> = Vec::new();
+    for (name, t) in random_bundle_weights(arch, c, BundleFormat::Gguf, seed)? {
+        let dt = if t.rank() == 2 { dtype } else { GgmlDType::F32 };
+        qtensors.push((name, QTensor::quantize(&t, dt)?));
+    }
+    let mut md: Vec<(String, V)> = vec![
+        ("general.architecture".into(), V::String(gguf_arch.into())),
+        ("general.name".into(), V::String(format!("tiny-{gguf_arch}"))),
+    ];
+    md.extend(arch.gguf_metadata(c));
+    md.extend(tiny_tokenizer_metadata(TINY_TEMPLATE));
+    let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path)?;
+    gguf_file::write(&mut f, &md_refs, &t_refs)?;
+    Ok(())
+}
+
+/// Write a random-weight HF bundle of architecture `arch` with config `c` into `dir`:
+/// `config.json` from [`Architecture::hf_config`], f32 safetensors, the tiny tokenizer.
+pub fn write_random_hf(dir: &Path, arch: &dyn Architecture, c: &ModelConfig, seed: u64) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let map: HashMap<String, Tensor> = random_bundle_weights(arch, c, BundleFormat::Hf, seed)?
+        .into_iter()
+        .collect();
+    candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
+    let mut config = arch.hf_config(c);
+    config["torch_dtype"] = "float32".into();
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    write_tiny_hf_tokenizer(dir)
 }
 
 /// Reorder the rows of a q/k projection from HF's half-split RoPE layout to the interleaved
@@ -207,38 +245,44 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> Result<()> {
 /// As [`write_tiny_gguf`], with `template` as the GGUF's `tokenizer.chat_template` (e.g. one
 /// that opens `<think>` in the generation prompt).
 pub fn write_tiny_gguf_with_template(path: &Path, spec: &TinySpec, template: &str) -> Result<()> {
-    let (tokens, merges, types) = tiny_vocab();
+    let tokens = tiny_vocab().0;
     let weights = tiny_weights(spec, tokens.len())?;
     let arch = spec.family.as_str();
     let mut qtensors: Vec<(String, QTensor)> = Vec::new();
-    for (name, t) in &weights {
-        let t = if spec.family == Family::Llama && (name.contains("q_proj") || name.contains("k_proj")) {
-            let heads = if name.contains("q_proj") {
-                spec.heads
-            } else {
-                spec.kv_heads
-            };
-            permute_for_interleaved(t, heads)?
-        } else {
-            t.clone()
+    for (name, role, t) in &weights {
+        // llama.cpp's converter permutes Llama's q and k rows for adjacent-pair RoPE.
+        let t = match role {
+            Role::AttnQ if spec.family == Family::Llama => permute_for_interleaved(t, spec.heads)?,
+            Role::AttnK if spec.family == Family::Llama => permute_for_interleaved(t, spec.kv_heads)?,
+            _ => t.clone(),
         };
         let is_matrix = t.rank() == 2;
         let dtype = if is_matrix { spec.dtype } else { GgmlDType::F32 };
-        qtensors.push((gguf_name(name), QTensor::quantize(&t, dtype)?));
+        let gguf = crate::arch::rename(llama::TENSORS, name, BundleFormat::Hf, BundleFormat::Gguf)
+            .ok_or_else(|| anyhow::anyhow!("{name} has no GGUF name"))?;
+        qtensors.push((gguf, QTensor::quantize(&t, dtype)?));
     }
     use gguf_file::Value as V;
-    let md: Vec<(String, V)> = vec![
+    let mut md: Vec<(String, V)> = vec![
         ("general.architecture".into(), V::String(arch.into())),
         ("general.name".into(), V::String(format!("tiny-{arch}"))),
-        (format!("{arch}.block_count"), V::U32(spec.layers as u32)),
-        (format!("{arch}.context_length"), V::U32(spec.context as u32)),
-        (format!("{arch}.embedding_length"), V::U32(spec.hidden as u32)),
-        (format!("{arch}.feed_forward_length"), V::U32(spec.intermediate as u32)),
-        (format!("{arch}.attention.head_count"), V::U32(spec.heads as u32)),
-        (format!("{arch}.attention.head_count_kv"), V::U32(spec.kv_heads as u32)),
-        (format!("{arch}.attention.key_length"), V::U32(spec.head_dim as u32)),
-        (format!("{arch}.attention.layer_norm_rms_epsilon"), V::F32(1e-6)),
-        (format!("{arch}.rope.freq_base"), V::F32(10_000.0)),
+    ];
+    let config = tiny_config(spec, tokens.len());
+    md.extend(crate::arch::of(&config).gguf_metadata(&config));
+    md.extend(tiny_tokenizer_metadata(template));
+    let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path)?;
+    gguf_file::write(&mut f, &md_refs, &t_refs)?;
+    Ok(())
+}
+
+/// The tiny vocabulary's GGUF tokenizer metadata (byte-level BPE, EOS the last token), with
+/// `template` as the chat template.
+fn tiny_tokenizer_metadata(template: &str) -> Vec<(String, gguf_file::Value)> {
+    use gguf_file::Value as V;
+    let (tokens, merges, types) = tiny_vocab();
+    vec![
         ("tokenizer.ggml.model".into(), V::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), V::String("qwen2".into())),
         (
@@ -255,39 +299,29 @@ pub fn write_tiny_gguf_with_template(path: &Path, spec: &TinySpec, template: &st
         ),
         ("tokenizer.ggml.eos_token_id".into(), V::U32(tokens.len() as u32 - 1)),
         ("tokenizer.chat_template".into(), V::String(template.into())),
-    ];
-    let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let mut f = std::fs::File::create(path)?;
-    gguf_file::write(&mut f, &md_refs, &t_refs)?;
-    Ok(())
+    ]
 }
 
 /// Write the same tiny random model as a Hugging Face bundle directory (f32 safetensors,
 /// tokenizer.json built from the same vocabulary, ChatML template).
 pub fn write_tiny_hf(dir: &Path, spec: &TinySpec) -> Result<()> {
     std::fs::create_dir_all(dir)?;
-    let (tokens, merges, types) = tiny_vocab();
+    let tokens = tiny_vocab().0;
     let weights = tiny_weights(spec, tokens.len())?;
-    let map: HashMap<String, Tensor> = weights.into_iter().collect();
+    let map: HashMap<String, Tensor> = weights.into_iter().map(|(n, _, t)| (n, t)).collect();
     candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
-    let model_type = spec.family.as_str();
-    let config = serde_json::json!({
-        "model_type": model_type,
-        "vocab_size": tokens.len(),
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.layers,
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": spec.context,
-        "tie_word_embeddings": false,
-        "torch_dtype": "float32",
-    });
+    let c = tiny_config(spec, tokens.len());
+    let mut config = crate::arch::of(&c).hf_config(&c);
+    config["tie_word_embeddings"] = false.into();
+    config["torch_dtype"] = "float32".into();
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    write_tiny_hf_tokenizer(dir)
+}
+
+/// The tiny vocabulary as `tokenizer.json` and `tokenizer_config.json` (EOS `<|im_end|>`,
+/// ChatML template) in `dir`.
+fn write_tiny_hf_tokenizer(dir: &Path) -> Result<()> {
+    let (tokens, merges, types) = tiny_vocab();
     let mut md = HashMap::new();
     use gguf_file::Value as V;
     md.insert("tokenizer.ggml.model".to_string(), V::String("gpt2".into()));
@@ -347,30 +381,32 @@ impl Uniform {
     }
 }
 
-/// Random weights of a head block of the target's shape under `prefix` (HF names).
+/// Random weights of a head block of the target's shape under `prefix` (HF names of the dense
+/// block).
 fn random_block(u: &mut Uniform, target: &crate::model::Model, prefix: &str) -> Result<Vec<(String, Tensor)>> {
     let c = target.config();
-    let (h, f) = (c.hidden_size, c.intermediate_size);
-    let (qd, kd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-    let mut w = vec![
-        (format!("{prefix}input_layernorm.weight"), u.norm(h, 0.1)?),
-        (format!("{prefix}post_attention_layernorm.weight"), u.norm(h, 0.1)?),
-        (format!("{prefix}self_attn.q_proj.weight"), u.tensor(&[qd, h], 0.3)?),
-        (format!("{prefix}self_attn.k_proj.weight"), u.tensor(&[kd, h], 0.3)?),
-        (format!("{prefix}self_attn.v_proj.weight"), u.tensor(&[kd, h], 0.3)?),
-        (format!("{prefix}self_attn.o_proj.weight"), u.tensor(&[h, qd], 0.3)?),
-        (format!("{prefix}mlp.gate_proj.weight"), u.tensor(&[f, h], 0.3)?),
-        (format!("{prefix}mlp.up_proj.weight"), u.tensor(&[f, h], 0.3)?),
-        (format!("{prefix}mlp.down_proj.weight"), u.tensor(&[h, f], 0.3)?),
+    // The order the random stream is drawn in (saved heads depend on it).
+    let roles = [
+        Role::AttnNorm,
+        Role::FfnNorm,
+        Role::AttnQ,
+        Role::AttnK,
+        Role::AttnV,
+        Role::AttnOutput,
+        Role::FfnGate,
+        Role::FfnUp,
+        Role::FfnDown,
+        Role::AttnQBias,
+        Role::AttnKBias,
+        Role::AttnVBias,
+        Role::AttnQNorm,
+        Role::AttnKNorm,
     ];
-    if c.family == Family::Qwen2 {
-        for (n, d) in [("q", qd), ("k", kd), ("v", kd)] {
-            w.push((format!("{prefix}self_attn.{n}_proj.bias"), u.tensor(&[d], 0.1)?));
-        }
-    }
-    if c.family == Family::Qwen3 {
-        w.push((format!("{prefix}self_attn.q_norm.weight"), u.norm(c.head_dim, 0.1)?));
-        w.push((format!("{prefix}self_attn.k_norm.weight"), u.norm(c.head_dim, 0.1)?));
+    let mut w = Vec::new();
+    for role in roles.into_iter().filter(|&r| tiny_has(c.family, r)) {
+        let s = crate::arch::spec(llama::TENSORS, role);
+        let name = format!("{prefix}{}", s.base(BundleFormat::Hf));
+        w.push((name, random_for(u, role, &(s.shape)(c))?));
     }
     Ok(w)
 }
@@ -404,7 +440,7 @@ pub fn write_random_fused_mtp_head(
     let h = c.hidden_size;
     let (p, names) = match layout {
         MtpLayout::DeepseekV3 => (
-            format!("model.layers.{}.", c.num_layers),
+            BundleFormat::Hf.layer_prefix(c.num_layers),
             [
                 "enorm.weight",
                 "hnorm.weight",

@@ -13,7 +13,8 @@ use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{Device, Tensor};
 
 use super::{compile_template, end_of_generation_ids, LoadedBundle};
-use crate::model::{Block, Embedding, Family, Linear, Model, ModelConfig, RopeStyle};
+use crate::arch::{Architecture, BundleFormat, WeightSource};
+use crate::model::{Embedding, Linear, ModelConfig};
 use crate::tokenizer::Tokenizer;
 
 /// GGUF metadata and tensor directory, read from the file header only.
@@ -69,46 +70,23 @@ impl GgufHeader {
             .ok_or_else(|| anyhow!("missing metadata key 'general.architecture'"))
     }
 
-    /// Model hyper-parameters from `{arch}.*` keys.
-    pub fn config(&self) -> Result<ModelConfig> {
+    /// The architecture that reads this file (by `general.architecture`).
+    pub fn arch(&self) -> Result<&'static dyn Architecture> {
         let arch = self.architecture()?;
-        let family = Family::parse(arch)
-            .ok_or_else(|| anyhow!("general.architecture = '{arch}' is not supported (llama, qwen2, qwen3)"))?;
-        let req = |k: &str| -> Result<usize> {
-            let key = format!("{arch}.{k}");
-            self.get_usize(&key)
-                .ok_or_else(|| anyhow!("missing metadata key '{key}'"))
-        };
-        let hidden = req("embedding_length")?;
-        let heads = req("attention.head_count")?;
-        let kv_heads = self
-            .get_usize(&format!("{arch}.attention.head_count_kv"))
-            .unwrap_or(heads);
-        let head_dim = self
-            .get_usize(&format!("{arch}.attention.key_length"))
-            .unwrap_or(hidden / heads.max(1));
-        let vocab = match self.content.tensor_infos.get("token_embd.weight") {
-            Some(info) => info.shape.dims()[0],
-            None => bail!("missing tensor 'token_embd.weight'"),
-        };
-        Ok(ModelConfig {
-            family,
-            vocab_size: vocab,
-            hidden_size: hidden,
-            intermediate_size: req("feed_forward_length")?,
-            num_layers: req("block_count")?,
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            rms_norm_eps: self
-                .get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))
-                .unwrap_or(1e-6),
-            rope_theta: self.get_f64(&format!("{arch}.rope.freq_base")).unwrap_or(10_000.0),
-            context_length: req("context_length")?,
-            rope_style: match family {
-                Family::Llama => RopeStyle::Interleaved,
-                Family::Qwen2 | Family::Qwen3 => RopeStyle::Neox,
-            },
+        crate::arch::by_gguf(arch).ok_or_else(|| {
+            anyhow!(
+                "general.architecture = '{arch}' is not supported ({})",
+                crate::arch::supported(BundleFormat::Gguf)
+            )
+        })
+    }
+
+    /// Model hyper-parameters from `{arch}.*` keys, read by the file's architecture.
+    pub fn config(&self) -> Result<ModelConfig> {
+        let a = self.arch()?;
+        let infos = &self.content.tensor_infos;
+        a.config_from_gguf(self.architecture()?, self.metadata(), &|n: &str| {
+            infos.get(n).map(|i| i.shape.dims().to_vec())
         })
     }
 }
@@ -121,11 +99,31 @@ struct TensorReader<'a> {
     device: Device,
 }
 
-impl TensorReader<'_> {
+impl WeightSource for TensorReader<'_> {
+    fn format(&self) -> BundleFormat {
+        BundleFormat::Gguf
+    }
+
     fn has(&self, name: &str) -> bool {
         self.header.content.tensor_infos.contains_key(name)
     }
 
+    fn linear(&mut self, weight: &str, bias: Option<&str>) -> Result<Linear> {
+        let w = self.q(weight)?;
+        let b = bias.map(|b| self.dense(b)).transpose()?;
+        Linear::from_qtensor(w, b)
+    }
+
+    fn table(&mut self, name: &str) -> Result<Embedding> {
+        Ok(Embedding::Quantized(self.q(name)?))
+    }
+
+    fn dense(&mut self, name: &str) -> Result<Tensor> {
+        Ok(self.q(name)?.dequantize(&self.device)?)
+    }
+}
+
+impl TensorReader<'_> {
     fn q(&mut self, name: &str) -> Result<Arc<QTensor>> {
         if !self.has(name) {
             bail!("{}: missing tensor '{name}'", self.path.display());
@@ -136,24 +134,6 @@ impl TensorReader<'_> {
             .tensor(&mut self.file, name, &self.device)
             .map_err(|e| anyhow!("{}: reading tensor '{name}': {e}", self.path.display()))?;
         Ok(Arc::new(t))
-    }
-
-    fn dense(&mut self, name: &str) -> Result<Tensor> {
-        Ok(self.q(name)?.dequantize(&self.device)?)
-    }
-
-    fn opt_dense(&mut self, name: &str) -> Result<Option<Tensor>> {
-        if self.has(name) {
-            Ok(Some(self.dense(name)?))
-        } else {
-            Ok(None)
-        }
-    }
-
-    fn linear(&mut self, prefix: &str) -> Result<Linear> {
-        let w = self.q(&format!("{prefix}.weight"))?;
-        let b = self.opt_dense(&format!("{prefix}.bias"))?;
-        Linear::from_qtensor(w, b)
     }
 }
 
@@ -189,46 +169,8 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
         path,
         device: device.clone(),
     };
-    let embd = r.q("token_embd.weight")?;
-    let mut blocks = Vec::with_capacity(config.num_layers);
-    for i in 0..config.num_layers {
-        let p = format!("blk.{i}");
-        blocks.push(Block {
-            attn_norm: r.dense(&format!("{p}.attn_norm.weight"))?,
-            q: r.linear(&format!("{p}.attn_q"))?,
-            k: r.linear(&format!("{p}.attn_k"))?,
-            v: r.linear(&format!("{p}.attn_v"))?,
-            o: r.linear(&format!("{p}.attn_output"))?,
-            q_norm: r.opt_dense(&format!("{p}.attn_q_norm.weight"))?,
-            k_norm: r.opt_dense(&format!("{p}.attn_k_norm.weight"))?,
-            ffn_norm: r.dense(&format!("{p}.ffn_norm.weight"))?,
-            gate: r.linear(&format!("{p}.ffn_gate"))?,
-            up: r.linear(&format!("{p}.ffn_up"))?,
-            down: r.linear(&format!("{p}.ffn_down"))?,
-        });
-    }
-    let output_norm = r.dense("output_norm.weight")?;
-    let lm_table = if r.has("output.weight") {
-        r.q("output.weight")?
-    } else {
-        embd.clone()
-    };
-    let lm_head = Linear::from_qtensor(lm_table.clone(), None)?;
-    let rope_factors = match r.opt_dense("rope_freqs.weight")? {
-        Some(t) => Some(t.flatten_all()?.to_vec1::<f32>()?),
-        None => None,
-    };
-    let embedding = Embedding::Quantized(embd);
-    let mut model = Model::new(
-        config,
-        embedding,
-        blocks,
-        output_norm,
-        lm_head,
-        rope_factors,
-        device.clone(),
-    )?;
-    model.set_lm_head_table(Embedding::Quantized(lm_table));
+    let arch = header.arch()?;
+    let model = arch.build(config, &mut r, device)?;
     let name = header.get_str("general.name").map(str::to_string).unwrap_or_else(|| {
         path.file_stem()
             .map(|s| s.to_string_lossy().into_owned())
@@ -261,42 +203,25 @@ fn quantization_summary(header: &GgufHeader) -> String {
 /// The weights of block `layer` of a GGUF model, dequantized to f32 and named as in HF
 /// checkpoints (`input_layernorm.weight`, `self_attn.q_proj.weight`, ..., relative to the
 /// layer): what `specula distill` initialises a draft head's block from. Errors: the file does
-/// not read, or the layer is missing.
+/// not read, its architecture is not supported, or the layer is missing.
 pub fn dense_block(path: &Path, layer: usize) -> Result<Vec<(String, Tensor)>> {
+    let header = GgufHeader::read(path)?;
+    let schema = header.arch().with_context(|| format!("{}", path.display()))?.tensors();
     let mut file = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
-    let content = gguf_file::Content::read(&mut file).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     let mut out = Vec::new();
-    for (g, hf) in BLOCK_TENSOR_NAMES {
-        let name = format!("blk.{layer}.{g}");
-        if !content.tensor_infos.contains_key(&name) {
+    for s in schema.iter().filter(|s| s.per_layer) {
+        let name = s.name(BundleFormat::Gguf, layer);
+        if !header.content.tensor_infos.contains_key(&name) {
             continue;
         }
-        let t = content
+        let t = header
+            .content
             .tensor(&mut file, &name, &Device::Cpu)
             .map_err(|e| anyhow!("{}: reading tensor '{name}': {e}", path.display()))?;
-        out.push((hf.to_string(), t.dequantize(&Device::Cpu)?));
+        out.push((s.hf.to_string(), t.dequantize(&Device::Cpu)?));
     }
     if out.is_empty() {
         bail!("{}: no tensors for block {layer}", path.display());
     }
     Ok(out)
 }
-
-/// A block's GGUF tensor names (after `blk.N.`) and their HF names (after
-/// `model.layers.N.`), for the dense Llama / Qwen2 / Qwen3 layout.
-pub const BLOCK_TENSOR_NAMES: [(&str, &str); 14] = [
-    ("attn_norm.weight", "input_layernorm.weight"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    ("attn_q.weight", "self_attn.q_proj.weight"),
-    ("attn_q.bias", "self_attn.q_proj.bias"),
-    ("attn_k.weight", "self_attn.k_proj.weight"),
-    ("attn_k.bias", "self_attn.k_proj.bias"),
-    ("attn_v.weight", "self_attn.v_proj.weight"),
-    ("attn_v.bias", "self_attn.v_proj.bias"),
-    ("attn_output.weight", "self_attn.o_proj.weight"),
-    ("attn_q_norm.weight", "self_attn.q_norm.weight"),
-    ("attn_k_norm.weight", "self_attn.k_norm.weight"),
-    ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    ("ffn_up.weight", "mlp.up_proj.weight"),
-    ("ffn_down.weight", "mlp.down_proj.weight"),
-];

@@ -11,7 +11,8 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::Value as Json;
 
 use super::{compile_template, end_of_generation_ids, LoadedBundle};
-use crate::model::{Block, Embedding, Family, Linear, Model, ModelConfig, RopeStyle};
+use crate::arch::{Architecture, BundleFormat, WeightSource};
+use crate::model::{Embedding, Linear, ModelConfig};
 use crate::tokenizer::Tokenizer;
 
 fn read_json(path: &Path) -> Result<Json> {
@@ -19,51 +20,30 @@ fn read_json(path: &Path) -> Result<Json> {
     serde_json::from_str(&s).with_context(|| format!("{}: invalid JSON", path.display()))
 }
 
-/// Read `config.json` into a [`ModelConfig`]. `text_config` (multimodal wrappers) is honoured.
+/// Read `config.json` into a [`ModelConfig`], by the architecture its `model_type` names.
+/// `text_config` (multimodal wrappers) is honoured. Errors name the file and the field.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
     let root = read_json(&path)?;
     let c = root.get("text_config").unwrap_or(&root);
-    let field = |k: &str| -> Result<usize> {
-        c.get(k)
-            .and_then(Json::as_u64)
-            .map(|x| x as usize)
-            .ok_or_else(|| anyhow!("{}: missing or non-integer field '{k}'", path.display()))
-    };
+    let (arch, mt) = arch_of(c).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    arch.config_from_hf(mt, c)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+/// The architecture of a config's text part, by its `model_type`.
+pub fn arch_of(c: &Json) -> Result<(&'static dyn Architecture, &str)> {
     let mt = c
         .get("model_type")
         .and_then(Json::as_str)
-        .ok_or_else(|| anyhow!("{}: missing field 'model_type'", path.display()))?;
-    let family = Family::parse(mt).ok_or_else(|| {
+        .ok_or_else(|| anyhow!("missing field 'model_type'"))?;
+    let arch = crate::arch::by_hf(mt).ok_or_else(|| {
         anyhow!(
-            "{}: model_type '{mt}' is not supported (llama, qwen2, qwen3)",
-            path.display()
+            "model_type '{mt}' is not supported ({})",
+            crate::arch::supported(BundleFormat::Hf)
         )
     })?;
-    let hidden = field("hidden_size")?;
-    let heads = field("num_attention_heads")?;
-    Ok(ModelConfig {
-        family,
-        vocab_size: field("vocab_size")?,
-        hidden_size: hidden,
-        intermediate_size: field("intermediate_size")?,
-        num_layers: field("num_hidden_layers")?,
-        num_heads: heads,
-        num_kv_heads: c
-            .get("num_key_value_heads")
-            .and_then(Json::as_u64)
-            .map(|x| x as usize)
-            .unwrap_or(heads),
-        head_dim: c
-            .get("head_dim")
-            .and_then(Json::as_u64)
-            .map(|x| x as usize)
-            .unwrap_or(hidden / heads.max(1)),
-        rms_norm_eps: c.get("rms_norm_eps").and_then(Json::as_f64).unwrap_or(1e-6),
-        rope_theta: c.get("rope_theta").and_then(Json::as_f64).unwrap_or(10_000.0),
-        context_length: field("max_position_embeddings")?,
-        rope_style: RopeStyle::Neox,
-    })
+    Ok((arch, mt))
 }
 
 /// The safetensors files of a bundle: the shards named by the index, or `model.safetensors`.
@@ -122,19 +102,29 @@ impl Weights {
             ),
         }
     }
+}
 
-    fn opt(&mut self, name: &str) -> Result<Option<Tensor>> {
-        if self.tensors.contains_key(name) {
-            Ok(Some(self.take(name)?))
-        } else {
-            Ok(None)
-        }
+impl WeightSource for Weights {
+    fn format(&self) -> BundleFormat {
+        BundleFormat::Hf
     }
 
-    fn linear(&mut self, prefix: &str) -> Result<Linear> {
-        let w = self.take(&format!("{prefix}.weight"))?;
-        let b = self.opt(&format!("{prefix}.bias"))?;
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn linear(&mut self, weight: &str, bias: Option<&str>) -> Result<Linear> {
+        let w = self.take(weight)?;
+        let b = bias.map(|b| self.take(b)).transpose()?;
         Linear::from_dense(w, b)
+    }
+
+    fn table(&mut self, name: &str) -> Result<Embedding> {
+        Ok(Embedding::Dense(self.take(name)?))
+    }
+
+    fn dense(&mut self, name: &str) -> Result<Tensor> {
+        self.take(name)
     }
 }
 
@@ -224,38 +214,8 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
         tensors,
         dir: dir.display().to_string(),
     };
-    let embed = w.take("model.embed_tokens.weight")?;
-    let mut blocks = Vec::with_capacity(config.num_layers);
-    for i in 0..config.num_layers {
-        let p = format!("model.layers.{i}");
-        blocks.push(Block {
-            attn_norm: w.take(&format!("{p}.input_layernorm.weight"))?,
-            q: w.linear(&format!("{p}.self_attn.q_proj"))?,
-            k: w.linear(&format!("{p}.self_attn.k_proj"))?,
-            v: w.linear(&format!("{p}.self_attn.v_proj"))?,
-            o: w.linear(&format!("{p}.self_attn.o_proj"))?,
-            q_norm: w.opt(&format!("{p}.self_attn.q_norm.weight"))?,
-            k_norm: w.opt(&format!("{p}.self_attn.k_norm.weight"))?,
-            ffn_norm: w.take(&format!("{p}.post_attention_layernorm.weight"))?,
-            gate: w.linear(&format!("{p}.mlp.gate_proj"))?,
-            up: w.linear(&format!("{p}.mlp.up_proj"))?,
-            down: w.linear(&format!("{p}.mlp.down_proj"))?,
-        });
-    }
-    let output_norm = w.take("model.norm.weight")?;
-    let lm_head = match w.opt("lm_head.weight")? {
-        Some(t) => Linear::from_dense(t, None)?,
-        None => Linear::from_dense(embed.clone(), None)?,
-    };
-    let model = Model::new(
-        config,
-        Embedding::Dense(embed),
-        blocks,
-        output_norm,
-        lm_head,
-        None,
-        device.clone(),
-    )?;
+    let arch = crate::arch::of(&config);
+    let model = arch.build(config, &mut w, device)?;
     let name = dir
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())

@@ -2,7 +2,8 @@
 //! device (vLLM's `--load-format dummy`), or a bundle's tensors converted to bf16 at load.
 
 use super::{DevBuf, Gpu, GpuModel, Layer, Mat, Weights};
-use crate::model::{Family, ModelConfig, RopeStyle};
+use crate::arch::{BundleFormat, Role, TensorSpec};
+use crate::model::{ModelConfig, RopeStyle};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -341,8 +342,9 @@ fn upload_f32(gpu: &Gpu, parts: &[&Tensor]) -> Result<DevBuf> {
     Ok(b)
 }
 
-/// Every tensor of a bundle, dequantized to f32 and named as in HF checkpoints.
-fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+/// Every tensor of a bundle, dequantized to f32 and named as in HF checkpoints (GGUF names
+/// translated by the architecture's tensor schema, `schema`).
+fn read_tensors(path: &Path, schema: &[TensorSpec]) -> Result<HashMap<String, Tensor>> {
     if path.is_dir() {
         return Ok(crate::spec::head::NamedTensors::read(path)?.map);
     }
@@ -356,34 +358,26 @@ fn read_tensors(path: &Path) -> Result<HashMap<String, Tensor>> {
         let t = content
             .tensor(&mut file, &name, &Device::Cpu)
             .map_err(|e| anyhow!("{}: reading tensor '{name}': {e}", path.display()))?;
-        let hf = gguf_to_hf(&name);
+        let hf = crate::arch::rename(schema, &name, BundleFormat::Gguf, BundleFormat::Hf).unwrap_or(name);
         out.insert(hf, t.dequantize(&Device::Cpu)?);
     }
     Ok(out)
 }
 
-/// A GGUF tensor name in HF terms (`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`).
-fn gguf_to_hf(name: &str) -> String {
-    match name {
-        "token_embd.weight" => return "model.embed_tokens.weight".into(),
-        "output_norm.weight" => return "model.norm.weight".into(),
-        "output.weight" => return "lm_head.weight".into(),
-        _ => {}
-    }
-    let Some(rest) = name.strip_prefix("blk.") else {
-        return name.to_string();
-    };
-    let Some((layer, t)) = rest.split_once('.') else {
-        return name.to_string();
-    };
-    match crate::bundle::gguf::BLOCK_TENSOR_NAMES.iter().find(|(g, _)| *g == t) {
-        Some((_, hf)) => format!("model.layers.{layer}.{hf}"),
-        None => name.to_string(),
-    }
-}
-
 /// The [`GpuConfig`] of a bundle's [`ModelConfig`].
 pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
+    // The CUDA forward runs the dense block with one plan for every layer.
+    let plan = crate::arch::of(c)
+        .layer_plan(c)
+        .first()
+        .copied()
+        .unwrap_or(crate::arch::LayerPlan {
+            attention: crate::arch::AttentionKind::Full,
+            mlp: crate::arch::MlpKind::DenseSwiGlu,
+            qkv_bias: false,
+            qk_norm: false,
+            parallel: false,
+        });
     GpuConfig {
         name: name.to_string(),
         vocab: c.vocab_size,
@@ -395,8 +389,8 @@ pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
         head_dim: c.head_dim,
         rms_eps: c.rms_norm_eps as f32,
         rope_theta: c.rope_theta,
-        qk_norm: c.family == Family::Qwen3,
-        qkv_bias: c.family == Family::Qwen2,
+        qk_norm: plan.qk_norm,
+        qkv_bias: plan.qkv_bias,
         tied,
         interleaved_rope: c.rope_style == RopeStyle::Interleaved,
         inv_freq: rope_inv_freq(c.head_dim, c.rope_theta, None),
@@ -406,24 +400,34 @@ pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
 /// Load a bundle (GGUF file or HF directory) onto the GPU as bf16, with `config` its parsed
 /// [`ModelConfig`] (the CPU loader's). Errors name the bundle and the missing tensor.
 pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, max_ctx: usize) -> Result<GpuModel> {
-    let t = read_tensors(path)?;
+    let arch = crate::arch::of(config);
+    if !arch.runs_on_cuda() {
+        bail!(
+            "{}: the {} architecture does not run on the CUDA backend yet (run it on the CPU)",
+            path.display(),
+            arch.name()
+        );
+    }
+    let t = read_tensors(path, arch.tensors())?;
+    let hf = |r: Role, l: usize| crate::arch::spec(arch.tensors(), r).name(BundleFormat::Hf, l);
     let get = |n: &str| -> Result<&Tensor> {
         t.get(n)
             .ok_or_else(|| anyhow!("{}: tensor '{n}' is missing", path.display()))
     };
-    let tied = !t.contains_key("lm_head.weight");
+    let tied = !t.contains_key(&hf(Role::Output, 0));
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
     let mut gc = config_of(config, &name, tied);
-    if let Some(f) = t.get("rope_freqs.weight") {
+    let rope_freqs = crate::arch::spec(arch.tensors(), Role::RopeFreqs).name(BundleFormat::Gguf, 0);
+    if let Some(f) = t.get(&rope_freqs) {
         // llama.cpp's Llama 3.1 scaling: each frequency divided by its factor (as the CPU
         // model does).
         let f: Vec<f32> = f.flatten_all()?.to_vec1()?;
         if f.len() != gc.inv_freq.len() {
             bail!(
-                "{}: rope_freqs.weight has {} values, the model needs head_dim / 2 = {}",
+                "{}: {rope_freqs} has {} values, the model needs head_dim / 2 = {}",
                 path.display(),
                 f.len(),
                 gc.inv_freq.len()
@@ -435,46 +439,42 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
     }
     let mut layers = Vec::with_capacity(gc.layers);
     for l in 0..gc.layers {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let p = |r: Role| hf(r, l);
         let bias = if gc.qkv_bias {
             Some(upload_f32(
                 &gpu,
                 &[
-                    get(&p("self_attn.q_proj.bias"))?,
-                    get(&p("self_attn.k_proj.bias"))?,
-                    get(&p("self_attn.v_proj.bias"))?,
+                    get(&p(Role::AttnQBias))?,
+                    get(&p(Role::AttnKBias))?,
+                    get(&p(Role::AttnVBias))?,
                 ],
             )?)
         } else {
             None
         };
-        let norm = |s: &str| -> Result<Option<DevBuf>> {
+        let norm = |r: Role| -> Result<Option<DevBuf>> {
             if gc.qk_norm {
-                Ok(Some(upload_bf16(&gpu, &[get(&p(s))?])?))
+                Ok(Some(upload_bf16(&gpu, &[get(&p(r))?])?))
             } else {
                 Ok(None)
             }
         };
         layers.push(Layer {
-            attn_norm: upload_bf16(&gpu, &[get(&p("input_layernorm.weight"))?])?,
+            attn_norm: upload_bf16(&gpu, &[get(&p(Role::AttnNorm))?])?,
             qkv: upload_mat(
                 &gpu,
-                &[
-                    get(&p("self_attn.q_proj.weight"))?,
-                    get(&p("self_attn.k_proj.weight"))?,
-                    get(&p("self_attn.v_proj.weight"))?,
-                ],
+                &[get(&p(Role::AttnQ))?, get(&p(Role::AttnK))?, get(&p(Role::AttnV))?],
             )?,
             qkv_bias: bias,
-            q_norm: norm("self_attn.q_norm.weight")?,
-            k_norm: norm("self_attn.k_norm.weight")?,
-            o: upload_mat(&gpu, &[get(&p("self_attn.o_proj.weight"))?])?,
-            mlp_norm: upload_bf16(&gpu, &[get(&p("post_attention_layernorm.weight"))?])?,
-            gate_up: upload_gate_up(&gpu, get(&p("mlp.gate_proj.weight"))?, get(&p("mlp.up_proj.weight"))?)?,
-            down: upload_mat(&gpu, &[get(&p("mlp.down_proj.weight"))?])?,
+            q_norm: norm(Role::AttnQNorm)?,
+            k_norm: norm(Role::AttnKNorm)?,
+            o: upload_mat(&gpu, &[get(&p(Role::AttnOutput))?])?,
+            mlp_norm: upload_bf16(&gpu, &[get(&p(Role::FfnNorm))?])?,
+            gate_up: upload_gate_up(&gpu, get(&p(Role::FfnGate))?, get(&p(Role::FfnUp))?)?,
+            down: upload_mat(&gpu, &[get(&p(Role::FfnDown))?])?,
         });
     }
-    let embed = get("model.embed_tokens.weight")?;
+    let embed = get(&hf(Role::TokenEmbedding, 0))?;
     if embed.dims() != [gc.vocab, gc.hidden] {
         bail!(
             "{}: the embedding is {:?}, the config says [{}, {}]",
@@ -489,9 +489,9 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
         lm_head: if tied {
             None
         } else {
-            Some(upload_mat(&gpu, &[get("lm_head.weight")?])?)
+            Some(upload_mat(&gpu, &[get(&hf(Role::Output, 0))?])?)
         },
-        final_norm: upload_bf16(&gpu, &[get("model.norm.weight")?])?,
+        final_norm: upload_bf16(&gpu, &[get(&hf(Role::OutputNorm, 0))?])?,
         layers,
     };
     gpu.synchronize()?;

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use super::teacher::Teacher;
 use super::{DistillOptions, Progress};
+use crate::arch::BundleFormat;
 use crate::model::Model;
 use crate::spec::block::{BlockConfig, BlockWeights};
 use crate::spec::head::AttnMask;
@@ -162,7 +163,7 @@ fn target_blocks(model_path: &Path, layers: std::ops::Range<usize>) -> Result<Ve
     let t = NamedTensors::read(model_path)?;
     Ok(layers
         .map(|l| {
-            let p = format!("model.layers.{l}.");
+            let p = BundleFormat::Hf.layer_prefix(l);
             t.map
                 .iter()
                 .filter_map(|(k, v)| k.strip_prefix(&p).map(|r| (r.to_string(), v.clone())))
@@ -269,7 +270,7 @@ fn save_checkpoint(out: &Path, params: &[Param], vocab: Option<&[u32]>, meta: &C
 
 /// The layer prefix the head's tensors use (DeepSeek-V3: after the trunk's layers).
 pub fn layer_prefix(target: &Model) -> String {
-    format!("model.layers.{}.", target.config().num_layers)
+    BundleFormat::Hf.layer_prefix(target.config().num_layers)
 }
 
 /// What kind of head to train.
@@ -453,12 +454,12 @@ pub fn train(
             .map
             .keys()
             .filter_map(|k| {
-                let (n, rest) = k.strip_prefix("model.layers.")?.split_once('.')?;
-                (rest == "eh_proj.weight").then(|| n.parse::<usize>().ok()).flatten()
+                let (n, rest) = BundleFormat::Hf.split_layer(k)?;
+                (rest == "eh_proj.weight").then_some(n)
             })
             .min()
             .with_context(|| format!("{}: not an MTP head in the DeepSeek-V3 layout", t.file))?;
-        let from = format!("model.layers.{layer}.");
+        let from = BundleFormat::Hf.layer_prefix(layer);
         let init_taps = match t.map.get(&format!("{from}hidden_fc.weight")) {
             Some(fc) => Some(fc.dim(1)? / h),
             None => None,

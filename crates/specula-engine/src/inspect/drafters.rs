@@ -27,6 +27,8 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use serde_json::Value as Json;
 
+use crate::arch::Role;
+
 use super::{json_usize, read_json, BundleFormat, Component, Diagnostic, Part, Severity, TensorMeta, Tensors};
 
 /// Whether the bundle has a usable MTP head.
@@ -175,25 +177,25 @@ fn detect(tensors: &Tensors) -> Option<Found<'_>> {
     // DeepSeek-V3 layout (HF and GGUF names).
     let mut ds_ids = std::collections::BTreeSet::new();
     for t in &tensors.list {
-        if let Some((l, rest)) = split_layer(&t.name, "model.layers.") {
+        if let Some((l, rest)) = BundleFormat::Hf.split_layer(&t.name) {
             if ["enorm.", "hnorm.", "eh_proj.", "shared_head."]
                 .iter()
                 .any(|p| rest.starts_with(p))
             {
-                ds_ids.insert(("model.layers.", l));
+                ds_ids.insert((BundleFormat::Hf, l));
             }
         }
-        if let Some((l, rest)) = split_layer(&t.name, "blk.") {
+        if let Some((l, rest)) = BundleFormat::Gguf.split_layer(&t.name) {
             if rest.starts_with("nextn.") {
-                ds_ids.insert(("blk.", l));
+                ds_ids.insert((BundleFormat::Gguf, l));
             }
         }
     }
     if !ds_ids.is_empty() {
         let mut layers: BTreeMap<usize, Vec<(&TensorMeta, String)>> = BTreeMap::new();
         for t in &tensors.list {
-            for &(prefix, l) in &ds_ids {
-                if let Some((tl, rest)) = split_layer(&t.name, prefix) {
+            for &(format, l) in &ds_ids {
+                if let Some((tl, rest)) = format.split_layer(&t.name) {
                     if tl == l {
                         layers.entry(l).or_default().push((t, rest.to_string()));
                     }
@@ -232,18 +234,17 @@ fn detect(tensors: &Tensors) -> Option<Found<'_>> {
     })
 }
 
-/// A shape problem of a transformer-block tensor named `rest` (HF or GGUF naming) against the
-/// hidden size `h`: norms `[h]`, input projections `[*, h]`, output projections `[h, *]`.
+/// A shape problem of a transformer-block tensor named `rest` (HF or GGUF naming of the dense
+/// block, [`crate::arch::llama`]) against the hidden size `h`: norms `[h]`, input projections
+/// `[*, h]`, output projections `[h, *]`.
 fn block_shape_problem(rest: &str, dims: &[usize], h: usize) -> Option<String> {
-    let stem = rest.strip_suffix(".weight")?;
-    let last = stem.rsplit('.').next().unwrap_or(stem);
-    let want = match last {
-        "input_layernorm" | "post_attention_layernorm" | "attn_norm" | "ffn_norm" => {
+    let role = dense_block_role(rest)?;
+    let want = match role {
+        Role::AttnNorm | Role::FfnNorm => {
             return (dims != [h]).then(|| format!("has shape {dims:?}, expected [{h}] (a norm over the hidden size)"));
         }
-        "q_proj" | "k_proj" | "v_proj" | "gate_proj" | "up_proj" | "attn_q" | "attn_k" | "attn_v" | "ffn_gate"
-        | "ffn_up" => (1, "input"),
-        "o_proj" | "down_proj" | "attn_output" | "ffn_down" => (0, "output"),
+        Role::AttnQ | Role::AttnK | Role::AttnV | Role::FfnGate | Role::FfnUp => (1, "input"),
+        Role::AttnOutput | Role::FfnDown => (0, "output"),
         _ => return None,
     };
     if dims.len() != 2 {
@@ -255,6 +256,19 @@ fn block_shape_problem(rest: &str, dims: &[usize], h: usize) -> Option<String> {
             want.1
         )
     })
+}
+
+/// The role of a dense-block tensor named `rest` within its layer (either format), if it is one.
+fn dense_block_role(rest: &str) -> Option<Role> {
+    crate::arch::llama::TENSORS
+        .iter()
+        .filter(|s| s.per_layer)
+        .find(|s| {
+            [BundleFormat::Gguf, BundleFormat::Hf]
+                .iter()
+                .any(|&f| s.base(f) == rest)
+        })
+        .map(|s| s.role)
 }
 
 fn check_shape(diags: &mut Vec<Diagnostic>, c: Component, t: &TensorMeta, want: &[usize], what: &str) {
@@ -288,11 +302,8 @@ fn validate_mtp(
             for (&l, ts) in &found.layers {
                 let get = |n: &str| ts.iter().find(|(_, r)| r == n).map(|(t, _)| *t);
                 let gguf = ts.iter().any(|(_, r)| r.starts_with("nextn."));
-                let layer_name = if gguf {
-                    format!("blk.{l}")
-                } else {
-                    format!("model.layers.{l}")
-                };
+                let format = if gguf { BundleFormat::Gguf } else { BundleFormat::Hf };
+                let layer_name = format.layer_prefix(l).trim_end_matches('.').to_string();
                 if let Some(n) = trunk_layers {
                     if l < n {
                         push(
@@ -370,18 +381,7 @@ fn validate_mtp(
                         );
                     }
                 }
-                let has_block = ts.iter().any(|(_, r)| {
-                    [
-                        "self_attn.",
-                        "mlp.",
-                        "attn_",
-                        "ffn_",
-                        "input_layernorm",
-                        "post_attention_layernorm",
-                    ]
-                    .iter()
-                    .any(|p| r.starts_with(p))
-                });
+                let has_block = ts.iter().any(|(_, r)| dense_block_role(r).is_some());
                 if !has_block {
                     push(
                         diags,
@@ -397,11 +397,8 @@ fn validate_mtp(
                 let gguf = found.layers.values().flatten().any(|(_, r)| r.starts_with("nextn."));
                 for i in 0..d {
                     if !found.layers.contains_key(&(n + i)) {
-                        let name = if gguf {
-                            format!("blk.{}", n + i)
-                        } else {
-                            format!("model.layers.{}", n + i)
-                        };
+                        let format = if gguf { BundleFormat::Gguf } else { BundleFormat::Hf };
+                        let name = format.layer_prefix(n + i).trim_end_matches('.').to_string();
                         push(
                             diags,
                             c,
@@ -522,6 +519,7 @@ fn read_sidecar(path: &Path, diags: &mut Vec<Diagnostic>, c: Component) -> (Tens
         root: path.to_path_buf(),
         name: String::new(),
         arch: None,
+        architecture: None,
         family: None,
         config: None,
         hyper: super::RawHyper::default(),

@@ -1,4 +1,5 @@
-//! Dense decoder-only transformers: Llama, Qwen2 and Qwen3 in one parameterised implementation.
+//! The forward pass of dense decoder-only transformers (the blocks [`crate::arch`] declares):
+//! Llama, Qwen2 and Qwen3 in one parameterised implementation.
 //!
 //! Reference: the Llama architecture (Touvron et al. 2023) as implemented by llama.cpp
 //! (`src/models/llama.cpp`, `qwen2.cpp`, `qwen3.cpp`) and Hugging Face transformers
@@ -94,7 +95,7 @@ fn rms_norm_row(row: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 }
 
 /// `x += y`, element by element (the residual adds).
-fn add_assign(x: &mut [f32], y: &[f32]) {
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
         *a += b;
     }
@@ -105,89 +106,7 @@ fn f32_values(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// The architecture families this file implements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Family {
-    Llama,
-    Qwen2,
-    Qwen3,
-}
-
-impl Family {
-    /// Parse a GGUF `general.architecture` or HF `model_type` value.
-    pub fn parse(s: &str) -> Option<Family> {
-        match s {
-            "llama" | "mistral" => Some(Family::Llama),
-            "qwen2" => Some(Family::Qwen2),
-            "qwen3" => Some(Family::Qwen3),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Family::Llama => "llama",
-            Family::Qwen2 => "qwen2",
-            Family::Qwen3 => "qwen3",
-        }
-    }
-}
-
-/// How RoPE pairs the dimensions of a head.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// Adjacent pairs (x[2i], x[2i+1]): llama.cpp's "normal" mode, used by GGUF Llama files
-    /// (whose q/k weights the converter permuted).
-    Interleaved,
-    /// Halves (x[i], x[i + d/2]): GPT-NeoX style, used by HF checkpoints and GGUF Qwen files.
-    Neox,
-}
-
-/// Hyper-parameters of a dense model.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct ModelConfig {
-    pub family: Family,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub rms_norm_eps: f64,
-    pub rope_theta: f64,
-    /// Context window in tokens.
-    pub context_length: usize,
-    #[serde(skip)]
-    pub rope_style: RopeStyle,
-}
-
-impl ModelConfig {
-    /// Weights one token's forward multiplies by in the transformer blocks, over all layers:
-    /// the attention projections (q and o: `hidden × heads·head_dim` each; k and v:
-    /// `hidden × kv_heads·head_dim` each) and the gated MLP's three (`hidden × intermediate`).
-    /// A count of weights, not bytes. It is the work of a prompt token whose logits are not
-    /// computed (prefill, a draft model's catch-up).
-    pub fn block_params(&self) -> usize {
-        let h = self.hidden_size;
-        let q = self.num_heads * self.head_dim;
-        let kv = self.num_kv_heads * self.head_dim;
-        self.num_layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size)
-    }
-
-    /// [`ModelConfig::block_params`] plus the LM head (`vocab × hidden`): the weights a decode
-    /// step reads.
-    pub fn step_params(&self) -> usize {
-        self.step_params_over(self.vocab_size)
-    }
-
-    /// [`ModelConfig::block_params`] plus an LM head of `logit_rows` rows (a drafter's reduced
-    /// vocabulary, [`Model::logit_rows`]).
-    pub fn step_params_over(&self, logit_rows: usize) -> usize {
-        self.block_params() + logit_rows * self.hidden_size
-    }
-}
+pub use crate::arch::{Family, ModelConfig, RopeStyle};
 
 /// The weight of a [`Linear`]: our batch-invariant kernels for the 32-wide ggml block types
 /// ([`QWeight`]) and the K-quants ([`KWeight`]), candle's `QMatMul` for the rest (dense f32, and
@@ -366,6 +285,15 @@ pub enum Embedding {
 }
 
 impl Embedding {
+    /// The table as a linear layer (an LM head: a tied one reads the embedding's rows), kept
+    /// quantized where Specula's kernels run its type.
+    pub fn to_linear(&self) -> Result<Linear> {
+        match self {
+            Embedding::Quantized(q) => Linear::from_qtensor(q.clone(), None),
+            Embedding::Dense(t) => Linear::from_dense(t.clone(), None),
+        }
+    }
+
     /// `ids` → `[n, hidden]` f32.
     pub fn forward(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
         let t = Tensor::new(ids, device)?;
@@ -387,7 +315,9 @@ pub struct Block {
     /// Qwen3 per-head RMSNorm weights, `[head_dim]`.
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
-    pub ffn_norm: Tensor,
+    /// The norm before the MLP; None in blocks whose MLP reads the attention's norm (parallel
+    /// attention and MLP).
+    pub ffn_norm: Option<Tensor>,
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
@@ -427,6 +357,8 @@ pub struct ForwardOutput {
 #[derive(Debug)]
 pub struct Model {
     pub config: ModelConfig,
+    /// The architecture whose layers this model runs ([`crate::arch::Architecture::layer_forward`]).
+    arch: &'static dyn crate::arch::Architecture,
     pub embedding: Embedding,
     pub blocks: Vec<Block>,
     pub output_norm: Tensor,
@@ -452,7 +384,7 @@ pub struct Model {
 #[derive(Debug)]
 struct BlockNorms {
     attn: Vec<f32>,
-    ffn: Vec<f32>,
+    ffn: Option<Vec<f32>>,
     q: Option<Vec<f32>>,
     k: Option<Vec<f32>>,
 }
@@ -472,6 +404,9 @@ impl Model {
         if blocks.len() != config.num_layers {
             bail!("expected {} blocks, got {}", config.num_layers, blocks.len());
         }
+        let Some(arch) = crate::arch::try_of(&config) else {
+            bail!("no registered architecture reads family '{}'", config.family.as_str());
+        };
         if config.num_heads == 0 || config.num_kv_heads == 0 || !config.num_heads.is_multiple_of(config.num_kv_heads) {
             bail!(
                 "num_heads ({}) must be a positive multiple of num_kv_heads ({})",
@@ -508,7 +443,7 @@ impl Model {
             .map(|b| {
                 Ok(BlockNorms {
                     attn: f32_values(&b.attn_norm)?,
-                    ffn: f32_values(&b.ffn_norm)?,
+                    ffn: b.ffn_norm.as_ref().map(f32_values).transpose()?,
                     q: b.q_norm.as_ref().map(f32_values).transpose()?,
                     k: b.k_norm.as_ref().map(f32_values).transpose()?,
                 })
@@ -518,7 +453,8 @@ impl Model {
             let qk_ok = [&n.q, &n.k]
                 .iter()
                 .all(|w| w.as_ref().is_none_or(|w| w.len() == config.head_dim));
-            if n.attn.len() != config.hidden_size || n.ffn.len() != config.hidden_size || !qk_ok {
+            let ffn_ok = n.ffn.as_ref().is_none_or(|w| w.len() == config.hidden_size);
+            if n.attn.len() != config.hidden_size || !ffn_ok || !qk_ok {
                 bail!(
                     "block {i}: a norm weight does not match hidden_size {} / head_dim {}",
                     config.hidden_size,
@@ -535,6 +471,7 @@ impl Model {
             );
         }
         Ok(Self {
+            arch,
             norms,
             output_norm_values,
             config,
@@ -713,26 +650,14 @@ impl Model {
             bail!("the embedding returned {} values for {total} tokens of {hs}", x.len());
         }
         let mut hidden: Vec<Option<Vec<f32>>> = vec![None; taps.len()];
-        for (li, (block, norms)) in self.blocks.iter().zip(&self.norms).enumerate() {
-            let h = rms_norm(&x, &norms.attn, eps);
-            let attn = self.attention(block, norms, li, &h, segs)?;
-            add_assign(&mut x, &attn);
-            let h = rms_norm(&x, &norms.ffn, eps);
-            let mlp = || -> Result<Vec<f32>> {
-                let [g, u]: [Vec<f32>; 2] = Linear::forward_rows_many(&[&block.gate, &block.up], &h, total)?
-                    .try_into()
-                    .map_err(|_| anyhow::anyhow!("gate and up: expected two products"))?;
-                block.down.forward_rows(&attention::silu_mul(&g, &u), total)
+        for li in 0..self.blocks.len() {
+            let mut layer = LayerPass {
+                model: self,
+                li,
+                segs: &mut *segs,
+                rows: total,
             };
-            let m = if li + 1 == self.blocks.len() {
-                // llama.cpp runs the last block's MLP on the output rows alone (one row for a
-                // prompt), which matters only to its batch arithmetic (see
-                // `with_llamacpp_batches`); serving's arithmetic is per row.
-                crate::kernels::kquants::with_llamacpp_batches(false, mlp)?
-            } else {
-                mlp()?
-            };
-            add_assign(&mut x, &m);
+            self.arch.layer_forward(&mut layer, &mut x)?;
             for (slot, &t) in hidden.iter_mut().zip(taps) {
                 if t == li {
                     *slot = Some(x.clone());
@@ -926,6 +851,86 @@ impl Model {
     /// The model's hyper-parameters.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+}
+
+/// One layer of a forward pass, as an architecture's
+/// [`crate::arch::Architecture::layer_forward`] sees it: the layer's weights and the operations
+/// a block is built from. Each operation maps rows to rows independently (batch-invariant on
+/// Specula's kernels), over the stacked rows of every segment of the pass.
+pub struct LayerPass<'m, 's, 'a> {
+    model: &'m Model,
+    li: usize,
+    segs: &'s mut [Segment<'a>],
+    /// Rows in the pass (all segments).
+    rows: usize,
+}
+
+impl LayerPass<'_, '_, '_> {
+    /// The layer's index (0-based).
+    pub fn index(&self) -> usize {
+        self.li
+    }
+
+    /// Whether this is the model's last layer.
+    pub fn is_last(&self) -> bool {
+        self.li + 1 == self.model.blocks.len()
+    }
+
+    /// RMSNorm of `x` (`[rows, hidden]`) with the attention norm's weights.
+    pub fn attn_norm(&self, x: &[f32]) -> Vec<f32> {
+        rms_norm(
+            x,
+            &self.model.norms[self.li].attn,
+            self.model.config.rms_norm_eps as f32,
+        )
+    }
+
+    /// RMSNorm of `x` with the MLP norm's weights. Errors: the layer has no MLP norm.
+    pub fn ffn_norm(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let Some(w) = &self.model.norms[self.li].ffn else {
+            bail!("layer {} has no MLP norm", self.li);
+        };
+        Ok(rms_norm(x, w, self.model.config.rms_norm_eps as f32))
+    }
+
+    /// Grouped-query attention of `h` (`[rows, hidden]`, normed) over each segment's cache at
+    /// its positions, appending the rows' keys and values; `[rows, hidden]` after the output
+    /// projection.
+    pub fn attention(&mut self, h: &[f32]) -> Result<Vec<f32>> {
+        let m = self.model;
+        m.attention(&m.blocks[self.li], &m.norms[self.li], self.li, h, self.segs)
+    }
+
+    /// The gated MLP of `h` (`[rows, hidden]`): `down(silu(gate(h)) * up(h))`.
+    pub fn mlp(&self, h: &[f32]) -> Result<Vec<f32>> {
+        let block = &self.model.blocks[self.li];
+        let total = self.rows;
+        let mlp = || -> Result<Vec<f32>> {
+            let [g, u]: [Vec<f32>; 2] = Linear::forward_rows_many(&[&block.gate, &block.up], h, total)?
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("gate and up: expected two products"))?;
+            block.down.forward_rows(&attention::silu_mul(&g, &u), total)
+        };
+        if self.is_last() {
+            // llama.cpp runs the last block's MLP on the output rows alone (one row for a
+            // prompt), which matters only to its batch arithmetic (see
+            // `with_llamacpp_batches`); serving's arithmetic is per row.
+            crate::kernels::kquants::with_llamacpp_batches(false, mlp)
+        } else {
+            mlp()
+        }
+    }
+
+    /// The pre-norm block (Llama): `x += attn(attn_norm(x)); x += mlp(ffn_norm(x))`.
+    pub fn pre_norm_block(&mut self, x: &mut [f32]) -> Result<()> {
+        let h = self.attn_norm(x);
+        let a = self.attention(&h)?;
+        add_assign(x, &a);
+        let h = self.ffn_norm(x)?;
+        let m = self.mlp(&h)?;
+        add_assign(x, &m);
+        Ok(())
     }
 }
 

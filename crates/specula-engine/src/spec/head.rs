@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 
+use crate::arch::{llama, BundleFormat, Role};
 use crate::model::{Linear, Model, RopeStyle};
 
 /// Shape of a head block: the target's attention and MLP hyper-parameters by default.
@@ -377,47 +378,36 @@ impl NamedTensors {
         }
     }
 
-    /// A head block under `prefix` (HF names: `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
-    /// optional q/k biases and norms, `post_attention_layernorm`, `mlp.{gate,up,down}_proj`).
+    /// A head block under `prefix`, in the HF names of the dense block
+    /// ([`crate::arch::llama`]: the attention norm, q/k/v/o projections with optional biases,
+    /// optional q/k norms, the MLP norm, gate/up/down projections).
     pub fn block(&self, prefix: &str, shape: &BlockShape) -> Result<HeadBlock> {
         let s = shape;
         let (h, f) = (s.hidden_size, s.intermediate_size);
         let (qd, kd) = (s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim);
-        let lin = |name: &str, out: usize, inp: usize| -> Result<Dense> {
-            Ok(Dense::new(
-                self.get(&format!("{prefix}{name}.weight"), &[out, inp], "a projection")?,
-                self.opt(&format!("{prefix}{name}.bias"), &[out], "a projection bias")?,
-            ))
+        let name = |r: Role| format!("{prefix}{}", llama::base(r, BundleFormat::Hf));
+        let lin = |w: Role, b: Option<Role>, out: usize, inp: usize| -> Result<Dense> {
+            let bias = match b {
+                Some(b) => self.opt(&name(b), &[out], "a projection bias")?,
+                None => None,
+            };
+            Ok(Dense::new(self.get(&name(w), &[out, inp], "a projection")?, bias))
         };
+        let norm = |r: Role| self.get(&name(r), &[h], "a norm over the hidden size");
+        let head_norm = |r: Role| self.opt(&name(r), &[s.head_dim], "a per-head norm");
         Ok(HeadBlock {
             shape: s.clone(),
-            attn_norm: self.get(
-                &format!("{prefix}input_layernorm.weight"),
-                &[h],
-                "a norm over the hidden size",
-            )?,
-            q: lin("self_attn.q_proj", qd, h)?,
-            k: lin("self_attn.k_proj", kd, h)?,
-            v: lin("self_attn.v_proj", kd, h)?,
-            o: lin("self_attn.o_proj", h, qd)?,
-            q_norm: self.opt(
-                &format!("{prefix}self_attn.q_norm.weight"),
-                &[s.head_dim],
-                "a per-head norm",
-            )?,
-            k_norm: self.opt(
-                &format!("{prefix}self_attn.k_norm.weight"),
-                &[s.head_dim],
-                "a per-head norm",
-            )?,
-            ffn_norm: self.get(
-                &format!("{prefix}post_attention_layernorm.weight"),
-                &[h],
-                "a norm over the hidden size",
-            )?,
-            gate: lin("mlp.gate_proj", f, h)?,
-            up: lin("mlp.up_proj", f, h)?,
-            down: lin("mlp.down_proj", h, f)?,
+            attn_norm: norm(Role::AttnNorm)?,
+            q: lin(Role::AttnQ, Some(Role::AttnQBias), qd, h)?,
+            k: lin(Role::AttnK, Some(Role::AttnKBias), kd, h)?,
+            v: lin(Role::AttnV, Some(Role::AttnVBias), kd, h)?,
+            o: lin(Role::AttnOutput, None, h, qd)?,
+            q_norm: head_norm(Role::AttnQNorm)?,
+            k_norm: head_norm(Role::AttnKNorm)?,
+            ffn_norm: norm(Role::FfnNorm)?,
+            gate: lin(Role::FfnGate, None, f, h)?,
+            up: lin(Role::FfnUp, None, f, h)?,
+            down: lin(Role::FfnDown, None, h, f)?,
         })
     }
 }
@@ -425,29 +415,30 @@ impl NamedTensors {
 /// The tensors of a head block under `prefix`, by HF name (the inverse of
 /// [`NamedTensors::block`]), for writing.
 pub fn block_tensors(b: &HeadBlock, prefix: &str) -> Vec<(String, Tensor)> {
+    let name = |r: Role| format!("{prefix}{}", llama::base(r, BundleFormat::Hf));
     let mut v = vec![
-        (format!("{prefix}input_layernorm.weight"), b.attn_norm.clone()),
-        (format!("{prefix}post_attention_layernorm.weight"), b.ffn_norm.clone()),
+        (name(Role::AttnNorm), b.attn_norm.clone()),
+        (name(Role::FfnNorm), b.ffn_norm.clone()),
     ];
-    for (name, l) in [
-        ("self_attn.q_proj", &b.q),
-        ("self_attn.k_proj", &b.k),
-        ("self_attn.v_proj", &b.v),
-        ("self_attn.o_proj", &b.o),
-        ("mlp.gate_proj", &b.gate),
-        ("mlp.up_proj", &b.up),
-        ("mlp.down_proj", &b.down),
+    for (w, bias, l) in [
+        (Role::AttnQ, Some(Role::AttnQBias), &b.q),
+        (Role::AttnK, Some(Role::AttnKBias), &b.k),
+        (Role::AttnV, Some(Role::AttnVBias), &b.v),
+        (Role::AttnOutput, None, &b.o),
+        (Role::FfnGate, None, &b.gate),
+        (Role::FfnUp, None, &b.up),
+        (Role::FfnDown, None, &b.down),
     ] {
-        v.push((format!("{prefix}{name}.weight"), l.w.clone()));
-        if let Some(bias) = &l.b {
-            v.push((format!("{prefix}{name}.bias"), bias.clone()));
+        v.push((name(w), l.w.clone()));
+        if let (Some(br), Some(t)) = (bias, &l.b) {
+            v.push((name(br), t.clone()));
         }
     }
     if let Some(t) = &b.q_norm {
-        v.push((format!("{prefix}self_attn.q_norm.weight"), t.clone()));
+        v.push((name(Role::AttnQNorm), t.clone()));
     }
     if let Some(t) = &b.k_norm {
-        v.push((format!("{prefix}self_attn.k_norm.weight"), t.clone()));
+        v.push((name(Role::AttnKNorm), t.clone()));
     }
     v
 }

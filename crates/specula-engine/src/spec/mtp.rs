@@ -33,6 +33,7 @@ use super::head::{
     NamedTensors, RowCache,
 };
 use super::{Drafter, Proposal};
+use crate::arch::BundleFormat;
 use crate::model::{Embedding, Model};
 use crate::sampling::SamplingParams;
 
@@ -210,7 +211,7 @@ impl MtpWeights {
 
     /// The tensors in DeepSeek-V3 naming under `model.layers.{layer}.`, for writing.
     pub fn tensors(&self, layer: usize) -> Vec<(String, Tensor)> {
-        let p = format!("model.layers.{layer}.");
+        let p = BundleFormat::Hf.layer_prefix(layer);
         let mut v = block_tensors(&self.block, &p);
         v.push((format!("{p}enorm.weight"), self.enorm.clone()));
         v.push((format!("{p}hnorm.weight"), self.hnorm.clone()));
@@ -323,15 +324,14 @@ impl MtpHead {
             .map
             .keys()
             .filter_map(|k| {
-                let rest = k.strip_prefix("model.layers.")?;
-                let (n, rest) = rest.split_once('.')?;
-                (rest == "eh_proj.weight").then(|| n.parse::<usize>().ok()).flatten()
+                let (n, rest) = BundleFormat::Hf.split_layer(k)?;
+                (rest == "eh_proj.weight").then_some(n)
             })
             .min();
         let (layout, weights) = if let Some(l) = ds_layer {
             (
                 MtpLayout::DeepseekV3,
-                MtpWeights::from_named(t, &format!("model.layers.{l}."), &shape, fused)?,
+                MtpWeights::from_named(t, &BundleFormat::Hf.layer_prefix(l), &shape, fused)?,
             )
         } else if t.map.keys().any(|k| k.starts_with("mtp.")) {
             (

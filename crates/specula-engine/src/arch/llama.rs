@@ -1,0 +1,631 @@
+//! The dense Llama block, with the flags of its descendants: Llama (and Mistral's same layout),
+//! Qwen2 (biases on q/k/v) and Qwen3 (per-head RMSNorm on q and k before RoPE).
+//!
+//! Reference: Touvron et al. 2023 (Llama); llama.cpp `src/models/llama.cpp`, `qwen2.cpp`,
+//! `qwen3.cpp`; transformers `modeling_llama.py`, `modeling_qwen2.py`, `modeling_qwen3.py`.
+//! Pre-norm blocks: RMSNorm → grouped-query attention with RoPE → residual → RMSNorm → SwiGLU
+//! MLP → residual; a final RMSNorm and the LM head (tied to the embedding when the bundle has no
+//! separate one). The forward is [`crate::model::Model::forward`].
+
+use std::collections::HashMap;
+
+use anyhow::{anyhow, bail, Result};
+use candle_core::quantized::gguf_file::Value;
+use candle_core::Device;
+use serde_json::Value as Json;
+
+use super::{spec, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, Role, StateKind, TensorSpec, WeightSource};
+use crate::model::{Block, Embedding, Linear, Model};
+
+/// Which model a config describes: a member of the dense Llama family (each sets flags of the
+/// one block), or a model of another architecture file, by its registered name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Qwen2,
+    Qwen3,
+    /// A family read by another [`super::Architecture`]: its [`super::Architecture::name`].
+    Other(&'static str),
+}
+
+impl Family {
+    /// Parse a GGUF `general.architecture` or HF `model_type` value naming a member of the
+    /// dense Llama family.
+    pub fn parse(s: &str) -> Option<Family> {
+        match s {
+            "llama" | "mistral" => Some(Family::Llama),
+            "qwen2" => Some(Family::Qwen2),
+            "qwen3" => Some(Family::Qwen3),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Other(name) => name,
+        }
+    }
+}
+
+impl serde::Serialize for Family {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (x[2i], x[2i+1]): llama.cpp's "normal" mode, used by GGUF Llama files
+    /// (whose q/k weights the converter permuted).
+    Interleaved,
+    /// Halves (x[i], x[i + d/2]): GPT-NeoX style, used by HF checkpoints and GGUF Qwen files.
+    Neox,
+}
+
+/// Hyper-parameters of a model.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// Context window in tokens.
+    pub context_length: usize,
+    #[serde(skip)]
+    pub rope_style: RopeStyle,
+}
+
+impl ModelConfig {
+    /// Weights one token's forward multiplies by in the transformer blocks, over all layers:
+    /// the attention projections (q and o: `hidden × heads·head_dim` each; k and v:
+    /// `hidden × kv_heads·head_dim` each) and the gated MLP's three (`hidden × intermediate`).
+    /// A count of weights, not bytes. It is the work of a prompt token whose logits are not
+    /// computed (prefill, a draft model's catch-up).
+    pub fn block_params(&self) -> usize {
+        let h = self.hidden_size;
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        self.num_layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size)
+    }
+
+    /// [`ModelConfig::block_params`] plus the LM head (`vocab × hidden`): the weights a decode
+    /// step reads.
+    pub fn step_params(&self) -> usize {
+        self.step_params_over(self.vocab_size)
+    }
+
+    /// [`ModelConfig::block_params`] plus an LM head of `logit_rows` rows (a drafter's reduced
+    /// vocabulary, [`Model::logit_rows`]).
+    pub fn step_params_over(&self, logit_rows: usize) -> usize {
+        self.block_params() + logit_rows * self.hidden_size
+    }
+}
+
+/// The dense Llama / Qwen2 / Qwen3 block.
+#[derive(Debug)]
+pub struct Llama;
+
+fn hidden(c: &ModelConfig) -> Vec<usize> {
+    vec![c.hidden_size]
+}
+fn vocab_by_hidden(c: &ModelConfig) -> Vec<usize> {
+    vec![c.vocab_size, c.hidden_size]
+}
+fn q_out(c: &ModelConfig) -> Vec<usize> {
+    vec![c.num_heads * c.head_dim]
+}
+fn kv_out(c: &ModelConfig) -> Vec<usize> {
+    vec![c.num_kv_heads * c.head_dim]
+}
+fn head_dim(c: &ModelConfig) -> Vec<usize> {
+    vec![c.head_dim]
+}
+fn half_head_dim(c: &ModelConfig) -> Vec<usize> {
+    vec![c.head_dim / 2]
+}
+fn q_proj(c: &ModelConfig) -> Vec<usize> {
+    vec![c.num_heads * c.head_dim, c.hidden_size]
+}
+fn kv_proj(c: &ModelConfig) -> Vec<usize> {
+    vec![c.num_kv_heads * c.head_dim, c.hidden_size]
+}
+fn o_proj(c: &ModelConfig) -> Vec<usize> {
+    vec![c.hidden_size, c.num_heads * c.head_dim]
+}
+fn up_proj(c: &ModelConfig) -> Vec<usize> {
+    vec![c.intermediate_size, c.hidden_size]
+}
+fn down_proj(c: &ModelConfig) -> Vec<usize> {
+    vec![c.hidden_size, c.intermediate_size]
+}
+
+const fn t(
+    role: Role,
+    gguf: &'static str,
+    hf: &'static str,
+    per_layer: bool,
+    required: bool,
+    kind: Kind,
+    shape: fn(&ModelConfig) -> Vec<usize>,
+) -> TensorSpec {
+    TensorSpec {
+        role,
+        gguf,
+        hf,
+        per_layer,
+        required,
+        kind,
+        shape,
+    }
+}
+
+/// The tensor schema of the dense block, in the order a layer's tensors are listed.
+pub static TENSORS: &[TensorSpec] = &[
+    t(
+        Role::TokenEmbedding,
+        "token_embd.weight",
+        "model.embed_tokens.weight",
+        false,
+        true,
+        Kind::Table,
+        vocab_by_hidden,
+    ),
+    t(
+        Role::AttnNorm,
+        "attn_norm.weight",
+        "input_layernorm.weight",
+        true,
+        true,
+        Kind::Vector,
+        hidden,
+    ),
+    t(
+        Role::AttnQ,
+        "attn_q.weight",
+        "self_attn.q_proj.weight",
+        true,
+        true,
+        Kind::Matrix,
+        q_proj,
+    ),
+    t(
+        Role::AttnK,
+        "attn_k.weight",
+        "self_attn.k_proj.weight",
+        true,
+        true,
+        Kind::Matrix,
+        kv_proj,
+    ),
+    t(
+        Role::AttnV,
+        "attn_v.weight",
+        "self_attn.v_proj.weight",
+        true,
+        true,
+        Kind::Matrix,
+        kv_proj,
+    ),
+    t(
+        Role::AttnOutput,
+        "attn_output.weight",
+        "self_attn.o_proj.weight",
+        true,
+        true,
+        Kind::Matrix,
+        o_proj,
+    ),
+    t(
+        Role::AttnQBias,
+        "attn_q.bias",
+        "self_attn.q_proj.bias",
+        true,
+        false,
+        Kind::Vector,
+        q_out,
+    ),
+    t(
+        Role::AttnKBias,
+        "attn_k.bias",
+        "self_attn.k_proj.bias",
+        true,
+        false,
+        Kind::Vector,
+        kv_out,
+    ),
+    t(
+        Role::AttnVBias,
+        "attn_v.bias",
+        "self_attn.v_proj.bias",
+        true,
+        false,
+        Kind::Vector,
+        kv_out,
+    ),
+    t(
+        Role::AttnQNorm,
+        "attn_q_norm.weight",
+        "self_attn.q_norm.weight",
+        true,
+        false,
+        Kind::Vector,
+        head_dim,
+    ),
+    t(
+        Role::AttnKNorm,
+        "attn_k_norm.weight",
+        "self_attn.k_norm.weight",
+        true,
+        false,
+        Kind::Vector,
+        head_dim,
+    ),
+    t(
+        Role::FfnNorm,
+        "ffn_norm.weight",
+        "post_attention_layernorm.weight",
+        true,
+        true,
+        Kind::Vector,
+        hidden,
+    ),
+    t(
+        Role::FfnGate,
+        "ffn_gate.weight",
+        "mlp.gate_proj.weight",
+        true,
+        true,
+        Kind::Matrix,
+        up_proj,
+    ),
+    t(
+        Role::FfnUp,
+        "ffn_up.weight",
+        "mlp.up_proj.weight",
+        true,
+        true,
+        Kind::Matrix,
+        up_proj,
+    ),
+    t(
+        Role::FfnDown,
+        "ffn_down.weight",
+        "mlp.down_proj.weight",
+        true,
+        true,
+        Kind::Matrix,
+        down_proj,
+    ),
+    t(
+        Role::OutputNorm,
+        "output_norm.weight",
+        "model.norm.weight",
+        false,
+        true,
+        Kind::Vector,
+        hidden,
+    ),
+    t(
+        Role::Output,
+        "output.weight",
+        "lm_head.weight",
+        false,
+        false,
+        Kind::Matrix,
+        vocab_by_hidden,
+    ),
+    // llama.cpp's converter writes Llama 3.1's RoPE scaling as a tensor; HF keeps it in the
+    // config (not read: the catalog's HF bundles do not use it).
+    t(
+        Role::RopeFreqs,
+        "rope_freqs.weight",
+        "",
+        false,
+        false,
+        Kind::Vector,
+        half_head_dim,
+    ),
+];
+
+/// The name of `role` in `format` (`layer` for a per-layer tensor): how code outside this
+/// module names a tensor of the dense block (draft heads, which reuse the block, among them).
+pub fn name(role: Role, format: BundleFormat, layer: usize) -> String {
+    spec(TENSORS, role).name(format, layer)
+}
+
+/// The name of a per-layer `role` without the layer prefix (`self_attn.q_proj.weight`).
+pub fn base(role: Role, format: BundleFormat) -> &'static str {
+    spec(TENSORS, role).base(format)
+}
+
+/// A projection's name stem (its weight's name less `.weight`): `self_attn.q_proj`, `attn_q`.
+pub fn stem(role: Role, format: BundleFormat) -> &'static str {
+    let b = base(role, format);
+    b.strip_suffix(".weight").unwrap_or(b)
+}
+
+/// The GGUF metadata keys a config needs (after `{arch}.`).
+const GGUF_REQUIRED: &[&str] = &[
+    "embedding_length",
+    "attention.head_count",
+    "feed_forward_length",
+    "block_count",
+    "context_length",
+];
+
+/// The `config.json` fields a config needs.
+const HF_REQUIRED: &[&str] = &[
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+];
+
+fn meta_usize(md: &HashMap<String, Value>, key: &str) -> Option<usize> {
+    let v = md.get(key)?;
+    v.to_u64()
+        .ok()
+        .or_else(|| v.to_u32().ok().map(u64::from))
+        .or_else(|| v.to_i32().ok().and_then(|x| u64::try_from(x).ok()))
+        .or_else(|| v.to_i64().ok().and_then(|x| u64::try_from(x).ok()))
+        .map(|x| x as usize)
+}
+
+fn meta_f64(md: &HashMap<String, Value>, key: &str) -> Option<f64> {
+    let v = md.get(key)?;
+    v.to_f32().ok().map(f64::from).or_else(|| v.to_f64().ok())
+}
+
+fn json_usize(c: &Json, k: &str) -> Option<usize> {
+    c.get(k).and_then(Json::as_u64).map(|x| x as usize)
+}
+
+/// The GGUF metadata of a dense config under `arch.` keys (llama.cpp's names), as
+/// [`dense_config_from_gguf`] reads them.
+pub fn dense_gguf_metadata(arch: &str, c: &ModelConfig) -> Vec<(String, Value)> {
+    let u = |x: usize| Value::U32(x as u32);
+    vec![
+        (format!("{arch}.block_count"), u(c.num_layers)),
+        (format!("{arch}.context_length"), u(c.context_length)),
+        (format!("{arch}.embedding_length"), u(c.hidden_size)),
+        (format!("{arch}.feed_forward_length"), u(c.intermediate_size)),
+        (format!("{arch}.attention.head_count"), u(c.num_heads)),
+        (format!("{arch}.attention.head_count_kv"), u(c.num_kv_heads)),
+        (format!("{arch}.attention.key_length"), u(c.head_dim)),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_norm_eps as f32),
+        ),
+        (format!("{arch}.rope.freq_base"), Value::F32(c.rope_theta as f32)),
+    ]
+}
+
+/// The `config.json` of a dense config (transformers' field names) with `model_type`.
+pub fn dense_hf_config(model_type: &str, c: &ModelConfig) -> Json {
+    serde_json::json!({
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.context_length,
+    })
+}
+
+/// A dense config from GGUF metadata under `arch.` keys (llama.cpp's names), the vocabulary
+/// from the embedding's rows (`embd`, read through `dims`). Errors name the missing key.
+pub fn dense_config_from_gguf(
+    arch: &str,
+    family: Family,
+    rope_style: RopeStyle,
+    md: &HashMap<String, Value>,
+    embd: &str,
+    dims: &dyn Fn(&str) -> Option<Vec<usize>>,
+) -> Result<ModelConfig> {
+    let req = |k: &str| -> Result<usize> {
+        let key = format!("{arch}.{k}");
+        meta_usize(md, &key).ok_or_else(|| anyhow!("missing metadata key '{key}'"))
+    };
+    let hidden = req("embedding_length")?;
+    let heads = req("attention.head_count")?;
+    let kv_heads = meta_usize(md, &format!("{arch}.attention.head_count_kv")).unwrap_or(heads);
+    let head_dim = meta_usize(md, &format!("{arch}.attention.key_length")).unwrap_or(hidden / heads.max(1));
+    let vocab = match dims(embd).and_then(|d| d.first().copied()) {
+        Some(v) => v,
+        None => bail!("missing tensor '{embd}'"),
+    };
+    Ok(ModelConfig {
+        family,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: req("feed_forward_length")?,
+        num_layers: req("block_count")?,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        rms_norm_eps: meta_f64(md, &format!("{arch}.attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
+        rope_theta: meta_f64(md, &format!("{arch}.rope.freq_base")).unwrap_or(10_000.0),
+        context_length: req("context_length")?,
+        rope_style,
+    })
+}
+
+/// A dense config from `config.json`'s text part `c` (transformers' field names). Errors name
+/// the missing field.
+pub fn dense_config_from_hf(family: Family, c: &Json) -> Result<ModelConfig> {
+    let field =
+        |k: &str| -> Result<usize> { json_usize(c, k).ok_or_else(|| anyhow!("missing or non-integer field '{k}'")) };
+    let hidden = field("hidden_size")?;
+    let heads = field("num_attention_heads")?;
+    Ok(ModelConfig {
+        family,
+        vocab_size: field("vocab_size")?,
+        hidden_size: hidden,
+        intermediate_size: field("intermediate_size")?,
+        num_layers: field("num_hidden_layers")?,
+        num_heads: heads,
+        num_kv_heads: json_usize(c, "num_key_value_heads").unwrap_or(heads),
+        head_dim: json_usize(c, "head_dim").unwrap_or(hidden / heads.max(1)),
+        rms_norm_eps: c.get("rms_norm_eps").and_then(Json::as_f64).unwrap_or(1e-6),
+        rope_theta: c.get("rope_theta").and_then(Json::as_f64).unwrap_or(10_000.0),
+        context_length: field("max_position_embeddings")?,
+        rope_style: RopeStyle::Neox,
+    })
+}
+
+impl super::Architecture for Llama {
+    fn name(&self) -> &'static str {
+        "llama"
+    }
+
+    fn gguf_names(&self) -> &'static [&'static str] {
+        &["llama", "mistral", "qwen2", "qwen3"]
+    }
+
+    fn hf_model_types(&self) -> &'static [&'static str] {
+        &["llama", "mistral", "qwen2", "qwen3"]
+    }
+
+    fn aliases(&self) -> &'static [&'static str] {
+        &["mistral"]
+    }
+
+    fn gguf_required_keys(&self) -> &'static [&'static str] {
+        GGUF_REQUIRED
+    }
+
+    fn hf_required_fields(&self) -> &'static [&'static str] {
+        HF_REQUIRED
+    }
+
+    fn config_from_gguf(
+        &self,
+        arch: &str,
+        md: &HashMap<String, Value>,
+        dims: &dyn Fn(&str) -> Option<Vec<usize>>,
+    ) -> Result<ModelConfig> {
+        let family = Family::parse(arch).ok_or_else(|| anyhow!("'{arch}' is not a member of the llama family"))?;
+        // llama.cpp's converter permutes Llama's q/k rows for adjacent-pair RoPE; Qwen files
+        // keep the halves.
+        let rope = match family {
+            Family::Llama => RopeStyle::Interleaved,
+            _ => RopeStyle::Neox,
+        };
+        let embd = name(Role::TokenEmbedding, BundleFormat::Gguf, 0);
+        dense_config_from_gguf(arch, family, rope, md, &embd, dims)
+    }
+
+    fn config_from_hf(&self, model_type: &str, c: &Json) -> Result<ModelConfig> {
+        let family =
+            Family::parse(model_type).ok_or_else(|| anyhow!("'{model_type}' is not a member of the llama family"))?;
+        dense_config_from_hf(family, c)
+    }
+
+    fn tensors(&self) -> &'static [TensorSpec] {
+        TENSORS
+    }
+
+    fn layer_plan(&self, config: &ModelConfig) -> Vec<LayerPlan> {
+        let plan = LayerPlan {
+            attention: AttentionKind::Full,
+            mlp: MlpKind::DenseSwiGlu,
+            qkv_bias: config.family == Family::Qwen2,
+            qk_norm: config.family == Family::Qwen3,
+            parallel: false,
+        };
+        vec![plan; config.num_layers]
+    }
+
+    fn state_kind(&self) -> StateKind {
+        StateKind::KvRows
+    }
+
+    fn runs_on_cuda(&self) -> bool {
+        true
+    }
+
+    fn gguf_metadata(&self, c: &ModelConfig) -> Vec<(String, Value)> {
+        dense_gguf_metadata(c.family.as_str(), c)
+    }
+
+    fn hf_config(&self, c: &ModelConfig) -> Json {
+        dense_hf_config(c.family.as_str(), c)
+    }
+
+    fn build(&self, config: ModelConfig, w: &mut dyn WeightSource, device: &Device) -> Result<Model> {
+        let f = w.format();
+        let embd = w.table(&name(Role::TokenEmbedding, f, 0))?;
+        let mut blocks = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let n = |r: Role| name(r, f, l);
+            let mut lin = |weight: Role, bias: Option<Role>| -> Result<Linear> {
+                let b = bias.map(n).filter(|b| w.has(b));
+                w.linear(&n(weight), b.as_deref())
+            };
+            let q = lin(Role::AttnQ, Some(Role::AttnQBias))?;
+            let k = lin(Role::AttnK, Some(Role::AttnKBias))?;
+            let v = lin(Role::AttnV, Some(Role::AttnVBias))?;
+            let o = lin(Role::AttnOutput, None)?;
+            let gate = lin(Role::FfnGate, None)?;
+            let up = lin(Role::FfnUp, None)?;
+            let down = lin(Role::FfnDown, None)?;
+            let mut opt = |r: Role| -> Result<Option<candle_core::Tensor>> {
+                let nm = n(r);
+                if w.has(&nm) {
+                    Ok(Some(w.dense(&nm)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let q_norm = opt(Role::AttnQNorm)?;
+            let k_norm = opt(Role::AttnKNorm)?;
+            blocks.push(Block {
+                attn_norm: w.dense(&n(Role::AttnNorm))?,
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+                ffn_norm: Some(w.dense(&n(Role::FfnNorm))?),
+                gate,
+                up,
+                down,
+            });
+        }
+        let output_norm = w.dense(&name(Role::OutputNorm, f, 0))?;
+        let out = name(Role::Output, f, 0);
+        let lm_table = if w.has(&out) { w.table(&out)? } else { embd.clone() };
+        let lm_head = lm_table.to_linear()?;
+        let rope = base(Role::RopeFreqs, f);
+        let rope_factors = if !rope.is_empty() && w.has(rope) {
+            Some(w.dense(rope)?.flatten_all()?.to_vec1::<f32>()?)
+        } else {
+            None
+        };
+        let quantized_table = matches!(lm_table, Embedding::Quantized(_));
+        let mut model = Model::new(config, embd, blocks, output_norm, lm_head, rope_factors, device.clone())?;
+        // Draft heads borrow rows of a quantized LM head ([`Model::lm_head_rows`]).
+        if quantized_table {
+            model.set_lm_head_table(lm_table);
+        }
+        Ok(model)
+    }
+}

@@ -1,0 +1,377 @@
+//! Architectures: one file per model family, behind one trait and a registry.
+//!
+//! An architecture declares, in one place, everything the rest of Specula needs to know about a
+//! model family:
+//! - its config, read from GGUF metadata and from an HF `config.json` (one [`ModelConfig`], two
+//!   readers: [`Architecture::config_from_gguf`], [`Architecture::config_from_hf`]);
+//! - its tensor schema ([`Architecture::tensors`]): one table of names in both formats, shapes
+//!   and roles, which the loaders, `inspect`, the memory estimate, the CUDA upload and the tiny
+//!   test bundles all read, so no other module spells a tensor name;
+//! - its layer plan ([`Architecture::layer_plan`]): per layer, the attention and MLP kinds;
+//! - how its weights become a [`Model`] ([`Architecture::build`]).
+//!
+//! The registry ([`by_gguf`], [`by_hf`]) is keyed by GGUF `general.architecture` and HF
+//! `model_type`. Adding a family is a new file here and one line in [`REGISTRY`]; see
+//! `docs/architecture.md`.
+//!
+//! The layout follows llama.cpp's one name table (`LLM_TENSOR_*` in `llama-arch.cpp`, names
+//! written `blk.N.<name>`) and transformers' checkpoint names (`model.layers.N.<name>`).
+
+pub mod llama;
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use candle_core::quantized::gguf_file::Value;
+use candle_core::Tensor;
+use serde_json::Value as Json;
+
+use crate::model::{Embedding, LayerPass, Linear, Model};
+
+pub use llama::{Family, ModelConfig, RopeStyle};
+
+/// The two bundle layouts, and so the two naming schemes of tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BundleFormat {
+    /// One GGUF file (or a directory holding exactly one): names as llama.cpp writes them.
+    Gguf,
+    /// A Hugging Face directory: config.json + safetensors + tokenizer files; transformers' names.
+    Hf,
+}
+
+impl BundleFormat {
+    /// The prefix of layer `layer`'s tensor names: `blk.N.` (GGUF) or `model.layers.N.` (HF).
+    pub fn layer_prefix(self, layer: usize) -> String {
+        format!("{}{layer}.", self.layers_prefix())
+    }
+
+    /// The prefix every layer's tensor names share, before the layer number.
+    pub fn layers_prefix(self) -> &'static str {
+        match self {
+            BundleFormat::Gguf => "blk.",
+            BundleFormat::Hf => "model.layers.",
+        }
+    }
+
+    /// `name` split into its layer number and the name within the layer
+    /// (`blk.3.attn_q.weight` → `(3, "attn_q.weight")`); None for a name outside the layers.
+    pub fn split_layer(self, name: &str) -> Option<(usize, &str)> {
+        let rest = name.strip_prefix(self.layers_prefix())?;
+        let (n, t) = rest.split_once('.')?;
+        Some((n.parse().ok()?, t))
+    }
+}
+
+/// What a tensor is for: the role the loader gives it, whatever its name in either format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The token embedding table, `[vocab, hidden]`.
+    TokenEmbedding,
+    /// The final norm before the LM head, `[hidden]`.
+    OutputNorm,
+    /// The LM head, `[vocab, hidden]` (absent when tied to the embedding).
+    Output,
+    /// Per-frequency RoPE divisors (llama.cpp's `rope_freqs`, Llama 3.1 scaling), `[head_dim/2]`.
+    RopeFreqs,
+    /// The norm before attention, `[hidden]`.
+    AttnNorm,
+    /// Query, key, value and output projections (`[out, in]`), and the q/k/v biases.
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnOutput,
+    AttnQBias,
+    AttnKBias,
+    AttnVBias,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3), `[head_dim]`.
+    AttnQNorm,
+    AttnKNorm,
+    /// The norm before the MLP, `[hidden]`.
+    FfnNorm,
+    /// The gated MLP's gate, up and down projections.
+    FfnGate,
+    FfnUp,
+    FfnDown,
+}
+
+/// The shape class of a tensor, which says how it is stored and used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A weight matrix the forward multiplies by (kept quantized; counted in kernel coverage).
+    Matrix,
+    /// A row table read by index (the embedding; also an LM head when tied).
+    Table,
+    /// A vector: a norm weight, a bias, RoPE factors (read as f32).
+    Vector,
+}
+
+/// One entry of an architecture's tensor schema.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorSpec {
+    pub role: Role,
+    /// The GGUF name (after `blk.N.` for a per-layer tensor).
+    pub gguf: &'static str,
+    /// The HF name (after `model.layers.N.` for a per-layer tensor).
+    pub hf: &'static str,
+    /// Once per layer, or once per model.
+    pub per_layer: bool,
+    /// Whether a bundle without it is malformed; optional tensors switch a feature on (biases,
+    /// QK-norm, an untied LM head).
+    pub required: bool,
+    pub kind: Kind,
+    /// The expected shape, outermost first (`[out, in]` for a projection in both formats).
+    pub shape: fn(&ModelConfig) -> Vec<usize>,
+}
+
+impl TensorSpec {
+    /// The full name in `format`; `layer` is used only for a per-layer tensor.
+    pub fn name(&self, format: BundleFormat, layer: usize) -> String {
+        let base = self.base(format);
+        if self.per_layer {
+            format!("{}{base}", format.layer_prefix(layer))
+        } else {
+            base.to_string()
+        }
+    }
+
+    /// The name in `format` without the layer prefix.
+    pub fn base(&self, format: BundleFormat) -> &'static str {
+        match format {
+            BundleFormat::Gguf => self.gguf,
+            BundleFormat::Hf => self.hf,
+        }
+    }
+}
+
+/// A model's tensors as the schema names them in `format`, each with its spec and layer: the
+/// list a loader takes and `inspect` checks.
+pub fn expected_tensors(schema: &[TensorSpec], format: BundleFormat, layers: usize) -> Vec<(String, &TensorSpec)> {
+    let schema: Vec<&TensorSpec> = schema.iter().filter(|s| !s.base(format).is_empty()).collect();
+    let mut out = Vec::new();
+    for s in schema.iter().filter(|s| !s.per_layer && s.role == Role::TokenEmbedding) {
+        out.push((s.name(format, 0), *s));
+    }
+    for l in 0..layers {
+        for s in schema.iter().filter(|s| s.per_layer) {
+            out.push((s.name(format, l), *s));
+        }
+    }
+    for s in schema.iter().filter(|s| !s.per_layer && s.role != Role::TokenEmbedding) {
+        out.push((s.name(format, 0), *s));
+    }
+    out
+}
+
+/// The name of `name` (in format `from`) in format `to`, by the schema; None for a name the
+/// schema does not hold, or holds in one format only.
+pub fn rename(schema: &[TensorSpec], name: &str, from: BundleFormat, to: BundleFormat) -> Option<String> {
+    let known = |s: &&TensorSpec| !s.base(from).is_empty() && !s.base(to).is_empty();
+    if let Some((layer, base)) = from.split_layer(name) {
+        let s = schema
+            .iter()
+            .filter(known)
+            .find(|s| s.per_layer && s.base(from) == base)?;
+        return Some(s.name(to, layer));
+    }
+    let s = schema
+        .iter()
+        .filter(known)
+        .find(|s| !s.per_layer && s.base(from) == name)?;
+    Some(s.name(to, 0))
+}
+
+/// The spec of `role` in `schema`. Panics when the schema lacks it: a schema is a constant
+/// table, so that is a programming error caught by the registry's tests.
+pub fn spec(schema: &'static [TensorSpec], role: Role) -> &'static TensorSpec {
+    schema
+        .iter()
+        .find(|s| s.role == role)
+        .unwrap_or_else(|| panic!("the tensor schema has no {role:?}"))
+}
+
+/// How one layer attends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// Causal attention over every earlier position (the state is KV rows).
+    Full,
+}
+
+/// The MLP of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpKind {
+    /// `down(silu(gate(x)) * up(x))` (SwiGLU; Shazeer 2020).
+    DenseSwiGlu,
+}
+
+/// The plan of one layer: what the forward runs there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct LayerPlan {
+    pub attention: AttentionKind,
+    pub mlp: MlpKind,
+    /// q, k and v projections carry biases (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Attention and MLP read one norm of the same input and both add to the residual
+    /// (GPT-J, Falcon), instead of the MLP following the attention.
+    pub parallel: bool,
+}
+
+/// What a sequence carries between steps, and so how it rolls back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateKind {
+    /// Keys and values per position: rollback drops the rows past the kept length.
+    KvRows,
+}
+
+/// Where a source of weights gets its tensors (a GGUF file, safetensors files): what an
+/// architecture's [`Architecture::build`] reads from. Errors name the file and the tensor.
+pub trait WeightSource {
+    /// The layout the names follow.
+    fn format(&self) -> BundleFormat;
+    /// Whether the bundle holds `name`.
+    fn has(&self, name: &str) -> bool;
+    /// A weight matrix `[out, in]` with an optional bias `[out]`, kept in its stored type where
+    /// Specula's kernels run it.
+    fn linear(&mut self, weight: &str, bias: Option<&str>) -> Result<Linear>;
+    /// A row table (the embedding).
+    fn table(&mut self, name: &str) -> Result<Embedding>;
+    /// A vector or small tensor as dense f32.
+    fn dense(&mut self, name: &str) -> Result<Tensor>;
+}
+
+/// A model family. Implementations are unit structs in this module's files, listed in
+/// [`REGISTRY`].
+pub trait Architecture: Send + Sync + std::fmt::Debug {
+    /// The family's name as `inspect` shows it.
+    fn name(&self) -> &'static str;
+    /// The GGUF `general.architecture` values this file reads.
+    fn gguf_names(&self) -> &'static [&'static str];
+    /// The HF `model_type` values this file reads.
+    fn hf_model_types(&self) -> &'static [&'static str];
+    /// Names among those accepted that error messages do not list (a second name for the same
+    /// layout, such as `mistral` for `llama`).
+    fn aliases(&self) -> &'static [&'static str] {
+        &[]
+    }
+    /// The GGUF metadata keys (after `{arch}.`) without which no config can be read.
+    fn gguf_required_keys(&self) -> &'static [&'static str];
+    /// The `config.json` fields without which no config can be read.
+    fn hf_required_fields(&self) -> &'static [&'static str];
+    /// The config from GGUF metadata; `dims` gives a tensor's shape by name (some values, such
+    /// as the vocabulary, are read from the tensor directory). Errors name the key.
+    fn config_from_gguf(
+        &self,
+        arch: &str,
+        md: &HashMap<String, Value>,
+        dims: &dyn Fn(&str) -> Option<Vec<usize>>,
+    ) -> Result<ModelConfig>;
+    /// The config from `config.json` (`c` is its text part: `text_config` when present).
+    /// Errors name the field.
+    fn config_from_hf(&self, model_type: &str, c: &Json) -> Result<ModelConfig>;
+    /// The tensor schema.
+    fn tensors(&self) -> &'static [TensorSpec];
+    /// Per layer, what the forward runs.
+    fn layer_plan(&self, config: &ModelConfig) -> Vec<LayerPlan>;
+    /// What a sequence's state is.
+    fn state_kind(&self) -> StateKind;
+    /// Read the weights into a model. Errors name the file and tensor (from `w`) or the
+    /// inconsistency.
+    fn build(&self, config: ModelConfig, w: &mut dyn WeightSource, device: &candle_core::Device) -> Result<Model>;
+    /// One layer of the forward pass: the residual stream `x` (`[rows, hidden]` f32, rows of
+    /// every segment stacked) updated in place from the layer's weights, with the operations
+    /// of [`LayerPass`] (each row-independent, so the layer is batch-invariant when they are).
+    /// The default is the pre-norm block: `x += attn(norm(x)); x += mlp(norm(x))`.
+    fn layer_forward(&self, layer: &mut LayerPass<'_, '_, '_>, x: &mut [f32]) -> Result<()> {
+        layer.pre_norm_block(x)
+    }
+    /// Whether the CUDA backend's forward runs this architecture.
+    fn runs_on_cuda(&self) -> bool {
+        false
+    }
+    /// The GGUF metadata that [`Architecture::config_from_gguf`] reads back as `c` (with the
+    /// tensor directory): for writing bundles (tests, tools).
+    fn gguf_metadata(&self, c: &ModelConfig) -> Vec<(String, Value)>;
+    /// The `config.json` that [`Architecture::config_from_hf`] reads back as `c`.
+    fn hf_config(&self, c: &ModelConfig) -> Json;
+}
+
+/// The architectures built in.
+pub static REGISTRY: &[&dyn Architecture] = &[&llama::Llama];
+
+/// Architectures added at run time ([`register`]).
+static REGISTERED: std::sync::RwLock<Vec<&'static dyn Architecture>> = std::sync::RwLock::new(Vec::new());
+
+/// Add an architecture to the registry (a family defined outside this module, e.g. in a test).
+/// Errors: one of its GGUF or HF names is already taken.
+pub fn register(a: &'static dyn Architecture) -> Result<()> {
+    let mut extra = REGISTERED.write().unwrap_or_else(|e| e.into_inner());
+    if extra.iter().any(|b| std::ptr::addr_eq(*b, a)) {
+        return Ok(());
+    }
+    // Checked under the write lock (so two registrations cannot both pass), against the list
+    // it guards.
+    let known: Vec<&'static dyn Architecture> = REGISTRY.iter().chain(extra.iter()).copied().collect();
+    for n in a.gguf_names() {
+        if known.iter().any(|b| b.gguf_names().contains(n)) {
+            anyhow::bail!("the GGUF architecture name '{n}' is already registered");
+        }
+    }
+    for n in a.hf_model_types() {
+        if known.iter().any(|b| b.hf_model_types().contains(n)) {
+            anyhow::bail!("the HF model_type '{n}' is already registered");
+        }
+    }
+    extra.push(a);
+    Ok(())
+}
+
+/// Every architecture Specula runs: the built-in ones, then those registered.
+pub fn all() -> Vec<&'static dyn Architecture> {
+    let mut v: Vec<&'static dyn Architecture> = REGISTRY.to_vec();
+    // A poisoned lock still holds a valid list (pushes are the only writes).
+    v.extend(REGISTERED.read().unwrap_or_else(|e| e.into_inner()).iter().copied());
+    v
+}
+
+/// The architecture of a GGUF `general.architecture` value.
+pub fn by_gguf(name: &str) -> Option<&'static dyn Architecture> {
+    all().into_iter().find(|a| a.gguf_names().contains(&name))
+}
+
+/// The architecture of an HF `model_type` value.
+pub fn by_hf(model_type: &str) -> Option<&'static dyn Architecture> {
+    all().into_iter().find(|a| a.hf_model_types().contains(&model_type))
+}
+
+/// The architecture of a parsed config (by its [`Family`]); None for a family no registered
+/// architecture reads.
+pub fn try_of(config: &ModelConfig) -> Option<&'static dyn Architecture> {
+    let name = config.family.as_str();
+    all()
+        .into_iter()
+        .find(|a| a.name() == name || a.gguf_names().contains(&name))
+}
+
+/// [`try_of`] for a config an architecture produced. Panics when none reads it, which only a
+/// hand-built config naming an unregistered family can cause.
+pub fn of(config: &ModelConfig) -> &'static dyn Architecture {
+    try_of(config).unwrap_or_else(|| panic!("no registered architecture reads family '{}'", config.family.as_str()))
+}
+
+/// The names a user may give, for error messages: "llama, qwen2, qwen3".
+pub fn supported(format: BundleFormat) -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for a in all() {
+        let list = match format {
+            BundleFormat::Gguf => a.gguf_names(),
+            BundleFormat::Hf => a.hf_model_types(),
+        };
+        names.extend(list.iter().filter(|n| !a.aliases().contains(n)));
+    }
+    names.join(", ")
+}
