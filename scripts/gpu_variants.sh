@@ -17,7 +17,7 @@ for variant in "$@"; do
   [[ "$variant" == *:* ]] && IFS=+ read -ra envs <<< "${variant#*:}"
   tag="$SHAPE-$name"
   # A run that succeeds keeps only its receipt: the device returns a limited number of files
-  # per call (8 in session 19), and the log of a passing run says nothing the summary does not.
+  # per call (8 in one measured call), and the log of a passing run says nothing the summary does not.
   if env "${envs[@]}" "$BIN" bench --device cuda:0 --shape "$SHAPE" ${SPECULA_BENCH_ARGS:-} \
     --receipt "$OUTDIR/$tag.json" > /dev/null 2> "$OUTDIR/$tag.log"; then
     rm -f "$OUTDIR/$tag.log"

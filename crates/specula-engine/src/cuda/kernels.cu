@@ -671,7 +671,7 @@ GEMM_KERNEL(gemm_q8_2x8_pipe, 2, 8, 2, true, 3, false)
 GEMM_KERNEL(gemm_bf16_2x8_pipe_silu, 2, 8, 2, false, 3, true)
 GEMM_KERNEL(gemm_q8_2x8_pipe_silu, 2, 8, 2, true, 3, true)
 
-// Measured on the H200 (qwen3-8b bf16, session 20) and not the default: at 64 rows every seq
+// Measured on the H200 (qwen3-8b bf16) and not the default: at 64 rows every seq
 // kernel was slower than the 2x8 tile with its X through the ring (gate/up 4.60 ms a step with
 // gemm_seq, 4.93 gemm_seq6, 4.95 gemm_seq32, 5.87 gemm_seqw, against 3.22 with _px2), and in
 // prefill too (512 tokens 8,041 against 9,261 tok/s). With one block of 8 warps a
@@ -1468,7 +1468,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) attention_rows_g4(ATT_ARGS)
 // short context the 512 blocks of qwen3-8b are two waves at 2 a multiprocessor, each block a
 // chain of dependent phases): speed only. At 4 (the default), without the L2 prefetch of the
 // block's K and V lines (PF 0: at 64 rows a layer's K and V are about the size of L2, and the
-// prefetches cost the block time; session 22), with it (`_pf`), or with 4 key passes loaded at
+// prefetches cost the block time), with it (`_pf`), or with 4 key passes loaded at
 // once (`_k4`).
 extern "C" __global__ void __launch_bounds__(256, 3) attention_rows_g4_b3(ATT_ARGS) { attention_impl<2, 8, 2, false, 4>(ATT_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) attention_rows_g4_b4(ATT_ARGS) { attention_impl<2, 8, 2, false, 4, 0>(ATT_PASS); }

@@ -144,7 +144,7 @@ pub struct Gpu {
     /// The projection kernels (`SPECULA_CUDA_GEMM=gemv` picks the reference FMA kernels).
     gemm_path: std::cell::Cell<GemmPath>,
     /// The GEMM kernel above 32 rows ([`Wide`], `SPECULA_CUDA_GEMM_WIDE=2|4|seq|seq32`, default
-    /// 2: on the H200 (qwen3-8b bf16, session 20) the 2x8 tile with its operands through the
+    /// 2: on the H200 (qwen3-8b bf16) the 2x8 tile with its operands through the
     /// ring beat every seq kernel at 64 rows and in prefill, 512 tokens 9,261 tok/s against
     /// 8,041 with `gemm_seq`).
     wide: std::cell::Cell<Wide>,
@@ -170,7 +170,7 @@ pub struct Gpu {
     /// At 33..64 rows, layers whose 2x8 grid has at most one block a multiprocessor run the
     /// 2x4 tile with its operands through the ring ([`GEMM_PX24`]), twice the blocks
     /// (`SPECULA_CUDA_NARROW64=1`; speed only). Off by default: on the H200 (qwen3-8b bf16, 64
-    /// rows, session 20) the down GEMM took 2.12 ms a step with it against 1.81 without (o 0.86
+    /// rows) the down GEMM took 2.12 ms a step with it against 1.81 without (o 0.86
     /// against 0.88), 64 streams 7,191 against 7,642 tok/s.
     narrow64: std::cell::Cell<bool>,
     /// Narrow tiles of at least this many n-tiles (1: 1x1 and 1x2, 2: 1x2 only, 3: none) run
@@ -1011,12 +1011,12 @@ const GEMM_PX24_SMEM: u32 = 3 * 8 * 256 * 16;
 /// `SPECULA_CUDA_GEMM_PIPE`'s names of [`Gpu::pipe`]'s values.
 pub const PIPE_NAMES: [&str; 7] = ["0", "w", "px", "px4", "px2", "pp", "auto"];
 
-/// [`Gpu::pipe`]'s default: on the H200 (qwen3-8b bf16, 64 rows, session 20) `_px2` ran the
+/// [`Gpu::pipe`]'s default: on the H200 (qwen3-8b bf16, 64 rows) `_px2` ran the
 /// layers of many blocks fastest (gate/up 3.22 ms a step against 3.50 with `_px` and 3.75 with
 /// `_pipe`; QKV 1.07, 1.16, 1.28) and `_px` those of at most one block a multiprocessor (down
 /// 1.81 against 2.06 with `_px2` and 2.01 with `_pipe`; o 0.87, 0.89, 0.94). With Q8_0 weights
 /// `_px` was fastest for every layer (64 rows: 10.06 ms a step against 12.37 with `_px2`).
-/// Session 21 (same call as session 20's binary): `_pp` for the bf16 layers whose `_pp` grid
+/// Measured again in the same call: `_pp` for the bf16 layers whose `_pp` grid
 /// has at least a block a multiprocessor (gate/up 3.07 ms against 3.21 with `_px2`, LM head
 /// 0.44 against 0.49; 64 streams 7,833 against 7,613 tok/s); down, o and QKV slower with it
 /// (2.46, 1.15, 1.11 ms against 1.80, 0.88, 1.08). With Q8_0 weights `_pp` lost (64 streams
@@ -1220,7 +1220,7 @@ pub(crate) struct KernelOptions {
     /// `SPECULA_CUDA_FUSE_ROPE=0` launches it separately for every forward.
     pub rope: bool,
     /// `SPECULA_CUDA_FUSE_ROPE=wide`: the grouped attention's widths too
-    /// (`attention_rope_rows_g4_b4`). Off by default: on the H200 (qwen3-8b bf16, session 22)
+    /// (`attention_rope_rows_g4_b4`). Off by default: on the H200 (qwen3-8b bf16)
     /// 64 streams ran at 8,036 / 8,012 tok/s with it and 8,072 without, in one call.
     pub rope_wide: bool,
     /// Launch the attention with the key-range index as the slowest grid dimension, so the
@@ -1231,7 +1231,7 @@ pub(crate) struct KernelOptions {
     /// (`attention_rows_g4`), 3 or 4 (`_b3`, `_b4`: fewer registers); at 4 without the L2
     /// prefetch of its K / V lines (the default), with it (`_pf`), or with 4 key passes (32 keys
     /// each) loaded at once instead of 2 (`_k4`); `SPECULA_CUDA_ATT_G4=2|3|4|4k4|4pf` (speed
-    /// only). On the H200 (qwen3-8b bf16, 64 rows at context 128, session 20) 4 blocks took the
+    /// only). On the H200 (qwen3-8b bf16, 64 rows at context 128) 4 blocks took the
     /// attention to 1.23 ms a step against 1.49 with 2 and 1.54 with 3.
     pub att_g4: &'static str,
     /// The same kernel with the RoPE / KV write inside (`attention_rope_rows_g4_b4[_k4]`), where

@@ -658,7 +658,7 @@ pub(crate) mod avx2 {
     /// Activation rows per tile. On the Qwen2.5-Coder-1.5B (2-vCPU AMD EPYC, AVX2 only) 8 rows
     /// measured as fast as 4 and 6 up to 6 rows and faster for 7-9 (a verify of k = 6..8); the
     /// Q4_K tile runs them in passes of `PASS` so that their 16-bit sums stay in registers
-    /// (`docs/perf.md`, sessions 32 and 34).
+    /// (`docs/perf.md`).
     pub const TILE_ROWS: usize = 8;
 
     /// Rows per half of a group (the 8 i32 lanes of a 256-bit register).

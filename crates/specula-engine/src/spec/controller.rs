@@ -41,7 +41,7 @@
 //! would have saved the catch-up had the drafter run, and the drafter never starts while the
 //! tokens left could not pay it back (a probe after a pause starts it regardless). On the Qwen
 //! pair on a 2-core CPU the catch-up costs about as much as a one-sentence answer's whole
-//! decode saves (docs/perf.md, session 33).
+//! decode saves (docs/perf.md).
 
 use crate::model::ModelConfig;
 
@@ -240,7 +240,7 @@ impl BatchCost {
     /// curve bends up (plain decoding of the Qwen 0.5B ran 368 tok/s at 32 rows and 328-380 at
     /// 64): there the fit's average slope, mostly from smaller batches, underprices a row, while
     /// plain decoding's token is priced by the measured `T(rows)/rows`, so drafts at 88%
-    /// acceptance looked worth a row and lowered the aggregate (`docs/perf.md`, session 24).
+    /// acceptance looked worth a row and lowered the aggregate (`docs/perf.md`).
     fn slope_past(&self, rows: usize, b: f64) -> f64 {
         let Some(t) = self.measured(rows) else {
             return b;
@@ -998,7 +998,7 @@ impl DraftLength {
     /// row count the controller has stopped choosing is never re-measured: a 2-row timing taken
     /// once, slow, right after a long prompt's prefill kept a 2-row verify at 1.3-1.8 one-row
     /// steps in the controller's eyes (1.0-1.1 measured with k fixed), so it cut or paused
-    /// every draft on the long_context prompts (docs/perf.md, session 25).
+    /// every draft on the long_context prompts (docs/perf.md).
     pub fn timing_stale(&self, rows: usize) -> bool {
         let fed = self.forward_fed.get(rows.wrapping_sub(1)).copied().flatten();
         fed.is_none_or(|f| self.forwards.saturating_sub(f) >= STALE_FORWARDS)
@@ -1468,7 +1468,7 @@ mod tests {
     }
 
     /// A cheap drafter (a 2-row verify at 1.05 steps, a draft token at 0.13: break-even near
-    /// acceptance 0.18) whose first drafts fail, as session 27's MTP head on a long prompt
+    /// acceptance 0.18) whose first drafts fail, as SmolLM2's MTP head on a long prompt
     /// (1 of its first 8 accepted, 0.38 over the whole answer): when the plain estimate first
     /// says pause, the optimistic one still drafts. Firm evidence of failure still pauses.
     #[test]

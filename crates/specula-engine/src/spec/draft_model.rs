@@ -34,7 +34,7 @@ pub const RESEED_WINDOW: usize = 64;
 /// before the drafter started). On the Qwen pair, with the start deferred until it pays, code
 /// ran at 1.40× AR from the last 32 tokens against 1.32× from the whole prompt in one run: the
 /// catch-up costs half as much, so the drafter starts sooner, and its drafts are accepted
-/// only a little less often (docs/perf.md, session 33).
+/// only a little less often (docs/perf.md).
 pub const START_WINDOW: usize = 32;
 /// Tokens a drafting step feeds when no pause came before it: the last accepted draft (after a
 /// full accept) and the target's token. Feeding more is catch-up ([`Drafter::last_catch_up_s`]).

@@ -79,7 +79,7 @@ fn quantize(w: &Tensor, b: Option<&Tensor>) -> Result<Option<Arc<Linear>>> {
 /// reads 0.65 of Q8_0's bytes; on the committed SmolLM2 head it cut a draft token from about
 /// 620 to 555 µs with depth-1 acceptance on the shared prompts unchanged (0.588 against 0.586;
 /// Q4_0: 0.578). The draft LM head stays Q8_0, the target's own rows: in Q5_0 prose acceptance
-/// fell from 0.576 to 0.560 (docs/perf.md, session 28).
+/// fell from 0.576 to 0.560 (docs/perf.md).
 const PROJECTION_DTYPE: GgmlDType = GgmlDType::Q5_0;
 
 fn quantize_as(w: &Tensor, b: Option<&Tensor>, dtype: GgmlDType) -> Result<Option<Arc<Linear>>> {

@@ -89,7 +89,7 @@ impl SpecMode {
 ///   drafter (n-gram lookup) is accepted with probability p(d), as under rejection. Coupled
 ///   drafts are deterministic, so the controller's confidence cut, the grammar cut and the
 ///   batch's draft budget apply to them as to greedy drafts; measured through the server at
-///   temperature 1 (docs/perf.md, session 37) that made coupling as fast as rejection on
+///   temperature 1 (docs/perf.md) that made coupling as fast as rejection on
 ///   SmolLM2 with its MTP head and 4-10% faster on the Qwen pair.
 /// - `Rejection`: speculative sampling (Leviathan et al. 2023, Chen et al. 2023;
 ///   [`verify::accept_sampled`]): accept a draft d drawn from q with probability
