@@ -23,8 +23,8 @@
 //! keeps drafts from one-token matches out of the controller's acceptance estimate.
 
 use anyhow::{Context, Result};
-use specula_engine::spec::ngram::NgramDrafter;
-use specula_engine::spec::DraftLength;
+use specula_engine::speculative::ngram::NgramDrafter;
+use specula_engine::speculative::DraftLength;
 use std::collections::BTreeMap;
 
 /// Totals of a stateful replay: target steps, tokens committed, draft tokens verified, and the

@@ -38,7 +38,7 @@ pub trait Constraint: Send {
     /// drafter proposed so far in this step), leaving the state as it was. Returns whether it
     /// masked: `false` (the default, and where `drafted` is not allowed in sequence) leaves the
     /// row as it is. A drafter's rows so masked propose only what the target's masked verify
-    /// rows can accept ([`crate::spec::DraftGuide::mask`]).
+    /// rows can accept ([`crate::speculative::DraftGuide::mask`]).
     fn mask_after(&mut self, drafted: &[u32], logits: &mut [f32]) -> Result<bool> {
         let _ = (drafted, logits);
         Ok(false)

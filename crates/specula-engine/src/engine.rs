@@ -15,7 +15,7 @@ use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig, Segment};
 use crate::prefix_cache::PrefixCache;
 use crate::sequence::{Sequence, SequenceEnv, StepInput, StepOutcome};
-use crate::spec::SpecMode;
+use crate::speculative::SpecMode;
 use crate::tokenizer::Tokenizer;
 use crate::types::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 
@@ -60,17 +60,17 @@ pub struct Engine {
     tuned: Option<crate::tuning::TunedDefault>,
     /// Built on the first constrained request.
     grammar: Option<GrammarCompiler>,
-    /// The attached MTP head ([`crate::spec::mtp`]).
-    mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
-    /// The attached block drafter ([`crate::spec::block`]).
-    block: Option<Arc<crate::spec::block::BlockDrafterModel>>,
+    /// The attached MTP head ([`crate::speculative::mtp`]).
+    mtp: Option<Arc<crate::speculative::mtp::MtpHead>>,
+    /// The attached block drafter ([`crate::speculative::block`]).
+    block: Option<Arc<crate::speculative::block::BlockDrafterModel>>,
     /// KV rows of seen prefixes (`LoadOptions::prefix_cache_bytes`).
     prefix: Option<PrefixCache>,
     /// What finished requests learned about drafting, by decode path and verification
-    /// (see [`crate::spec::DraftLength::warm_start`]).
-    controller_priors: std::collections::HashMap<String, crate::spec::DraftLength>,
+    /// (see [`crate::speculative::DraftLength::warm_start`]).
+    controller_priors: std::collections::HashMap<String, crate::speculative::DraftLength>,
     /// Seconds of batched forwards by row count, for the draft-length controllers under load.
-    batch_cost: std::sync::Mutex<crate::spec::controller::BatchCost>,
+    batch_cost: std::sync::Mutex<crate::speculative::controller::BatchCost>,
     /// Prompt rows per step beside decoding streams ([`PrefillBudget`]).
     prefill_budget: std::sync::Mutex<PrefillBudget>,
     /// The accelerator that runs the target's forwards, when one is attached
@@ -273,7 +273,7 @@ impl Engine {
     }
 
     /// Reduce the attached draft model's LM head to a draft vocabulary (FR-Spec): the `n` token
-    /// ids [`crate::spec::draft_model::draft_vocab_ids`] picks from `ranked` (ids by frequency
+    /// ids [`crate::speculative::draft_model::draft_vocab_ids`] picks from `ranked` (ids by frequency
     /// in this target's text), with this target's end-of-generation ids. The draft model then
     /// proposes only those tokens, at the cost of that share of its LM head; the target still
     /// verifies over the full vocabulary, so output is unchanged. Errors: no draft model
@@ -286,7 +286,7 @@ impl Engine {
         let Some(model) = Arc::get_mut(&mut d.model) else {
             anyhow::bail!("the draft model is in use: its vocabulary can only be reduced before the first request");
         };
-        let ids = crate::spec::draft_model::draft_vocab_ids(ranked, n, model.config.vocab_size, &eos);
+        let ids = crate::speculative::draft_model::draft_vocab_ids(ranked, n, model.config.vocab_size, &eos);
         model
             .restrict_logits(&ids)
             .map_err(|e| anyhow::anyhow!("draft model {}: {e}", d.id))?;
@@ -299,7 +299,7 @@ impl Engine {
     /// fit the target (the message names the file and the tensor or field).
     pub fn attach_mtp_head(&mut self, path: &Path) -> Result<()> {
         self.refuse_taps_on_device("an MTP head")?;
-        let head = crate::spec::mtp::MtpHead::load(path, &self.bundle.model)?;
+        let head = crate::speculative::mtp::MtpHead::load(path, &self.bundle.model)?;
         self.mtp = Some(Arc::new(head));
         Ok(())
     }
@@ -309,7 +309,7 @@ impl Engine {
     /// the target (the message names the file and the field or tensor).
     pub fn attach_block_drafter(&mut self, dir: &Path) -> Result<()> {
         self.refuse_taps_on_device("a block drafter")?;
-        let m = crate::spec::block::BlockDrafterModel::load(dir, &self.bundle.model)?;
+        let m = crate::speculative::block::BlockDrafterModel::load(dir, &self.bundle.model)?;
         self.block = Some(Arc::new(m));
         Ok(())
     }
@@ -327,7 +327,7 @@ impl Engine {
     }
 
     /// The attached block drafter, if any.
-    pub fn block_drafter(&self) -> Option<&crate::spec::block::BlockDrafterModel> {
+    pub fn block_drafter(&self) -> Option<&crate::speculative::block::BlockDrafterModel> {
         self.block.as_deref()
     }
 
@@ -344,7 +344,7 @@ impl Engine {
     }
 
     /// The attached MTP head, if any.
-    pub fn mtp_head(&self) -> Option<&crate::spec::mtp::MtpHead> {
+    pub fn mtp_head(&self) -> Option<&crate::speculative::mtp::MtpHead> {
         self.mtp.as_deref()
     }
 
@@ -365,7 +365,7 @@ impl Engine {
     /// The drafter a speculative mode resolves to on this engine: `None` for AR. `Default`
     /// follows the measured tuning choice when one is set ([`Engine::set_tuned_default`]).
     pub fn resolve_spec_mode(&self, mode: SpecMode) -> Option<SpecMode> {
-        let spec = self.effective_spec(crate::spec::SpecOptions {
+        let spec = self.effective_spec(crate::speculative::SpecOptions {
             mode,
             ..Default::default()
         });
@@ -390,7 +390,7 @@ impl Engine {
     /// A request's speculation settings as they run: `Default` with a tuning choice becomes that
     /// choice (drafter, k, adaptive); a tuned draft-model choice without an attached draft model
     /// is left to the built-in chain. Everything else is unchanged.
-    pub fn effective_spec(&self, spec: crate::spec::SpecOptions) -> crate::spec::SpecOptions {
+    pub fn effective_spec(&self, spec: crate::speculative::SpecOptions) -> crate::speculative::SpecOptions {
         match &self.tuned {
             Some(t)
                 if spec.mode == SpecMode::Default
@@ -398,7 +398,7 @@ impl Engine {
                     && (t.mode != SpecMode::Mtp || self.mtp.is_some())
                     && (t.mode != SpecMode::Block || self.block.is_some()) =>
             {
-                crate::spec::SpecOptions {
+                crate::speculative::SpecOptions {
                     mode: t.mode,
                     draft_max: t.draft_max.clamp(1, MAX_DRAFT),
                     adaptive: t.adaptive,
@@ -658,7 +658,11 @@ impl Engine {
             batch_invariant: self.batch_invariant(),
             draft: self.draft.as_ref().map(|d| (d.model.clone(), d.id.clone())),
             draft_size: self.draft.as_ref().map(|d| {
-                crate::spec::controller::SizeRatio::of(d.model.config(), d.model.logit_rows(), self.model().config())
+                crate::speculative::controller::SizeRatio::of(
+                    d.model.config(),
+                    d.model.logit_rows(),
+                    self.model().config(),
+                )
             }),
             mtp: self.mtp.clone(),
             block: self.block.clone(),
@@ -1010,7 +1014,7 @@ impl Engine {
         results
     }
 
-    /// The batch's draft budget ([`crate::spec::controller::draft_budget`]): with two or more
+    /// The batch's draft budget ([`crate::speculative::controller::draft_budget`]): with two or more
     /// sequences decoding in one forward, trim the drafts the measured row costs say the step is
     /// faster without (a row-group boundary is paid once by the whole step). Each trimmed
     /// sequence's input is taken again.
@@ -1037,7 +1041,7 @@ impl Engine {
         }
         let keep = {
             let bc = self.batch_cost.lock().unwrap_or_else(|e| e.into_inner());
-            crate::spec::controller::draft_budget(fixed_rows, decoding, &drafts, &bc)
+            crate::speculative::controller::draft_budget(fixed_rows, decoding, &drafts, &bc)
         };
         for ((&i, k), d) in who.iter().zip(keep).zip(&drafts) {
             if k < d.len {
@@ -1319,7 +1323,7 @@ fn draft_budget_on() -> bool {
 }
 
 /// `SPECULA_LOAD_AWARE=0` makes the draft-length controllers ignore the batch (each decides from
-/// its own solo timings, as before [`crate::spec::controller::BatchCost`]): a switch for
+/// its own solo timings, as before [`crate::speculative::controller::BatchCost`]): a switch for
 /// side-by-side measurements only.
 fn load_aware() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

@@ -39,7 +39,7 @@ use serde_json::Value as Json;
 
 use crate::arch::{Architecture, AttentionKind, Kind, LayerPlan, MlpKind, Role};
 use crate::model::{Family, ModelConfig};
-use crate::spec::SpecMode;
+use crate::speculative::SpecMode;
 use crate::tuning::{self, BundleId, Machine, TunedDefault};
 
 pub use drafters::{sidecar_paths, BlockDrafterReport, MtpReport, MtpStatus};

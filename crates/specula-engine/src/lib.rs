@@ -22,7 +22,7 @@ pub mod model;
 pub mod prefix_cache;
 pub mod sampling;
 pub mod sequence;
-pub mod spec;
+pub mod speculative;
 pub mod testing;
 pub mod tokenizer;
 pub mod tuning;

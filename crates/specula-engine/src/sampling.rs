@@ -17,7 +17,7 @@
 //! "Coupling without Communication and Drafter-Invariant Speculative Decoding", Gumbel-max
 //! coupling): the target's token at a position is the same whatever was drafted, so a seeded
 //! request's output with speculation is byte-identical to plain decoding with that seed
-//! ([`crate::spec::SampledVerify::Coupled`]). `argmin E_v / p(v)` is the Gumbel-max trick in
+//! ([`crate::speculative::SampledVerify::Coupled`]). `argmin E_v / p(v)` is the Gumbel-max trick in
 //! the exponential form; it selects v with probability p(v).
 //!
 //! [`Sampler::distribution`] exposes the processed distribution as probabilities: speculative
@@ -191,7 +191,7 @@ impl Sampler {
     /// The key of this request's draws: [`Sampler::draw`] at position `pos` is
     /// `keyed_draw(key, pos, dist)`. A drafter that draws its tokens with the same key
     /// proposes what the target will sample wherever their distributions agree
-    /// ([`crate::spec::SampledVerify::Coupled`]).
+    /// ([`crate::speculative::SampledVerify::Coupled`]).
     pub fn noise_key(&self) -> u64 {
         self.key
     }
@@ -494,7 +494,7 @@ pub fn top_n(logprobs: &[f32], n: usize) -> Vec<(u32, f32)> {
 
 /// OpenAI's `logit_bias` on a logits row, in place: `logits[id] += bias` for each `(id, bias)`;
 /// ids past the row are skipped. The first of [`Sampler::process_logits`]'s changes, and what a
-/// drafter adds to its own rows ([`crate::spec::DraftSampling`]).
+/// drafter adds to its own rows ([`crate::speculative::DraftSampling`]).
 pub fn add_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
     for &(tok, b) in bias {
         if let Some(l) = logits.get_mut(tok as usize) {

@@ -19,10 +19,10 @@ use crate::emit::Emitter;
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model};
 use crate::sampling::{self, Sampler};
-use crate::spec::draft_model::DraftModelDrafter;
-use crate::spec::ngram::NgramDrafter;
-use crate::spec::verify::{self, UniformRandomness};
-use crate::spec::{DraftGuide, DraftLength, Drafter, Proposal, SpecMode};
+use crate::speculative::draft_model::DraftModelDrafter;
+use crate::speculative::ngram::NgramDrafter;
+use crate::speculative::verify::{self, UniformRandomness};
+use crate::speculative::{DraftGuide, DraftLength, Drafter, Proposal, SpecMode};
 use crate::tokenizer::Tokenizer;
 use crate::types::{
     FinishReason, GenerateOutput, GenerateRequest, GenerationStats, StreamDelta, TokenLogprob, TopLogprob,
@@ -42,11 +42,11 @@ pub struct SequenceEnv {
     pub draft: Option<(Arc<Model>, String)>,
     /// The draft model's size relative to the target's: the prior of its costs
     /// ([`DraftLength::set_draft_cost_prior`], [`DraftLength::set_catch_up_prior`]).
-    pub draft_size: Option<crate::spec::controller::SizeRatio>,
+    pub draft_size: Option<crate::speculative::controller::SizeRatio>,
     /// The attached MTP head.
-    pub mtp: Option<Arc<crate::spec::mtp::MtpHead>>,
+    pub mtp: Option<Arc<crate::speculative::mtp::MtpHead>>,
     /// The attached block drafter.
-    pub block: Option<Arc<crate::spec::block::BlockDrafterModel>>,
+    pub block: Option<Arc<crate::speculative::block::BlockDrafterModel>>,
     /// What earlier requests learned about drafting, by decode path (`ngram`,
     /// `draft-model:ID`) and verification (greedy, coupled, rejection; [`prior_key`]): a new request's draft-length
     /// controller starts from it.
@@ -105,9 +105,9 @@ pub struct Sequence {
     /// draft budget), not the model drafter's.
     lookup_alphas: Option<Vec<f64>>,
     /// Rejection sampling's randomness (sampled requests verified by
-    /// [`crate::spec::SampledVerify::Rejection`]).
+    /// [`crate::speculative::SampledVerify::Rejection`]).
     accept_rng: Option<UniformRandomness<ChaCha20Rng>>,
-    /// Sampled drafts are verified by coupling ([`crate::spec::SampledVerify::Coupled`]): the target's token
+    /// Sampled drafts are verified by coupling ([`crate::speculative::SampledVerify::Coupled`]): the target's token
     /// at each row is its keyed draw, as plain decoding draws it.
     coupled: bool,
     /// Structured-output constraint, applied to every row like the penalties.
@@ -128,7 +128,7 @@ pub struct Sequence {
     deferred_spent: f64,
     /// The draft model's size against the target's, when the drafter is a draft model (the
     /// prior of its costs until measured).
-    draft_size: Option<crate::spec::controller::SizeRatio>,
+    draft_size: Option<crate::speculative::controller::SizeRatio>,
     /// Prompt tokens fed by this request's prefill forwards, and those forwards' seconds.
     prefill_fed: usize,
     prefill_forward_s: f64,
@@ -219,7 +219,7 @@ impl Sequence {
             (Some(SpecMode::Mtp), _) => match &env.mtp {
                 Some(head) => {
                     let seed = draft_seed(&mut sampler);
-                    drafter = Some(Box::new(crate::spec::mtp::MtpDrafter::new(
+                    drafter = Some(Box::new(crate::speculative::mtp::MtpDrafter::new(
                         head.clone(),
                         &req.sampling,
                         seed,
@@ -231,7 +231,7 @@ impl Sequence {
             (Some(SpecMode::Block), _) => match &env.block {
                 Some(m) => {
                     let seed = draft_seed(&mut sampler);
-                    drafter = Some(Box::new(crate::spec::block::BlockDrafter::new(
+                    drafter = Some(Box::new(crate::speculative::block::BlockDrafter::new(
                         m.clone(),
                         &req.sampling,
                         seed,
@@ -436,9 +436,9 @@ impl Sequence {
     }
 
     /// The draft the pending forward would verify, as the batch's draft budget weighs it
-    /// ([`crate::spec::controller::draft_budget`]); `None` while prefilling, once finished, or
+    /// ([`crate::speculative::controller::draft_budget`]); `None` while prefilling, once finished, or
     /// without a draft.
-    pub fn pending_draft(&self) -> Option<crate::spec::controller::PendingDraft> {
+    pub fn pending_draft(&self) -> Option<crate::speculative::controller::PendingDraft> {
         if self.is_prefilling() || self.emitter.finished().is_some() || self.draft.is_empty() {
             return None;
         }
@@ -454,7 +454,7 @@ impl Sequence {
             (None, Some(c)) if self.k_ctl.confidence_driven() && self.draft.q.is_none() => self.k_ctl.calibrated(c),
             _ => self.k_ctl.alphas(self.draft.len()),
         };
-        Some(crate::spec::controller::PendingDraft {
+        Some(crate::speculative::controller::PendingDraft {
             len: self.draft.len(),
             alphas,
             trimmable: self.k_ctl.adaptive() && self.draft.q.is_none(),
@@ -493,8 +493,8 @@ impl Sequence {
     }
 
     /// Tell the draft-length controller what drafting costs in the batch this sequence shares
-    /// (None when it runs alone); see [`crate::spec::controller::BatchCost`].
-    pub fn set_load(&mut self, load: Option<crate::spec::controller::Load>) {
+    /// (None when it runs alone); see [`crate::speculative::controller::BatchCost`].
+    pub fn set_load(&mut self, load: Option<crate::speculative::controller::Load>) {
         self.k_ctl.set_load(load);
     }
 
@@ -564,7 +564,7 @@ impl Sequence {
                 // say little: then no prior, and the drafter starts as it did before
                 // catch-ups were priced (a measured cost carried from an earlier request
                 // still counts).
-                if self.prefill_fed >= crate::spec::controller::MIN_CATCH_UP_SAMPLE {
+                if self.prefill_fed >= crate::speculative::controller::MIN_CATCH_UP_SAMPLE {
                     let per_token = self.prefill_forward_s / self.prefill_fed as f64;
                     self.k_ctl.set_catch_up_prior(size.blocks * per_token);
                 }
@@ -939,7 +939,7 @@ impl Sequence {
 
 /// The key under which a request's draft-length controller is kept for the requests after it
 /// ([`SequenceEnv::controller_priors`]): its decode path, and how it verifies
-/// ([`crate::spec::SpecStats::verify`]: greedy, coupled or rejection). A greedy draft is accepted
+/// ([`crate::speculative::SpecStats::verify`]: greedy, coupled or rejection). A greedy draft is accepted
 /// only when it is the argmax, a sampled one when it is the target's draw (coupled) or with
 /// probability min(1, p/q) (rejection), so their acceptance differs (SmolLM2's MTP head on JSON:
 /// 0.84-0.94 greedy, 0.40 at temperature 1) and no kind of request starts from another's record.
@@ -983,7 +983,7 @@ impl DraftGuide for StepGuide<'_> {
 /// ([`resolve`]) runs n-gram lookup beside it: `on` and `default` with a model drafter (draft
 /// model, MTP head, block drafter) and adaptive k (a fixed k drafts k tokens with the model
 /// drafter every step, as `--fixed-k` promises). Its decode path then ends in `+ngram`.
-pub fn lookup_beside(spec: &crate::spec::SpecOptions, resolved: Option<SpecMode>) -> bool {
+pub fn lookup_beside(spec: &crate::speculative::SpecOptions, resolved: Option<SpecMode>) -> bool {
     spec.adaptive
         && matches!(spec.mode, SpecMode::On | SpecMode::Default)
         && matches!(resolved, Some(SpecMode::Draft | SpecMode::Mtp | SpecMode::Block))

@@ -416,7 +416,7 @@ fn random_block(u: &mut Uniform, target: &crate::model::Model, prefix: &str) -> 
 pub fn write_random_mtp_head(
     dir: &Path,
     target: &crate::model::Model,
-    layout: crate::spec::mtp::MtpLayout,
+    layout: crate::speculative::mtp::MtpLayout,
     draft_vocab: Option<&[u32]>,
     seed: u64,
 ) -> Result<()> {
@@ -428,12 +428,12 @@ pub fn write_random_mtp_head(
 pub fn write_random_fused_mtp_head(
     dir: &Path,
     target: &crate::model::Model,
-    layout: crate::spec::mtp::MtpLayout,
+    layout: crate::speculative::mtp::MtpLayout,
     draft_vocab: Option<&[u32]>,
     fused: Option<&[usize]>,
     seed: u64,
 ) -> Result<()> {
-    use crate::spec::mtp::MtpLayout;
+    use crate::speculative::mtp::MtpLayout;
     std::fs::create_dir_all(dir)?;
     let mut u = Uniform::new(seed);
     let c = target.config();

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::spec::ngram::NumberVocab;
+use crate::speculative::ngram::NumberVocab;
 use anyhow::{anyhow, bail, Result};
 use candle_core::quantized::gguf_file;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -269,7 +269,7 @@ impl Tokenizer {
     }
 
     /// The tokens that spell numbers and how a new number is spelt, for the n-gram drafter's
-    /// structural matches and extrapolated numbers ([`crate::spec::ngram::NgramDrafter`]).
+    /// structural matches and extrapolated numbers ([`crate::speculative::ngram::NgramDrafter`]).
     pub fn numbers(&self) -> std::sync::Arc<NumberVocab> {
         self.numbers.clone()
     }
@@ -327,7 +327,7 @@ pub fn check_same_tokenizer(target: &Tokenizer, draft: &Tokenizer) -> Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::ngram::{NUMBER_DIGITS, NUMBER_NONE, NUMBER_SPACE_DIGITS};
+    use crate::speculative::ngram::{NUMBER_DIGITS, NUMBER_NONE, NUMBER_SPACE_DIGITS};
     use gguf_file::Value as V;
 
     fn tokenizer(tokens: &[String], merges: &[String], types: &[i32]) -> Tokenizer {

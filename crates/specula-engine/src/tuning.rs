@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::spec::SpecMode;
+use crate::speculative::SpecMode;
 
 /// The file name of a tuning file inside a bundle directory.
 pub const TUNING_FILE: &str = "specula_tuning.json";

@@ -66,7 +66,7 @@ pub struct GenerateRequest {
     /// Keep going past the model's end-of-generation tokens.
     pub ignore_eos: bool,
     /// Speculative decoding settings (default: off).
-    pub spec: crate::spec::SpecOptions,
+    pub spec: crate::speculative::SpecOptions,
 }
 
 /// A streamed piece of output: the text that became final since the last delta, and the tokens
@@ -94,7 +94,7 @@ pub struct GenerationStats {
     /// Prompt tokens whose KV came from the prefix cache (not recomputed).
     pub cached_prompt_tokens: usize,
     /// Speculative decoding counters (decode path, drafted, accepted, tau inputs).
-    pub spec: crate::spec::SpecStats,
+    pub spec: crate::speculative::SpecStats,
 }
 
 /// The finished result of one request.

@@ -17,7 +17,7 @@ use specula_engine::arch::{
     WeightSource,
 };
 use specula_engine::model::{Block, Family, LayerPass, LogitsRows, Model, ModelConfig, RopeStyle};
-use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
+use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::testing::{tiny_vocab, write_random_gguf, write_random_hf};
 use specula_engine::{Engine, GenerateRequest, LoadOptions, SamplingParams};
 

@@ -1502,7 +1502,7 @@ fn config(drafter: &str, k: usize, tok_s: f64, equivalent: bool) -> specula_engi
 
 #[test]
 fn tuning_file_decides_default_and_the_tier() {
-    use specula_engine::spec::{SpecMode, SpecOptions};
+    use specula_engine::speculative::{SpecMode, SpecOptions};
     use specula_engine::tuning::{self, Build, Machine, TuningFile};
     let _g = heavy();
     let dir = tmp();

@@ -7,8 +7,8 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use specula_engine::device::CpuSlots;
 use specula_engine::model::Family;
-use specula_engine::spec::mtp::MtpLayout;
-use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
+use specula_engine::speculative::mtp::MtpLayout;
+use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::testing::{
     write_random_block_drafter, write_random_fused_mtp_head, write_random_mtp_head, write_tiny_gguf, TinySpec,
 };
@@ -436,7 +436,7 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
 /// continue as a one-tap head.
 #[test]
 fn distill_trains_a_fused_feature_mtp_head() {
-    use specula_engine::spec::head::NamedTensors;
+    use specula_engine::speculative::head::NamedTensors;
     let (dir, path, mut e) = tiny_with_path(Family::Llama);
     let layers = e.config().num_layers;
     let h = e.config().hidden_size;

@@ -1,11 +1,11 @@
 //! The n-gram drafter on the catalog's real tokenizers: structural matches and numbers that
-//! count on, spelt as the tokenizer spells them (the unit tests in `spec::ngram` use a
+//! count on, spelt as the tokenizer spells them (the unit tests in `speculative::ngram` use a
 //! synthetic vocabulary; exactness with the models is the G-gate in `tests/spec.rs`).
 
 mod common;
 
 use candle_core::quantized::gguf_file;
-use specula_engine::spec::ngram::NgramDrafter;
+use specula_engine::speculative::ngram::NgramDrafter;
 use specula_engine::tokenizer::Tokenizer;
 
 const MODELS: [&str; 3] = [

@@ -4,7 +4,7 @@
 
 mod common;
 
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 
 fn engine(cache: bool) -> Engine {

@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use specula_engine::spec::verify::{accept_sampled, Randomness};
+use specula_engine::speculative::verify::{accept_sampled, Randomness};
 
 const V: u32 = 4;
 /// Tokens of the emitted stream whose law is checked.
@@ -455,7 +455,7 @@ fn one_draft_law(p: &Dist, q: &Dist, keep: &dyn Fn(u32, f32) -> bool) -> [f64; 2
 /// draft) keeps every sampled draft, and the law is p's.
 #[test]
 fn a_confidence_cut_of_sampled_drafts_would_bias_the_law() {
-    use specula_engine::spec::{DraftLength, Proposal};
+    use specula_engine::speculative::{DraftLength, Proposal};
     let p: Dist = vec![(0, 0.5), (1, 0.5)];
     let q: Dist = vec![(0, 0.9), (1, 0.1)];
     // A controller that has learned that low-confidence first drafts fail, with verify rows

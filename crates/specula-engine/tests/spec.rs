@@ -8,7 +8,7 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use specula_engine::constraint::GrammarSpec;
 use specula_engine::model::Family;
-use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
+use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::testing::{write_tiny_gguf, TinySpec};
 use specula_engine::{ChatMessage, Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 
@@ -203,7 +203,7 @@ fn penalties_at_temperature_zero() {
 /// OpenAI's `logit_bias` moves greedy output (a banned token never appears, a favoured one
 /// takes over) and speculation commits the same bytes: n-gram lookup does not see the bias
 /// (drafts are only proposals), so its drafts of a banned token are rejected like any other;
-/// the draft model adds it to its rows (`spec::DraftSampling`). Without logprobs a greedy request takes the argmax-only
+/// the draft model adds it to its rows (`speculative::DraftSampling`). Without logprobs a greedy request takes the argmax-only
 /// path (`Sequence::argmax_suffices`), which must see the bias too.
 #[test]
 fn logit_bias_at_temperature_zero() {
@@ -790,7 +790,7 @@ fn sampling_spec_matches_ar_in_distribution_on_tiny_models() {
             "temperature 0.8 vs 1.2 must be told apart (chi2 {stat:.1}, df {df}, z {z:.2})"
         );
         // With a logit bias: the draft model draws from its biased rows and q must be that
-        // distribution (`spec::DraftSampling`), or the law moves. The bias moves AR's law.
+        // distribution (`speculative::DraftSampling`), or the law moves. The bias moves AR's law.
         // AR's two most frequent first tokens: the first is banned, the second favoured.
         let mut counts = std::collections::BTreeMap::<u32, usize>::new();
         for o in &ar {

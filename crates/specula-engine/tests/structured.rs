@@ -7,7 +7,7 @@ mod common;
 use candle_core::quantized::GgmlDType;
 use specula_engine::constraint::{GrammarSpec, OutputControl, ReasoningControl};
 use specula_engine::model::Family;
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::testing::{write_tiny_gguf, TinySpec};
 use specula_engine::{
     ChatMessage, Engine, FinishReason, GenerateOutput, GenerateRequest, LoadOptions, RequestError, SamplingParams,

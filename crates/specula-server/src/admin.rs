@@ -27,7 +27,7 @@ use axum::Json;
 use serde::Serialize;
 use serde_json::{json, Value};
 use specula_engine::engine::MAX_DRAFT;
-use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
+use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::tuning::TunedDefault;
 use specula_engine::Engine;
 use tokio::sync::oneshot;

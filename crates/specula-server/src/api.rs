@@ -16,7 +16,7 @@ use axum::Json;
 use futures::Stream;
 use serde_json::{json, Value};
 use specula_engine::constraint::GrammarSpec;
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::UnboundedReceiver;
 

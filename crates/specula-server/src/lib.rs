@@ -76,7 +76,7 @@ pub struct ServeOptions {
     /// the first request on); otherwise blocks are created on demand and recycled.
     pub kv_preallocate: bool,
     /// Speculative decoding for requests that do not set the `spec` field.
-    pub spec: specula_engine::spec::SpecOptions,
+    pub spec: specula_engine::speculative::SpecOptions,
     /// The bundle's capability summary from `specula_engine::inspect`
     /// (`BundleReport::capabilities_json`), shown in `/v1/models` as `specula.bundle`.
     pub bundle: Option<serde_json::Value>,

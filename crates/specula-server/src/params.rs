@@ -6,7 +6,7 @@
 use serde_json::{Map, Value};
 use specula_engine::chat::{ChatFunctionCall, ChatToolCall, RESERVED_TEMPLATE_VARIABLES};
 use specula_engine::engine::MAX_DRAFT;
-use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
+use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, SamplingParams};
 
 use specula_engine::constraint::GrammarSpec;

@@ -13,7 +13,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use specula_engine::constraint::{GrammarSpec, OutputControl, ReasoningControl};
 use specula_engine::sequence::{Sequence, StepOutcome};
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -89,7 +89,7 @@ pub(crate) fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_
     let resolved = engine.resolve_spec_mode(spec.mode);
     let tuned = engine
         .tuned_default()
-        .filter(|_| spec.mode == specula_engine::spec::SpecMode::Default);
+        .filter(|_| spec.mode == specula_engine::speculative::SpecMode::Default);
     let (drafter, reason) = match resolved {
         None => (
             "ar".to_string(),
@@ -104,7 +104,7 @@ pub(crate) fn effective_spec_json(engine: &Engine, spec: &SpecOptions) -> serde_
         ),
         Some(m) => {
             let mut name = match m {
-                specula_engine::spec::SpecMode::Draft => {
+                specula_engine::speculative::SpecMode::Draft => {
                     format!("draft-model:{}", engine.draft_model_id().unwrap_or("?"))
                 }
                 other => other.as_str().to_string(),
@@ -529,7 +529,7 @@ impl EngineHandle {
 /// `1..=MAX_DRAFT`, and a draft model attached for mode `draft`.
 pub fn check_spec_default(engine: &Engine, spec: &SpecOptions) -> Result<(), String> {
     use specula_engine::engine::MAX_DRAFT;
-    use specula_engine::spec::SpecMode;
+    use specula_engine::speculative::SpecMode;
     if spec.draft_max == 0 || spec.draft_max > MAX_DRAFT {
         return Err(format!(
             "draft_max must be between 1 and {MAX_DRAFT}, got {}",

@@ -414,7 +414,7 @@ async fn smollm2_drafts_for_itself_after_a_switch() {
 /// another set is attached and applies again once the startup set is back.
 #[tokio::test]
 async fn the_tuning_choice_follows_the_startup_drafters() {
-    use specula_engine::spec::{SpecMode, SpecOptions};
+    use specula_engine::speculative::{SpecMode, SpecOptions};
     use specula_engine::tuning::TunedDefault;
     let mut e = spec_engine();
     e.set_tuned_default(Some(TunedDefault {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::http::{header, StatusCode};
 use common::*;
 use serde_json::{json, Value};
-use specula_engine::spec::SpecOptions;
+use specula_engine::speculative::SpecOptions;
 use specula_engine::{ChatMessage, SamplingParams};
 
 fn messages() -> Vec<ChatMessage> {
@@ -1283,7 +1283,7 @@ fn engine_spec_errors_map_to_400_spec() {
         logprobs: None,
         ignore_eos: false,
         spec: SpecOptions {
-            mode: specula_engine::spec::SpecMode::Draft,
+            mode: specula_engine::speculative::SpecMode::Draft,
             ..Default::default()
         },
     };
@@ -1337,7 +1337,7 @@ async fn models_show_the_speculation_settings() {
     let (app, _h) = app_with_spec(
         eng,
         SpecOptions {
-            mode: specula_engine::spec::SpecMode::Default,
+            mode: specula_engine::speculative::SpecMode::Default,
             draft_max: 6,
             adaptive: false,
             sampled_verify: Default::default(),
@@ -1383,7 +1383,7 @@ async fn models_show_the_speculation_settings() {
 #[tokio::test]
 async fn server_spec_default_applies_to_requests_without_the_field() {
     let ngram = SpecOptions {
-        mode: specula_engine::spec::SpecMode::Ngram,
+        mode: specula_engine::speculative::SpecMode::Ngram,
         draft_max: 3,
         adaptive: false,
         sampled_verify: Default::default(),
@@ -1434,7 +1434,7 @@ async fn server_spec_default_applies_to_requests_without_the_field() {
 
 #[test]
 fn serve_checks_the_spec_default() {
-    use specula_engine::spec::SpecMode;
+    use specula_engine::speculative::SpecMode;
     use specula_server::check_spec_default;
     let eng = spec_engine();
     let opts = |mode, draft_max| SpecOptions {
@@ -1460,7 +1460,7 @@ async fn spec_native_drafters_equal_off() {
     specula_engine::testing::write_random_mtp_head(
         &dir.path().join("mtp"),
         engine.model(),
-        specula_engine::spec::mtp::MtpLayout::DeepseekV3,
+        specula_engine::speculative::mtp::MtpLayout::DeepseekV3,
         None,
         2,
     )

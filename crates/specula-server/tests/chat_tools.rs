@@ -12,7 +12,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use common::*;
 use serde_json::{json, Value};
-use specula_engine::spec::SpecOptions;
+use specula_engine::speculative::SpecOptions;
 use specula_engine::{Engine, LoadOptions, SamplingParams};
 use specula_server::reasoning::{ReasoningEvent, ReasoningSplitter};
 use specula_server::tools::Dialect;

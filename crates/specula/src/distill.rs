@@ -9,7 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use specula_engine::catalog::DEFAULT_MODEL;
 use specula_engine::distill::{self, DistillOptions, Progress};
-use specula_engine::spec::mtp::HiddenSource;
+use specula_engine::speculative::mtp::HiddenSource;
 
 #[derive(Args, Debug)]
 pub struct DistillArgs {

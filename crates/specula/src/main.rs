@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use specula_engine::catalog::{self, DEFAULT_MODEL};
-use specula_engine::spec::{SampledVerify, SpecMode, SpecOptions};
+use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, Engine, GenerateRequest, LoadOptions, SamplingParams};
 
 /// Specula: a local LLM inference server with exact speculative decoding.
@@ -266,7 +266,7 @@ struct SpecArgs {
     #[arg(long)]
     draft_vocab: Option<String>,
     /// Tokens in the draft model's vocabulary (with --draft-vocab).
-    #[arg(long, default_value_t = specula_engine::spec::draft_model::DRAFT_VOCAB_SIZE)]
+    #[arg(long, default_value_t = specula_engine::speculative::draft_model::DRAFT_VOCAB_SIZE)]
     draft_vocab_size: usize,
     /// A native drafter for this model: an MTP head (a directory with config.json and
     /// safetensors, or one safetensors file) or a block drafter (a folder whose config.json has
@@ -344,7 +344,7 @@ impl SpecArgs {
             return Ok(());
         };
         let text = std::fs::read_to_string(file).with_context(|| format!("reading --draft-vocab {file}"))?;
-        let ranked = specula_engine::spec::draft_model::parse_draft_vocab(&text, file)?;
+        let ranked = specula_engine::speculative::draft_model::parse_draft_vocab(&text, file)?;
         let n = engine.reduce_draft_vocab(&ranked, self.draft_vocab_size)?;
         tracing::info!(tokens = n, file, "draft model vocabulary reduced");
         Ok(())
@@ -454,12 +454,12 @@ fn native_sidecars(model: &std::path::Path) -> Vec<PathBuf> {
     found
 }
 
-/// Is `p` a block-drafter folder ([`specula_engine::spec::block::is_block_drafter_config`])?
+/// Is `p` a block-drafter folder ([`specula_engine::speculative::block::is_block_drafter_config`])?
 fn is_block_drafter(p: &std::path::Path) -> bool {
     std::fs::read_to_string(p.join("config.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .is_some_and(|j| specula_engine::spec::block::is_block_drafter_config(&j))
+        .is_some_and(|j| specula_engine::speculative::block::is_block_drafter_config(&j))
 }
 
 #[derive(Args, Debug)]
@@ -967,29 +967,29 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
          Down by the quay, an old man mended a sail while two children raced paper boats along the gutter.",
     )?;
     let prompt_len = a.prompt_tokens;
-    let request = |i: usize, mode: specula_engine::spec::SpecMode| GenerateRequest {
+    let request = |i: usize, mode: specula_engine::speculative::SpecMode| GenerateRequest {
         prompt_tokens: base.iter().copied().cycle().skip(i * 7).take(prompt_len).collect(),
         sampling: SamplingParams::greedy(),
         max_tokens: Some(a.gen_tokens),
         stop: vec![],
         logprobs: None,
         ignore_eos: true,
-        spec: specula_engine::spec::SpecOptions {
+        spec: specula_engine::speculative::SpecOptions {
             mode,
             ..Default::default()
         },
     };
     let mut rows = Vec::new();
     // Levels outside, rounds of the modes inside (see below).
-    let modes: Vec<specula_engine::spec::SpecMode> = a
+    let modes: Vec<specula_engine::speculative::SpecMode> = a
         .modes
         .iter()
         .map(|m| match m {
-            EngineBenchMode::Off => specula_engine::spec::SpecMode::Off,
-            EngineBenchMode::Ngram => specula_engine::spec::SpecMode::Ngram,
-            EngineBenchMode::Mtp => specula_engine::spec::SpecMode::Mtp,
-            EngineBenchMode::Block => specula_engine::spec::SpecMode::Block,
-            EngineBenchMode::Draft => specula_engine::spec::SpecMode::Draft,
+            EngineBenchMode::Off => specula_engine::speculative::SpecMode::Off,
+            EngineBenchMode::Ngram => specula_engine::speculative::SpecMode::Ngram,
+            EngineBenchMode::Mtp => specula_engine::speculative::SpecMode::Mtp,
+            EngineBenchMode::Block => specula_engine::speculative::SpecMode::Block,
+            EngineBenchMode::Draft => specula_engine::speculative::SpecMode::Draft,
         })
         .collect();
     for &n in &a.streams {

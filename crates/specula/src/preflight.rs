@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use specula_engine::inspect::{self, memory, BundleReport, InspectOptions};
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::Engine;
 
 /// `--memory-check`.

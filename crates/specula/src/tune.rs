@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use specula_engine::inspect::{self, InspectOptions};
-use specula_engine::spec::{SpecMode, SpecOptions};
+use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::tuning::{self, Build, Machine, TunedConfig, TuningFile};
 use specula_engine::{ChatMessage, Engine, GenerateRequest, LoadOptions, SamplingParams};
 

@@ -15,7 +15,7 @@
 
 use super::load::{self, Shape};
 use super::{Gpu, GpuModel, Row, SeqWeights, StepOut, Wide, PIPE_NAMES};
-use crate::spec::ngram::NgramDrafter;
+use crate::speculative::ngram::NgramDrafter;
 use anyhow::Result;
 use serde_json::{json, Value};
 use std::time::Instant;

@@ -346,7 +346,7 @@ fn upload_f32(gpu: &Gpu, parts: &[&Tensor]) -> Result<DevBuf> {
 /// translated by the architecture's tensor schema, `schema`).
 fn read_tensors(path: &Path, schema: &[TensorSpec]) -> Result<HashMap<String, Tensor>> {
     if path.is_dir() {
-        return Ok(crate::spec::head::NamedTensors::read(path)?.map);
+        return Ok(crate::speculative::head::NamedTensors::read(path)?.map);
     }
     let mut file =
         std::io::BufReader::new(std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?);

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::{DistillOptions, Progress};
 use crate::chat::ChatMessage;
 use crate::sampling::SamplingParams;
-use crate::spec::SpecOptions;
+use crate::speculative::SpecOptions;
 use crate::types::GenerateRequest;
 use crate::Engine;
 

@@ -15,7 +15,7 @@
 //!    frequency-ranked subset of the vocabulary (FR-Spec, Zhao et al. 2025), frozen.
 //! 4. **Output**: `config.json` (shape, hidden source, the training record: data, steps, final
 //!    loss, held-out top-1 agreement) and `model.safetensors` in the DeepSeek-V3 layout, which
-//!    [`crate::spec::mtp::MtpHead::load`] and `specula inspect` read.
+//!    [`crate::speculative::mtp::MtpHead::load`] and `specula inspect` read.
 
 pub mod data;
 pub mod teacher;
@@ -23,7 +23,7 @@ pub mod train;
 
 use std::path::PathBuf;
 
-use crate::spec::mtp::HiddenSource;
+use crate::speculative::mtp::HiddenSource;
 
 /// What `specula distill` was asked to do.
 #[derive(Debug, Clone)]
@@ -177,7 +177,7 @@ pub struct VocabReport {
 /// files, [`data::sequences`]) tokenized, and every token id that occurs ranked by count (ties
 /// by id). Written to `opts.out/draft_vocab.json` as `{"model", "sources", "tokens",
 /// "ranked_ids"}`; `--draft-vocab FILE` on `serve` / `generate` reads it
-/// ([`crate::spec::draft_model::draft_vocab_ids`]).
+/// ([`crate::speculative::draft_model::draft_vocab_ids`]).
 pub fn draft_vocab(
     engine: &mut crate::Engine,
     opts: &DistillOptions,
@@ -236,7 +236,7 @@ pub fn run(
         HeadKind::Mtp => {
             // A head to start from must fit before anything expensive runs.
             if let Some(p) = init {
-                let head = crate::spec::mtp::MtpHead::load(p, engine.model())?;
+                let head = crate::speculative::mtp::MtpHead::load(p, engine.model())?;
                 // A fused head continues on the layers it was trained on.
                 if let (Some(ids), Some(want)) = (&head.config.target_layer_ids, &opts.target_layers) {
                     if ids != want {
@@ -274,7 +274,7 @@ pub fn run(
                 mask_token: mask_token(engine),
             };
             if let Some(p) = init {
-                crate::spec::block::BlockDrafterModel::load(p, engine.model())?;
+                crate::speculative::block::BlockDrafterModel::load(p, engine.model())?;
             }
             (spec, taps)
         }

@@ -23,10 +23,10 @@ use super::teacher::Teacher;
 use super::{DistillOptions, Progress};
 use crate::arch::BundleFormat;
 use crate::model::Model;
-use crate::spec::block::{BlockConfig, BlockWeights};
-use crate::spec::head::AttnMask;
-use crate::spec::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
-use crate::spec::mtp::{MtpConfig, MtpWeights};
+use crate::speculative::block::{BlockConfig, BlockWeights};
+use crate::speculative::head::AttnMask;
+use crate::speculative::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
+use crate::speculative::mtp::{MtpConfig, MtpWeights};
 
 /// What a finished (or stopped) training run reports.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -276,10 +276,10 @@ pub fn layer_prefix(target: &Model) -> String {
 /// What kind of head to train.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HeadSpec {
-    /// An MTP head ([`crate::spec::mtp`]); `fused`: the target layers of a fused-feature head
+    /// An MTP head ([`crate::speculative::mtp`]); `fused`: the target layers of a fused-feature head
     /// (EAGLE-3), `None` for a head reading one hidden state.
     Mtp { fused: Option<Vec<usize>> },
-    /// A block drafter ([`crate::spec::block`]) of `layers` layers drafting `block_size - 1`
+    /// A block drafter ([`crate::speculative::block`]) of `layers` layers drafting `block_size - 1`
     /// tokens per pass from the target taps `taps`, with `mask_token` filling the block.
     Block {
         block_size: usize,
@@ -1148,7 +1148,7 @@ fn block_batch(
 fn block_logp(bw: &BlockWeights, vocab: &DraftVocab, bb: &BlockBatch) -> Result<Tensor> {
     let tl = bb.ctx.dim(1)?;
     let c = bw.context(&bb.ctx)?;
-    let kv = bw.context_kv(&c, &crate::spec::head::span(0, tl))?;
+    let kv = bw.context_kv(&c, &crate::speculative::head::span(0, tl))?;
     let out = bw.forward(&bb.x, &bb.positions, &kv, &AttnMask::Bias(bb.bias.clone()))?;
     Ok(candle_nn::ops::log_softmax(&vocab.logits(&out)?, D::Minus1)?)
 }

@@ -560,7 +560,8 @@ pub fn sidecar_paths(model: &Path) -> Option<([PathBuf; 2], PathBuf)> {
 }
 
 fn is_block_drafter_dir(p: &Path) -> bool {
-    p.is_dir() && read_json(&p.join("config.json")).is_ok_and(|j| crate::spec::block::is_block_drafter_config(&j))
+    p.is_dir()
+        && read_json(&p.join("config.json")).is_ok_and(|j| crate::speculative::block::is_block_drafter_config(&j))
 }
 
 /// The MTP report: trunk first, then sidecars (`mtp/` or `mtp.safetensors` in a bundle

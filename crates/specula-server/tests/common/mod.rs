@@ -12,7 +12,7 @@ use candle_core::quantized::GgmlDType;
 use http_body_util::BodyExt;
 use serde_json::Value;
 use specula_engine::model::Family;
-use specula_engine::spec::SpecOptions;
+use specula_engine::speculative::SpecOptions;
 use specula_engine::testing::{write_tiny_gguf, TinySpec};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 use specula_server::{router, EngineHandle};
