@@ -89,7 +89,7 @@ impl std::fmt::Debug for GrammarCompiler {
 /// to; ids the tokenizer does not know (model rows past the
 /// vocabulary) as empty words (never allowed).
 fn token_words(tokenizer: &Tokenizer, rows: usize) -> Vec<Vec<u8>> {
-    let alphabet = crate::testing::bytes_to_unicode();
+    let alphabet = crate::tokenizer::bytes_to_unicode();
     let mut byte_of = std::collections::HashMap::with_capacity(256);
     for (b, &c) in alphabet.iter().enumerate() {
         byte_of.insert(c, b as u8);

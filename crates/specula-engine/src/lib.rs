@@ -23,6 +23,9 @@ pub mod prefix_cache;
 pub mod sampling;
 pub mod sequence;
 pub mod speculative;
+/// Tiny random bundles for tests (the `testing` feature; the CUDA bench uses it for its
+/// exactness checks).
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tokenizer;
 pub mod tuning;

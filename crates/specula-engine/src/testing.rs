@@ -64,27 +64,7 @@ impl TinySpec {
     }
 }
 
-/// GPT-2's byte → printable-char table (the byte-level BPE alphabet).
-pub fn bytes_to_unicode() -> Vec<char> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut table = vec!['\0'; 256];
-    for (b, c) in bs.iter().zip(cs) {
-        table[*b as usize] = char::from_u32(c).unwrap_or('?');
-    }
-    table
-}
+pub use crate::tokenizer::bytes_to_unicode;
 
 /// The tiny vocabulary: 256 byte tokens, a few merges, then `<|im_start|>` and `<|im_end|>`.
 pub fn tiny_vocab() -> (Vec<String>, Vec<String>, Vec<i32>) {

@@ -28,6 +28,28 @@ const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'
 /// Llama 3 split regex (llama.cpp `LLAMA_VOCAB_PRE_TYPE_LLAMA3`).
 const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// GPT-2's byte → printable-char table (the byte-level BPE alphabet).
+pub fn bytes_to_unicode() -> Vec<char> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut table = vec!['\0'; 256];
+    for (b, c) in bs.iter().zip(cs) {
+        table[*b as usize] = char::from_u32(c).unwrap_or('?');
+    }
+    table
+}
+
 /// The split regexes for a `tokenizer.ggml.pre` name, in application order.
 pub fn pre_tokenizer_regexes(pre: &str) -> Result<Vec<&'static str>> {
     Ok(match pre {

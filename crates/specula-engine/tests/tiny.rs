@@ -450,7 +450,7 @@ fn request_validation_errors() {
 
 fn byte_tokens(e: &Engine, s: &str) -> Vec<u32> {
     // One token per byte: the tiny vocabulary's first 256 ids are the GPT-2 byte alphabet.
-    let table = specula_engine::testing::bytes_to_unicode();
+    let table = specula_engine::tokenizer::bytes_to_unicode();
     s.bytes()
         .map(|b| {
             e.tokenizer()

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use serde_json::{json, Map, Value};
-use specula_engine::testing::bytes_to_unicode;
+use specula_engine::tokenizer::bytes_to_unicode;
 use specula_engine::tokenizer::Tokenizer;
 use specula_engine::TokenLogprob;
 

@@ -14,7 +14,10 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::Device;
 use serde_json::Value as Json;
 
-use super::{spec, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, Role, StateKind, TensorSpec, WeightSource};
+use super::{
+    spec, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, ModelConfig, Role, RopeStyle, StateKind, TensorSpec,
+    WeightSource,
+};
 use crate::model::{Block, Embedding, Linear, Model};
 
 /// Which model a config describes: a member of the dense Llama family (each sets flags of the
@@ -53,61 +56,6 @@ impl Family {
 impl serde::Serialize for Family {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         s.serialize_str(self.as_str())
-    }
-}
-
-/// How RoPE pairs the dimensions of a head.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// Adjacent pairs (x[2i], x[2i+1]): llama.cpp's "normal" mode, used by GGUF Llama files
-    /// (whose q/k weights the converter permuted).
-    Interleaved,
-    /// Halves (x[i], x[i + d/2]): GPT-NeoX style, used by HF checkpoints and GGUF Qwen files.
-    Neox,
-}
-
-/// Hyper-parameters of a model.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct ModelConfig {
-    pub family: Family,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub rms_norm_eps: f64,
-    pub rope_theta: f64,
-    /// Context window in tokens.
-    pub context_length: usize,
-    #[serde(skip)]
-    pub rope_style: RopeStyle,
-}
-
-impl ModelConfig {
-    /// Weights one token's forward multiplies by in the transformer blocks, over all layers:
-    /// the attention projections (q and o: `hidden × heads·head_dim` each; k and v:
-    /// `hidden × kv_heads·head_dim` each) and the gated MLP's three (`hidden × intermediate`).
-    /// A count of weights, not bytes. It is the work of a prompt token whose logits are not
-    /// computed (prefill, a draft model's catch-up).
-    pub fn block_params(&self) -> usize {
-        let h = self.hidden_size;
-        let q = self.num_heads * self.head_dim;
-        let kv = self.num_kv_heads * self.head_dim;
-        self.num_layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size)
-    }
-
-    /// [`ModelConfig::block_params`] plus the LM head (`vocab × hidden`): the weights a decode
-    /// step reads.
-    pub fn step_params(&self) -> usize {
-        self.step_params_over(self.vocab_size)
-    }
-
-    /// [`ModelConfig::block_params`] plus an LM head of `logit_rows` rows (a drafter's reduced
-    /// vocabulary, [`Model::logit_rows`]).
-    pub fn step_params_over(&self, logit_rows: usize) -> usize {
-        self.block_params() + logit_rows * self.hidden_size
     }
 }
 
