@@ -2011,7 +2011,7 @@ impl std::fmt::Display for BundleReport {
             )?;
             writeln!(
                 f,
-                "  KV cache {} ({} tokens x {}/token, f32), scratch {}{}",
+                "  KV cache {} ({} tokens x {}/token, f16), scratch {}{}",
                 hb(m.kv_bytes),
                 m.kv_context,
                 hb(m.kv_bytes_per_token),

@@ -53,7 +53,7 @@ pub fn estimate(
     // The tokenizers crate's BPE (vocab map, reverse map, merge map, added tokens, and our
     // special-token list), plus what the header strings leave in the allocator: ~175 bytes per
     // token and per merge, fitted to VmRSS after loading the catalog models (120-190 measured;
-    // docs/perf.md, "Memory preflight").
+    // docs/perf.md, "Bundle inspection and memory").
     let tokenizer = 175 * (vocab_tokens as u64 + merges as u64);
     let runtime = rope + tokenizer;
     let kv_tok =
@@ -157,7 +157,7 @@ pub struct Preflight {
 /// MemAvailable; advisory mode returns `over = true` and leaves the warning to the caller.
 pub fn preflight(est: &MemoryEstimate, available: Option<u64>, check: MemoryCheck) -> anyhow::Result<Preflight> {
     let summary = format!(
-        "estimated {} = weights {} + runtime {} + KV cache {} ({} tokens × {}/token, f32) + scratch {}{}; available {}",
+        "estimated {} = weights {} + runtime {} + KV cache {} ({} tokens × {}/token, f16) + scratch {}{}; available {}",
         human_bytes(est.total_bytes),
         human_bytes(est.weights_bytes),
         human_bytes(est.runtime_bytes),
