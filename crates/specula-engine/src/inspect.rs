@@ -1740,41 +1740,36 @@ fn resolve_modes(x: ResolveInput) -> EffectiveModes {
             on: ar(why),
         };
     }
-    // The chain, best first.
-    let mut best: Option<ModeResolution> = None;
+    // The drafter `on` picks: the order is `sequence::resolve`'s, the one place it is written.
     let mut note = None;
-    if x.mtp.status == MtpStatus::Present {
-        if x.mtp.location.as_deref() == Some("trunk") {
-            note = Some("an MTP head is in the trunk, but serve loads MTP heads from sidecars only (--drafter)");
-        } else {
-            best = Some(ModeResolution {
-                drafter: "mtp".into(),
-                k: Some(4),
-                adaptive: true,
-                reason: "the bundle's native MTP head".into(),
-            });
-        }
+    let mtp_ok = x.mtp.status == MtpStatus::Present && x.mtp.location.as_deref() != Some("trunk");
+    if x.mtp.status == MtpStatus::Present && !mtp_ok {
+        note = Some("an MTP head is in the trunk, but serve loads MTP heads from sidecars only (--drafter)");
     }
-    if best.is_none() {
-        if let Some(b) = x.block.filter(|b| b.valid) {
-            best = Some(ModeResolution {
-                drafter: "block".into(),
-                k: b.block_size.map(|s| s.saturating_sub(1)),
-                adaptive: true,
-                reason: format!("the bundled block drafter ({})", b.path),
-            });
-        }
-    }
-    if best.is_none() {
-        if let Some(d) = x.draft_model.filter(|d| d.compatible) {
-            best = Some(ModeResolution {
-                drafter: "draft-model".into(),
-                k: Some(4),
-                adaptive: true,
-                reason: format!("the configured draft model {}", d.path),
-            });
-        }
-    }
+    let block = x.block.filter(|b| b.valid);
+    let draft = x.draft_model.filter(|d| d.compatible);
+    let picked = crate::sequence::resolve(SpecMode::On, draft.is_some(), mtp_ok, block.is_some());
+    let mut best = match (picked, block, draft) {
+        (Some(SpecMode::Mtp), _, _) => Some(ModeResolution {
+            drafter: "mtp".into(),
+            k: Some(4),
+            adaptive: true,
+            reason: "the bundle's native MTP head".into(),
+        }),
+        (Some(SpecMode::Block), Some(b), _) => Some(ModeResolution {
+            drafter: "block".into(),
+            k: b.block_size.map(|s| s.saturating_sub(1)),
+            adaptive: true,
+            reason: format!("the bundled block drafter ({})", b.path),
+        }),
+        (Some(SpecMode::Draft), _, Some(d)) => Some(ModeResolution {
+            drafter: "draft-model".into(),
+            k: Some(4),
+            adaptive: true,
+            reason: format!("the configured draft model {}", d.path),
+        }),
+        _ => None,
+    };
     if let Some(b) = best.as_mut() {
         // `crate::sequence::lookup_beside`: adaptive k with a model drafter.
         b.drafter.push_str("+ngram");
