@@ -12,7 +12,6 @@ pub mod constraint;
 #[cfg(feature = "cuda-backend")]
 pub mod cuda;
 pub mod device;
-pub mod distill;
 pub mod emit;
 pub mod engine;
 pub mod inspect;

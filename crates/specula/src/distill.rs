@@ -1,5 +1,5 @@
 //! `specula distill`: train a native draft head for a model (see
-//! `specula_engine::distill`).
+//! `specula_train`).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -8,8 +8,8 @@ use anyhow::{bail, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use specula_engine::catalog::DEFAULT_MODEL;
-use specula_engine::distill::{self, DistillOptions, Progress};
 use specula_engine::speculative::mtp::HiddenSource;
+use specula_train::{self as distill, DistillOptions, Progress};
 
 #[derive(Args, Debug)]
 pub struct DistillArgs {

@@ -21,12 +21,12 @@ use serde::{Deserialize, Serialize};
 
 use super::teacher::Teacher;
 use super::{DistillOptions, Progress};
-use crate::arch::BundleFormat;
-use crate::model::Model;
-use crate::speculative::block::{BlockConfig, BlockWeights};
-use crate::speculative::head::AttnMask;
-use crate::speculative::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
-use crate::speculative::mtp::{MtpConfig, MtpWeights};
+use specula_engine::arch::BundleFormat;
+use specula_engine::model::Model;
+use specula_engine::speculative::block::{BlockConfig, BlockWeights};
+use specula_engine::speculative::head::AttnMask;
+use specula_engine::speculative::head::{rms_norm, BlockShape, DraftVocab, NamedTensors};
+use specula_engine::speculative::mtp::{MtpConfig, MtpWeights};
 
 /// What a finished (or stopped) training run reports.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -157,7 +157,7 @@ fn normal(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
 fn target_blocks(model_path: &Path, layers: std::ops::Range<usize>) -> Result<Vec<Vec<(String, Tensor)>>> {
     if !model_path.is_dir() {
         return layers
-            .map(|l| crate::bundle::gguf::dense_block(model_path, l))
+            .map(|l| specula_engine::bundle::gguf::dense_block(model_path, l))
             .collect();
     }
     let t = NamedTensors::read(model_path)?;
@@ -276,10 +276,10 @@ pub fn layer_prefix(target: &Model) -> String {
 /// What kind of head to train.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HeadSpec {
-    /// An MTP head ([`crate::speculative::mtp`]); `fused`: the target layers of a fused-feature head
+    /// An MTP head ([`specula_engine::speculative::mtp`]); `fused`: the target layers of a fused-feature head
     /// (EAGLE-3), `None` for a head reading one hidden state.
     Mtp { fused: Option<Vec<usize>> },
-    /// A block drafter ([`crate::speculative::block`]) of `layers` layers drafting `block_size - 1`
+    /// A block drafter ([`specula_engine::speculative::block`]) of `layers` layers drafting `block_size - 1`
     /// tokens per pass from the target taps `taps`, with `mask_token` filling the block.
     Block {
         block_size: usize,
@@ -770,7 +770,7 @@ fn batch_tensors(
     t: &Teacher,
     ws: &[Window],
     seq_len: usize,
-    embedding: &crate::model::Embedding,
+    embedding: &specula_engine::model::Embedding,
     to_row: &[u32],
     vrows: usize,
     dev: &Device,
@@ -810,7 +810,7 @@ fn batch_tensors(
 
 /// The target's embeddings of `ids` `[n, hidden]` on `dev` (looked up on the host: the target's
 /// embedding table lives there, quantized or not).
-fn embed(embedding: &crate::model::Embedding, ids: &[u32], dev: &Device) -> Result<Tensor> {
+fn embed(embedding: &specula_engine::model::Embedding, ids: &[u32], dev: &Device) -> Result<Tensor> {
     Ok(embedding.forward(ids, &Device::Cpu)?.to_device(dev)?)
 }
 
@@ -835,7 +835,7 @@ fn chain_tensors(
     t: &Teacher,
     ws: &[Window],
     tl: usize,
-    embedding: &crate::model::Embedding,
+    embedding: &specula_engine::model::Embedding,
     to_row: &[u32],
     vrows: usize,
     dev: &Device,
@@ -931,7 +931,7 @@ fn evaluate(
     head: &MtpWeights,
     vocab: &DraftVocab,
     to_row: &[u32],
-    embedding: &crate::model::Embedding,
+    embedding: &specula_engine::model::Embedding,
     shape: &BlockShape,
 ) -> Result<HeldOut> {
     let mut r = HeldOut::default();
@@ -1065,7 +1065,7 @@ fn block_batch(
     bs: usize,
     anchor0: usize,
     mask_token: u32,
-    embedding: &crate::model::Embedding,
+    embedding: &specula_engine::model::Embedding,
     to_row: &[u32],
     vrows: usize,
     dev: &Device,
@@ -1148,7 +1148,7 @@ fn block_batch(
 fn block_logp(bw: &BlockWeights, vocab: &DraftVocab, bb: &BlockBatch) -> Result<Tensor> {
     let tl = bb.ctx.dim(1)?;
     let c = bw.context(&bb.ctx)?;
-    let kv = bw.context_kv(&c, &crate::speculative::head::span(0, tl))?;
+    let kv = bw.context_kv(&c, &specula_engine::speculative::head::span(0, tl))?;
     let out = bw.forward(&bb.x, &bb.positions, &kv, &AttnMask::Bias(bb.bias.clone()))?;
     Ok(candle_nn::ops::log_softmax(&vocab.logits(&out)?, D::Minus1)?)
 }
@@ -1165,7 +1165,7 @@ fn evaluate_block(
     bw: &BlockWeights,
     vocab: &DraftVocab,
     to_row: &[u32],
-    embedding: &crate::model::Embedding,
+    embedding: &specula_engine::model::Embedding,
 ) -> Result<(Agreement, Agreement)> {
     let (mut all, mut answers) = (Agreement::default(), Agreement::default());
     for chunk in ws.chunks(4) {

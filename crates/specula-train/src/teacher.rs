@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::data::Sequences;
 use super::Progress;
-use crate::model::LogitsRows;
+use specula_engine::model::LogitsRows;
 
 /// Teacher outputs for every position of every sequence.
 #[derive(Debug, Clone)]
@@ -101,11 +101,11 @@ fn fingerprint(seqs: &Sequences, taps: &[usize], top_k: usize, on_device: bool) 
 /// Run the target over `seqs` (or read the cache in `dir`), keeping the hidden states at `taps`
 /// and the top `top_k` next-token probabilities of every position.
 ///
-/// On the engine's attached device ([`crate::Engine::device_forward_hidden`]) when it has one,
+/// On the engine's attached device ([`specula_engine::Engine::device_forward_hidden`]) when it has one,
 /// `use_device` allows it and every tap is a block's output (not `post_norm`); else on the CPU
 /// model. Errors: the device or the model fails, or the cache cannot be written.
 pub fn teacher(
-    engine: &crate::Engine,
+    engine: &specula_engine::Engine,
     seqs: &Sequences,
     taps: &[usize],
     use_device: bool,

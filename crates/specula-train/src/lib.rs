@@ -15,7 +15,7 @@
 //!    frequency-ranked subset of the vocabulary (FR-Spec, Zhao et al. 2025), frozen.
 //! 4. **Output**: `config.json` (shape, hidden source, the training record: data, steps, final
 //!    loss, held-out top-1 agreement) and `model.safetensors` in the DeepSeek-V3 layout, which
-//!    [`crate::speculative::mtp::MtpHead::load`] and `specula inspect` read.
+//!    [`specula_engine::speculative::mtp::MtpHead::load`] and `specula inspect` read.
 
 pub mod data;
 pub mod teacher;
@@ -23,7 +23,7 @@ pub mod train;
 
 use std::path::PathBuf;
 
-use crate::speculative::mtp::HiddenSource;
+use specula_engine::speculative::mtp::HiddenSource;
 
 /// What `specula distill` was asked to do.
 #[derive(Debug, Clone)]
@@ -153,7 +153,7 @@ pub enum HeadKind {
 /// Everything `specula distill` does for an MTP head: data, teacher pass, training, output.
 /// See [`run`].
 pub fn run_mtp(
-    engine: &mut crate::Engine,
+    engine: &mut specula_engine::Engine,
     model_path: &std::path::Path,
     init: Option<&std::path::Path>,
     opts: &DistillOptions,
@@ -177,9 +177,9 @@ pub struct VocabReport {
 /// files, [`data::sequences`]) tokenized, and every token id that occurs ranked by count (ties
 /// by id). Written to `opts.out/draft_vocab.json` as `{"model", "sources", "tokens",
 /// "ranked_ids"}`; `--draft-vocab FILE` on `serve` / `generate` reads it
-/// ([`crate::speculative::draft_model::draft_vocab_ids`]).
+/// ([`specula_engine::speculative::draft_model::draft_vocab_ids`]).
 pub fn draft_vocab(
-    engine: &mut crate::Engine,
+    engine: &mut specula_engine::Engine,
     opts: &DistillOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> anyhow::Result<VocabReport> {
@@ -224,7 +224,7 @@ pub fn default_block_taps(num_layers: usize) -> Vec<usize> {
 /// `init`: an existing head to continue from. Errors before any training step when a head or
 /// checkpoint does not fit the target (the message names the file and the tensor).
 pub fn run(
-    engine: &mut crate::Engine,
+    engine: &mut specula_engine::Engine,
     model_path: &std::path::Path,
     init: Option<&std::path::Path>,
     kind: HeadKind,
@@ -236,7 +236,7 @@ pub fn run(
         HeadKind::Mtp => {
             // A head to start from must fit before anything expensive runs.
             if let Some(p) = init {
-                let head = crate::speculative::mtp::MtpHead::load(p, engine.model())?;
+                let head = specula_engine::speculative::mtp::MtpHead::load(p, engine.model())?;
                 // A fused head continues on the layers it was trained on.
                 if let (Some(ids), Some(want)) = (&head.config.target_layer_ids, &opts.target_layers) {
                     if ids != want {
@@ -274,7 +274,7 @@ pub fn run(
                 mask_token: mask_token(engine),
             };
             if let Some(p) = init {
-                crate::speculative::block::BlockDrafterModel::load(p, engine.model())?;
+                specula_engine::speculative::block::BlockDrafterModel::load(p, engine.model())?;
             }
             (spec, taps)
         }
@@ -323,7 +323,7 @@ fn check_layers(taps: &[usize], layers: usize) -> anyhow::Result<()> {
 /// The block drafter's mask token: a special token the chat format does not use (the first
 /// control token that is neither an end-of-generation id nor in the chat template's markers),
 /// else the last id of the vocabulary.
-fn mask_token(engine: &crate::Engine) -> u32 {
+fn mask_token(engine: &specula_engine::Engine) -> u32 {
     let tok = engine.tokenizer();
     let eos = engine.eos_ids();
     let v = engine.config().vocab_size as u32;

@@ -7,11 +7,11 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::{DistillOptions, Progress};
-use crate::chat::ChatMessage;
-use crate::sampling::SamplingParams;
-use crate::speculative::SpecOptions;
-use crate::types::GenerateRequest;
-use crate::Engine;
+use specula_engine::chat::ChatMessage;
+use specula_engine::sampling::SamplingParams;
+use specula_engine::speculative::SpecOptions;
+use specula_engine::types::GenerateRequest;
+use specula_engine::Engine;
 
 /// Token sequences to train on, with where they came from.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -423,11 +423,11 @@ fn decode_all(
     reqs: Vec<GenerateRequest>,
     what: &str,
     progress: &mut dyn FnMut(Progress),
-) -> Result<Vec<(Vec<u32>, crate::types::GenerateOutput)>> {
+) -> Result<Vec<(Vec<u32>, specula_engine::types::GenerateOutput)>> {
     let batch = engine.device_slots().map_or(16, |s| s.slots().clamp(1, 64));
     let mut queue: Vec<(usize, GenerateRequest)> = reqs.into_iter().enumerate().rev().collect();
-    let mut active: Vec<(usize, crate::sequence::Sequence)> = Vec::new();
-    let mut done: Vec<(usize, Vec<u32>, crate::types::GenerateOutput)> = Vec::new();
+    let mut active: Vec<(usize, specula_engine::sequence::Sequence)> = Vec::new();
+    let mut done: Vec<(usize, Vec<u32>, specula_engine::types::GenerateOutput)> = Vec::new();
     while !queue.is_empty() || !active.is_empty() {
         while active.len() < batch {
             let Some((i, req)) = queue.pop() else { break };
@@ -437,7 +437,7 @@ fn decode_all(
             active.push((i, seq));
         }
         let results = {
-            let mut refs: Vec<&mut crate::sequence::Sequence> = active.iter_mut().map(|(_, s)| s).collect();
+            let mut refs: Vec<&mut specula_engine::sequence::Sequence> = active.iter_mut().map(|(_, s)| s).collect();
             engine.step(&mut refs)
         };
         if let Some(Err(e)) = results.into_iter().find(|r| r.is_err()) {
@@ -569,7 +569,8 @@ pub fn self_prompts(
     let mut out = Vec::new();
     for (_, o) in decode_all(engine, reqs, "writing training prompts", progress)? {
         let text = o.text.trim().to_string();
-        if o.finish_reason == crate::types::FinishReason::Stop && !text.is_empty() && seen.insert(text.clone()) {
+        if o.finish_reason == specula_engine::types::FinishReason::Stop && !text.is_empty() && seen.insert(text.clone())
+        {
             out.push(text);
         }
     }
@@ -732,7 +733,7 @@ mod tests {
         let n = builtin_prompts();
         let all: std::collections::HashSet<String> = (0..n).map(builtin_prompt).collect();
         assert_eq!(all.len(), n, "every (task, topic) pair once");
-        let bench = include_str!("../../../../tests/fixtures/prompts.jsonl");
+        let bench = include_str!("../../../tests/fixtures/prompts.jsonl");
         for p in &all {
             assert!(!bench.contains(p.as_str()), "{p:?} is a benchmark prompt");
         }
