@@ -10,12 +10,13 @@ use candle_core::{Device, Tensor};
 use crate::bundle::{self, LoadedBundle};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::constraint::{Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningConstraint};
-use crate::device::{DeviceRow, DeviceSegment, DeviceTarget, RowOut, SlotPool};
+use crate::device::{DeviceRow, DeviceTarget, SlotPool};
 use crate::kv_cache::KvCache;
-use crate::model::{LogitsRows, Model, ModelConfig, Segment};
+use crate::model::{LogitsRows, Model, ModelConfig};
 use crate::prefix_cache::PrefixCache;
 use crate::sequence::{Sequence, SequenceEnv, StepInput, StepOutcome};
 use crate::speculative::SpecMode;
+use crate::target::{Target, TargetSegment};
 use crate::tokenizer::Tokenizer;
 use crate::types::{GenerateOutput, GenerateRequest, RequestError, StreamDelta};
 
@@ -81,12 +82,12 @@ pub struct Engine {
 }
 
 /// A [`DeviceTarget`] and its free KV slots.
-struct DeviceState {
-    target: std::sync::Mutex<Box<dyn DeviceTarget>>,
+pub(crate) struct DeviceState {
+    pub(crate) target: std::sync::Mutex<Box<dyn DeviceTarget>>,
     slots: SlotPool,
-    name: String,
+    pub(crate) name: String,
     max_ctx: usize,
-    batch_invariant: bool,
+    pub(crate) batch_invariant: bool,
 }
 
 /// [`Engine::device_forward_hidden`] on the attached device `d`.
@@ -924,12 +925,13 @@ impl Engine {
         self.prefix.as_ref().map(PrefixCache::stats)
     }
 
-    /// One target forward for every unfinished sequence of `seqs` (continuous batching): their
-    /// inputs (prefill chunks, decode steps, verify blocks) go through one batched forward
-    /// ([`Model::forward_batch`]) when the kernels are batch-invariant, so each sequence gets
-    /// the bits it would get alone; otherwise one forward per sequence (still exact, no
-    /// batching gain). Then each sequence absorbs its rows (acceptance, emission, the next
-    /// draft).
+    /// One target forward for every unfinished sequence of `seqs` (continuous batching), on
+    /// whichever device the target runs: their inputs (prefill chunks, decode steps, verify
+    /// blocks) go through one batched [`Target::forward`] (the CPU [`Model`] or the attached
+    /// device) when the target is batch-invariant, so each sequence gets the bits it would get
+    /// alone; otherwise one forward per sequence (still exact, no batching gain). Then each
+    /// sequence absorbs its rows (acceptance, emission, the next draft). This is the one step
+    /// path: [`Engine::generate`] runs it for one sequence.
     ///
     /// Prompt rows are budgeted: at most `LoadOptions::prefill_chunk` of them per step, fewer
     /// beside decoding streams ([`PrefillBudget`]), shortest remaining prompt first, so a burst
@@ -940,8 +942,6 @@ impl Engine {
     /// Returns one entry per sequence, in order: `Ok(None)` for a sequence that was already
     /// finished, `Ok(Some(outcome))`, or the error of its forward or acceptance (an internal
     /// error; the sequence should then be finished by the caller).
-    ///
-    /// [`Model::forward_batch`]: crate::model::Model::forward_batch
     pub fn step(&self, seqs: &mut [&mut Sequence]) -> Vec<Result<Option<StepOutcome>, RequestError>> {
         let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
         let mut inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();
@@ -952,50 +952,67 @@ impl Engine {
         let live: Vec<usize> = (0..seqs.len()).filter(|&i| inputs[i].is_some()).collect();
         let mut results: Vec<Result<Option<StepOutcome>, RequestError>> =
             deferred.iter().map(|&d| Ok(d.then(StepOutcome::default))).collect();
-        if let Some(dev) = &self.device {
-            self.step_device(dev, seqs, &inputs, &live, &mut results);
-            return results;
-        }
-        let model = &self.bundle.model;
-        let groups: Vec<Vec<usize>> = if model.batch_invariant() {
+        let target: &dyn Target = match &self.device {
+            Some(dev) => dev,
+            None => &self.bundle.model,
+        };
+        let ctx = self.context_length();
+        let groups: Vec<Vec<usize>> = if target.batch_invariant() {
             vec![live]
         } else {
             live.into_iter().map(|i| vec![i]).collect()
         };
-        for group in groups.into_iter().filter(|g| !g.is_empty()) {
+        for group in groups {
+            // A sequence this target cannot run fails alone; the others go ahead.
+            let mut ok = Vec::with_capacity(group.len());
+            for i in group {
+                let Some(inp) = inputs[i].as_ref() else { continue };
+                let fail = if !seqs[i].taps().is_empty() && !target.hidden_states() {
+                    Some(target.no_hidden_reason())
+                } else if seqs[i].kv().len() + inp.tokens.len() > ctx {
+                    Some(format!("the sequence would pass the {ctx} positions of its KV cache"))
+                } else {
+                    None
+                };
+                match fail {
+                    Some(m) => results[i] = Err(RequestError::Internal(m)),
+                    None => ok.push(i),
+                }
+            }
+            if ok.is_empty() {
+                continue;
+            }
             // The union of the group's drafter taps (MTP heads, block drafters).
-            let mut taps: Vec<usize> = group.iter().flat_map(|&i| seqs[i].taps().to_vec()).collect();
+            let mut taps: Vec<usize> = ok.iter().flat_map(|&i| seqs[i].taps().to_vec()).collect();
             taps.sort_unstable();
             taps.dedup();
-            let mut segs: Vec<Segment> = seqs
+            let mut segs: Vec<TargetSegment> = seqs
                 .iter_mut()
                 .enumerate()
-                .filter(|(i, _)| group.contains(i))
+                .filter(|(i, _)| ok.contains(i))
                 .filter_map(|(i, s)| {
-                    inputs[i].as_ref().map(|inp| Segment {
+                    let argmax_only = s.argmax_suffices();
+                    let slot = s.device_slot();
+                    inputs[i].as_ref().map(|inp| TargetSegment {
                         tokens: &inp.tokens,
                         kv: s.kv_mut(),
+                        slot,
                         rows: inp.rows,
+                        argmax_only,
                     })
                 })
                 .collect();
             let rows: usize = segs.iter().map(|s| s.tokens.len()).sum();
             let started = std::time::Instant::now();
-            let outs = model.forward_batch(&mut segs, &taps);
+            let outs = target.forward(&mut segs, &taps);
             let seconds = started.elapsed().as_secs_f64();
             drop(segs);
-            self.note_batch(seqs, &group, rows, outs.is_ok().then_some(seconds));
+            self.note_batch(seqs, &ok, rows, outs.is_ok().then_some(seconds));
             match outs {
-                Err(e) => fail_group(&mut results, &group, &e),
+                Err(e) => fail_group(&mut results, &ok, &e),
                 Ok(outs) => {
-                    for (&i, out) in group.iter().zip(outs) {
+                    for (&i, out) in ok.iter().zip(outs) {
                         let absorbed = (|| {
-                            if seqs[i].argmax_suffices() {
-                                // Greedy without logit bias, penalties, logprobs or taps: only
-                                // the argmax of each row matters, read in place.
-                                return seqs[i].absorb_argmax(argmax_rows(&out.logits)?);
-                            }
-                            let rows = out.logits.to_vec2::<f32>()?;
                             let hidden = seqs[i]
                                 .taps()
                                 .iter()
@@ -1004,7 +1021,7 @@ impl Engine {
                                     Ok(out.hidden[at].flatten_all()?.to_vec1::<f32>()?)
                                 })
                                 .collect::<Result<Vec<_>>>()?;
-                            seqs[i].absorb_with_hidden(rows, hidden)
+                            seqs[i].absorb_target(out.rows, hidden)
                         })();
                         results[i] = absorbed.map(Some).map_err(internal);
                     }
@@ -1145,76 +1162,6 @@ impl Engine {
             seqs[i].set_load(load);
         }
     }
-
-    /// [`Engine::step`] on the attached device: the `live` sequences' inputs go through
-    /// [`crate::device::run_segments`] (one forward, or several of at most the device's row
-    /// limit), each at its slot and its committed length; each sequence then commits the rows
-    /// it fed and absorbs its logits.
-    fn step_device(
-        &self,
-        dev: &DeviceState,
-        seqs: &mut [&mut Sequence],
-        inputs: &[Option<StepInput>],
-        live: &[usize],
-        results: &mut [Result<Option<StepOutcome>, RequestError>],
-    ) {
-        let mut group = Vec::with_capacity(live.len());
-        let mut segs = Vec::with_capacity(live.len());
-        let ctx = self.context_length();
-        for &i in live {
-            let Some(inp) = inputs[i].as_ref() else { continue };
-            let start = seqs[i].kv().len();
-            let fail = if !seqs[i].taps().is_empty() {
-                Some(format!(
-                    "{}: this drafter needs hidden-state taps, which the device path does not return",
-                    dev.name
-                ))
-            } else if start + inp.tokens.len() > ctx {
-                Some(format!("the sequence would pass the {ctx} positions of its KV slot"))
-            } else {
-                None
-            };
-            match (fail, seqs[i].device_slot()) {
-                (Some(m), _) => results[i] = Err(RequestError::Internal(m)),
-                (None, None) => results[i] = Err(RequestError::Internal("the sequence holds no KV slot".into())),
-                (None, Some(slot)) => {
-                    group.push(i);
-                    segs.push(DeviceSegment {
-                        tokens: &inp.tokens,
-                        slot,
-                        start,
-                        rows: inp.rows,
-                        argmax_only: device_argmax() && seqs[i].argmax_suffices(),
-                    });
-                }
-            }
-        }
-        if segs.is_empty() {
-            return;
-        }
-        let rows: usize = segs.iter().map(|s| s.tokens.len()).sum();
-        let started = std::time::Instant::now();
-        let outs = {
-            let mut t = dev.target.lock().unwrap_or_else(|e| e.into_inner());
-            crate::device::run_segments(&mut **t, &segs)
-        };
-        let seconds = started.elapsed().as_secs_f64();
-        let fed: Vec<usize> = segs.iter().map(|s| s.tokens.len()).collect();
-        drop(segs);
-        self.note_batch(seqs, &group, rows, outs.is_ok().then_some(seconds));
-        match outs {
-            Err(e) => fail_group(results, &group, &e),
-            Ok(outs) => {
-                for ((&i, rows), n) in group.iter().zip(outs).zip(fed) {
-                    let absorbed = seqs[i]
-                        .kv_mut()
-                        .advance(n)
-                        .and_then(|()| absorb_device_rows(seqs[i], rows));
-                    results[i] = absorbed.map(Some).map_err(|e| RequestError::Internal(format!("{e:#}")));
-                }
-            }
-        }
-    }
 }
 
 /// Seconds a step with prompt rows may take while other streams decode: their next token waits
@@ -1260,59 +1207,12 @@ impl PrefillBudget {
     }
 }
 
-/// The argmax of each row of a `[rows, vocab]` f32 CPU tensor ([`crate::sampling::argmax`]),
-/// read from its storage without copying the rows out.
-fn argmax_rows(t: &Tensor) -> Result<Vec<u32>> {
-    let (_, vocab) = t.dims2()?;
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        anyhow::bail!("the logits are not on the CPU");
-    };
-    let data = cpu.as_slice::<f32>()?;
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        anyhow::bail!("the logits are not contiguous");
-    };
-    Ok(data[start..end]
-        .chunks_exact(vocab.max(1))
-        .map(crate::sampling::argmax)
-        .collect())
-}
-
 /// A batched forward failed: every sequence of `group` gets its error.
 fn fail_group(results: &mut [Result<Option<StepOutcome>, RequestError>], group: &[usize], e: &anyhow::Error) {
     let msg = format!("{e:#}");
     for &i in group {
         results[i] = Err(RequestError::Internal(msg.clone()));
     }
-}
-
-/// Hand a sequence the rows a device forward returned: all logits, or all argmax.
-fn absorb_device_rows(seq: &mut Sequence, rows: Vec<RowOut>) -> Result<StepOutcome> {
-    if rows.iter().all(|r| matches!(r, RowOut::Argmax(_))) && !rows.is_empty() {
-        let a = rows
-            .into_iter()
-            .filter_map(|r| match r {
-                RowOut::Argmax(t) => Some(t),
-                RowOut::Logits(_) => None,
-            })
-            .collect();
-        return seq.absorb_argmax(a);
-    }
-    let logits = rows
-        .into_iter()
-        .map(|r| match r {
-            RowOut::Logits(l) => Ok(l),
-            RowOut::Argmax(_) => Err(anyhow::anyhow!("a device step mixed argmax and logits rows")),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    seq.absorb(logits)
-}
-
-/// `SPECULA_DEVICE_ARGMAX=0` makes a device target return full logits rows for greedy requests
-/// too (instead of only their argmax): a switch for side-by-side measurements only.
-fn device_argmax() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPECULA_DEVICE_ARGMAX").map_or(true, |v| v != "0"))
 }
 
 /// `SPECULA_DRAFT_BUDGET=0` turns the batch's draft budget off (every draft a controller chose is

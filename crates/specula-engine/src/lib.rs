@@ -22,6 +22,7 @@ pub mod prefix_cache;
 pub mod sampling;
 pub mod sequence;
 pub mod speculative;
+pub mod target;
 /// Tiny random bundles for tests (the `testing` feature; the CUDA bench uses it for its
 /// exactness checks).
 #[cfg(any(test, feature = "testing"))]

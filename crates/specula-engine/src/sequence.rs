@@ -69,25 +69,7 @@ pub struct StepOutcome {
     pub finished: bool,
 }
 
-/// The target's rows for one step: the logits, or only their argmax (greedy requests on a
-/// device target, [`Sequence::argmax_suffices`]).
-enum TargetRows {
-    Logits(Vec<Vec<f32>>),
-    Argmax(Vec<u32>),
-}
-
-impl TargetRows {
-    fn len(&self) -> usize {
-        match self {
-            Self::Logits(r) => r.len(),
-            Self::Argmax(a) => a.len(),
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+use crate::target::TargetRows;
 
 /// One request being decoded.
 pub struct Sequence {
@@ -533,6 +515,15 @@ impl Sequence {
             anyhow::bail!("this request needs the logits rows, not only their argmax");
         }
         self.absorb_rows(TargetRows::Argmax(argmax), Vec::new())
+    }
+
+    /// As [`Sequence::absorb_with_hidden`] or [`Sequence::absorb_argmax`], by what the target
+    /// returned ([`crate::target::Target::forward`]).
+    pub fn absorb_target(&mut self, rows: TargetRows, hidden: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
+        match rows {
+            TargetRows::Argmax(a) => self.absorb_argmax(a),
+            TargetRows::Logits(l) => self.absorb_with_hidden(l, hidden),
+        }
     }
 
     fn absorb_rows(&mut self, mut rows: TargetRows, hidden: Vec<Vec<f32>>) -> anyhow::Result<StepOutcome> {
