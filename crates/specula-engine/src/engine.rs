@@ -992,11 +992,9 @@ impl Engine {
                 .filter(|(i, _)| ok.contains(i))
                 .filter_map(|(i, s)| {
                     let argmax_only = s.argmax_suffices();
-                    let slot = s.device_slot();
                     inputs[i].as_ref().map(|inp| TargetSegment {
                         tokens: &inp.tokens,
-                        kv: s.kv_mut(),
-                        slot,
+                        state: s.target_state(),
                         rows: inp.rows,
                         argmax_only,
                     })

@@ -69,7 +69,7 @@ pub struct StepOutcome {
     pub finished: bool,
 }
 
-use crate::target::TargetRows;
+use crate::target::{TargetRows, TargetState};
 
 /// One request being decoded.
 pub struct Sequence {
@@ -116,7 +116,8 @@ pub struct Sequence {
     prefill_forward_s: f64,
     /// Prompt + committed tokens.
     context: Vec<u32>,
-    kv: KvCache,
+    /// The sequence's state in the target (KV rows, or a device slot's committed count).
+    state: TargetState,
     max_tokens: usize,
     /// Prompt tokens already fed.
     prefilled: usize,
@@ -134,9 +135,6 @@ pub struct Sequence {
     /// The drafter's taps from the last verify forward: its first position and one
     /// `[fed, hidden]` buffer per tap (the committed rows go to the drafter after acceptance).
     tapped: Option<(usize, Vec<Vec<f32>>)>,
-    /// The KV slot this sequence holds on a device target (freed when the sequence is dropped
-    /// or finished).
-    slot: Option<crate::device::SlotLease>,
 }
 
 impl Sequence {
@@ -297,7 +295,7 @@ impl Sequence {
             prefill_fed: 0,
             prefill_forward_s: 0.0,
             context,
-            kv,
+            state: TargetState::new(kv),
             max_tokens,
             prefilled: 0,
             prefill_end: 0,
@@ -307,18 +305,17 @@ impl Sequence {
             decode_started: None,
             forward_started: None,
             tapped: None,
-            slot: None,
         }
     }
 
     /// Give this sequence a device KV slot ([`crate::Engine::attach_device`]).
     pub fn set_device_slot(&mut self, lease: crate::device::SlotLease) {
-        self.slot = Some(lease);
+        self.state.set_slot(lease);
     }
 
     /// The device KV slot this sequence holds, if any.
     pub fn device_slot(&self) -> Option<u32> {
-        self.slot.as_ref().map(|l| l.slot())
+        self.state.slot()
     }
 
     /// The target hidden states this sequence's drafter reads ([`Drafter::taps`]); the caller
@@ -330,13 +327,18 @@ impl Sequence {
         }
     }
 
-    /// The KV cache the next forward must use.
+    /// The state the next forward must use ([`crate::target::Target::forward`]).
+    pub fn target_state(&mut self) -> &mut TargetState {
+        &mut self.state
+    }
+
+    /// The KV cache (the prefix cache reads and fills it).
     pub fn kv_mut(&mut self) -> &mut KvCache {
-        &mut self.kv
+        self.state.kv_mut()
     }
 
     pub fn kv(&self) -> &KvCache {
-        &self.kv
+        self.state.kv()
     }
 
     /// The request.
@@ -362,7 +364,7 @@ impl Sequence {
     /// one prompt token is always left to feed, since its logits give the first output token.
     pub fn skip_prefix(&mut self, n: usize) {
         let n = n.min(self.req.prompt_tokens.len().saturating_sub(1));
-        self.kv.truncate(n);
+        self.state.commit(n);
         self.prefilled = n;
         self.prefill_end = n;
         self.stats.cached_prompt_tokens = n;
@@ -568,7 +570,7 @@ impl Sequence {
             // (sampling, masks, the emit): observed once they are done.
             self.step_forward = Some((fed, secs));
             if has_taps {
-                self.tapped = Some((self.kv.len().saturating_sub(fed), hidden));
+                self.tapped = Some((self.state.len().saturating_sub(fed), hidden));
             }
         }
         if rows.is_empty() {
@@ -727,8 +729,8 @@ impl Sequence {
         }
         // Keep the committed part of the verified block in the KV cache: the pending token
         // before the draft plus the accepted drafts (`next` is not in the cache yet).
-        let keep = self.kv.len() - draft.len() + accepted;
-        self.kv.truncate(keep);
+        let keep = self.state.len() - draft.len() + accepted;
+        self.state.commit(keep);
         self.context.extend_from_slice(&block);
         if let (Some((start, hidden)), Some(d)) = (self.tapped.take(), self.drafter.as_mut()) {
             // The fed token and the accepted drafts are committed; their rows go to the drafter.
@@ -739,7 +741,7 @@ impl Sequence {
 
         // Next step: [next, draft...], one row per position.
         let ctx = self.env.context_length;
-        let room_ctx = ctx.saturating_sub(self.kv.len() + 1);
+        let room_ctx = ctx.saturating_sub(self.state.len() + 1);
         let room_out = self.max_tokens.saturating_sub(self.emitter.tokens().len() + 1);
         let k = self.k_ctl.next_k().min(room_ctx).min(room_out);
         let k = self.model_k(k, room_out);
@@ -781,7 +783,7 @@ impl Sequence {
         let keep = self.k_ctl.verified_prefix(&proposal);
         if tracing::enabled!(tracing::Level::TRACE) {
             tracing::trace!(
-                position = self.kv.len(),
+                position = self.state.len(),
                 k,
                 proposed = proposal.len(),
                 verified = keep,
@@ -813,7 +815,7 @@ impl Sequence {
         if let Some(a) = self.lookup_alphas.as_mut() {
             a.truncate(proposal.len());
         }
-        if self.kv.len() + 1 + proposal.len() > ctx {
+        if self.state.len() + 1 + proposal.len() > ctx {
             let d = self.emitter.finish_with(FinishReason::Length);
             delta.text.push_str(&d.text);
             delta.token_ids.extend_from_slice(&d.token_ids);
@@ -924,7 +926,7 @@ impl Sequence {
             finish_reason,
             stats: self.stats,
         };
-        (out, self.kv)
+        (out, self.state.into_kv())
     }
 }
 

@@ -5,26 +5,80 @@
 //! sequence's target state, and which logits rows it needs. On the CPU ([`crate::model::Model`])
 //! the state is the sequence's KV rows; on a device ([`crate::device::DeviceTarget`]) the KV rows
 //! live in the sequence's slot there, and the host state only counts the committed positions.
-//! Either way the forward appends the fed positions to the state; rolling back to a committed
-//! length is the state's ([`KvCache::truncate`]).
+//! Either way the forward appends the fed positions to the state, and rolling back to a
+//! committed length is [`TargetState::commit`], the one place a sequence's target state is cut.
 
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
-use crate::device::{run_segments, DeviceSegment, RowOut};
+use crate::device::{run_segments, DeviceSegment, RowOut, SlotLease};
 use crate::engine::DeviceState;
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, Segment};
 
+/// What a sequence holds in the target between steps: its KV rows on the host, or on a device
+/// target the count of the committed positions of its KV slot there, with the slot's lease.
+#[derive(Debug)]
+pub struct TargetState {
+    kv: KvCache,
+    slot: Option<SlotLease>,
+}
+
+impl TargetState {
+    /// A state over `kv` (empty, or holding a cached prefix), without a device slot.
+    pub fn new(kv: KvCache) -> Self {
+        Self { kv, slot: None }
+    }
+
+    /// Hold a device KV slot (the sequence runs on an attached device).
+    pub fn set_slot(&mut self, lease: SlotLease) {
+        self.slot = Some(lease);
+    }
+
+    /// The device KV slot held, if any.
+    pub fn slot(&self) -> Option<u32> {
+        self.slot.as_ref().map(SlotLease::slot)
+    }
+
+    /// Committed positions.
+    pub fn len(&self) -> usize {
+        self.kv.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.kv.is_empty()
+    }
+
+    /// The host KV cache (a forward appends to it; the prefix cache reads and fills it).
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    pub fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    /// Keep the first `len` positions and drop the rest: the rejected drafts after a verify,
+    /// or the rows past a prefix-cache hit. KV rows are cut; a device slot's dropped positions
+    /// are overwritten when they are fed again. (A recurrent state would restore its checkpoint
+    /// at `len` here.)
+    pub fn commit(&mut self, len: usize) {
+        self.kv.truncate(len);
+    }
+
+    /// The KV cache, the device slot released (a finished sequence).
+    pub fn into_kv(self) -> KvCache {
+        self.kv
+    }
+}
+
 /// One sequence's part of a [`Target::forward`].
 #[derive(Debug)]
 pub struct TargetSegment<'a> {
-    /// Tokens to feed, at positions `kv.len() .. kv.len() + tokens.len()`.
+    /// Tokens to feed, at positions `state.len() .. state.len() + tokens.len()`.
     pub tokens: &'a [u32],
     /// The sequence's target state; the forward advances it by `tokens.len()`.
-    pub kv: &'a mut KvCache,
-    /// The sequence's KV slot on a device target (None on the CPU).
-    pub slot: Option<u32>,
+    pub state: &'a mut TargetState,
     /// Which rows need logits.
     pub rows: LogitsRows,
     /// Only each row's argmax is needed (greedy without anything that reads the logits).
@@ -96,7 +150,7 @@ impl Target for Model {
             .iter_mut()
             .map(|s| Segment {
                 tokens: s.tokens,
-                kv: &mut *s.kv,
+                kv: s.state.kv_mut(),
                 rows: s.rows,
             })
             .collect();
@@ -146,13 +200,13 @@ impl Target for DeviceState {
         let dev: Vec<DeviceSegment<'_>> = segs
             .iter()
             .map(|s| {
-                let Some(slot) = s.slot else {
+                let Some(slot) = s.state.slot() else {
                     bail!("the sequence holds no KV slot");
                 };
                 Ok(DeviceSegment {
                     tokens: s.tokens,
                     slot,
-                    start: s.kv.len(),
+                    start: s.state.len(),
                     rows: s.rows,
                     argmax_only: device_argmax() && s.argmax_only,
                 })
@@ -165,7 +219,7 @@ impl Target for DeviceState {
         drop(dev);
         let mut res = Vec::with_capacity(segs.len());
         for (s, rows) in segs.iter_mut().zip(outs) {
-            s.kv.advance(s.tokens.len())?;
+            s.state.kv_mut().advance(s.tokens.len())?;
             res.push(SegmentOutput {
                 rows: device_rows(rows)?,
                 hidden: Vec::new(),

@@ -22,9 +22,9 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 
 use super::{Drafter, Proposal};
-use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model};
 use crate::sampling::SamplingParams;
+use crate::target::TargetState;
 
 /// Unseen committed tokens above which the drafter re-seeds from a window instead of catching up.
 pub const RESEED_GAP: usize = 96;
@@ -118,7 +118,9 @@ fn start_window() -> usize {
 /// A draft model's per-request state.
 pub struct DraftModelDrafter {
     model: Arc<Model>,
-    kv: KvCache,
+    /// The draft model's own target state (its KV rows): cut back to the context it is asked to
+    /// continue through [`TargetState::commit`].
+    kv: TargetState,
     /// The tokens whose keys and values are in `kv` (`kv.len() == cached.len()`): the context
     /// from position `offset` on.
     cached: Vec<u32>,
@@ -138,7 +140,7 @@ impl DraftModelDrafter {
     /// (penalties off) and an RNG seeded from `seed`.
     pub fn new(model: Arc<Model>, params: &SamplingParams, seed: u64, prefill_chunk: usize) -> Self {
         let sampling = super::DraftSampling::new(params, seed);
-        let kv = model.new_kv_cache();
+        let kv = TargetState::new(model.new_kv_cache());
         Self {
             model,
             kv,
@@ -184,7 +186,7 @@ impl DraftModelDrafter {
             } else {
                 LogitsRows::None
             };
-            let out = self.model.forward(c, &mut self.kv, rows, &[])?;
+            let out = self.model.forward(c, self.kv.kv_mut(), rows, &[])?;
             self.cached.extend_from_slice(c);
             if i + 1 == n_chunks {
                 last = Some(out.logits.squeeze(0)?.to_vec1::<f32>()?);
@@ -208,11 +210,11 @@ impl Drafter for DraftModelDrafter {
         }
         let (offset, shared) = self.plan(context);
         self.offset = offset;
-        self.kv.truncate(shared);
+        self.kv.commit(shared);
         self.cached.truncate(shared);
         let view = &context[self.offset..];
         // Never draft past the draft model's own context window.
-        let room = self.kv.capacity().saturating_sub(view.len());
+        let room = self.kv.kv().capacity().saturating_sub(view.len());
         let k = k.min(room);
         if k == 0 {
             return Ok(Proposal::default());
