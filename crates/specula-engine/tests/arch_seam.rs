@@ -12,6 +12,7 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use serde_json::Value as Json;
+use specula_engine::arch::shape::{down_proj, hidden, kv_proj, o_proj, q_proj, up_proj, vocab_by_hidden};
 use specula_engine::arch::{
     self, llama, Architecture, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, Role, StateKind, TensorSpec,
     WeightSource,
@@ -26,28 +27,6 @@ const NAME: &str = "toyparallel";
 
 #[derive(Debug)]
 struct Parallel;
-
-fn hidden(c: &ModelConfig) -> Vec<usize> {
-    vec![c.hidden_size]
-}
-fn table(c: &ModelConfig) -> Vec<usize> {
-    vec![c.vocab_size, c.hidden_size]
-}
-fn q(c: &ModelConfig) -> Vec<usize> {
-    vec![c.num_heads * c.head_dim, c.hidden_size]
-}
-fn kv(c: &ModelConfig) -> Vec<usize> {
-    vec![c.num_kv_heads * c.head_dim, c.hidden_size]
-}
-fn o(c: &ModelConfig) -> Vec<usize> {
-    vec![c.hidden_size, c.num_heads * c.head_dim]
-}
-fn up(c: &ModelConfig) -> Vec<usize> {
-    vec![c.intermediate_size, c.hidden_size]
-}
-fn down(c: &ModelConfig) -> Vec<usize> {
-    vec![c.hidden_size, c.intermediate_size]
-}
 
 const fn t(
     role: Role,
@@ -76,22 +55,43 @@ static TENSORS: &[TensorSpec] = &[
         "transformer.wte.weight",
         false,
         Kind::Table,
-        table,
+        vocab_by_hidden,
     ),
     t(Role::AttnNorm, "ln.weight", "ln_1.weight", true, Kind::Vector, hidden),
-    t(Role::AttnQ, "wq.weight", "attn.q.weight", true, Kind::Matrix, q),
-    t(Role::AttnK, "wk.weight", "attn.k.weight", true, Kind::Matrix, kv),
-    t(Role::AttnV, "wv.weight", "attn.v.weight", true, Kind::Matrix, kv),
-    t(Role::AttnOutput, "wo.weight", "attn.out.weight", true, Kind::Matrix, o),
-    t(Role::FfnGate, "w1.weight", "mlp.fc_gate.weight", true, Kind::Matrix, up),
-    t(Role::FfnUp, "w3.weight", "mlp.fc_in.weight", true, Kind::Matrix, up),
+    t(Role::AttnQ, "wq.weight", "attn.q.weight", true, Kind::Matrix, q_proj),
+    t(Role::AttnK, "wk.weight", "attn.k.weight", true, Kind::Matrix, kv_proj),
+    t(Role::AttnV, "wv.weight", "attn.v.weight", true, Kind::Matrix, kv_proj),
+    t(
+        Role::AttnOutput,
+        "wo.weight",
+        "attn.out.weight",
+        true,
+        Kind::Matrix,
+        o_proj,
+    ),
+    t(
+        Role::FfnGate,
+        "w1.weight",
+        "mlp.fc_gate.weight",
+        true,
+        Kind::Matrix,
+        up_proj,
+    ),
+    t(
+        Role::FfnUp,
+        "w3.weight",
+        "mlp.fc_in.weight",
+        true,
+        Kind::Matrix,
+        up_proj,
+    ),
     t(
         Role::FfnDown,
         "w2.weight",
         "mlp.fc_out.weight",
         true,
         Kind::Matrix,
-        down,
+        down_proj,
     ),
     t(
         Role::OutputNorm,
@@ -107,7 +107,7 @@ static TENSORS: &[TensorSpec] = &[
         "transformer.head.weight",
         false,
         Kind::Matrix,
-        table,
+        vocab_by_hidden,
     ),
 ];
 

@@ -14,10 +14,12 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::Device;
 use serde_json::Value as Json;
 
+use super::shape::*;
 use super::{
     spec, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, ModelConfig, Role, RopeStyle, StateKind, TensorSpec,
     WeightSource,
 };
+use crate::inspect::gguf::meta_usize;
 use crate::model::{Block, Embedding, Linear, Model};
 
 /// Which model a config describes: a member of the dense Llama family (each sets flags of the
@@ -62,40 +64,6 @@ impl serde::Serialize for Family {
 /// The dense Llama / Qwen2 / Qwen3 block.
 #[derive(Debug)]
 pub struct Llama;
-
-fn hidden(c: &ModelConfig) -> Vec<usize> {
-    vec![c.hidden_size]
-}
-fn vocab_by_hidden(c: &ModelConfig) -> Vec<usize> {
-    vec![c.vocab_size, c.hidden_size]
-}
-fn q_out(c: &ModelConfig) -> Vec<usize> {
-    vec![c.num_heads * c.head_dim]
-}
-fn kv_out(c: &ModelConfig) -> Vec<usize> {
-    vec![c.num_kv_heads * c.head_dim]
-}
-fn head_dim(c: &ModelConfig) -> Vec<usize> {
-    vec![c.head_dim]
-}
-fn half_head_dim(c: &ModelConfig) -> Vec<usize> {
-    vec![c.head_dim / 2]
-}
-fn q_proj(c: &ModelConfig) -> Vec<usize> {
-    vec![c.num_heads * c.head_dim, c.hidden_size]
-}
-fn kv_proj(c: &ModelConfig) -> Vec<usize> {
-    vec![c.num_kv_heads * c.head_dim, c.hidden_size]
-}
-fn o_proj(c: &ModelConfig) -> Vec<usize> {
-    vec![c.hidden_size, c.num_heads * c.head_dim]
-}
-fn up_proj(c: &ModelConfig) -> Vec<usize> {
-    vec![c.intermediate_size, c.hidden_size]
-}
-fn down_proj(c: &ModelConfig) -> Vec<usize> {
-    vec![c.hidden_size, c.intermediate_size]
-}
 
 const fn t(
     role: Role,
@@ -320,16 +288,6 @@ const HF_REQUIRED: &[&str] = &[
     "num_attention_heads",
     "max_position_embeddings",
 ];
-
-fn meta_usize(md: &HashMap<String, Value>, key: &str) -> Option<usize> {
-    let v = md.get(key)?;
-    v.to_u64()
-        .ok()
-        .or_else(|| v.to_u32().ok().map(u64::from))
-        .or_else(|| v.to_i32().ok().and_then(|x| u64::try_from(x).ok()))
-        .or_else(|| v.to_i64().ok().and_then(|x| u64::try_from(x).ok()))
-        .map(|x| x as usize)
-}
 
 fn meta_f64(md: &HashMap<String, Value>, key: &str) -> Option<f64> {
     let v = md.get(key)?;

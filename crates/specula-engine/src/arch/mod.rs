@@ -119,6 +119,57 @@ impl BundleFormat {
     }
 }
 
+/// Shapes of the usual tensors from a config, for [`TensorSpec::shape`] (outermost first,
+/// `[out, in]` for a projection).
+pub mod shape {
+    use super::ModelConfig;
+
+    /// `[hidden]`: a norm over the hidden size.
+    pub fn hidden(c: &ModelConfig) -> Vec<usize> {
+        vec![c.hidden_size]
+    }
+    /// `[vocab, hidden]`: the embedding, an LM head.
+    pub fn vocab_by_hidden(c: &ModelConfig) -> Vec<usize> {
+        vec![c.vocab_size, c.hidden_size]
+    }
+    /// `[heads × head_dim]`: the q bias.
+    pub fn q_out(c: &ModelConfig) -> Vec<usize> {
+        vec![c.num_heads * c.head_dim]
+    }
+    /// `[kv_heads × head_dim]`: the k and v biases.
+    pub fn kv_out(c: &ModelConfig) -> Vec<usize> {
+        vec![c.num_kv_heads * c.head_dim]
+    }
+    /// `[head_dim]`: a per-head norm.
+    pub fn head_dim(c: &ModelConfig) -> Vec<usize> {
+        vec![c.head_dim]
+    }
+    /// `[head_dim / 2]`: RoPE frequency factors.
+    pub fn half_head_dim(c: &ModelConfig) -> Vec<usize> {
+        vec![c.head_dim / 2]
+    }
+    /// `[heads × head_dim, hidden]`: the q projection.
+    pub fn q_proj(c: &ModelConfig) -> Vec<usize> {
+        vec![c.num_heads * c.head_dim, c.hidden_size]
+    }
+    /// `[kv_heads × head_dim, hidden]`: the k and v projections.
+    pub fn kv_proj(c: &ModelConfig) -> Vec<usize> {
+        vec![c.num_kv_heads * c.head_dim, c.hidden_size]
+    }
+    /// `[hidden, heads × head_dim]`: the attention output projection.
+    pub fn o_proj(c: &ModelConfig) -> Vec<usize> {
+        vec![c.hidden_size, c.num_heads * c.head_dim]
+    }
+    /// `[intermediate, hidden]`: the MLP gate and up projections.
+    pub fn up_proj(c: &ModelConfig) -> Vec<usize> {
+        vec![c.intermediate_size, c.hidden_size]
+    }
+    /// `[hidden, intermediate]`: the MLP down projection.
+    pub fn down_proj(c: &ModelConfig) -> Vec<usize> {
+        vec![c.hidden_size, c.intermediate_size]
+    }
+}
+
 /// What a tensor is for: the role the loader gives it, whatever its name in either format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {

@@ -50,13 +50,7 @@ impl GgufHeader {
 
     /// An unsigned integer metadata value (any integer width).
     pub fn get_usize(&self, key: &str) -> Option<usize> {
-        let v = self.metadata().get(key)?;
-        v.to_u64()
-            .ok()
-            .or_else(|| v.to_u32().ok().map(u64::from))
-            .or_else(|| v.to_i32().ok().and_then(|x| u64::try_from(x).ok()))
-            .or_else(|| v.to_i64().ok().and_then(|x| u64::try_from(x).ok()))
-            .map(|x| x as usize)
+        crate::inspect::gguf::meta_usize(self.metadata(), key)
     }
 
     pub fn get_f64(&self, key: &str) -> Option<f64> {
