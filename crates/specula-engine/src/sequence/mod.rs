@@ -8,6 +8,9 @@
 //! ([`Sequence::kv_mut`]) and hands the rows to `absorb()`, which returns the output that became
 //! final. [`crate::Engine::generate`] is this loop for one sequence.
 
+mod draft;
+mod verify;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,7 +24,7 @@ use crate::model::{LogitsRows, Model};
 use crate::sampling::{self, Sampler};
 use crate::speculative::draft_model::DraftModelDrafter;
 use crate::speculative::ngram::NgramDrafter;
-use crate::speculative::verify::{self, UniformRandomness};
+use crate::speculative::verify::UniformRandomness;
 use crate::speculative::{DraftGuide, DraftLength, Drafter, Proposal, SpecMode};
 use crate::tokenizer::Tokenizer;
 use crate::types::{
@@ -70,6 +73,7 @@ pub struct StepOutcome {
 }
 
 use crate::target::{TargetRows, TargetState};
+use verify::Verified;
 
 /// One request being decoded.
 pub struct Sequence {
@@ -590,89 +594,33 @@ impl Sequence {
         Ok(outcome)
     }
 
+    /// One verify step's acceptance: verify ([`Sequence::verify`]), emit
+    /// ([`Sequence::emit_verified`]), roll back ([`Sequence::commit_verified`]), and draft the
+    /// next block ([`Sequence::draft_next`]).
     fn accept_and_emit(&mut self, rows: &mut TargetRows) -> anyhow::Result<StepOutcome> {
         let accept_started = Instant::now();
-        // rows[i] = logits after the committed prefix and draft[..i].
-        let lps = match (&*rows, self.req.logprobs) {
-            (TargetRows::Logits(rows), Some(n)) => Some(
-                rows.iter()
-                    .map(|r| token_logprobs(&self.env.tokenizer, r, n))
-                    .collect::<Vec<_>>(),
-            ),
-            _ => None,
-        };
         let draft = std::mem::take(&mut self.draft);
-        let sampling = !self.req.sampling.is_greedy();
-        // Row i decides the token at sequence position `base + i`.
-        let base = self.context.len();
-        let key = self.sampler.noise_key();
-        // Row processing as plain decoding does it: the logit bias and penalties, then the
-        // constraint's mask; both see the drafts before a row as committed (observed in order,
-        // row by row).
-        let tokens = &draft.tokens;
-        let mut observed = 0;
-        let mut failure: Option<anyhow::Error> = None;
-        let sampler = &mut self.sampler;
-        let constraint = &mut self.constraint;
-        // Returns the processed distribution of row i (one-hot argmax when greedy).
-        let mut process = |i: usize, rows: &mut TargetRows| {
-            while observed < i {
-                sampler.observe(tokens[observed]);
-                if let Some(c) = constraint.as_mut() {
-                    if let Err(e) = c.commit(tokens[observed]) {
-                        failure.get_or_insert(e);
-                    }
-                }
-                observed += 1;
-            }
-            match rows {
-                // `absorb_argmax` checked: greedy, no logit bias or penalties, no constraint.
-                TargetRows::Argmax(a) => vec![(a[i], 1.0)],
-                TargetRows::Logits(rows) => {
-                    sampler.process_logits(&mut rows[i]);
-                    if let Some(c) = constraint.as_mut() {
-                        if let Err(e) = c.mask(&mut rows[i]) {
-                            failure.get_or_insert(e);
-                        }
-                    }
-                    sampler.distribution(&rows[i])
-                }
-            }
-        };
-        let (accepted, next, ar_dist) = match self.accept_rng.as_mut() {
-            Some(rng) if sampling && !draft.is_empty() => {
-                let (a, t) = verify::accept_sampled(tokens, draft.q.as_deref(), &mut |i| process(i, rows), rng);
-                (a, t, None)
-            }
-            // Coupled: each row's token is the keyed draw plain decoding makes there, so the
-            // drafts are checked against it as greedy drafts are against the argmax.
-            _ if sampling && self.coupled && !draft.is_empty() => {
-                let (a, t) = verify::accept_greedy(tokens, &mut |i| {
-                    crate::sampling::keyed_draw(key, base + i, &process(i, rows))
-                });
-                (a, t, None)
-            }
-            _ if sampling => (0, 0, Some(process(0, rows))),
-            _ => {
-                let (a, t) = verify::accept_greedy(tokens, &mut |i| process(i, rows)[0].0);
-                (a, t, None)
-            }
-        };
-        let next = match ar_dist {
-            // Keyed where it matters: coupling, or a seed (its output must not depend on
-            // whether anything was drafted); otherwise the cheaper stream draw (about 0.1 ms a
-            // token less on a 49k vocabulary).
-            Some(dist) if self.coupled || self.req.sampling.seed.is_some() => self.sampler.draw(&dist, base),
-            Some(dist) => self.sampler.draw_from_stream(&dist),
-            None => next,
-        };
-        if let Some(e) = failure {
-            return Err(e);
+        let v = self.verify(rows, &draft)?;
+        let (accepted, next) = (v.accepted, v.next);
+        let (out, block) = self.emit_verified(&draft, v, accept_started);
+        let delta = out.delta;
+        if out.finished.is_some() {
+            return Ok(StepOutcome { delta, finished: true });
         }
-        self.sampler.observe(next);
-        if let Some(c) = self.constraint.as_mut() {
-            c.commit(next)?;
-        }
+        self.commit_verified(&draft, accepted, &block)?;
+        self.draft_next(next, delta)
+    }
+
+    /// Emit the verified block (the accepted drafts and the next token) through the emit step,
+    /// one token at a time, and record what the step taught the controller and the stats.
+    /// Returns the emitter's result and the block.
+    fn emit_verified(
+        &mut self,
+        draft: &Proposal,
+        v: Verified,
+        accept_started: Instant,
+    ) -> (crate::emit::EmitOutcome, Vec<u32>) {
+        let Verified { accepted, next, lps } = v;
         let from_lookup = self.lookup_alphas.take().is_some();
         if !draft.is_empty() && !from_lookup {
             // The lookup learns its own outcome at its next proposal; the controller's
@@ -723,176 +671,25 @@ impl Sequence {
                 self.deferred_spent += self.k_ctl.relative_forward_cost(draft.len() + 1);
             }
         }
-        let mut delta = out.delta;
-        if out.finished.is_some() {
-            return Ok(StepOutcome { delta, finished: true });
-        }
+        (out, block)
+    }
+
+    /// Roll the target state back to the committed length (the pending token before the draft
+    /// plus the accepted drafts; `next` is not in it yet), extend the context by `block`, and
+    /// hand the committed rows' hidden states to the drafter.
+    fn commit_verified(&mut self, draft: &Proposal, accepted: usize, block: &[u32]) -> anyhow::Result<()> {
         // Keep the committed part of the verified block in the KV cache: the pending token
         // before the draft plus the accepted drafts (`next` is not in the cache yet).
         let keep = self.state.len() - draft.len() + accepted;
         self.state.commit(keep);
-        self.context.extend_from_slice(&block);
+        self.context.extend_from_slice(block);
         if let (Some((start, hidden)), Some(d)) = (self.tapped.take(), self.drafter.as_mut()) {
             // The fed token and the accepted drafts are committed; their rows go to the drafter.
             let n = accepted + 1;
             let views: Vec<&[f32]> = hidden.iter().map(|h| &h[..(h.len() / (draft.len() + 1)) * n]).collect();
             d.observe(start, n, &views)?;
         }
-
-        // Next step: [next, draft...], one row per position.
-        let ctx = self.env.context_length;
-        let room_ctx = ctx.saturating_sub(self.state.len() + 1);
-        let room_out = self.max_tokens.saturating_sub(self.emitter.tokens().len() + 1);
-        let k = self.k_ctl.next_k().min(room_ctx).min(room_out);
-        let k = self.model_k(k, room_out);
-        let lookup = self.lookup_draft(k, self.req.spec.draft_max.min(room_ctx).min(room_out));
-        let mut proposal = match (lookup, self.drafter.as_mut()) {
-            (Some((tokens, alphas)), _) => {
-                self.lookup_alphas = Some(alphas);
-                Proposal::deterministic(tokens)
-            }
-            (None, Some(d)) if k > 0 => {
-                let catch_up = d.catch_up_tokens(&self.context);
-                let td = Instant::now();
-                let mut guide = StepGuide {
-                    ctl: &self.k_ctl,
-                    confidence_driven: self.k_ctl.confidence_driven(),
-                    constraint: self.constraint.as_deref_mut().filter(|_| self.mask_drafts),
-                };
-                let p = d.propose_guided(&self.context, k, &mut guide)?;
-                let secs = td.elapsed().as_secs_f64();
-                self.stats.spec.draft_s += secs;
-                // Catch-up after a pause is paid once per probe, not per draft token.
-                self.k_ctl.observe_draft(p.len(), secs, d.last_catch_up_s());
-                self.k_ctl.observe_catch_up(catch_up, d.last_catch_up_s());
-                p
-            }
-            _ => Proposal::default(),
-        };
-        if self.lookup_alphas.is_none() {
-            proposal.truncate(k);
-        }
-        if self.coupled {
-            // Coupled drafts are verified against the target's own draws: a draft is a
-            // deterministic guess whatever distribution it came from (every coupled drafter
-            // returns none; a drafter that ignored `couple` would lose acceptance, not exactness).
-            proposal.q = None;
-        }
-        // Verify the prefix the drafter's confidences say pays (greedy drafts only; the rest
-        // is trimmed).
-        let keep = self.k_ctl.verified_prefix(&proposal);
-        if tracing::enabled!(tracing::Level::TRACE) {
-            tracing::trace!(
-                position = self.state.len(),
-                k,
-                proposed = proposal.len(),
-                verified = keep,
-                confidence = ?proposal.confidence,
-                alphas = ?self.k_ctl.alphas(k.max(1)),
-                verify_2_rows = self.k_ctl.relative_forward_cost(2),
-                draft_cost = self.k_ctl.relative_draft_cost(),
-                "draft step"
-            );
-        }
-        self.stats.spec.trimmed += proposal.len() - keep;
-        proposal.truncate(keep);
-        if proposal.q.is_none() {
-            // A deterministic draft (n-gram lookup, greedy or coupled model drafts) is cut before the first
-            // token the target would reject anyway: one the grammar does not allow (the lookup
-            // sees no grammar, and a model drafter's mask may not apply), or, as a heuristic,
-            // one the request biases by -100 (the lookup copies it from the context). A sampled
-            // draft is not cut: whether a drawn token is verified must not depend on the token
-            // drawn. Verified, a forbidden token has p = 0 and is rejected, and that position
-            // is drawn from the residual max(0, p - q) as rejection sampling requires; cut, it
-            // would be drawn from p, and the law moves (`tests/spec.rs`
-            // `sampled_drafts_under_a_grammar`).
-            let mut keep = self.req.sampling.unbanned_prefix(&proposal.tokens);
-            if let Some(c) = self.constraint.as_mut() {
-                keep = c.valid_prefix(&proposal.tokens[..keep]);
-            }
-            proposal.truncate(keep);
-        }
-        if let Some(a) = self.lookup_alphas.as_mut() {
-            a.truncate(proposal.len());
-        }
-        if self.state.len() + 1 + proposal.len() > ctx {
-            let d = self.emitter.finish_with(FinishReason::Length);
-            delta.text.push_str(&d.text);
-            delta.token_ids.extend_from_slice(&d.token_ids);
-            delta.logprobs.extend(d.logprobs);
-            return Ok(StepOutcome { delta, finished: true });
-        }
-        let mut tokens = Vec::with_capacity(1 + proposal.len());
-        tokens.push(next);
-        tokens.extend_from_slice(&proposal.tokens);
-        let rows = if proposal.is_empty() {
-            LogitsRows::Last
-        } else {
-            LogitsRows::All
-        };
-        self.draft = proposal;
-        self.pending = Some(StepInput { tokens, rows });
-        Ok(StepOutcome { delta, finished: false })
-    }
-
-    /// The model drafter's k for this step: the controller's `k`, or 0 while the drafter has
-    /// not started and its catch-up on the context does not pay yet
-    /// ([`DraftLength::start_pays`], with `room_out` tokens left to generate at most) and
-    /// this step is not a probe.
-    fn model_k(&mut self, k: usize, room_out: usize) -> usize {
-        if !self.deferred || k == 0 {
-            return k;
-        }
-        let Some(d) = self.drafter.as_ref() else {
-            return k;
-        };
-        let catch_up = d.catch_up_tokens(&self.context);
-        // A probe (the step after a pause) starts it whatever the estimate says: without a
-        // draft its acceptance would never be measured again, and an estimate carried from
-        // an earlier request that did not pay would keep it off for good.
-        let probe = self.k_ctl.probing();
-        if !probe
-            && !self
-                .k_ctl
-                .start_pays(self.deferred_committed, self.deferred_spent, room_out, catch_up)
-        {
-            return 0;
-        }
-        self.deferred = false;
-        self.stats.spec.model_started_at = Some(self.emitter.tokens().len());
-        tracing::debug!(
-            committed = self.emitter.tokens().len(),
-            catch_up,
-            "model drafter starts"
-        );
-        k
-    }
-
-    /// With n-gram lookup beside a model drafter: look up a draft of up to `room` tokens (every
-    /// step, so the lookup learns its match classes' acceptance from every committed token,
-    /// verified or not: [`NgramDrafter::propose_tokens`]), and return its most profitable
-    /// prefix with its acceptance estimates when that prefix predicts at least the speed-up of
-    /// this step's model draft of up to `k` tokens (the controller's best estimate, and never
-    /// below plain decoding's). A lookup draft costs no drafting, only its verify rows
-    /// ([`DraftLength::best_free_prefix`]). Whichever is chosen, the target decides every
-    /// committed token.
-    fn lookup_draft(&mut self, k: usize, room: usize) -> Option<(Vec<u32>, Vec<f64>)> {
-        let lookup = self.lookup.as_mut()?;
-        let t = Instant::now();
-        let draft = lookup.propose_tokens(&self.context, room);
-        let alphas = lookup.pending_alphas();
-        self.stats.spec.draft_s += t.elapsed().as_secs_f64();
-        if self.k_ctl.measuring_one_row() {
-            // The controller measures a plain step (the unit of every cost): no draft at all.
-            return None;
-        }
-        let (n, lookup_speedup) = self.k_ctl.best_free_prefix(&alphas);
-        // The model drafter's best predicted step with at most k tokens (k already holds the
-        // room left), or plain decoding.
-        let model = self.k_ctl.best_up_to(k).1.max(self.k_ctl.plain_speedup());
-        // On a tie the free draft wins. (At a request's first step the two do not tie: the
-        // controller's prior for the model drafter's first token is 0.625, the lookup's 0.5.)
-        (n > 0 && lookup_speedup >= model).then(|| (draft[..n].to_vec(), alphas[..n].to_vec()))
+        Ok(())
     }
 
     fn close_stats(&mut self) {
@@ -938,38 +735,6 @@ impl Sequence {
 /// 0.84-0.94 greedy, 0.40 at temperature 1) and no kind of request starts from another's record.
 fn prior_key(decode_path: &str, verify: &str) -> String {
     format!("{decode_path} ({verify})")
-}
-
-/// The [`DraftGuide`] of one draft step: the controller's `go_on` when its calibrated
-/// confidences drive the draft length, and the request's constraint, which masks each draft row
-/// as the verify row at that position will be masked (so a model drafter proposes only what the
-/// target can accept; what is committed does not change).
-struct StepGuide<'a> {
-    ctl: &'a DraftLength,
-    confidence_driven: bool,
-    constraint: Option<&'a mut (dyn Constraint + 'static)>,
-}
-
-impl DraftGuide for StepGuide<'_> {
-    fn go_on(&mut self, confidence: &[f32]) -> bool {
-        !self.confidence_driven || self.ctl.go_on(confidence)
-    }
-
-    fn masks(&self) -> bool {
-        self.constraint.as_ref().is_some_and(|c| c.masks_drafts())
-    }
-
-    fn mask(&mut self, drafted: &[u32], row: &mut [f32]) -> bool {
-        let Some(c) = self.constraint.as_mut() else {
-            return false;
-        };
-        c.mask_after(drafted, row).unwrap_or_else(|e| {
-            // The draft goes unmasked (the committed state was not touched: the lookahead runs
-            // on a copy); verification decides as always.
-            tracing::debug!(error = %e, "draft row not masked");
-            false
-        })
-    }
 }
 
 /// Whether a request with speculation settings `spec` whose drafter resolved to `resolved`
