@@ -19,6 +19,8 @@ pub struct ApiError {
     pub retry_after: Option<u32>,
     /// The methods for an `Allow` header (405 answers the handler gives itself).
     pub allow: Option<&'static str>,
+    /// Whether a `WWW-Authenticate: Bearer` header goes with it (401 answers).
+    pub bearer_challenge: bool,
 }
 
 impl ApiError {
@@ -31,6 +33,7 @@ impl ApiError {
             code: None,
             retry_after: None,
             allow: None,
+            bearer_challenge: false,
         }
     }
 
@@ -98,6 +101,31 @@ impl ApiError {
         e.code = Some("queue_full".to_string());
         e.retry_after = Some(1);
         e
+    }
+
+    /// 401 `authentication_error`, code `invalid_api_key`: the request carries no API key
+    /// (`missing`) or none this server accepts. The key sent is never echoed.
+    pub fn invalid_api_key(missing: bool) -> Self {
+        let message = if missing {
+            "Missing API key: send it as `Authorization: Bearer KEY` or `x-api-key: KEY`."
+        } else {
+            "Incorrect API key provided."
+        };
+        let mut e = Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message).with_code("invalid_api_key");
+        e.bearer_challenge = true;
+        e
+    }
+
+    /// 403, code `invalid_host`: a server bound to loopback got a request whose `Host` names
+    /// another host (what a DNS rebinding attack sends).
+    pub fn invalid_host() -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            "This server is bound to a loopback address and answers only requests addressed to \
+             localhost, 127.0.0.1 or [::1] (the Host header).",
+        )
+        .with_code("invalid_host")
     }
 
     /// 500 `server_error`.
@@ -193,6 +221,10 @@ impl IntoResponse for ApiError {
         }
         if let Some(a) = self.allow {
             resp.headers_mut().insert(header::ALLOW, HeaderValue::from_static(a));
+        }
+        if self.bearer_challenge {
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         resp
     }

@@ -20,11 +20,17 @@
 //! streamed `delta.tool_calls`, and split `<think>…</think>` into `reasoning_content`
 //! ([`reasoning`]).
 //!
+//! Access ([`auth`]): with API keys configured, every route but `GET /health` (and `/metrics`
+//! when it is made public) needs one (`Authorization: Bearer KEY` or `x-api-key: KEY`; 401
+//! otherwise); a server bound to loopback answers only requests addressed to a loopback name
+//! (403 otherwise, against DNS rebinding). See docs/security.md.
+//!
 //! The engine runs on one dedicated OS thread ([`EngineHandle`]); requests are served one at a
 //! time in arrival order, with at most `max_queue` waiting (more get 429 with `Retry-After: 1`).
 
 mod admin;
 mod api;
+pub mod auth;
 mod chat_output;
 mod chat_prompt;
 mod error;
@@ -46,6 +52,7 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 pub use admin::LoadEvent;
+pub use auth::Access;
 pub use chat_prompt::{ChatInfo, ChatPrompt};
 pub use error::ApiError;
 pub use metrics::Metrics;
@@ -87,6 +94,9 @@ pub struct ServeOptions {
     pub target_load_s: Option<f64>,
     /// Seconds the draft model's load took before serving, if one is attached.
     pub draft_load_s: Option<f64>,
+    /// API keys and whether `/metrics` needs one; [`serve`] turns the Host check on when `host`
+    /// is a loopback address ([`auth::is_loopback_host`]). The default asks for no key.
+    pub access: Access,
 }
 
 impl Default for ServeOptions {
@@ -103,12 +113,21 @@ impl Default for ServeOptions {
             tool_parser: None,
             target_load_s: None,
             draft_load_s: None,
+            access: Access::default(),
         }
     }
 }
 
-/// The HTTP routes over a running engine worker.
+/// The HTTP routes over a running engine worker, open to every request (no key, no Host
+/// check); [`router_with_access`] puts them behind [`Access`] rules.
 pub fn router(handle: EngineHandle) -> Router {
+    router_with_access(handle, Access::default())
+}
+
+/// The HTTP routes over a running engine worker behind `access`: one middleware checks the Host
+/// header and the API key before any route (or the 404 fallback) runs, and the request metrics
+/// count what it refuses.
+pub fn router_with_access(handle: EngineHandle, access: Access) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/completions", post(api::completions))
@@ -118,6 +137,7 @@ pub fn router(handle: EngineHandle) -> Router {
         .route("/metrics", get(api::metrics))
         .method_not_allowed_fallback(api::method_not_allowed)
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(access, auth::guard))
         .layer(axum::middleware::from_fn_with_state(handle.clone(), api::track))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(handle)
@@ -150,6 +170,10 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         .with_context(|| format!("binding {}", authority(&opts.host, opts.port)))?;
     let port = listener.local_addr()?.port();
     let address = authority(&opts.host, port);
+    let access = opts
+        .access
+        .clone()
+        .loopback_hosts_only(auth::is_loopback_host(&opts.host));
     let m = handle.model();
     tracing::info!(
         model = %m.id,
@@ -163,21 +187,25 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         tool_parser = %m.chat.tool_dialect,
         tool_parser_from = m.chat.tool_dialect_from,
         thinking = m.chat.thinking,
+        api_keys = access.key_count(),
+        metrics_public = access.is_metrics_public(),
+        host_check = access.checks_host(),
         "listening on http://{address}"
     );
-    serve_with_shutdown(handle, listener, shutdown_signal()).await
+    serve_with_shutdown(handle, listener, access, shutdown_signal()).await
 }
 
-/// Serve on an already bound listener until `shutdown` completes; in-flight requests then get
-/// a short grace period.
+/// Serve on an already bound listener, behind `access`, until `shutdown` completes; in-flight
+/// requests then get a short grace period.
 pub async fn serve_with_shutdown(
     handle: EngineHandle,
     listener: TcpListener,
+    access: Access,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let signalled = Arc::new(tokio::sync::Notify::new());
     let notify = signalled.clone();
-    let server = axum::serve(listener, router(handle)).with_graceful_shutdown(async move {
+    let server = axum::serve(listener, router_with_access(handle, access)).with_graceful_shutdown(async move {
         shutdown.await;
         tracing::info!("shutting down");
         notify.notify_one();

@@ -3,7 +3,7 @@
 mod common;
 
 use serde_json::json;
-use specula_server::{serve_with_shutdown, EngineHandle};
+use specula_server::{serve_with_shutdown, Access, EngineHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -21,7 +21,7 @@ async fn serves_over_tcp_and_shuts_down() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve_with_shutdown(handle, listener, async move {
+    let server = tokio::spawn(serve_with_shutdown(handle, listener, Access::default(), async move {
         let _ = stop_rx.await;
     }));
 

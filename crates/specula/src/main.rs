@@ -93,8 +93,45 @@ struct ServeArgs {
     /// mistral (default: detected from the chat template and the model family).
     #[arg(long, value_parser = parse_tool_parser)]
     tool_parser: Option<specula_server::tools::Dialect>,
+    /// An API key clients must send (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every
+    /// route but `GET /health`. Repeatable; without the flag, taken from SPECULA_API_KEY.
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "SPECULA_API_KEY",
+        hide_env_values = true,
+        value_parser = api_key
+    )]
+    api_keys: Vec<ApiKey>,
+    /// A file of API keys, one a line (blank lines and lines starting with `#` are skipped).
+    /// Repeatable; adds to --api-key.
+    #[arg(long, value_name = "PATH")]
+    api_key_file: Vec<PathBuf>,
+    /// Serve without API keys on an address other than loopback (refused otherwise, so that a
+    /// server is never open to the network by accident).
+    #[arg(long)]
+    no_auth: bool,
+    /// Answer `GET /metrics` without an API key (for a scraper that has none).
+    #[arg(long)]
+    metrics_public: bool,
     #[command(flatten)]
     placement: PlacementArgs,
+}
+
+/// An API key from the command line or the environment; its `Debug` never shows it.
+#[derive(Clone)]
+struct ApiKey(String);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(..)")
+    }
+}
+
+/// `--api-key` as given; checked in [`serve_access`], whose errors (unlike clap's) never quote
+/// the value.
+fn api_key(s: &str) -> Result<ApiKey, std::convert::Infallible> {
+    Ok(ApiKey(s.to_string()))
 }
 
 #[derive(Args, Debug, Clone)]
@@ -678,7 +715,55 @@ fn parse_host(s: &str) -> Result<String, String> {
     }
 }
 
+/// The API keys of `serve`, decided before anything loads: a server bound beyond loopback
+/// needs a key, unless `--no-auth` says it is meant to be open. Errors name the flag or the
+/// file and line, never a key.
+fn serve_access(a: &ServeArgs) -> Result<specula_server::Access> {
+    use specula_server::auth::{check_key, is_loopback_host, parse_key_file};
+    let mut keys = Vec::new();
+    for k in &a.api_keys {
+        check_key(&k.0).map_err(|e| anyhow::anyhow!("--api-key (or SPECULA_API_KEY): {e}"))?;
+        keys.push(k.0.clone());
+    }
+    for path in &a.api_key_file {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading --api-key-file {}", path.display()))?;
+        let found = parse_key_file(&text).map_err(|e| anyhow::anyhow!("--api-key-file {}: {e}", path.display()))?;
+        if found.is_empty() {
+            bail!("--api-key-file {} holds no key", path.display());
+        }
+        keys.extend(found);
+    }
+    if a.no_auth && !keys.is_empty() {
+        bail!(
+            "--no-auth serves without API keys, but keys were given (--api-key, --api-key-file or \
+             SPECULA_API_KEY): pass one or the other"
+        );
+    }
+    let loopback = is_loopback_host(&a.host);
+    if !loopback && keys.is_empty() && !a.no_auth {
+        bail!(
+            "--host {} is reachable from other machines and no API key is set, so anyone who can \
+             reach it could use the server. Pass --api-key KEY (or --api-key-file PATH, or set \
+             SPECULA_API_KEY), or pass --no-auth to serve it open on purpose",
+            a.host
+        );
+    }
+    if a.no_auth && !loopback {
+        tracing::warn!(
+            host = %a.host,
+            "--no-auth: serving without API keys on an address other than loopback; anyone who can reach it can use the server"
+        );
+    }
+    if keys.iter().any(|k| k.len() < 16) {
+        tracing::warn!("an API key is shorter than 16 characters and could be guessed; prefer long random keys");
+    }
+    Ok(specula_server::Access::with_keys(keys).metrics_public(a.metrics_public))
+}
+
 fn serve(a: ServeArgs) -> Result<()> {
+    // Who may use the server is settled first: a misconfiguration fails at once.
+    let access = serve_access(&a)?;
     // Fail before the model loads (seconds to minutes) when the address is taken or not ours:
     // a probe bind, released at once; the server binds it again once the model is ready.
     if a.port != 0 {
@@ -754,6 +839,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             tool_parser: a.tool_parser,
             target_load_s: Some(target_load_s),
             draft_load_s,
+            access,
         },
     ))
 }

@@ -200,6 +200,8 @@ pub fn assert_error(reply: &Reply, status: StatusCode, param: Option<&str>) -> V
     }
     let kind = if status.is_server_error() {
         "server_error"
+    } else if status == StatusCode::UNAUTHORIZED {
+        "authentication_error"
     } else {
         "invalid_request_error"
     };

@@ -106,10 +106,13 @@ pub fn fixture_prompts() -> Vec<FixturePrompt> {
         .collect()
 }
 
-/// A `specula` command with the test environment (few threads, quiet-ish logs).
+/// A `specula` command with the test environment (few threads, quiet-ish logs, no API key
+/// from the caller's environment).
 pub fn specula() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_specula"));
-    cmd.env("SPECULA_THREADS", THREADS).stdin(Stdio::null());
+    cmd.env("SPECULA_THREADS", THREADS)
+        .env_remove("SPECULA_API_KEY")
+        .stdin(Stdio::null());
     cmd
 }
 
@@ -180,11 +183,15 @@ pub struct Server {
     child: Child,
     pub port: u16,
     model: String,
+    /// More arguments and environment variables of `specula serve`.
+    args: Vec<String>,
+    envs: Vec<(String, String)>,
     log: tempfile::NamedTempFile,
 }
 
-/// Spawns `specula serve MODEL --port PORT`, stdout and stderr appended to `log`.
-fn spawn_serve(model: &str, port: u16, log: &Path) -> Child {
+/// Spawns `specula serve MODEL --port PORT ARGS...` with `envs`, stdout and stderr appended to
+/// `log`.
+fn spawn_serve(model: &str, port: u16, args: &[String], envs: &[(String, String)], log: &Path) -> Child {
     let open = || {
         std::fs::OpenOptions::new()
             .append(true)
@@ -193,6 +200,8 @@ fn spawn_serve(model: &str, port: u16, log: &Path) -> Child {
     };
     specula()
         .args(["serve", model, "--port", &port.to_string()])
+        .args(args)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
         .stdout(open())
         .stderr(open())
         .spawn()
@@ -203,15 +212,31 @@ impl Server {
     /// Spawns `specula serve MODEL --port P` on a free port; it loads the model in the background
     /// (see [`Server::wait_ready`]).
     pub fn spawn(model: &str) -> Server {
+        Self::spawn_with(model, &[], &[])
+    }
+
+    /// [`Server::spawn`] with more arguments and environment variables.
+    pub fn spawn_with(model: &str, args: &[&str], envs: &[(&str, &str)]) -> Server {
         let log = tempfile::NamedTempFile::new().expect("server log file");
         let port = free_port();
-        let child = spawn_serve(model, port, log.path());
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let envs: Vec<(String, String)> = envs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let child = spawn_serve(model, port, &args, &envs, log.path());
         Server {
             child,
             port,
             model: model.to_string(),
+            args,
+            envs,
             log,
         }
+    }
+
+    /// The `--host` the server was given (127.0.0.1 by default).
+    fn host(&self) -> &str {
+        let at = self.args.iter().position(|a| a == "--host");
+        at.and_then(|i| self.args.get(i + 1))
+            .map_or("127.0.0.1", |h| h.as_str())
     }
 
     /// Waits until `GET /health` answers 200 (up to 60 s); panics with the server's log otherwise.
@@ -230,11 +255,11 @@ impl Server {
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {
                 let log = self.log();
-                if retries > 0 && log.contains(&format!("binding 127.0.0.1:{}", self.port)) {
+                if retries > 0 && log.contains(&format!("binding {}:{}", self.host(), self.port)) {
                     retries -= 1;
                     eprintln!("port {} was taken; retrying on another port", self.port);
                     self.port = free_port();
-                    self.child = spawn_serve(&self.model, self.port, self.log.path());
+                    self.child = spawn_serve(&self.model, self.port, &self.args, &self.envs, self.log.path());
                     continue;
                 }
                 return Err(format!("specula serve exited early ({status}):\n{log}"));
@@ -273,6 +298,12 @@ impl Server {
         try_request(self.port, "POST", path, Some(body), Duration::from_secs(120))
             .unwrap_or_else(|e| panic!("POST {path}: {e}\nserver log:\n{}", self.log()))
     }
+
+    /// `method path` with `headers` (a `Host` among them replaces the default one).
+    pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)]) -> HttpResponse {
+        request_with(self.port, method, path, headers, None, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}\nserver log:\n{}", self.log()))
+    }
 }
 
 impl Drop for Server {
@@ -309,11 +340,30 @@ pub fn try_request(
     body: Option<&Value>,
     timeout: Duration,
 ) -> Result<HttpResponse, String> {
+    request_with(port, method, path, &[], body, timeout)
+}
+
+/// [`try_request`] with more headers; a `Host` among them replaces `Host: 127.0.0.1:PORT`.
+/// The request always goes to 127.0.0.1.
+pub fn request_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+    timeout: Duration,
+) -> Result<HttpResponse, String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
     stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     stream.set_write_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     let payload = body.map(|b| b.to_string()).unwrap_or_default();
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\nAccept: */*\r\n");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\nAccept: */*\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        req.push_str(&format!("Host: 127.0.0.1:{port}\r\n"));
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
     if body.is_some() {
         req.push_str(&format!(
             "Content-Type: application/json\r\nContent-Length: {}\r\n",
