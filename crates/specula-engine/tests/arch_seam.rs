@@ -28,6 +28,7 @@ const NAME: &str = "toyparallel";
 #[derive(Debug)]
 struct Parallel;
 
+/// A row of the toy's schema: every tensor required but the (untied) LM head.
 const fn t(
     role: Role,
     gguf: &'static str,
@@ -36,15 +37,7 @@ const fn t(
     kind: Kind,
     shape: fn(&ModelConfig) -> Vec<usize>,
 ) -> TensorSpec {
-    TensorSpec {
-        role,
-        gguf,
-        hf,
-        per_layer,
-        required: !matches!(role, Role::Output),
-        kind,
-        shape,
-    }
+    TensorSpec::new(role, gguf, hf, per_layer, !matches!(role, Role::Output), kind, shape)
 }
 
 /// Names of its own in both formats; one norm per layer.

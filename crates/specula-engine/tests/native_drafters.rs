@@ -4,10 +4,12 @@
 
 mod common;
 
+use common::{req, run};
+
 use candle_core::quantized::GgmlDType;
 use specula_engine::model::Family;
 use specula_engine::speculative::mtp::MtpLayout;
-use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
+use specula_engine::speculative::{SampledVerify, SpecMode};
 use specula_engine::testing::{
     write_random_block_drafter, write_random_fused_mtp_head, write_random_mtp_head, write_tiny_gguf, TinySpec,
 };
@@ -26,23 +28,6 @@ fn tiny(family: Family, dtype: GgmlDType) -> (tempfile::TempDir, Engine) {
     .expect("write");
     let e = Engine::load(&path, "tiny", LoadOptions::default()).expect("load");
     (dir, e)
-}
-
-fn req(prompt: Vec<u32>, mode: SpecMode, k: usize, sampling: SamplingParams) -> GenerateRequest {
-    GenerateRequest {
-        prompt_tokens: prompt,
-        sampling,
-        max_tokens: Some(100),
-        stop: vec![],
-        logprobs: Some(2),
-        ignore_eos: true,
-        spec: SpecOptions {
-            mode,
-            draft_max: k,
-            adaptive: false,
-            sampled_verify: Default::default(),
-        },
-    }
 }
 
 /// Greedy decoding of `prompt` with the attached MTP head at fixed `k`: it drafts, and its text,
@@ -83,10 +68,6 @@ fn batched_matches_solo(e: &mut Engine, reqs: &[GenerateRequest], what: &str) ->
         );
     }
     solo
-}
-
-fn run(e: &mut Engine, r: &GenerateRequest) -> GenerateOutput {
-    e.generate(r, &mut |_| true).expect("generate")
 }
 
 #[test]

@@ -5,34 +5,15 @@
 #[path = "../../specula-engine/tests/common/mod.rs"]
 mod common;
 
+use common::{req, run};
+
 use candle_core::quantized::GgmlDType;
 use specula_engine::device::CpuSlots;
 use specula_engine::model::Family;
 use specula_engine::speculative::mtp::MtpLayout;
-use specula_engine::speculative::{SpecMode, SpecOptions};
+use specula_engine::speculative::SpecMode;
 use specula_engine::testing::{write_random_mtp_head, write_tiny_gguf, TinySpec};
-use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
-
-fn req(prompt: Vec<u32>, mode: SpecMode, k: usize, sampling: SamplingParams) -> GenerateRequest {
-    GenerateRequest {
-        prompt_tokens: prompt,
-        sampling,
-        max_tokens: Some(100),
-        stop: vec![],
-        logprobs: Some(2),
-        ignore_eos: true,
-        spec: SpecOptions {
-            mode,
-            draft_max: k,
-            adaptive: false,
-            sampled_verify: Default::default(),
-        },
-    }
-}
-
-fn run(e: &mut Engine, r: &GenerateRequest) -> GenerateOutput {
-    e.generate(r, &mut |_| true).expect("generate")
-}
+use specula_engine::{Engine, LoadOptions, SamplingParams};
 
 fn distill_opts(out: &std::path::Path, steps: usize) -> specula_train::DistillOptions {
     specula_train::DistillOptions {

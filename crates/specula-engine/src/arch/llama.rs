@@ -65,29 +65,9 @@ impl serde::Serialize for Family {
 #[derive(Debug)]
 pub struct Llama;
 
-const fn t(
-    role: Role,
-    gguf: &'static str,
-    hf: &'static str,
-    per_layer: bool,
-    required: bool,
-    kind: Kind,
-    shape: fn(&ModelConfig) -> Vec<usize>,
-) -> TensorSpec {
-    TensorSpec {
-        role,
-        gguf,
-        hf,
-        per_layer,
-        required,
-        kind,
-        shape,
-    }
-}
-
 /// The tensor schema of the dense block, in the order a layer's tensors are listed.
 pub static TENSORS: &[TensorSpec] = &[
-    t(
+    TensorSpec::new(
         Role::TokenEmbedding,
         "token_embd.weight",
         "model.embed_tokens.weight",
@@ -96,7 +76,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Table,
         vocab_by_hidden,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnNorm,
         "attn_norm.weight",
         "input_layernorm.weight",
@@ -105,7 +85,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         hidden,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnQ,
         "attn_q.weight",
         "self_attn.q_proj.weight",
@@ -114,7 +94,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Matrix,
         q_proj,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnK,
         "attn_k.weight",
         "self_attn.k_proj.weight",
@@ -123,7 +103,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Matrix,
         kv_proj,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnV,
         "attn_v.weight",
         "self_attn.v_proj.weight",
@@ -132,7 +112,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Matrix,
         kv_proj,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnOutput,
         "attn_output.weight",
         "self_attn.o_proj.weight",
@@ -141,7 +121,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Matrix,
         o_proj,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnQBias,
         "attn_q.bias",
         "self_attn.q_proj.bias",
@@ -150,7 +130,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         q_out,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnKBias,
         "attn_k.bias",
         "self_attn.k_proj.bias",
@@ -159,7 +139,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         kv_out,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnVBias,
         "attn_v.bias",
         "self_attn.v_proj.bias",
@@ -168,7 +148,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         kv_out,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnQNorm,
         "attn_q_norm.weight",
         "self_attn.q_norm.weight",
@@ -177,7 +157,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         head_dim,
     ),
-    t(
+    TensorSpec::new(
         Role::AttnKNorm,
         "attn_k_norm.weight",
         "self_attn.k_norm.weight",
@@ -186,7 +166,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         head_dim,
     ),
-    t(
+    TensorSpec::new(
         Role::FfnNorm,
         "ffn_norm.weight",
         "post_attention_layernorm.weight",
@@ -195,7 +175,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         hidden,
     ),
-    t(
+    TensorSpec::new(
         Role::FfnGate,
         "ffn_gate.weight",
         "mlp.gate_proj.weight",
@@ -204,7 +184,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Matrix,
         up_proj,
     ),
-    t(
+    TensorSpec::new(
         Role::FfnUp,
         "ffn_up.weight",
         "mlp.up_proj.weight",
@@ -213,7 +193,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Matrix,
         up_proj,
     ),
-    t(
+    TensorSpec::new(
         Role::FfnDown,
         "ffn_down.weight",
         "mlp.down_proj.weight",
@@ -222,7 +202,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Matrix,
         down_proj,
     ),
-    t(
+    TensorSpec::new(
         Role::OutputNorm,
         "output_norm.weight",
         "model.norm.weight",
@@ -231,7 +211,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         hidden,
     ),
-    t(
+    TensorSpec::new(
         Role::Output,
         "output.weight",
         "lm_head.weight",
@@ -242,7 +222,7 @@ pub static TENSORS: &[TensorSpec] = &[
     ),
     // llama.cpp's converter writes Llama 3.1's RoPE scaling as a tensor; HF keeps it in the
     // config (not read: the catalog's HF bundles do not use it).
-    t(
+    TensorSpec::new(
         Role::RopeFreqs,
         "rope_freqs.weight",
         "",

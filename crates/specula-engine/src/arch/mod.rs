@@ -232,6 +232,27 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
+    /// A schema row (a `const fn`, so schemas are static tables).
+    pub const fn new(
+        role: Role,
+        gguf: &'static str,
+        hf: &'static str,
+        per_layer: bool,
+        required: bool,
+        kind: Kind,
+        shape: fn(&ModelConfig) -> Vec<usize>,
+    ) -> Self {
+        Self {
+            role,
+            gguf,
+            hf,
+            per_layer,
+            required,
+            kind,
+            shape,
+        }
+    }
+
     /// The full name in `format`; `layer` is used only for a per-layer tensor.
     pub fn name(&self, format: BundleFormat, layer: usize) -> String {
         let base = self.base(format);

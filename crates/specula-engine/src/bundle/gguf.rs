@@ -53,11 +53,6 @@ impl GgufHeader {
         crate::inspect::gguf::meta_usize(self.metadata(), key)
     }
 
-    pub fn get_f64(&self, key: &str) -> Option<f64> {
-        let v = self.metadata().get(key)?;
-        v.to_f32().ok().map(f64::from).or_else(|| v.to_f64().ok())
-    }
-
     /// The architecture (`general.architecture`).
     pub fn architecture(&self) -> Result<&str> {
         self.get_str("general.architecture")

@@ -46,3 +46,32 @@ pub fn head_path(model: &str, kind: &str) -> PathBuf {
     );
     p
 }
+
+/// A request of `prompt` with drafter `mode` at fixed draft length `k`: 100 tokens past EOS,
+/// two logprobs per token (what the native-drafter and distill tests compare).
+pub fn req(
+    prompt: Vec<u32>,
+    mode: specula_engine::speculative::SpecMode,
+    k: usize,
+    sampling: specula_engine::SamplingParams,
+) -> specula_engine::GenerateRequest {
+    specula_engine::GenerateRequest {
+        prompt_tokens: prompt,
+        sampling,
+        max_tokens: Some(100),
+        stop: vec![],
+        logprobs: Some(2),
+        ignore_eos: true,
+        spec: specula_engine::speculative::SpecOptions {
+            mode,
+            draft_max: k,
+            adaptive: false,
+            sampled_verify: Default::default(),
+        },
+    }
+}
+
+/// Generate `r` to the end, ignoring the stream.
+pub fn run(e: &mut specula_engine::Engine, r: &specula_engine::GenerateRequest) -> specula_engine::GenerateOutput {
+    e.generate(r, &mut |_| true).expect("generate")
+}
