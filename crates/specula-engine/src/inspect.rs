@@ -418,6 +418,8 @@ fn read_gguf_part(part: &mut Part, file: &Path) {
         kind: model.map(|m| {
             if m == "gpt2" {
                 format!("gpt2 byte-level BPE, pre-tokenizer {pre}")
+            } else if m == "llama" {
+                "llama SentencePiece BPE (scores, byte fallback)".to_string()
             } else {
                 m.to_string()
             }
@@ -434,12 +436,15 @@ fn read_gguf_part(part: &mut Part, file: &Path) {
             "tokenizer.ggml.model",
             "missing metadata key: the file has no tokenizer",
         ),
-        Some("gpt2") => {}
+        Some(m) if crate::tokenizer::GGUF_MODELS.contains(&m) => {}
         Some(m) => part.diag(
             Severity::Error,
             &fname,
             "tokenizer.ggml.model",
-            format!("'{m}' is not supported (only byte-level BPE, 'gpt2')"),
+            format!(
+                "'{m}' is not supported (supported: {})",
+                crate::tokenizer::GGUF_MODELS.join(", ")
+            ),
         ),
     }
     if model.is_some() {
@@ -459,8 +464,18 @@ fn read_gguf_part(part: &mut Part, file: &Path) {
                 "missing (or not an array)",
             );
         }
-        if let Err(e) = crate::tokenizer::pre_tokenizer_regexes(pre) {
-            part.diag(Severity::Error, &fname, "tokenizer.ggml.pre", format!("{e}"));
+        if model == Some("llama") && gguf::meta_array_len(md, "tokenizer.ggml.scores").is_none() {
+            part.diag(
+                Severity::Error,
+                &fname,
+                "tokenizer.ggml.scores",
+                "missing (or not an array)",
+            );
+        }
+        if model == Some("gpt2") {
+            if let Err(e) = crate::tokenizer::pre_tokenizer_regexes(pre) {
+                part.diag(Severity::Error, &fname, "tokenizer.ggml.pre", format!("{e}"));
+            }
         }
     }
     if let Some(src) = gguf::meta_str(md, "tokenizer.chat_template") {

@@ -97,6 +97,9 @@ fn tiny_config(spec: &TinySpec, vocab: usize) -> ModelConfig {
         rope_theta: 10_000.0,
         context_length: spec.context,
         rope_style: crate::model::RopeStyle::Neox,
+        sliding_window: None,
+        query_scale: None,
+        rope_freq_scale: None,
     }
 }
 

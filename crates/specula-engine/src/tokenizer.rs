@@ -7,6 +7,14 @@
 //! mapping. Control tokens (type 3) and unknown tokens (type 2) become special added tokens (matched
 //! in text, dropped when decoding); user-defined tokens (type 4) become added tokens that decode
 //! to their text, as llama.cpp treats them.
+//!
+//! GGUF `tokenizer.ggml.model = "llama"` (SentencePiece BPE: Llama 1/2, Gemma) has tokens with
+//! scores and no merges. llama.cpp's `llm_tokenizer_spm` escapes spaces as `▁`, splits the text
+//! into characters and repeatedly merges the adjacent pair whose concatenation is the
+//! highest-scoring vocabulary token, the leftmost on a tie; characters left outside the
+//! vocabulary become their bytes' `<0xXX>` tokens. As a BPE model that is: one merge per way of
+//! splitting a token into two tokens, ranked by the token's score (the construction of
+//! transformers' SentencePiece converters), with byte fallback.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -20,6 +28,10 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+
+/// The `tokenizer.ggml.model` values [`Tokenizer::from_gguf`] reads: byte-level BPE and
+/// SentencePiece BPE.
+pub const GGUF_MODELS: &[&str] = &["gpt2", "llama"];
 
 /// GPT-2's split regex (also SmolLM's second stage), as in llama.cpp.
 const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
@@ -133,6 +145,24 @@ fn meta_u32(md: &HashMap<String, gguf_file::Value>, key: &str) -> Option<u32> {
         .and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|x| x as u32)))
 }
 
+/// `tokenizer.ggml.token_type` (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6
+/// byte), all normal when absent. Errors: a non-integer entry, or a count other than `n`.
+fn token_types(md: &HashMap<String, gguf_file::Value>, n: usize) -> Result<Vec<i32>> {
+    let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()
+            .map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}"))?
+            .iter()
+            .map(|x| x.to_i32().map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}")))
+            .collect::<Result<_>>()?,
+        None => vec![1; n],
+    };
+    if types.len() != n {
+        bail!("tokenizer.ggml.token_type has {} entries for {n} tokens", types.len());
+    }
+    Ok(types)
+}
+
 fn meta_strings(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Vec<String>> {
     let v = md.get(key).ok_or_else(|| anyhow!("missing metadata key '{key}'"))?;
     v.to_vec()
@@ -152,28 +182,19 @@ impl Tokenizer {
     pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
         let model = meta_str(md, "tokenizer.ggml.model")
             .ok_or_else(|| anyhow!("missing metadata key 'tokenizer.ggml.model'"))?;
+        if model == "llama" {
+            return Self::from_gguf_spm(md);
+        }
         if model != "gpt2" {
-            bail!("tokenizer.ggml.model = '{model}' is not supported (only byte-level BPE, 'gpt2')");
+            bail!(
+                "tokenizer.ggml.model = '{model}' is not supported (supported: {})",
+                GGUF_MODELS.join(", ")
+            );
         }
         let pre = meta_str(md, "tokenizer.ggml.pre").unwrap_or("default");
         let tokens = meta_strings(md, "tokenizer.ggml.tokens")?;
         let merges = meta_strings(md, "tokenizer.ggml.merges")?;
-        let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
-            Some(v) => v
-                .to_vec()
-                .map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}"))?
-                .iter()
-                .map(|x| x.to_i32().map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}")))
-                .collect::<Result<_>>()?,
-            None => vec![1; tokens.len()],
-        };
-        if types.len() != tokens.len() {
-            bail!(
-                "tokenizer.ggml.token_type has {} entries for {} tokens",
-                types.len(),
-                tokens.len()
-            );
-        }
+        let types = token_types(md, tokens.len())?;
         let mut vocab = Vocab::default();
         for (i, t) in tokens.iter().enumerate() {
             vocab.insert(t.clone(), i as u32);
@@ -207,6 +228,17 @@ impl Tokenizer {
         pretoks.push(ByteLevel::new(false, false, false).into());
         inner.with_pre_tokenizer(Some(Sequence::new(pretoks)));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
+        Ok(Self::finish_gguf(md, inner, &tokens, &types))
+    }
+
+    /// The added tokens of a GGUF vocabulary, the special-token ids and the derived facts: the
+    /// part [`Tokenizer::from_gguf`] shares between its models.
+    fn finish_gguf(
+        md: &HashMap<String, gguf_file::Value>,
+        mut inner: tokenizers::Tokenizer,
+        tokens: &[String],
+        types: &[i32],
+    ) -> Self {
         let mut added = Vec::new();
         for (i, t) in tokens.iter().enumerate() {
             match types[i] {
@@ -218,7 +250,7 @@ impl Tokenizer {
         inner.add_special_tokens(&added);
         let tok = |key: &str| meta_u32(md, key).and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())));
         let (numbers, max_token_bytes) = vocab_facts(&inner);
-        Ok(Self {
+        Self {
             numbers,
             max_token_bytes,
             inner: inner.into(),
@@ -228,7 +260,87 @@ impl Tokenizer {
                 .get("tokenizer.ggml.add_bos_token")
                 .and_then(|v| v.to_bool().ok())
                 .unwrap_or(false),
-        })
+        }
+    }
+
+    /// A SentencePiece-BPE vocabulary (`tokenizer.ggml.model = "llama"`) as a BPE model (see the
+    /// module docs). Errors name the missing or malformed key.
+    fn from_gguf_spm(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
+        let tokens = meta_strings(md, "tokenizer.ggml.tokens")?;
+        let types = token_types(md, tokens.len())?;
+        let scores: Vec<f32> = match md.get("tokenizer.ggml.scores") {
+            Some(v) => v
+                .to_vec()
+                .map_err(|e| anyhow!("tokenizer.ggml.scores: {e}"))?
+                .iter()
+                .map(|x| x.to_f32().map_err(|e| anyhow!("tokenizer.ggml.scores: {e}")))
+                .collect::<Result<_>>()?,
+            None => bail!("missing metadata key 'tokenizer.ggml.scores'"),
+        };
+        if scores.len() != tokens.len() {
+            bail!(
+                "tokenizer.ggml.scores has {} entries for {} tokens",
+                scores.len(),
+                tokens.len()
+            );
+        }
+        let mut vocab = Vocab::default();
+        for (i, t) in tokens.iter().enumerate() {
+            // A later duplicate does not take an earlier token's id (llama.cpp keeps the first).
+            vocab.entry(t.clone()).or_insert(i as u32);
+        }
+        // Merges: every split of a normal token (type 1) into two tokens, the token's score
+        // first (the highest merges first), then its id, then the split's position.
+        let mut merges: Vec<(f32, u32, usize, String, String)> = Vec::new();
+        for (id, t) in tokens.iter().enumerate() {
+            if types[id] != 1 || vocab.get(t) != Some(&(id as u32)) {
+                continue;
+            }
+            for (pos, _) in t.char_indices().skip(1) {
+                let (l, r) = t.split_at(pos);
+                if vocab.contains_key(l) && vocab.contains_key(r) {
+                    merges.push((scores[id], id as u32, pos, l.to_string(), r.to_string()));
+                }
+            }
+        }
+        merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let merges = merges.into_iter().map(|(_, _, _, l, r)| (l, r)).collect();
+        let mut bpe = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true);
+        if let Some((_, unk)) = meta_u32(md, "tokenizer.ggml.unknown_token_id")
+            .and_then(|id| tokens.get(id as usize).map(|s| (id, s.clone())))
+        {
+            bpe = bpe.unk_token(unk);
+        }
+        let bpe = bpe
+            .build()
+            .map_err(|e| anyhow!("building the SentencePiece model from GGUF metadata: {e}"))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let add_space_prefix = md
+            .get("tokenizer.ggml.add_space_prefix")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(true);
+        let mut normalizers: Vec<tokenizers::NormalizerWrapper> = Vec::new();
+        if add_space_prefix {
+            normalizers.push(tokenizers::normalizers::Prepend::new("▁".to_string()).into());
+        }
+        normalizers.push(
+            tokenizers::normalizers::Replace::new(" ", "▁")
+                .map_err(|e| anyhow!("SentencePiece normalizer: {e}"))?
+                .into(),
+        );
+        inner.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers)));
+        let mut decoders: Vec<tokenizers::DecoderWrapper> = vec![
+            tokenizers::normalizers::Replace::new("▁", " ")
+                .map_err(|e| anyhow!("SentencePiece decoder: {e}"))?
+                .into(),
+            tokenizers::decoders::byte_fallback::ByteFallback::default().into(),
+            tokenizers::decoders::fuse::Fuse::default().into(),
+        ];
+        if add_space_prefix {
+            decoders.push(tokenizers::decoders::strip::Strip::new(' ', 1, 0).into());
+        }
+        inner.with_decoder(Some(tokenizers::decoders::sequence::Sequence::new(decoders)));
+        Ok(Self::finish_gguf(md, inner, &tokens, &types))
     }
 
     /// Load a Hugging Face `tokenizer.json`; `bos`/`eos` come from `tokenizer_config.json` /

@@ -146,6 +146,7 @@ impl Architecture for Parallel {
             qkv_bias: false,
             qk_norm: false,
             parallel: true,
+            post_norms: false,
         };
         vec![plan; c.num_layers]
     }
@@ -177,6 +178,8 @@ impl Architecture for Parallel {
                 gate,
                 up,
                 down,
+                post_attn_norm: None,
+                post_ffn_norm: None,
             });
         }
         let norm = w.dense(&name(Role::OutputNorm, f, 0))?;
@@ -217,6 +220,9 @@ fn config() -> ModelConfig {
         rope_theta: 10_000.0,
         context_length: 256,
         rope_style: RopeStyle::Neox,
+        sliding_window: None,
+        query_scale: None,
+        rope_freq_scale: None,
     }
 }
 

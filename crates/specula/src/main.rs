@@ -646,11 +646,12 @@ fn run(cli: Cli) -> Result<()> {
                     ""
                 };
                 println!(
-                    "{}{default}\n  {}\n  {} MB, {}{drafter}; {}",
+                    "{}{default}\n  {}\n  {} MB, {}, {}{drafter}; {}",
                     entry.name,
                     entry.description,
                     entry.size_bytes / 1_000_000,
                     entry.arch,
+                    entry.license,
                     state
                 );
             }

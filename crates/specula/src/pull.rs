@@ -342,6 +342,10 @@ fn fetch_into(cache: &Path, entry: &CatalogEntry, show_progress: bool, python: &
     if let Some(path) = cached_path_in(cache, entry) {
         return Ok(path);
     }
+    if let Some(terms) = entry.terms_notice {
+        // Said on every fetch, progress bar or not: the user asked for weights under these terms.
+        eprintln!("note: {terms}");
+    }
     let models = models_dir(cache);
     fs::create_dir_all(&models).with_context(|| format!("cannot create the model cache {}", models.display()))?;
     remove_stale_partials(&models, entry.file_name);
@@ -818,6 +822,7 @@ mod tests {
                 member: "x/data.bin".to_string(),
             }],
             license: "Apache-2.0",
+            terms_notice: None,
             role: "default",
         }
     }

@@ -350,6 +350,9 @@ pub fn dense_config_from_gguf(
         rope_theta: meta_f64(md, &format!("{arch}.rope.freq_base")).unwrap_or(10_000.0),
         context_length: req("context_length")?,
         rope_style,
+        sliding_window: None,
+        query_scale: None,
+        rope_freq_scale: None,
     })
 }
 
@@ -373,6 +376,9 @@ pub fn dense_config_from_hf(family: Family, c: &Json) -> Result<ModelConfig> {
         rope_theta: c.get("rope_theta").and_then(Json::as_f64).unwrap_or(10_000.0),
         context_length: field("max_position_embeddings")?,
         rope_style: RopeStyle::Neox,
+        sliding_window: None,
+        query_scale: None,
+        rope_freq_scale: None,
     })
 }
 
@@ -435,6 +441,7 @@ impl super::Architecture for Llama {
             qkv_bias: config.family == Family::Qwen2,
             qk_norm: config.family == Family::Qwen3,
             parallel: false,
+            post_norms: false,
         };
         vec![plan; config.num_layers]
     }
@@ -456,62 +463,93 @@ impl super::Architecture for Llama {
     }
 
     fn build(&self, config: ModelConfig, w: &mut dyn WeightSource, device: &Device) -> Result<Model> {
-        let f = w.format();
-        let embd = w.table(&name(Role::TokenEmbedding, f, 0))?;
-        let mut blocks = Vec::with_capacity(config.num_layers);
-        for l in 0..config.num_layers {
-            let n = |r: Role| name(r, f, l);
-            let mut lin = |weight: Role, bias: Option<Role>| -> Result<Linear> {
-                let b = bias.map(n).filter(|b| w.has(b));
-                w.linear(&n(weight), b.as_deref())
-            };
-            let q = lin(Role::AttnQ, Some(Role::AttnQBias))?;
-            let k = lin(Role::AttnK, Some(Role::AttnKBias))?;
-            let v = lin(Role::AttnV, Some(Role::AttnVBias))?;
-            let o = lin(Role::AttnOutput, None)?;
-            let gate = lin(Role::FfnGate, None)?;
-            let up = lin(Role::FfnUp, None)?;
-            let down = lin(Role::FfnDown, None)?;
-            let mut opt = |r: Role| -> Result<Option<candle_core::Tensor>> {
-                let nm = n(r);
-                if w.has(&nm) {
-                    Ok(Some(w.dense(&nm)?))
-                } else {
-                    Ok(None)
-                }
-            };
-            let q_norm = opt(Role::AttnQNorm)?;
-            let k_norm = opt(Role::AttnKNorm)?;
-            blocks.push(Block {
-                attn_norm: w.dense(&n(Role::AttnNorm))?,
-                q,
-                k,
-                v,
-                o,
-                q_norm,
-                k_norm,
-                ffn_norm: Some(w.dense(&n(Role::FfnNorm))?),
-                gate,
-                up,
-                down,
-            });
-        }
-        let output_norm = w.dense(&name(Role::OutputNorm, f, 0))?;
-        let out = name(Role::Output, f, 0);
-        let lm_table = if w.has(&out) { w.table(&out)? } else { embd.clone() };
-        let lm_head = lm_table.to_linear()?;
-        let rope = base(Role::RopeFreqs, f);
-        let rope_factors = if !rope.is_empty() && w.has(rope) {
-            Some(w.dense(rope)?.flatten_all()?.to_vec1::<f32>()?)
-        } else {
-            None
-        };
-        let quantized_table = matches!(lm_table, Embedding::Quantized(_));
-        let mut model = Model::new(config, embd, blocks, output_norm, lm_head, rope_factors, device.clone())?;
-        // Draft heads borrow rows of a quantized LM head ([`Model::lm_head_rows`]).
-        if quantized_table {
-            model.set_lm_head_table(lm_table);
-        }
-        Ok(model)
+        build_dense(TENSORS, config, w, device, 0.0)
     }
+}
+
+/// Read a model of the dense block's roles from `w` by `schema` (the dense block's
+/// [`TENSORS`], or a family's own table with the same roles and more: the post-norms, when
+/// the schema has them and the bundle holds them). `norm_shift` is added to every norm
+/// weight as read (Gemma's HF checkpoints store `w` of a `(1 + w)` norm; 0 elsewhere).
+/// Errors name the file and tensor (from `w`).
+pub fn build_dense(
+    schema: &'static [TensorSpec],
+    config: ModelConfig,
+    w: &mut dyn WeightSource,
+    device: &Device,
+    norm_shift: f32,
+) -> Result<Model> {
+    let f = w.format();
+    let name = |r: Role, l: usize| -> Option<String> {
+        let s = schema.iter().find(|s| s.role == r)?;
+        (!s.base(f).is_empty()).then(|| s.name(f, l))
+    };
+    let need = |r: Role, l: usize| name(r, l).ok_or_else(|| anyhow!("the tensor schema has no {r:?}"));
+    let norm = |w: &mut dyn WeightSource, n: &str| -> Result<candle_core::Tensor> {
+        let t = w.dense(n)?;
+        Ok(if norm_shift != 0.0 {
+            (t + f64::from(norm_shift))?
+        } else {
+            t
+        })
+    };
+    let embd = w.table(&need(Role::TokenEmbedding, 0)?)?;
+    let mut blocks = Vec::with_capacity(config.num_layers);
+    for l in 0..config.num_layers {
+        let present = |w: &dyn WeightSource, r: Role| name(r, l).filter(|n| w.has(n));
+        let lin = |w: &mut dyn WeightSource, weight: Role, bias: Option<Role>| -> Result<Linear> {
+            let b = bias.and_then(|b| present(w, b));
+            w.linear(&need(weight, l)?, b.as_deref())
+        };
+        let q = lin(w, Role::AttnQ, Some(Role::AttnQBias))?;
+        let k = lin(w, Role::AttnK, Some(Role::AttnKBias))?;
+        let v = lin(w, Role::AttnV, Some(Role::AttnVBias))?;
+        let o = lin(w, Role::AttnOutput, None)?;
+        let gate = lin(w, Role::FfnGate, None)?;
+        let up = lin(w, Role::FfnUp, None)?;
+        let down = lin(w, Role::FfnDown, None)?;
+        let opt_norm = |w: &mut dyn WeightSource, r: Role| -> Result<Option<candle_core::Tensor>> {
+            present(w, r).map(|n| norm(w, &n)).transpose()
+        };
+        let q_norm = opt_norm(w, Role::AttnQNorm)?;
+        let k_norm = opt_norm(w, Role::AttnKNorm)?;
+        let post_attn_norm = opt_norm(w, Role::AttnPostNorm)?;
+        let post_ffn_norm = opt_norm(w, Role::FfnPostNorm)?;
+        let attn_norm = norm(w, &need(Role::AttnNorm, l)?)?;
+        let ffn_norm = norm(w, &need(Role::FfnNorm, l)?)?;
+        blocks.push(Block {
+            attn_norm,
+            q,
+            k,
+            v,
+            o,
+            q_norm,
+            k_norm,
+            ffn_norm: Some(ffn_norm),
+            gate,
+            up,
+            down,
+            post_attn_norm,
+            post_ffn_norm,
+        });
+    }
+    let output_norm = norm(w, &need(Role::OutputNorm, 0)?)?;
+    let out = name(Role::Output, 0).filter(|n| w.has(n));
+    let lm_table = match out {
+        Some(n) => w.table(&n)?,
+        None => embd.clone(),
+    };
+    let lm_head = lm_table.to_linear()?;
+    let rope = name(Role::RopeFreqs, 0).filter(|n| w.has(n));
+    let rope_factors = match rope {
+        Some(n) => Some(w.dense(&n)?.flatten_all()?.to_vec1::<f32>()?),
+        None => None,
+    };
+    let quantized_table = matches!(lm_table, Embedding::Quantized(_));
+    let mut model = Model::new(config, embd, blocks, output_norm, lm_head, rope_factors, device.clone())?;
+    // Draft heads borrow rows of a quantized LM head ([`Model::lm_head_rows`]).
+    if quantized_table {
+        model.set_lm_head_table(lm_table);
+    }
+    Ok(model)
 }

@@ -17,6 +17,7 @@
 //! The layout follows llama.cpp's one name table (`LLM_TENSOR_*` in `llama-arch.cpp`, names
 //! written `blk.N.<name>`) and transformers' checkpoint names (`model.layers.N.<name>`).
 
+pub mod gemma3;
 pub mod llama;
 
 use std::collections::HashMap;
@@ -58,6 +59,28 @@ pub struct ModelConfig {
     pub context_length: usize,
     #[serde(skip)]
     pub rope_style: RopeStyle,
+    /// Sliding-window attention on some layers (Gemma 3); None: every layer attends to every
+    /// earlier position.
+    pub sliding_window: Option<SlidingWindow>,
+    /// The factor queries are multiplied by after RoPE, replacing attention's `1/sqrt(head_dim)`
+    /// (Gemma's `query_pre_attn_scalar^-1/2`, applied as llama.cpp does: the queries scaled, the
+    /// scores not). None: the scores are scaled by `1/sqrt(head_dim)`.
+    pub query_scale: Option<f64>,
+    /// Linear RoPE scaling of the full-attention layers: the rotation angles multiplied by this
+    /// (`1 / factor`; llama.cpp's `rope_freq_scale`). None: 1.
+    pub rope_freq_scale: Option<f64>,
+}
+
+/// Which layers attend over a sliding window, how wide, and with which RoPE base.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SlidingWindow {
+    /// Positions a windowed layer's query sees, its own included: keys `pos + 1 - size ..= pos`
+    /// (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`; transformers' `sliding_window`).
+    pub size: usize,
+    /// Per layer, whether it is windowed (the others attend to every earlier position).
+    pub layers: Vec<bool>,
+    /// The RoPE base of the windowed layers (the others use [`ModelConfig::rope_theta`]).
+    pub rope_theta: f64,
 }
 
 impl ModelConfig {
@@ -194,12 +217,16 @@ pub enum Role {
     /// Per-head RMSNorm of q and k before RoPE (Qwen3), `[head_dim]`.
     AttnQNorm,
     AttnKNorm,
+    /// The norm of the attention's output before the residual add (Gemma), `[hidden]`.
+    AttnPostNorm,
     /// The norm before the MLP, `[hidden]`.
     FfnNorm,
     /// The gated MLP's gate, up and down projections.
     FfnGate,
     FfnUp,
     FfnDown,
+    /// The norm of the MLP's output before the residual add (Gemma), `[hidden]`.
+    FfnPostNorm,
 }
 
 /// The shape class of a tensor, which says how it is stored and used.
@@ -324,6 +351,9 @@ pub fn spec(schema: &'static [TensorSpec], role: Role) -> &'static TensorSpec {
 pub enum AttentionKind {
     /// Causal attention over every earlier position (the state is KV rows).
     Full,
+    /// Causal attention over the last `window` positions, the query's own included, with the
+    /// windowed RoPE base ([`SlidingWindow`]).
+    Sliding { window: usize },
 }
 
 /// The MLP of one layer.
@@ -332,6 +362,8 @@ pub enum AttentionKind {
 pub enum MlpKind {
     /// `down(silu(gate(x)) * up(x))` (SwiGLU; Shazeer 2020).
     DenseSwiGlu,
+    /// `down(gelu_tanh(gate(x)) * up(x))` (GeGLU; Shazeer 2020), Gemma's MLP.
+    DenseGeGlu,
 }
 
 /// The plan of one layer: what the forward runs there.
@@ -346,6 +378,9 @@ pub struct LayerPlan {
     /// Attention and MLP read one norm of the same input and both add to the residual
     /// (GPT-J, Falcon), instead of the MLP following the attention.
     pub parallel: bool,
+    /// The attention's and the MLP's outputs are normed before their residual adds (Gemma 2/3's
+    /// sandwich norms).
+    pub post_norms: bool,
 }
 
 /// What a sequence carries between steps, and so how it rolls back.
@@ -417,6 +452,11 @@ pub trait Architecture: Send + Sync + std::fmt::Debug {
     fn layer_forward(&self, layer: &mut LayerPass<'_, '_, '_>, x: &mut [f32]) -> Result<()> {
         layer.pre_norm_block(x)
     }
+    /// The factor the token embeddings are multiplied by before the first layer (Gemma:
+    /// `sqrt(hidden)`, rounded to f32); None for none.
+    fn embedding_scale(&self, _config: &ModelConfig) -> Option<f32> {
+        None
+    }
     /// Whether the CUDA backend's forward runs this architecture.
     fn runs_on_cuda(&self) -> bool {
         false
@@ -429,7 +469,7 @@ pub trait Architecture: Send + Sync + std::fmt::Debug {
 }
 
 /// The architectures built in.
-pub static REGISTRY: &[&dyn Architecture] = &[&llama::Llama];
+pub static REGISTRY: &[&dyn Architecture] = &[&llama::Llama, &gemma3::Gemma3];
 
 /// Architectures added at run time ([`register`]).
 static REGISTERED: std::sync::RwLock<Vec<&'static dyn Architecture>> = std::sync::RwLock::new(Vec::new());

@@ -6,9 +6,9 @@ use super::*;
 fn layer_plan_line(plan: &[LayerPlan]) -> String {
     let words = |p: &LayerPlan| {
         let mut w = vec![match p.attention {
-            AttentionKind::Full => "full attention",
-        }
-        .to_string()];
+            AttentionKind::Full => "full attention".to_string(),
+            AttentionKind::Sliding { window } => format!("sliding-window attention ({window})"),
+        }];
         if p.qkv_bias {
             w.push("q/k/v bias".into());
         }
@@ -18,9 +18,13 @@ fn layer_plan_line(plan: &[LayerPlan]) -> String {
         w.push(
             match p.mlp {
                 MlpKind::DenseSwiGlu => "SwiGLU MLP",
+                MlpKind::DenseGeGlu => "GeGLU MLP",
             }
             .into(),
         );
+        if p.post_norms {
+            w.push("post-norms".into());
+        }
         if p.parallel {
             w.push("in parallel from one norm".into());
         }
@@ -128,7 +132,9 @@ impl std::fmt::Display for BundleReport {
         writeln!(
             f,
             "  chat template  {}",
-            self.chat_template.as_deref().unwrap_or("none (ChatML is used)")
+            self.chat_template
+                .as_deref()
+                .unwrap_or("none (ChatML where the vocabulary has its tokens; else chat is refused: completions only)")
         )?;
         if let Some(k) = &self.kernels {
             writeln!(

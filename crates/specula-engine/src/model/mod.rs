@@ -321,6 +321,10 @@ pub struct Block {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
+    /// The norms of the attention's and the MLP's outputs before their residual adds (Gemma);
+    /// None in blocks without them.
+    pub post_attn_norm: Option<Tensor>,
+    pub post_ffn_norm: Option<Tensor>,
 }
 
 /// Which rows of a forward pass need logits.
@@ -363,9 +367,14 @@ pub struct Model {
     pub blocks: Vec<Block>,
     pub output_norm: Tensor,
     pub lm_head: Linear,
-    /// RoPE tables `[context, head_dim / 2]` (f32), computed once.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    /// RoPE tables `[context, head_dim / 2]` (f32), computed once: for the full-attention
+    /// layers, and for the windowed ones when their base differs ([`crate::arch::SlidingWindow`]).
+    rope: RopeTable,
+    rope_local: Option<RopeTable>,
+    /// Per layer, what the forward runs ([`crate::arch::Architecture::layer_plan`]).
+    plans: Vec<crate::arch::LayerPlan>,
+    /// The factor the embeddings are multiplied by ([`crate::arch::Architecture::embedding_scale`]).
+    embedding_scale: Option<f32>,
     device: Device,
     /// The LM head's weights as a row table (quantized GGUF tensor), for draft heads that
     /// borrow rows of it ([`Model::lm_head_rows`]).
@@ -387,6 +396,43 @@ struct BlockNorms {
     ffn: Option<Vec<f32>>,
     q: Option<Vec<f32>>,
     k: Option<Vec<f32>>,
+    post_attn: Option<Vec<f32>>,
+    post_ffn: Option<Vec<f32>>,
+}
+
+/// RoPE's `cos` and `sin` per position and frequency, `[context, head_dim / 2]` f32.
+#[derive(Debug)]
+struct RopeTable {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// theta_i = pos * base^(-2i/d) (RoFormer, Su et al. 2021), optionally divided by a
+    /// per-frequency factor, computed as ggml's `rope_cache_init` does: in f32, theta_i by the
+    /// recurrence theta_{i+1} = theta_i * base^(-2/d) from theta_0 = pos, then cosf / sinf;
+    /// `freq_scale` multiplies each angle (linear scaling, ggml's `rope_yarn` without
+    /// extrapolation).
+    fn new(base: f64, head_dim: usize, context: usize, freq_factors: Option<&[f32]>, freq_scale: f32) -> Self {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(context * half);
+        let mut sin = Vec::with_capacity(context * half);
+        let theta_scale = (base as f32).powf(-2.0f32 / head_dim as f32);
+        for pos in 0..context {
+            let mut theta = pos as f32;
+            for i in 0..half {
+                let t = freq_scale
+                    * match freq_factors {
+                        Some(ff) => theta / ff.get(i).copied().unwrap_or(1.0),
+                        None => theta,
+                    };
+                cos.push(t.cos());
+                sin.push(t.sin());
+                theta *= theta_scale;
+            }
+        }
+        Self { cos, sin }
+    }
 }
 
 impl Model {
@@ -417,27 +463,27 @@ impl Model {
         if !config.head_dim.is_multiple_of(2) {
             bail!("head_dim must be even, got {}", config.head_dim);
         }
-        let half = config.head_dim / 2;
         let ctx = config.context_length;
         let config_stride = config.num_kv_heads * config.head_dim;
-        let mut rope_cos = Vec::with_capacity(ctx * half);
-        let mut rope_sin = Vec::with_capacity(ctx * half);
-        // theta_i = pos * base^(-2i/d) (RoFormer, Su et al. 2021), optionally divided by a
-        // per-frequency factor, computed as ggml's `rope_cache_init` does: in f32, theta_i by the
-        // recurrence theta_{i+1} = theta_i * base^(-2/d) from theta_0 = pos, then cosf / sinf.
-        let theta_scale = (config.rope_theta as f32).powf(-2.0f32 / config.head_dim as f32);
-        for pos in 0..ctx {
-            let mut theta = pos as f32;
-            for i in 0..half {
-                let t = match &rope_freq_factors {
-                    Some(ff) => theta / ff.get(i).copied().unwrap_or(1.0),
-                    None => theta,
-                };
-                rope_cos.push(t.cos());
-                rope_sin.push(t.sin());
-                theta *= theta_scale;
+        let factors = rope_freq_factors.as_deref();
+        let freq_scale = config.rope_freq_scale.unwrap_or(1.0) as f32;
+        let rope = RopeTable::new(config.rope_theta, config.head_dim, ctx, factors, freq_scale);
+        // The windowed layers' own table (their own base, no linear scaling).
+        let rope_local = match &config.sliding_window {
+            Some(w) if w.rope_theta != config.rope_theta || freq_scale != 1.0 => {
+                Some(RopeTable::new(w.rope_theta, config.head_dim, ctx, factors, 1.0))
             }
+            _ => None,
+        };
+        let plans = arch.layer_plan(&config);
+        if plans.len() != config.num_layers {
+            bail!(
+                "the layer plan has {} layers, the config {}",
+                plans.len(),
+                config.num_layers
+            );
         }
+        let embedding_scale = arch.embedding_scale(&config);
         let norms = blocks
             .iter()
             .map(|b| {
@@ -446,6 +492,8 @@ impl Model {
                     ffn: b.ffn_norm.as_ref().map(f32_values).transpose()?,
                     q: b.q_norm.as_ref().map(f32_values).transpose()?,
                     k: b.k_norm.as_ref().map(f32_values).transpose()?,
+                    post_attn: b.post_attn_norm.as_ref().map(f32_values).transpose()?,
+                    post_ffn: b.post_ffn_norm.as_ref().map(f32_values).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -453,7 +501,9 @@ impl Model {
             let qk_ok = [&n.q, &n.k]
                 .iter()
                 .all(|w| w.as_ref().is_none_or(|w| w.len() == config.head_dim));
-            let ffn_ok = n.ffn.as_ref().is_none_or(|w| w.len() == config.hidden_size);
+            let ffn_ok = [&n.ffn, &n.post_attn, &n.post_ffn]
+                .iter()
+                .all(|w| w.as_ref().is_none_or(|w| w.len() == config.hidden_size));
             if n.attn.len() != config.hidden_size || !ffn_ok || !qk_ok {
                 bail!(
                     "block {i}: a norm weight does not match hidden_size {} / head_dim {}",
@@ -479,8 +529,10 @@ impl Model {
             blocks,
             output_norm,
             lm_head,
-            rope_cos,
-            rope_sin,
+            rope,
+            rope_local,
+            plans,
+            embedding_scale,
             device,
             lm_head_table: None,
             logit_subset: None,
@@ -649,6 +701,12 @@ impl Model {
         if x.len() != total * hs {
             bail!("the embedding returned {} values for {total} tokens of {hs}", x.len());
         }
+        if let Some(s) = self.embedding_scale {
+            // ggml_scale: one f32 product per value.
+            for v in x.iter_mut() {
+                *v *= s;
+            }
+        }
         let mut hidden: Vec<Option<Vec<f32>>> = vec![None; taps.len()];
         for li in 0..self.blocks.len() {
             let mut layer = LayerPass {
@@ -761,6 +819,14 @@ impl Model {
             k = rms_norm(&k, kn, eps);
         }
         let (qw, kw) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let window = match self.plans[li].attention {
+            crate::arch::AttentionKind::Full => None,
+            crate::arch::AttentionKind::Sliding { window } => Some(window),
+        };
+        let rope = match (window, &self.rope_local) {
+            (Some(_), Some(local)) => local,
+            _ => &self.rope,
+        };
         // Per segment: RoPE at its positions, and K and V into its cache (which stores them
         // rounded to f16, llama.cpp's default cache type).
         let mut spans = Vec::with_capacity(segs.len());
@@ -768,9 +834,17 @@ impl Model {
         for s in segs.iter_mut() {
             let n = s.tokens.len();
             let start = s.kv.len();
-            self.apply_rope(&mut q[off * qw..(off + n) * qw], cfg.num_heads, start);
+            let qs = &mut q[off * qw..(off + n) * qw];
+            self.apply_rope(rope, qs, cfg.num_heads, start);
+            if let Some(f) = cfg.query_scale {
+                // ggml_scale of the roped queries (llama.cpp's Gemma graph).
+                let f = f as f32;
+                for v in qs.iter_mut() {
+                    *v *= f;
+                }
+            }
             let ks = &mut k[off * kw..(off + n) * kw];
-            self.apply_rope(ks, cfg.num_kv_heads, start);
+            self.apply_rope(rope, ks, cfg.num_kv_heads, start);
             s.kv.append(li, ks, &v[off * kw..(off + n) * kw])?;
             spans.push((off, start, n));
             off += n;
@@ -793,6 +867,12 @@ impl Model {
                     num_heads: cfg.num_heads,
                     num_kv_heads: cfg.num_kv_heads,
                     head_dim: d,
+                    window,
+                    scale: if cfg.query_scale.is_some() {
+                        1.0
+                    } else {
+                        1.0 / (d as f32).sqrt()
+                    },
                 },
             })
             .collect();
@@ -803,30 +883,30 @@ impl Model {
     /// Rotate `x` (`[n, heads, head_dim]`, row r at position `start + r`) in place, as ggml's
     /// `rotate_pairs` (GCC contracts it into FMAs): `x0' = fma(x0, cos, -(x1 sin))`,
     /// `x1' = fma(x0, sin, x1 cos)`.
-    fn apply_rope(&self, x: &mut [f32], heads: usize, start: usize) {
+    fn apply_rope(&self, rope: &RopeTable, x: &mut [f32], heads: usize, start: usize) {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("fma") {
             // SAFETY: FMA was detected at run time.
-            return unsafe { self.apply_rope_fma(x, heads, start) };
+            return unsafe { self.apply_rope_fma(rope, x, heads, start) };
         }
-        self.apply_rope_body(x, heads, start)
+        self.apply_rope_body(rope, x, heads, start)
     }
 
     /// [`Model::apply_rope`] compiled with FMA (one instruction per `mul_add`, same bits).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "fma")]
-    unsafe fn apply_rope_fma(&self, x: &mut [f32], heads: usize, start: usize) {
-        self.apply_rope_body(x, heads, start)
+    unsafe fn apply_rope_fma(&self, rope: &RopeTable, x: &mut [f32], heads: usize, start: usize) {
+        self.apply_rope_body(rope, x, heads, start)
     }
 
     #[inline(always)]
-    fn apply_rope_body(&self, x: &mut [f32], heads: usize, start: usize) {
+    fn apply_rope_body(&self, rope: &RopeTable, x: &mut [f32], heads: usize, start: usize) {
         let d = self.config.head_dim;
         let half = d / 2;
         for (r, row) in x.chunks_exact_mut(heads * d).enumerate() {
             let pos = start + r;
-            let cos = &self.rope_cos[pos * half..(pos + 1) * half];
-            let sin = &self.rope_sin[pos * half..(pos + 1) * half];
+            let cos = &rope.cos[pos * half..(pos + 1) * half];
+            let sin = &rope.sin[pos * half..(pos + 1) * half];
             for head in row.chunks_exact_mut(d) {
                 match self.config.rope_style {
                     RopeStyle::Interleaved => {
@@ -902,15 +982,39 @@ impl LayerPass<'_, '_, '_> {
         m.attention(&m.blocks[self.li], &m.norms[self.li], self.li, h, self.segs)
     }
 
-    /// The gated MLP of `h` (`[rows, hidden]`): `down(silu(gate(h)) * up(h))`.
+    /// RMSNorm of the attention's output `a` (`[rows, hidden]`) with the post-attention norm's
+    /// weights (Gemma). Errors: the layer has none.
+    pub fn post_attn_norm(&self, a: &[f32]) -> Result<Vec<f32>> {
+        let Some(w) = &self.model.norms[self.li].post_attn else {
+            bail!("layer {} has no post-attention norm", self.li);
+        };
+        Ok(rms_norm(a, w, self.model.config.rms_norm_eps as f32))
+    }
+
+    /// RMSNorm of the MLP's output with the post-MLP norm's weights (Gemma). Errors: the layer
+    /// has none.
+    pub fn post_ffn_norm(&self, m: &[f32]) -> Result<Vec<f32>> {
+        let Some(w) = &self.model.norms[self.li].post_ffn else {
+            bail!("layer {} has no post-MLP norm", self.li);
+        };
+        Ok(rms_norm(m, w, self.model.config.rms_norm_eps as f32))
+    }
+
+    /// The gated MLP of `h` (`[rows, hidden]`): `down(act(gate(h)) * up(h))`, the activation
+    /// by the layer plan's [`crate::arch::MlpKind`] (SiLU, or GELU with the tanh approximation).
     pub fn mlp(&self, h: &[f32]) -> Result<Vec<f32>> {
         let block = &self.model.blocks[self.li];
         let total = self.rows;
+        let kind = self.model.plans[self.li].mlp;
         let mlp = || -> Result<Vec<f32>> {
             let [g, u]: [Vec<f32>; 2] = Linear::forward_rows_many(&[&block.gate, &block.up], h, total)?
                 .try_into()
                 .map_err(|_| anyhow::anyhow!("gate and up: expected two products"))?;
-            block.down.forward_rows(&attention::silu_mul(&g, &u), total)
+            let act = match kind {
+                crate::arch::MlpKind::DenseSwiGlu => attention::silu_mul(&g, &u),
+                crate::arch::MlpKind::DenseGeGlu => attention::gelu_mul(&g, &u),
+            };
+            block.down.forward_rows(&act, total)
         };
         if self.is_last() {
             // llama.cpp runs the last block's MLP on the output rows alone (one row for a
@@ -920,6 +1024,18 @@ impl LayerPass<'_, '_, '_> {
         } else {
             mlp()
         }
+    }
+
+    /// The sandwich-norm block (Gemma 2/3): `x += post_attn_norm(attn(attn_norm(x)));
+    /// x += post_ffn_norm(mlp(ffn_norm(x)))`.
+    pub fn sandwich_norm_block(&mut self, x: &mut [f32]) -> Result<()> {
+        let h = self.attn_norm(x);
+        let a = self.attention(&h)?;
+        add_assign(x, &self.post_attn_norm(&a)?);
+        let h = self.ffn_norm(x)?;
+        let m = self.mlp(&h)?;
+        add_assign(x, &self.post_ffn_norm(&m)?);
+        Ok(())
     }
 
     /// The pre-norm block (Llama): `x += attn(attn_norm(x)); x += mlp(ffn_norm(x))`.

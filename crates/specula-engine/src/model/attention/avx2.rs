@@ -72,11 +72,17 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
     let lmax = s.start + r0 + nr;
     let len = |i: usize| s.start + r0 + i / nh + 1;
     let stride = lmax.next_multiple_of(LANES);
-    // 1. Scores, then in place the weights e_j = expf(s_j - M) (zero past the query's keys).
+    // 1. Scores, then in place the weights e_j = expf(s_j - M) (zero past the query's keys and
+    // before its window).
     let mut e = scores::<NV>(a, stride);
     let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
     for i in 0..nq {
         let n = len(i);
+        let (t_lo, lo) = (s.first_key(n - 1) / LANES, s.first_key(n - 1));
+        // Before the window's tile: zero weights for the values pass; from the tile to the
+        // window: -inf scores, zero weights after `expf`.
+        e[i * stride..][..LANES * t_lo].fill(0.0);
+        e[i * stride..][LANES * t_lo..lo].fill(f32::NEG_INFINITY);
         let row = e.as_mut_ptr().add(i * stride);
         let tiles = n.div_ceil(LANES);
         // The 16 scores of tile t, `fill` past the query's keys.
@@ -92,7 +98,7 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
         };
         // The maximum in 16 lanes by key index, then lane by lane: `x > m ? x : m` throughout.
         let mut mv = [ninf; 2];
-        for t in 0..tiles {
+        for t in t_lo..tiles {
             let x = load(t, f32::NEG_INFINITY);
             mv = [_mm256_max_ps(x[0], mv[0]), _mm256_max_ps(x[1], mv[1])];
         }
@@ -102,7 +108,7 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
         let m = lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
         let mm = _mm256_set1_ps(m);
         let mut sv = [_mm256_setzero_ps(); 2];
-        for t in 0..tiles {
+        for t in t_lo..tiles {
             let x = load(t, 0.0);
             let valid = n - LANES * t;
             for h in 0..2 {
@@ -128,12 +134,15 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
     while i0 < nq {
         let n = 2.min(nq - i0);
         let common = len(i0);
+        // The pair's first query has the earliest window; the other's weights are zero before
+        // its own.
+        let from = s.first_key(common - 1) / LANES * LANES;
         let w = |q: usize| e.as_ptr().add((i0 + q) * stride);
         for c0 in (0..d).step_by(8 * COLS) {
             let out = st.out.as_mut_ptr().add(i0 * d + c0);
             match n {
-                2 => values::<2>(a, out, d, c0, [w(0), w(1)], 0, common),
-                _ => values::<1>(a, out, d, c0, [w(0)], 0, common),
+                2 => values::<2>(a, out, d, c0, [w(0), w(1)], from, common),
+                _ => values::<1>(a, out, d, c0, [w(0)], from, common),
             }
             for q in 0..n {
                 let end = len(i0 + q);
@@ -163,11 +172,12 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
     let nq = nr * nh;
     let lmax = s.start + r0 + nr;
     let len = |i: usize| s.start + r0 + i / nh + 1;
-    let scale = _mm256_set1_ps(1.0 / (d as f32).sqrt());
+    let scale = _mm256_set1_ps(s.scale);
     let mut sc = vec![0f32; nq * stride];
     // The tile's keys widened to f32 once (exact), `[TILE, d]`; keys past the end stay zero.
+    // Tiles before the first row's window are not scored.
     let mut kf = vec![0f32; TILE * d];
-    for j0 in (0..lmax).step_by(TILE) {
+    for j0 in (s.first_key(s.start + r0) / TILE * TILE..lmax).step_by(TILE) {
         let nk = TILE.min(lmax - j0);
         let (keys, _, end) = kv.head_run(g, j0, j0 + nk);
         // A tile never spans two KV blocks (KV_BLOCK is a multiple of TILE).

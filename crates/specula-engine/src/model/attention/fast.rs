@@ -61,6 +61,23 @@ pub(super) unsafe fn one_chunk(a: &Args<'_>, st: &mut State) {
 
 /// Keys per score tile.
 const TILE: usize = 16;
+
+/// The first key of the tile holding the first key a row at `pos` sees.
+#[inline(always)]
+fn first_tile(s: &super::AttnShape, pos: usize) -> usize {
+    s.first_key(pos) / TILE * TILE
+}
+
+/// For a windowed row at `pos`: its score row's entries before its window's tile set to 0 (a
+/// zero weight for the values pass) and those from the tile to the window's first key to -inf
+/// (a zero weight after `expf`), so the tiles from [`first_tile`] on give the bits of skipping
+/// the keys outside the window.
+#[inline(always)]
+fn mask_before_window(s: &super::AttnShape, pos: usize, row: &mut [f32]) {
+    let (t, lo) = (first_tile(s, pos), s.first_key(pos));
+    row[..t].fill(0.0);
+    row[t..lo].fill(f32::NEG_INFINITY);
+}
 const _: () = assert!(crate::kv_cache::KV_BLOCK.is_multiple_of(TILE));
 
 /// Scaled scores of the task's queries, `[nq, stride]` (`stride` = the keys of the block's last
@@ -81,12 +98,12 @@ unsafe fn scores<const NV: usize>(a: &Args<'_>, stride: usize) -> Vec<f32> {
     let nq = nr * nh;
     let lmax = s.start + r0 + nr;
     let len = |i: usize| s.start + r0 + i / nh + 1;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = s.scale;
     let mut sc = vec![0f32; nq * stride];
     // The tile's keys widened to f32 once (exact), `[TILE, d]`, for all the task's queries;
-    // keys past the end stay zero.
+    // keys past the end stay zero. Tiles before the first row's window are not scored.
     let mut kf = vec![0f32; TILE * d];
-    for j0 in (0..lmax).step_by(TILE) {
+    for j0 in (first_tile(s, s.start + r0)..lmax).step_by(TILE) {
         let nk = TILE.min(lmax - j0);
         let (keys, _, end) = kv.head_run(g, j0, j0 + nk);
         // A tile never spans two KV blocks (KV_BLOCK is a multiple of TILE), so the run holds
@@ -150,10 +167,13 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
     let lmax = s.start + r0 + nr;
     let len = |i: usize| s.start + r0 + i / nh + 1;
     let stride = lmax.next_multiple_of(TILE);
-    // 1. Scores, then in place the weights e_j = expf(s_j - M) (zero past the query's keys).
+    // 1. Scores, then in place the weights e_j = expf(s_j - M) (zero past the query's keys and
+    // before its window).
     let mut e = scores::<NV>(a, stride);
     for i in 0..nq {
         let n = len(i);
+        mask_before_window(s, n - 1, &mut e[i * stride..][..stride]);
+        let t_lo = first_tile(s, n - 1) / TILE;
         let row = e.as_mut_ptr().add(i * stride);
         let tiles = n.div_ceil(TILE);
         let mask = |t: usize| -> __mmask16 {
@@ -167,7 +187,7 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
         // The maximum in 16 lanes by key index, then lane by lane: `x > m ? x : m` throughout.
         let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
         let mut mv = ninf;
-        for t in 0..tiles {
+        for t in t_lo..tiles {
             let x = _mm512_mask_loadu_ps(ninf, mask(t), row.add(TILE * t));
             mv = _mm512_max_ps(x, mv);
         }
@@ -176,7 +196,7 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
         let m = lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
         let mm = _mm512_set1_ps(m);
         let mut sv = _mm512_setzero_ps();
-        for t in 0..tiles {
+        for t in t_lo..tiles {
             let k = mask(t);
             let x = _mm512_maskz_loadu_ps(k, row.add(TILE * t));
             let w = _mm512_maskz_mov_ps(k, expf16(_mm512_sub_ps(x, mm)));
@@ -194,12 +214,15 @@ unsafe fn two<const NV: usize>(a: &Args<'_>, st: &mut State) {
         let n = qc.min(nq - i0);
         let out = &mut st.out[i0 * d..][..n * d];
         let common = len(i0);
+        // The chunk's first query has the earliest window; the others' weights are zero
+        // before theirs.
+        let from = first_tile(s, common - 1);
         let w = |q: usize| e.as_ptr().add((i0 + q) * stride);
         match n {
-            4 => values_f32::<NV, 4>(a, out, [w(0), w(1), w(2), w(3)], 0, common),
-            3 => values_f32::<NV, 3>(a, out, [w(0), w(1), w(2)], 0, common),
-            2 => values_f32::<NV, 2>(a, out, [w(0), w(1)], 0, common),
-            _ => values_f32::<NV, 1>(a, out, [w(0)], 0, common),
+            4 => values_f32::<NV, 4>(a, out, [w(0), w(1), w(2), w(3)], from, common),
+            3 => values_f32::<NV, 3>(a, out, [w(0), w(1), w(2)], from, common),
+            2 => values_f32::<NV, 2>(a, out, [w(0), w(1)], from, common),
+            _ => values_f32::<NV, 1>(a, out, [w(0)], from, common),
         }
         for q in 0..n {
             let end = len(i0 + q);
@@ -273,10 +296,13 @@ unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
     let mut vs = vec![0f32; nq * stride];
     for i in 0..nq {
         let n = len(i);
+        // Keys before the row's window are skipped: `ms = 1`, `vs = 0` leave the accumulator
+        // and the sum as they are.
+        let lo = s.first_key(n - 1);
         let row = &mut sc[i * stride..][..stride];
         let new_max = &mut ms[i * stride..][..stride]; // 0.0 marks a new maximum, for now
         let mut m = f32::NEG_INFINITY;
-        for (x, nm) in row[..n].iter_mut().zip(new_max.iter_mut()) {
+        for (x, nm) in row[lo..n].iter_mut().zip(new_max[lo..].iter_mut()) {
             let v = *x;
             if v > m {
                 *x = m - v;
@@ -290,12 +316,13 @@ unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
         for (c, o) in row.chunks_exact(8).zip(w.chunks_exact_mut(8)) {
             _mm256_storeu_ps(o.as_mut_ptr(), expf::expf8(_mm256_loadu_ps(c.as_ptr())));
         }
-        for (nm, e) in new_max[..n].iter_mut().zip(w[..n].iter_mut()) {
+        for (nm, e) in new_max[lo..n].iter_mut().zip(w[lo..n].iter_mut()) {
             if *nm == 0.0 {
                 *nm = *e;
                 *e = 1.0;
             }
         }
+        w[..lo].fill(0.0);
     }
 
     // 3. Values and the sums, up to 4 (d = 64) or 2 (d >= 128) queries at a time.
@@ -306,12 +333,13 @@ unsafe fn run<const NV: usize>(a: &Args<'_>, st: &mut State) {
         let out = &mut st.out[i0 * d..][..n * d];
         let sums = &mut st.sum[i0..i0 + n];
         let common = len(i0); // the first query of the chunk sees the fewest keys
+        let from = s.first_key(common - 1); // and the earliest window
         let w = |q: usize| (ms.as_ptr().add((i0 + q) * stride), vs.as_ptr().add((i0 + q) * stride));
         match n {
-            4 => values::<NV, 4>(a, out, sums, [w(0), w(1), w(2), w(3)], 0, common),
-            3 => values::<NV, 3>(a, out, sums, [w(0), w(1), w(2)], 0, common),
-            2 => values::<NV, 2>(a, out, sums, [w(0), w(1)], 0, common),
-            _ => values::<NV, 1>(a, out, sums, [w(0)], 0, common),
+            4 => values::<NV, 4>(a, out, sums, [w(0), w(1), w(2), w(3)], from, common),
+            3 => values::<NV, 3>(a, out, sums, [w(0), w(1), w(2)], from, common),
+            2 => values::<NV, 2>(a, out, sums, [w(0), w(1)], from, common),
+            _ => values::<NV, 1>(a, out, sums, [w(0)], from, common),
         }
         for q in 0..n {
             let end = len(i0 + q);

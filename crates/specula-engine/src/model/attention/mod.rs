@@ -39,6 +39,23 @@ pub struct AttnShape {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: a row at position `p` sees the keys `p + 1 - window ..= p`
+    /// (those that exist); None: `0 ..= p`.
+    pub window: Option<usize>,
+    /// The factor the scores `dot(q, k)` are multiplied by: `1/sqrt(head_dim)`, or 1 where the
+    /// queries were scaled already.
+    pub scale: f32,
+}
+
+impl AttnShape {
+    /// The first key a row at absolute position `pos` sees.
+    #[inline]
+    pub fn first_key(&self, pos: usize) -> usize {
+        match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
 }
 
 /// How the attention of a row is reduced: Specula's serving arithmetic, or one of the two CPU
@@ -125,6 +142,47 @@ pub fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; g.len()];
     simd::silu_mul(fast(), g, u, &mut out);
     out
+}
+
+/// GELU with the tanh approximation (Hendrycks & Gimpel 2016), as ggml computes it in f32:
+/// `0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))` (`ggml_gelu_f32`, libm's `tanhf`).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044715;
+    // GCC contracts `1 + a*x*x` into one FMA (ggml is built with -march=native, GNU C).
+    let inner = (COEF_A * x).mul_add(x, 1.0f32);
+    0.5f32 * x * (1.0f32 + (SQRT_2_OVER_PI * x * inner).tanh())
+}
+
+/// ggml's table of [`gelu_tanh`] over every f16 input (`ggml_table_gelu_f16`, built at
+/// `ggml_cpu_init`), the results rounded to f16, held as f32: index by the input's f16 bits.
+fn gelu_table() -> &'static [f32] {
+    static T: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|b| half::f16::from_f32(gelu_tanh(half::f16::from_bits(b).to_f32())).to_f32())
+            .collect()
+    })
+}
+
+/// `gelu(g) * u` element-wise (GeGLU; Shazeer 2020) as ggml's CPU `geglu` computes it in f32
+/// (`ggml_vec_geglu_f32` with `GGML_GELU_FP16`): 0 for `g <= -10`, `g * u` for `g >= 10`,
+/// else the [`gelu_table`] entry of `g` rounded to f16, times `u`. Element-wise, so
+/// batch-invariant. `g`, `u`: the same length; returns that many values.
+pub fn gelu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
+    let t = gelu_table();
+    g.iter()
+        .zip(u)
+        .map(|(&x, &v)| {
+            if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x * v
+            } else {
+                t[half::f16::from_f32(x).to_bits() as usize] * v
+            }
+        })
+        .collect()
 }
 
 /// `_mm512_reduce_add_ps` on 16 lanes: GCC's halving tree (8 + 8, 4 + 4, then the pairs).
@@ -656,33 +714,35 @@ fn two_pass<const FAST: bool>(a: &Args<'_>, st: &mut State) {
         nh: group,
     } = *a;
     let d = s.head_dim;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = s.scale;
     let mut e = Vec::new();
     let (mut kb, mut vb) = (vec![0f32; d], vec![0f32; d]);
     for r in 0..nr {
         let n = s.start + r0 + r + 1;
+        // Lanes are by absolute key index, so a window's first key sits in lane `lo % 16`.
+        let lo = s.first_key(n - 1);
         for hh in 0..group {
             let i = r * group + hh;
             let q = &qs[i * d..][..d];
             e.clear();
-            for j in 0..n {
+            for j in lo..n {
                 widen(kv.key(j, g), &mut kb);
                 e.push(simd::dot_f16(FAST, q, &kb) * scale);
             }
             let mut lanes = [f32::NEG_INFINITY; 16];
-            for (j, &x) in e.iter().enumerate() {
+            for (j, &x) in (lo..).zip(e.iter()) {
                 let m = &mut lanes[j % 16];
                 *m = if x > *m { x } else { *m };
             }
             let m = lanes.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
             let mut sums = [0f32; 16];
-            for (j, x) in e.iter_mut().enumerate() {
+            for (j, x) in (lo..).zip(e.iter_mut()) {
                 *x = expf(*x - m);
                 sums[j % 16] += *x;
             }
             st.sum[i] = reduce16(&sums);
             let acc = &mut st.out[i * d..(i + 1) * d];
-            for (j, &w) in e.iter().enumerate() {
+            for (j, &w) in (lo..).zip(e.iter()) {
                 widen(kv.value(j, g), &mut vb);
                 simd::mad_f32(FAST, acc, &vb, w);
             }
@@ -721,15 +781,17 @@ fn one_chunk<const FAST: bool>(a: &Args<'_>, st: &mut State) {
     } = *a;
     let fast = FAST;
     let d = s.head_dim;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = s.scale;
     let len = s.start + r0 + nr; // keys visible to the block's last row
     let (mut kb, mut vb) = (vec![0f32; d], vec![0f32; d]);
-    for j in 0..len {
+    // Keys outside a row's window are skipped, as llama.cpp skips keys its mask sets to -inf.
+    for j in s.first_key(s.start + r0)..len {
         widen(kv.key(j, g), &mut kb);
         widen(kv.value(j, g), &mut vb);
         let (kj, vj) = (&kb[..], &vb[..]);
         for r in 0..nr {
-            if j > s.start + r0 + r {
+            let pos = s.start + r0 + r;
+            if j > pos || j < s.first_key(pos) {
                 continue;
             }
             for hh in 0..group {
@@ -771,12 +833,15 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
     } = *a;
     let fast = FAST;
     let d = s.head_dim;
-    let scale = 1.0 / (d as f32).sqrt();
+    let scale = s.scale;
     let len = s.start + r0 + nr;
     let mut kt = vec![0f32; d * KV_TILE]; // the tile's keys, transposed: [d][KV_TILE]
     let mut vb = vec![0f32; d];
     let mut kq = [0f32; KV_TILE];
-    for t0 in (0..len).step_by(KV_TILE) {
+    // Tiles wholly before every row's window are skipped; in the others, keys before a row's
+    // window score -inf, as llama.cpp's mask sets them.
+    let first_tile = s.first_key(s.start + r0) / KV_TILE * KV_TILE;
+    for t0 in (first_tile..len).step_by(KV_TILE) {
         let t1 = (t0 + KV_TILE).min(len);
         kt.fill(0.0);
         for tk in 0..t1 - t0 {
@@ -787,16 +852,18 @@ fn tiled<const FAST: bool>(a: &Args<'_>, st: &mut State) {
         }
         for r in 0..nr {
             let pos = s.start + r0 + r;
-            if t0 > pos {
+            let lo = s.first_key(pos);
+            if t0 > pos || t1 <= lo {
                 continue;
             }
             let visible = (pos + 1).min(t1) - t0;
+            let hidden_before = lo.saturating_sub(t0);
             for hh in 0..group {
                 let i = r * group + hh;
                 simd::tile_scores(fast, &mut kq, &kt, &qs[i * d..][..d]);
                 let mut tile_max = f32::NEG_INFINITY;
                 for (tk, x) in kq.iter_mut().enumerate() {
-                    if tk < visible {
+                    if tk < visible && tk >= hidden_before {
                         *x *= scale;
                         tile_max = tile_max.max(*x);
                     } else {
@@ -866,7 +933,14 @@ mod tests {
             let values = f16s(pseudo(pos * kvh * d, 2));
             // 9 rows: one task per KV head; 37 rows: several row blocks per KV head; 100 rows:
             // rows spanning several key tiles.
-            for rows in [9, 37, 100] {
+            for (rows, window) in [
+                (9, None),
+                (37, None),
+                (100, None),
+                (9, Some(7)),
+                (37, Some(64)),
+                (100, Some(90)),
+            ] {
                 let start = pos - rows;
                 let q = pseudo(rows * h * d, 3);
                 for mode in [AttnMode::TwoPass, AttnMode::OneChunk, AttnMode::Tiled] {
@@ -876,6 +950,8 @@ mod tests {
                         num_heads: h,
                         num_kv_heads: kvh,
                         head_dim: d,
+                        window,
+                        scale: 1.0 / (d as f32).sqrt(),
                     };
                     let blocks = KvBlocks::from_rows(&keys, &values, kvh, d);
                     let kv = blocks.rows();
@@ -888,7 +964,7 @@ mod tests {
                                 .map(|x| x.to_bits())
                                 .collect::<Vec<_>>(),
                             one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                            "{mode:?} d{d} row {r}"
+                            "{mode:?} d{d} row {r} window {window:?}"
                         );
                     }
                 }
@@ -945,14 +1021,19 @@ mod tests {
     /// underflow. (A path this CPU lacks falls back to the definition and compares trivially.)
     #[test]
     fn fast_matches_reference_bitwise() {
-        for (d, h, kvh) in [(64, 9, 3), (64, 14, 2), (128, 12, 2), (64, 4, 4)] {
-            for (rows, pos, amp) in [
-                (1, 1, 1.0),
-                (1, 17, 4.0),
-                (1, 300, 1.0),
-                (3, 70, 30.0),
-                (37, 200, 2.0),
-                (5, 5, 1.0),
+        for (d, h, kvh) in [(64, 9, 3), (64, 14, 2), (128, 12, 2), (64, 4, 4), (256, 4, 1)] {
+            for (rows, pos, amp, window) in [
+                (1, 1, 1.0, None),
+                (1, 17, 4.0, None),
+                (1, 300, 1.0, None),
+                (3, 70, 30.0, None),
+                (37, 200, 2.0, None),
+                (5, 5, 1.0, None),
+                (1, 300, 1.0, Some(1)),
+                (1, 300, 3.0, Some(37)),
+                (5, 90, 2.0, Some(16)),
+                (37, 200, 2.0, Some(50)),
+                (40, 200, 30.0, Some(7)),
             ] {
                 let keys = f16s(pseudo(pos * kvh * d, 21));
                 let values = f16s(pseudo(pos * kvh * d, 22));
@@ -965,6 +1046,8 @@ mod tests {
                     num_heads: h,
                     num_kv_heads: kvh,
                     head_dim: d,
+                    window,
+                    scale: 1.0 / (d as f32).sqrt(),
                 };
                 let item = [AttnItem { q: &q, kv: &kv, shape }];
                 for mode in [AttnMode::OneChunk, AttnMode::TwoPass] {
@@ -975,7 +1058,7 @@ mod tests {
                         assert_eq!(
                             bits(&fast),
                             bits(&reference),
-                            "{mode:?} {path:?} d{d} h{h}/{kvh} rows {rows} at {pos} x{amp}"
+                            "{mode:?} {path:?} d{d} h{h}/{kvh} rows {rows} at {pos} x{amp} window {window:?}"
                         );
                     }
                 }
@@ -989,6 +1072,8 @@ mod tests {
     fn batch_matches_separate_calls_bitwise() {
         let (h, kvh, d) = (9, 3, 64);
         let seqs: Vec<(usize, usize)> = vec![(1, 40), (5, 130), (1, 300), (20, 20), (1, 2)];
+        // A window narrower than most of the sequences.
+        let window = Some(33);
         let data: Vec<(Vec<f32>, Vec<half::f16>, Vec<half::f16>)> = seqs
             .iter()
             .enumerate()
@@ -1016,6 +1101,8 @@ mod tests {
                     num_heads: h,
                     num_kv_heads: kvh,
                     head_dim: d,
+                    window,
+                    scale: 1.0 / (d as f32).sqrt(),
                 },
             })
             .collect();
@@ -1050,6 +1137,8 @@ mod tests {
             num_heads: 2,
             num_kv_heads: 1,
             head_dim: 64,
+            window: None,
+            scale: 0.125,
         };
         attend(&pseudo(2 * 64, 3), &blocks.rows(), &shape);
     }
@@ -1078,6 +1167,8 @@ mod tests {
                 num_heads: h,
                 num_kv_heads: kvh,
                 head_dim: d,
+                window: None,
+                scale: 1.0 / (d as f32).sqrt(),
             };
             let mut best = f64::MAX;
             for _ in 0..8 {
@@ -1121,6 +1212,8 @@ mod tests {
                 num_heads: h,
                 num_kv_heads: kvh,
                 head_dim: d,
+                window: None,
+                scale: 1.0 / (d as f32).sqrt(),
             };
             let pairs = (rows * h * (pos - rows / 2)) as f64;
             let mut line = format!("rows {rows:>2} at {pos:>4}:");
@@ -1144,6 +1237,23 @@ mod tests {
         }
     }
 
+    /// The GELU table is ggml's, entry for entry: the sha256 of its 65,536 f16 values (little
+    /// endian, by input bits) as ggml's expression gives them compiled by GCC 12 with `-O3
+    /// -march=native` (one FMA contraction) against glibc's `tanhf`. Without the FMA one entry
+    /// differs.
+    #[test]
+    fn gelu_table_is_ggmls() {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for &v in gelu_table() {
+            h.update(half::f16::from_f32(v).to_bits().to_le_bytes());
+        }
+        let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "5372503d4d69aabb589feee6b59e80bf08cbcd71ffb6c43a8210622729ad32bf");
+        // Outside the table's range ggml uses 0 and the identity.
+        assert_eq!(gelu_mul(&[-10.0, 10.0, 12.5], &[3.0, 3.0, 2.0]), vec![0.0, 30.0, 25.0]);
+    }
+
     #[test]
     fn v_expf_is_close_to_exp() {
         for i in -1700..1700 {
@@ -1156,11 +1266,15 @@ mod tests {
 
     #[test]
     fn matches_naive_softmax_attention() {
-        let (h, kvh, d, rows) = (4, 2, 8, 3);
+        let (h, kvh, d, rows) = (4, 2, 8, 5);
         let keys = f16s(pseudo(rows * kvh * d, 4));
         let values = f16s(pseudo(rows * kvh * d, 5));
         let q = pseudo(rows * h * d, 6);
-        for mode in [AttnMode::TwoPass, AttnMode::OneChunk, AttnMode::Tiled] {
+        for (mode, window) in [AttnMode::TwoPass, AttnMode::OneChunk, AttnMode::Tiled]
+            .into_iter()
+            .flat_map(|m| [(m, None), (m, Some(2usize))])
+        {
+            let lo = |r: usize| window.map_or(0, |w| (r + 1).saturating_sub(w));
             let out = attend_mode(
                 &q,
                 &KvBlocks::from_rows(&keys, &values, kvh, d).rows(),
@@ -1170,6 +1284,8 @@ mod tests {
                     num_heads: h,
                     num_kv_heads: kvh,
                     head_dim: d,
+                    window,
+                    scale: 1.0 / (d as f32).sqrt(),
                 },
                 mode,
             );
@@ -1177,7 +1293,7 @@ mod tests {
                 for hh in 0..h {
                     let g = hh / (h / kvh);
                     let qv = &q[(r * h + hh) * d..][..d];
-                    let sc: Vec<f64> = (0..=r)
+                    let sc: Vec<f64> = (lo(r)..=r)
                         .map(|j| {
                             qv.iter()
                                 .zip(&keys[(j * kvh + g) * d..][..d])
@@ -1189,12 +1305,16 @@ mod tests {
                     let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                     let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
                     for i in 0..d {
-                        let want: f64 = (0..=r)
-                            .map(|j| (sc[j] - m).exp() / z * f64::from(values[(j * kvh + g) * d + i]))
+                        let want: f64 = (lo(r)..=r)
+                            .zip(&sc)
+                            .map(|(j, s)| (s - m).exp() / z * f64::from(values[(j * kvh + g) * d + i]))
                             .sum();
                         let got = out[(r * h + hh) * d + i] as f64;
                         // OneChunk rounds q and the running V sum to f16.
-                        assert!((want - got).abs() < 3e-3, "{mode:?} r{r} h{hh} i{i}: {want} vs {got}");
+                        assert!(
+                            (want - got).abs() < 3e-3,
+                            "{mode:?} window {window:?} r{r} h{hh} i{i}: {want} vs {got}"
+                        );
                     }
                 }
             }

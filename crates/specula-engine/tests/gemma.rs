@@ -1,0 +1,166 @@
+//! Gemma-3-270M (the catalog's `gemma-3-270m`, a base model: raw completion prompts) is exact
+//! under speculation: greedy n-gram speculation gives plain decoding's bytes solo, in batches of
+//! 1, 4, 16 and 32 streams, and with a warm prefix cache, on prompts shorter and longer than the
+//! 512-position sliding window of its local layers (a ~3,000-token prompt among them).
+//!
+//! Needs the model pulled (`.ci/run` does it).
+
+mod common;
+
+use specula_engine::speculative::{SpecMode, SpecOptions};
+use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
+
+const MODEL: &str = "gemma-3-270m";
+
+fn engine(prefix_cache: bool) -> Engine {
+    let opts = LoadOptions {
+        prefix_cache_bytes: if prefix_cache { 256 << 20 } else { 0 },
+        ..LoadOptions::default()
+    };
+    let e = Engine::load(&common::model_path(MODEL), MODEL, opts).expect("load");
+    assert!(e.model().batch_invariant(), "gemma runs on batch-invariant kernels");
+    e
+}
+
+/// The prompts' texts (the last message of each line of `prompts.jsonl`), in order.
+fn texts() -> Vec<String> {
+    common::fixture_lines("prompts.jsonl")
+        .iter()
+        .map(|p| {
+            let m = p["messages"].as_array().expect("messages");
+            m.last().expect("a message")["content"]
+                .as_str()
+                .expect("content")
+                .to_string()
+        })
+        .collect()
+}
+
+/// A prompt of about 3,000 tokens: the long-context prompts (p40..p46) one after the other.
+fn long_text() -> String {
+    let t = texts();
+    t[20..24].join("\n\n")
+}
+
+fn req(e: &Engine, text: &str, max_tokens: usize, spec: SpecOptions) -> GenerateRequest {
+    GenerateRequest {
+        prompt_tokens: e.tokenize_prompt(text).expect("tokenize"),
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(max_tokens),
+        stop: vec![],
+        logprobs: Some(2),
+        ignore_eos: false,
+        spec,
+    }
+}
+
+fn ngram(k: usize, adaptive: bool) -> SpecOptions {
+    SpecOptions {
+        mode: SpecMode::Ngram,
+        draft_max: k,
+        adaptive,
+        ..SpecOptions::default()
+    }
+}
+
+fn run(e: &mut Engine, r: &GenerateRequest) -> GenerateOutput {
+    e.generate(r, &mut |_| true).expect("generate")
+}
+
+/// [`run`] of `text` as a greedy request.
+fn go(e: &mut Engine, text: &str, max_tokens: usize, spec: SpecOptions) -> GenerateOutput {
+    let r = req(e, text, max_tokens, spec);
+    run(e, &r)
+}
+
+fn same(a: &GenerateOutput, b: &GenerateOutput, what: &str) {
+    assert_eq!(a.text.as_bytes(), b.text.as_bytes(), "{what}: text");
+    assert_eq!(a.token_ids, b.token_ids, "{what}: token ids");
+    assert_eq!(a.logprobs, b.logprobs, "{what}: logprobs");
+    assert_eq!(a.finish_reason, b.finish_reason, "{what}: finish reason");
+}
+
+#[test]
+fn gemma_ngram_greedy_is_byte_identical_to_ar() {
+    let mut e = engine(false);
+    let t = texts();
+    let long = long_text();
+    let long_tokens = e.tokenize_prompt(&long).expect("tokenize").len();
+    assert!(long_tokens > 2_800, "the long prompt has {long_tokens} tokens");
+    let (mut drafted, mut accepted) = (0, 0);
+    for (what, text) in [("p16", &t[8]), ("p24", &t[12]), ("p40", &t[20]), ("long", &long)] {
+        let ar = go(&mut e, text, 48, SpecOptions::default());
+        for (k, adaptive) in [(4, false), (8, true)] {
+            let sp = go(&mut e, text, 48, ngram(k, adaptive));
+            same(&ar, &sp, &format!("{what} k={k} adaptive={adaptive}"));
+            drafted += sp.stats.spec.drafted;
+            accepted += sp.stats.spec.accepted;
+        }
+    }
+    eprintln!("gemma n-gram: drafted {drafted}, accepted {accepted}");
+    assert!(accepted > 0, "speculation ran and kept drafts");
+}
+
+/// Streams of one batch, stepped together with speculation on, each equal to its solo plain run.
+fn batch(e: &mut Engine, reqs: &[GenerateRequest]) -> Vec<GenerateOutput> {
+    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+        steps += 1;
+        assert!(steps < 2_000, "no progress");
+    }
+    seqs.into_iter().map(|s| e.retire(s, true)).collect()
+}
+
+#[test]
+fn gemma_batches_of_1_4_16_32_equal_solo_runs() {
+    let mut e = engine(false);
+    let t = texts();
+    // 32 streams: the 24 prompts, then 8 of them again with another draft length, and the long
+    // prompt (past the window) in the middle of the largest batch.
+    let mut reqs: Vec<GenerateRequest> = (0..32)
+        .map(|i| req(&e, &t[i % t.len()], 24, ngram(3 + i % 4, i % 2 == 0)))
+        .collect();
+    reqs[17] = req(&e, &long_text(), 24, ngram(4, true));
+    let solo: Vec<GenerateOutput> = reqs
+        .iter()
+        .map(|r| {
+            let mut ar = r.clone();
+            ar.spec = SpecOptions::default();
+            run(&mut e, &ar)
+        })
+        .collect();
+    for n in [1usize, 4, 16, 32] {
+        let outs = batch(&mut e, &reqs[32 - n..]);
+        for (i, out) in outs.iter().enumerate() {
+            same(&solo[32 - n + i], out, &format!("batch of {n}, stream {i}"));
+        }
+    }
+}
+
+#[test]
+fn gemma_warm_prefix_cache_gives_cold_bytes_past_the_window() {
+    let mut cold = engine(false);
+    let mut warm = engine(true);
+    let long = long_text();
+    let follow = format!("{long}\n\nIn one sentence, what did the text above describe?");
+    for mode in [SpecOptions::default(), ngram(4, true)] {
+        let first = go(&mut warm, &long, 24, mode);
+        same(&go(&mut cold, &long, 24, mode), &first, "first request");
+        let hit = go(&mut warm, &follow, 32, mode);
+        assert!(
+            hit.stats.cached_prompt_tokens > 2_000,
+            "the follow-up reused the long prefix ({} cached tokens)",
+            hit.stats.cached_prompt_tokens
+        );
+        same(
+            &go(&mut cold, &follow, 32, mode),
+            &hit,
+            &format!("follow-up {:?}", mode.mode),
+        );
+    }
+}
