@@ -164,3 +164,40 @@ fn gemma_warm_prefix_cache_gives_cold_bytes_past_the_window() {
         );
     }
 }
+
+/// A tiny random Gemma 3 saved by transformers (`tests/fixtures/gemma3-tiny/`, made by
+/// `scripts/gemma3_tiny_fixture.py`) loads as an HF bundle and gives transformers' f32 logits:
+/// the `(1 + w)` norms of HF checkpoints, a query scale that is not `head_dim^-1/2`, a window of
+/// 5 on three of four layers (sequences of 7, 12 and 19 tokens), the two RoPE bases written as
+/// transformers 5 writes them (`rope_parameters`). The bound: our forward rounds K and V to f16
+/// (the cache) and GELU's output to f16 (ggml's table), transformers keeps f32, so values of
+/// magnitude ~5 move by ~1e-3; a wrong norm, scale, window or base moves them by 0.4 to 10
+/// (measured by the generator).
+#[test]
+fn gemma3_hf_bundle_matches_transformers() {
+    let dir = common::repo_root().join("tests/fixtures/gemma3-tiny");
+    let mut e = Engine::load(&dir, "gemma3-tiny", LoadOptions::default()).expect("the HF bundle loads");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).expect("reference.json"))
+            .expect("JSON");
+    let mut worst = 0f32;
+    for (si, s) in r["sequences"].as_array().expect("sequences").iter().enumerate() {
+        let tokens: Vec<u32> = serde_json::from_value(s["tokens"].clone()).expect("tokens");
+        let want: Vec<Vec<f32>> = serde_json::from_value(s["logits"].clone()).expect("logits");
+        let got: Vec<Vec<f32>> = e.logits_all(&tokens).expect("forward").to_vec2().expect("rows");
+        assert_eq!(got.len(), want.len());
+        for (pos, (g, w)) in got.iter().zip(&want).enumerate() {
+            let diff = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            worst = worst.max(diff);
+            assert!(diff < 0.02, "sequence {si} position {pos}: max |logit diff| {diff}");
+            // The greedy token agrees wherever transformers' top two are apart by more than the bound.
+            let mut sorted = w.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 0.04 {
+                let am = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|x| x.0);
+                assert_eq!(am(g), am(w), "sequence {si} position {pos}: argmax");
+            }
+        }
+    }
+    eprintln!("gemma3-tiny: max |logit diff| against transformers {worst}");
+}

@@ -465,7 +465,7 @@ fn openai_python_client_json_schema() {
 fn cli_errors() {
     let t0 = Instant::now();
     let names = catalog::names();
-    assert_eq!(names.len(), 3, "catalog: {names:?}");
+    assert_eq!(names.len(), 4, "catalog: {names:?}");
 
     // A path that does not exist is named in the error.
     let out = run(
@@ -682,4 +682,63 @@ fn a_sidecar_head_that_does_not_load_is_not_reported_as_attached() {
         "max_tokens": 8, "temperature": 0, "spec": {"mode": "on"}});
     let r = server.post("/v1/chat/completions", &body).json();
     assert_eq!(r["spec_stats"]["decode_path"], "ngram", "{r:#}");
+}
+
+/// `specula serve gemma-3-270m` (a base model without a chat template) answers the official
+/// OpenAI Python client's completions with the library's greedy text and usage, streamed and
+/// not, and refuses its chat requests with a 400 that says to use completions.
+#[test]
+fn gemma_base_model_serves_completions_to_the_openai_client() {
+    const GEMMA: &str = "gemma-3-270m";
+    const PROMPT: &str = "The three primary colours are";
+    let t0 = Instant::now();
+    let path = require_model(GEMMA);
+    let want = {
+        let mut engine = Engine::load(&path, GEMMA, Default::default()).expect("load");
+        let tokens = engine.tokenize(PROMPT).expect("tokenize");
+        library_generate(&mut engine, tokens, 24)
+    };
+    let mut server = Server::spawn(GEMMA);
+    server.wait_ready();
+    let script = r#"
+import json, sys, openai
+base, model, want = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+c = openai.OpenAI(base_url=base, api_key="unused")
+r = c.completions.create(model=model, prompt=want["prompt"], max_tokens=24, temperature=0)
+assert r.choices[0].text == want["text"], (r.choices[0].text, want["text"])
+assert r.usage.prompt_tokens == want["prompt_tokens"], r.usage
+assert r.usage.completion_tokens == want["completion_tokens"], r.usage
+s = "".join(ch.choices[0].text for ch in c.completions.create(
+    model=model, prompt=want["prompt"], max_tokens=24, temperature=0, stream=True) if ch.choices)
+assert s == want["text"], (s, want["text"])
+try:
+    c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    raise SystemExit("chat was not refused")
+except openai.BadRequestError as e:
+    assert "no chat template" in str(e) and "/v1/completions" in str(e), str(e)
+print("OK")
+"#;
+    let want_json = json!({
+        "prompt": PROMPT,
+        "text": want.text,
+        "prompt_tokens": want.prompt_tokens,
+        "completion_tokens": want.completion_tokens,
+    });
+    let out = run(
+        Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(server.base_url())
+            .arg(GEMMA)
+            .arg(want_json.to_string()),
+        CLI_TIMEOUT,
+    );
+    assert!(
+        out.status.success() && out.stdout.contains("OK"),
+        "{}\nserver log:\n{}",
+        out.describe(),
+        server.log()
+    );
+    drop(server);
+    eprintln!("gemma openai client: {:.1}s", t0.elapsed().as_secs_f64());
 }

@@ -21,7 +21,9 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::Device;
 use serde_json::Value as Json;
 
-use super::llama::{build_dense, dense_config_from_gguf, dense_config_from_hf, dense_gguf_metadata, dense_hf_config};
+use super::llama::{
+    build_dense, dense_config_from_gguf, dense_config_from_hf, dense_gguf_metadata, dense_hf_config, hf_rope_theta,
+};
 use super::shape::*;
 use super::{
     AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, ModelConfig, Role, RopeStyle, SlidingWindow, StateKind,
@@ -303,6 +305,10 @@ impl super::Architecture for Gemma3 {
 
     fn config_from_hf(&self, _model_type: &str, j: &Json) -> Result<ModelConfig> {
         let mut c = dense_config_from_hf(Family::Other(NAME), j)?;
+        // transformers 5 writes the bases per layer type (`rope_parameters`), 4 at the top level.
+        if let Some(theta) = hf_rope_theta(j, Some("full_attention")) {
+            c.rope_theta = theta;
+        }
         for cap in ["final_logit_softcapping", "attn_logit_softcapping"] {
             if let Some(v) = j.get(cap).and_then(Json::as_f64) {
                 bail!("field '{cap}' = {v}: logit soft-capping is not supported");
@@ -340,6 +346,7 @@ impl super::Architecture for Gemma3 {
                 rope_theta: j
                     .get("rope_local_base_freq")
                     .and_then(Json::as_f64)
+                    .or_else(|| hf_rope_theta(j, Some("sliding_attention")))
                     .unwrap_or(DEFAULT_LOCAL_THETA),
             });
         }
@@ -348,7 +355,13 @@ impl super::Architecture for Gemma3 {
             .and_then(Json::as_f64)
             .unwrap_or(c.head_dim as f64);
         c.query_scale = Some(query_scale(scalar));
-        if let Some(rs) = j.get("rope_scaling").filter(|v| !v.is_null()) {
+        let scaling = j.get("rope_scaling").filter(|v| !v.is_null()).or_else(|| {
+            // transformers 5: the full-attention layers' `rope_parameters` with a non-default type.
+            let p = j.get("rope_parameters")?;
+            let full = p.get("full_attention").unwrap_or(p);
+            (full.get("rope_type").and_then(Json::as_str).unwrap_or("default") != "default").then_some(full)
+        });
+        if let Some(rs) = scaling {
             let kind = rs
                 .get("rope_type")
                 .or_else(|| rs.get("type"))

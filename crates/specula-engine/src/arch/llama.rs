@@ -356,6 +356,17 @@ pub fn dense_config_from_gguf(
     })
 }
 
+/// The RoPE base in `config.json`'s text part `c`: transformers 4's top-level `rope_theta`, or
+/// transformers 5's `rope_parameters.rope_theta` (per layer type `kind`, e.g.
+/// `"sliding_attention"`, when the parameters are given per layer type).
+pub fn hf_rope_theta(c: &Json, kind: Option<&str>) -> Option<f64> {
+    let params = c.get("rope_parameters");
+    let typed = kind.and_then(|k| params?.get(k)?.get("rope_theta")?.as_f64());
+    typed
+        .or_else(|| params?.get("rope_theta")?.as_f64())
+        .or_else(|| c.get("rope_theta")?.as_f64())
+}
+
 /// A dense config from `config.json`'s text part `c` (transformers' field names). Errors name
 /// the missing field.
 pub fn dense_config_from_hf(family: Family, c: &Json) -> Result<ModelConfig> {
@@ -373,7 +384,7 @@ pub fn dense_config_from_hf(family: Family, c: &Json) -> Result<ModelConfig> {
         num_kv_heads: json_usize(c, "num_key_value_heads").unwrap_or(heads),
         head_dim: json_usize(c, "head_dim").unwrap_or(hidden / heads.max(1)),
         rms_norm_eps: c.get("rms_norm_eps").and_then(Json::as_f64).unwrap_or(1e-6),
-        rope_theta: c.get("rope_theta").and_then(Json::as_f64).unwrap_or(10_000.0),
+        rope_theta: hf_rope_theta(c, None).unwrap_or(10_000.0),
         context_length: field("max_position_embeddings")?,
         rope_style: RopeStyle::Neox,
         sliding_window: None,
