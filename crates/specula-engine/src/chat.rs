@@ -166,6 +166,83 @@ impl ChatTemplate {
     }
 }
 
+/// A stand-in for the `k`-th marked field in [`ChatTemplate::render_marked`]: private-use
+/// characters around the index, so no template markup or special token contains it.
+fn sentinel(k: usize) -> String {
+    format!("\u{F0000}{k}\u{F0001}")
+}
+
+impl ChatTemplate {
+    /// [`ChatTemplate::render_with`], with the byte ranges of the rendered text that hold a
+    /// message's `content` or `reasoning_content` for which `marked` is true (content holding
+    /// control-token text, which must be tokenized as the text it spells, not as markup).
+    ///
+    /// The template is rendered twice, once with each marked field replaced by a sentinel; the
+    /// spans are where the sentinels land, and the second render with the fields put back must
+    /// equal the first. Errors: the template's own errors; a template that rewrites a marked
+    /// field (its spans cannot be known), naming the message.
+    pub fn render_marked(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extras: &ChatExtras,
+        marked: &dyn Fn(&str) -> bool,
+    ) -> Result<(String, Vec<std::ops::Range<usize>>), minijinja::Error> {
+        let rendered = self.render_with(messages, add_generation_prompt, extras)?;
+        let mut fields: Vec<(usize, String)> = Vec::new();
+        let mut masked = messages.to_vec();
+        for (i, m) in masked.iter_mut().enumerate() {
+            let mut mark = |f: &mut String| {
+                if marked(f) {
+                    let real = std::mem::replace(f, sentinel(fields.len()));
+                    fields.push((i, real));
+                }
+            };
+            mark(&mut m.content);
+            if let Some(r) = m.reasoning_content.as_mut() {
+                mark(r);
+            }
+        }
+        if fields.is_empty() {
+            return Ok((rendered, Vec::new()));
+        }
+        let stand_in = self.render_with(&masked, add_generation_prompt, extras)?;
+        let mut rebuilt = String::with_capacity(rendered.len());
+        let mut spans = Vec::new();
+        let mut rest = stand_in.as_str();
+        while let Some(at) = rest.find('\u{F0000}') {
+            rebuilt.push_str(&rest[..at]);
+            let after = &rest[at + '\u{F0000}'.len_utf8()..];
+            let field = after
+                .find('\u{F0001}')
+                .and_then(|end| Some((after[..end].parse::<usize>().ok()?, end)));
+            match field.and_then(|(k, end)| Some((fields.get(k)?, end))) {
+                Some(((_, real), end)) => {
+                    spans.push(rebuilt.len()..rebuilt.len() + real.len());
+                    rebuilt.push_str(real);
+                    rest = &after[end + '\u{F0001}'.len_utf8()..];
+                }
+                None => {
+                    rebuilt.push('\u{F0000}');
+                    rest = after;
+                }
+            }
+        }
+        rebuilt.push_str(rest);
+        if rebuilt != rendered {
+            let i = fields.first().map_or(0, |f| f.0);
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!(
+                    "message {i} holds control-token text in a field this chat template rewrites, so it cannot be \
+                     passed as plain text; remove the control-token text"
+                ),
+            ));
+        }
+        Ok((rendered, spans))
+    }
+}
+
 /// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=indent,
 /// separators=separators, sort_keys=sort_keys)`.
 fn tojson_filter(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, minijinja::Error> {

@@ -125,6 +125,27 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// The plain ChatML rendering used for a model without a chat template whose vocabulary has
+/// ChatML's tokens: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
+/// `<|im_start|>assistant\n` when `add_generation_prompt`. Returns the text and each message's
+/// content range in it.
+fn chatml(messages: &[ChatMessage], add_generation_prompt: bool) -> (String, Vec<std::ops::Range<usize>>) {
+    let mut s = String::new();
+    let mut spans = Vec::with_capacity(messages.len());
+    for m in messages {
+        s.push_str("<|im_start|>");
+        s.push_str(&m.role);
+        s.push('\n');
+        spans.push(s.len()..s.len() + m.content.len());
+        s.push_str(&m.content);
+        s.push_str("<|im_end|>\n");
+    }
+    if add_generation_prompt {
+        s.push_str("<|im_start|>assistant\n");
+    }
+    (s, spans)
+}
+
 impl Engine {
     /// Load a bundle (GGUF file or HF directory). `id` is the name clients use for it.
     pub fn load(path: &Path, id: &str, opts: LoadOptions) -> Result<Self> {
@@ -465,16 +486,7 @@ impl Engine {
                     self.id
                 )))
             }
-            None => {
-                let mut s = String::new();
-                for m in messages {
-                    s.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
-                }
-                if add_generation_prompt {
-                    s.push_str("<|im_start|>assistant\n");
-                }
-                Ok(s)
-            }
+            None => Ok(chatml(messages, add_generation_prompt).0),
         }
     }
 
@@ -491,6 +503,13 @@ impl Engine {
     /// the most bytes one token covers reach the context length) is refused before tokenizing,
     /// so a huge request costs no tokenizer time.
     pub fn tokenize_prompt(&self, text: &str) -> Result<Vec<u32>, RequestError> {
+        self.check_prompt_bytes(text)?;
+        self.tokenize(text)
+    }
+
+    /// [`RequestError::PromptTooLongBytes`] for a text too long for the context window whatever
+    /// its tokens.
+    fn check_prompt_bytes(&self, text: &str) -> Result<(), RequestError> {
         let ctx = self.context_length();
         let min_tokens = text.len() / self.bundle.tokenizer.max_token_bytes();
         if min_tokens >= ctx {
@@ -500,13 +519,59 @@ impl Engine {
                 context: ctx,
             });
         }
-        self.tokenize(text)
+        Ok(())
     }
 
-    /// Render and tokenize a chat prompt ([`Engine::tokenize_prompt`]).
+    /// Render and tokenize a chat prompt ([`Engine::chat_tokens`] without extras).
     pub fn chat_prompt_tokens(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, RequestError> {
-        let text = self.render_chat(messages, true)?;
-        self.tokenize_prompt(&text)
+        Ok(self.chat_tokens(messages, &crate::chat::ChatExtras::default())?.0)
+    }
+
+    /// Render a chat prompt (with the generation prompt) and tokenize it; returns the tokens and
+    /// the rendered text. Message contents are data: control-token text written in a
+    /// `content` or `reasoning_content` becomes the ordinary tokens of that text
+    /// ([`Tokenizer::encode_with_text_spans`]), so a message cannot close its turn or open a
+    /// system turn; only the template's own markup yields control tokens. Contents without
+    /// such text tokenize exactly as the rendered text does.
+    ///
+    /// Errors (400s): the template fails or rewrites a content holding control-token text;
+    /// `tools` for a model without a template; no template and no ChatML tokens (a base
+    /// model); a prompt too long ([`Engine::tokenize_prompt`]'s checks).
+    pub fn chat_tokens(
+        &self,
+        messages: &[ChatMessage],
+        extras: &crate::chat::ChatExtras,
+    ) -> Result<(Vec<u32>, String), RequestError> {
+        let tok = &self.bundle.tokenizer;
+        let marked = |t: &str| tok.has_special_text(t).unwrap_or(true);
+        let (text, spans) = match &self.bundle.template {
+            Some(t) => t
+                .render_marked(messages, true, extras, &marked)
+                .map_err(|e| RequestError::InvalidParameter(format!("chat template: {e}")))?,
+            None if extras.tools.is_some() => {
+                return Err(RequestError::InvalidParameter(format!(
+                    "{} has no chat template, so it cannot be shown tools",
+                    self.id
+                )))
+            }
+            None => {
+                // Checks that ChatML's tokens exist (else a base model's 400).
+                self.render_chat(&[], false)?;
+                let (text, spans) = chatml(messages, true);
+                let spans = messages
+                    .iter()
+                    .zip(spans)
+                    .filter(|(m, _)| marked(&m.content))
+                    .map(|(_, r)| r)
+                    .collect();
+                (text, spans)
+            }
+        };
+        self.check_prompt_bytes(&text)?;
+        let tokens = tok
+            .encode_with_text_spans(&text, &spans)
+            .map_err(|e| RequestError::InvalidParameter(e.to_string()))?;
+        Ok((tokens, text))
     }
 
     /// Check a request against the model before any work is done.

@@ -91,6 +91,19 @@ pub struct Tokenizer {
     numbers: std::sync::Arc<NumberVocab>,
     /// The most UTF-8 bytes any vocabulary string has (at least 1).
     max_token_bytes: usize,
+    /// What [`Tokenizer::encode_with_text_spans`] needs, each part built on its first use.
+    text_mode: std::sync::Arc<TextMode>,
+}
+
+/// The special (control) tokens' texts with a matcher for them, and a copy of the tokenizer
+/// that reads them as ordinary text (built only when some data holds such text).
+#[derive(Default)]
+struct TextMode {
+    /// Leftmost-longest matcher of the special tokens' texts, as the tokenizer's added
+    /// vocabulary matches them, and the id of each pattern.
+    specials: std::sync::OnceLock<(aho_corasick::AhoCorasick, Vec<u32>)>,
+    /// `inner` with `encode_special_tokens` set: special-token text is tokenized as text.
+    plain: std::sync::OnceLock<tokenizers::Tokenizer>,
 }
 
 /// What the n-gram drafter and the prompt-length check need from `inner`'s vocabulary (added
@@ -124,6 +137,35 @@ fn vocab_facts(inner: &tokenizers::Tokenizer) -> (std::sync::Arc<NumberVocab>, u
         })
         .unwrap_or(1);
     (std::sync::Arc::new(NumberVocab::new(entries, n, group)), max_bytes)
+}
+
+impl TextMode {
+    fn specials(&self, inner: &tokenizers::Tokenizer) -> Result<&(aho_corasick::AhoCorasick, Vec<u32>)> {
+        if let Some(s) = self.specials.get() {
+            return Ok(s);
+        }
+        let mut specials: Vec<(String, u32)> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty())
+            .map(|(id, t)| (t.content, id))
+            .collect();
+        specials.sort_by_key(|&(_, id)| id);
+        let ac = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(specials.iter().map(|(t, _)| t.as_str()))
+            .map_err(|e| anyhow!("building the special-token matcher: {e}"))?;
+        let ids = specials.into_iter().map(|(_, id)| id).collect();
+        Ok(self.specials.get_or_init(|| (ac, ids)))
+    }
+
+    fn plain(&self, inner: &tokenizers::Tokenizer) -> &tokenizers::Tokenizer {
+        self.plain.get_or_init(|| {
+            let mut plain = inner.clone();
+            plain.set_encode_special_tokens(true);
+            plain
+        })
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -253,6 +295,7 @@ impl Tokenizer {
         Self {
             numbers,
             max_token_bytes,
+            text_mode: Default::default(),
             inner: inner.into(),
             bos_token: tok("tokenizer.ggml.bos_token_id"),
             eos_token: tok("tokenizer.ggml.eos_token_id"),
@@ -355,6 +398,7 @@ impl Tokenizer {
             add_bos,
             numbers,
             max_token_bytes,
+            text_mode: Default::default(),
             inner: inner.into(),
         })
     }
@@ -380,6 +424,64 @@ impl Tokenizer {
             }
         }
         Ok(ids)
+    }
+
+    /// Encode `text` whose byte ranges `spans` are data, not markup (message contents placed
+    /// by a chat template): special-token text inside a span is tokenized as the ordinary text
+    /// it spells, so content cannot close a turn or open a system turn; special-token text
+    /// elsewhere maps to its token as in [`Tokenizer::encode`]. With no special-token text
+    /// inside any span the ids are exactly [`Tokenizer::encode`]'s (the text is split at the
+    /// same special tokens and the pieces between are tokenized alike). BOS as in `encode`.
+    /// Errors: a span outside `text` or not on character boundaries; tokenization failures.
+    pub fn encode_with_text_spans(&self, text: &str, spans: &[std::ops::Range<usize>]) -> Result<Vec<u32>> {
+        if let Some(r) = spans.iter().find(|r| {
+            r.start > r.end || r.end > text.len() || !text.is_char_boundary(r.start) || !text.is_char_boundary(r.end)
+        }) {
+            bail!("text span {r:?} is not within the {}-byte text", text.len());
+        }
+        if spans.is_empty() {
+            return self.encode(text);
+        }
+        let (specials, special_ids) = self.text_mode.specials(&self.inner)?;
+        let inside = |a: usize, b: usize| spans.iter().any(|r| a < r.end && r.start < b);
+        if !specials.find_iter(text).any(|m| inside(m.start(), m.end())) {
+            return self.encode(text);
+        }
+        let plain_tok = self.text_mode.plain(&self.inner);
+        let mut ids = Vec::new();
+        let mut at = 0;
+        let plain = |piece: &str, ids: &mut Vec<u32>| -> Result<()> {
+            if !piece.is_empty() {
+                let enc = plain_tok
+                    .encode_fast(piece, false)
+                    .map_err(|e| anyhow!("tokenization failed: {e}"))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Ok(())
+        };
+        for m in specials.find_iter(text) {
+            if inside(m.start(), m.end()) {
+                continue; // data: stays in the text piece, tokenized as text
+            }
+            plain(&text[at..m.start()], &mut ids)?;
+            ids.push(special_ids[m.pattern().as_usize()]);
+            at = m.end();
+        }
+        plain(&text[at..], &mut ids)?;
+        if self.add_bos {
+            if let Some((bos, _)) = &self.bos_token {
+                if ids.first() != Some(bos) {
+                    ids.insert(0, *bos);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Whether `text` holds the text of a special (control) token. Errors: the matcher of the
+    /// special tokens could not be built.
+    pub fn has_special_text(&self, text: &str) -> Result<bool> {
+        Ok(!text.is_empty() && self.text_mode.specials(&self.inner)?.0.is_match(text))
     }
 
     /// Decode ids to text, special tokens skipped; invalid UTF-8 becomes U+FFFD.

@@ -36,23 +36,11 @@ fn tail(text: &str) -> String {
     text[at..].to_string()
 }
 
-/// Render with the model's template and tokenize (on the worker thread). Returns the tokens and
+/// Render with the model's template and tokenize (on the worker thread;
+/// [`Engine::chat_tokens`]: message contents are data, never markup). Returns the tokens and
 /// the end of the rendered text (for templates that open `<think>` in the generation prompt).
-/// Without a template the engine's plain ChatML rendering is used, which cannot show tools.
 pub fn render_tokens(engine: &Engine, p: &ChatPrompt) -> Result<(Vec<u32>, String), RequestError> {
-    let text = match engine.chat_template() {
-        Some(t) => t
-            .render_with(&p.messages, true, &p.extras)
-            .map_err(|e| RequestError::InvalidParameter(format!("chat template: {e}")))?,
-        None if p.extras.tools.is_some() => {
-            return Err(RequestError::InvalidParameter(format!(
-                "{} has no chat template, so it cannot be shown tools",
-                engine.model_id()
-            )))
-        }
-        None => engine.render_chat(&p.messages, true)?,
-    };
-    let tokens = engine.tokenize_prompt(&text)?;
+    let (tokens, text) = engine.chat_tokens(&p.messages, &p.extras)?;
     Ok((tokens, tail(&text)))
 }
 
