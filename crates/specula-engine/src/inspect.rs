@@ -494,9 +494,17 @@ fn read_gguf_part(part: &mut Part, file: &Path) {
     // The loader's config, read by the same code.
     if let (Some(a), false) = (part.architecture, missing) {
         let tensors = &part.tensors;
-        match a.config_from_gguf(&arch, md, &|n: &str| tensors.get(n).map(|t| t.dims.clone())) {
+        let config = a
+            .config_from_gguf(&arch, md, &|n: &str| tensors.get(n).map(|t| t.dims.clone()))
+            .map_err(|e| ("metadata".to_string(), e))
+            .and_then(|c| {
+                crate::arch::check_layer_count(a, &c, BundleFormat::Gguf, &|n| tensors.get(n).is_some())
+                    .map(|()| c)
+                    .map_err(|e| (format!("{arch}.block_count"), e))
+            });
+        match config {
             Ok(c) => part.config = Some(c),
-            Err(e) => part.diag(Severity::Error, &fname, "metadata", format!("{e:#}")),
+            Err((subject, e)) => part.diag(Severity::Error, &fname, subject, format!("{e:#}")),
         }
     }
     let tok_md: HashMap<String, Value> = scan
@@ -593,6 +601,13 @@ fn read_hf_part(part: &mut Part) {
         }
     }
     read_hf_weights(part, &dir);
+    if let (Some(a), Some(c)) = (part.architecture, &part.config) {
+        let tensors = &part.tensors;
+        if let Err(e) = crate::arch::check_layer_count(a, c, BundleFormat::Hf, &|n| tensors.get(n).is_some()) {
+            part.diag(Severity::Error, &cfg_file, "num_hidden_layers", format!("{e:#}"));
+            part.config = None;
+        }
+    }
     read_hf_tokenizer(part, &dir);
 }
 

@@ -1181,6 +1181,57 @@ fn corpus() -> Vec<Case> {
             load: Some(&["badtype.gguf", "output_norm.weight", "type 99"]),
         },
         Case {
+            name: "GGUF misaligned tensor offset",
+            make: |r| {
+                let src = gguf_bundle(r);
+                let dst = r.join("misaligned.gguf");
+                let mut bytes = std::fs::read(&src).expect("read");
+                // The u64 offset of `output_norm.weight` (1-D): after its name, dimension count,
+                // dimension and type; moved by 4 bytes, off the 32-byte alignment.
+                let name = b"output_norm.weight";
+                let at = bytes.windows(name.len()).rposition(|w| w == name).expect("name");
+                let off = at + name.len() + 4 + 8 + 4;
+                let old = u64::from_le_bytes(bytes[off..off + 8].try_into().expect("8 bytes"));
+                bytes[off..off + 8].copy_from_slice(&(old + 4).to_le_bytes());
+                std::fs::write(&dst, bytes).expect("write");
+                dst
+            },
+            file: "misaligned.gguf",
+            subject: "output_norm.weight",
+            message: "not a multiple of the alignment 32",
+            severity: Severity::Error,
+            load: Some(&["misaligned.gguf", "output_norm.weight", "alignment"]),
+        },
+        Case {
+            name: "GGUF absurd block count",
+            make: |r| {
+                let src = gguf_bundle(r);
+                let dst = r.join("layers.gguf");
+                rewrite_gguf(&src, &dst, &mut |md, _| {
+                    set_md(md, "llama.block_count", gguf_file::Value::U64(1 << 40));
+                });
+                dst
+            },
+            file: "layers.gguf",
+            subject: "llama.block_count",
+            message: "1099511627776 layers",
+            severity: Severity::Error,
+            load: Some(&["llama.block_count", "1099511627776 layers", "blk.1099511627775."]),
+        },
+        Case {
+            name: "HF absurd num_hidden_layers",
+            make: |r| {
+                let d = hf_bundle(r);
+                edit_json(&d.join("config.json"), |c| c["num_hidden_layers"] = (1u64 << 40).into());
+                d
+            },
+            file: "config.json",
+            subject: "num_hidden_layers",
+            message: "1099511627776 layers",
+            severity: Severity::Error,
+            load: Some(&["num_hidden_layers", "1099511627776 layers"]),
+        },
+        Case {
             name: "GGUF truncated header",
             make: |r| {
                 let src = gguf_bundle(r);

@@ -336,6 +336,36 @@ pub fn rename(schema: &[TensorSpec], name: &str, from: BundleFormat, to: BundleF
     Some(s.name(to, 0))
 }
 
+/// Check a config's layer count against the tensors a bundle holds (`has`, by full name): the
+/// last layer's first required per-layer tensor must be there. Run before anything loops over
+/// the layers, so an absurd count (a header saying 2^40 layers over weights of 2) is an error at
+/// once instead of a long loop or a huge allocation. Errors name the count and the tensor.
+pub fn check_layer_count(
+    a: &dyn Architecture,
+    config: &ModelConfig,
+    format: BundleFormat,
+    has: &dyn Fn(&str) -> bool,
+) -> Result<()> {
+    let Some(spec) = a
+        .tensors()
+        .iter()
+        .find(|s| s.per_layer && s.required && !s.base(format).is_empty())
+    else {
+        return Ok(());
+    };
+    if config.num_layers == 0 {
+        anyhow::bail!("the config has no layers");
+    }
+    let name = spec.name(format, config.num_layers - 1);
+    if !has(&name) {
+        anyhow::bail!(
+            "the config has {} layers, but the weights have no '{name}' (a layer count the weights do not hold)",
+            config.num_layers
+        );
+    }
+    Ok(())
+}
+
 /// The spec of `role` in `schema`. Panics when the schema lacks it: a schema is a constant
 /// table, so that is a programming error caught by the registry's tests.
 pub fn spec(schema: &'static [TensorSpec], role: Role) -> &'static TensorSpec {

@@ -74,9 +74,13 @@ impl GgufHeader {
     pub fn config(&self) -> Result<ModelConfig> {
         let a = self.arch()?;
         let infos = &self.content.tensor_infos;
-        a.config_from_gguf(self.architecture()?, self.metadata(), &|n: &str| {
+        let arch = self.architecture()?;
+        let c = a.config_from_gguf(arch, self.metadata(), &|n: &str| {
             infos.get(n).map(|i| i.shape.dims().to_vec())
-        })
+        })?;
+        crate::arch::check_layer_count(a, &c, BundleFormat::Gguf, &|n| infos.contains_key(n))
+            .map_err(|e| anyhow!("metadata '{arch}.block_count': {e}"))?;
+        Ok(c)
     }
 }
 

@@ -210,11 +210,13 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
         let part = candle_core::safetensors::load(&f, device).map_err(|e| anyhow!("{}: {e}", f.display()))?;
         tensors.extend(part);
     }
+    let arch = crate::arch::of(&config);
+    crate::arch::check_layer_count(arch, &config, BundleFormat::Hf, &|n| origin.contains_key(n))
+        .map_err(|e| anyhow!("{}: num_hidden_layers: {e}", dir.join("config.json").display()))?;
     let mut w = Weights {
         tensors,
         dir: dir.display().to_string(),
     };
-    let arch = crate::arch::of(&config);
     let model = arch.build(config, &mut w, device)?;
     let name = dir
         .file_name()

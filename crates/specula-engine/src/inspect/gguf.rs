@@ -393,7 +393,7 @@ impl GgufScan {
 pub struct TensorProblem {
     pub tensor: String,
     pub message: String,
-    /// Loading fails (everything but a misaligned offset, which candle reads anyway).
+    /// Loading fails (every problem found today; the field leaves room for warnings).
     pub fatal: bool,
 }
 
@@ -401,7 +401,6 @@ pub struct TensorProblem {
 /// that do not fill whole blocks, misaligned offsets and data ranges past the end of the file.
 pub fn validate(scan: &GgufScan) -> Vec<TensorProblem> {
     let mut out = Vec::new();
-    let mut warnings = Vec::new();
     let mut seen = HashSet::new();
     for t in &scan.tensors {
         let mut bad = |message: String| {
@@ -442,14 +441,12 @@ pub fn validate(scan: &GgufScan) -> Vec<TensorProblem> {
             continue;
         }
         if !t.offset.is_multiple_of(scan.alignment) {
-            warnings.push(TensorProblem {
-                tensor: t.name.clone(),
-                message: format!(
-                    "data offset {} is not a multiple of the alignment {}",
-                    t.offset, scan.alignment
-                ),
-                fatal: false,
-            });
+            // The format requires every tensor's data to start on the alignment.
+            bad(format!(
+                "data offset {} is not a multiple of the alignment {} (general.alignment)",
+                t.offset, scan.alignment
+            ));
+            continue;
         }
         let bytes = n / bs * dt.type_size() as u64;
         let start = scan.data_offset.saturating_add(t.offset);
@@ -461,7 +458,6 @@ pub fn validate(scan: &GgufScan) -> Vec<TensorProblem> {
             ));
         }
     }
-    out.extend(warnings);
     out
 }
 
