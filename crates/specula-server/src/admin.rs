@@ -49,8 +49,9 @@ pub struct LoadEvent {
     pub kind: &'static str,
     /// The model's id (for a draft model: the name or path it was asked for by).
     pub model: String,
-    /// The file or directory it was read from, when known.
-    pub path: Option<String>,
+    /// The name of the file or directory it was read from, when known (the name only: no
+    /// server path reaches a response; the log line of the load has the path).
+    pub file: Option<String>,
     /// Seconds the load took; `None` for an unload, and for a load done before the server
     /// started whose time was not reported.
     pub seconds: Option<f64>,
@@ -64,7 +65,7 @@ impl LoadEvent {
             event,
             kind,
             model: model.to_string(),
-            path: path.map(|p| p.display().to_string()),
+            file: path.and_then(Path::file_name).map(|n| n.to_string_lossy().into_owned()),
             seconds,
             at: crate::worker::unix_now(),
         }
@@ -300,7 +301,8 @@ fn change_on_worker(
         Some(name) if state.current.as_ref().is_some_and(|k| &k.id == name) => Action::Keep,
         Some(name) => {
             let path = specula_engine::cache::resolve_local(name).map_err(|e| {
-                ApiError::invalid(format!("Invalid 'draft_model': {e:#}."), Some("draft_model"))
+                let e = specula_engine::inspect::redact_paths(&format!("{e:#}"));
+                ApiError::invalid(format!("Invalid 'draft_model': {e}."), Some("draft_model"))
                     .with_code("draft_model_not_found")
             })?;
             let same_file = state
@@ -349,8 +351,9 @@ fn change_on_worker(
         Action::Load { id, path } => {
             let t = Instant::now();
             engine.attach_draft_model(&path, &id).map_err(|e| {
+                let e = specula_engine::inspect::redact_paths(&format!("{e:#}"));
                 ApiError::invalid(
-                    format!("The draft model '{id}' could not be attached (nothing was changed): {e:#}."),
+                    format!("The draft model '{id}' could not be attached (nothing was changed): {e}."),
                     Some("draft_model"),
                 )
                 .with_code("draft_model_unusable")

@@ -280,6 +280,13 @@ async fn bad_changes_are_4xx_and_change_nothing() {
         let e = assert_error(&r, StatusCode::BAD_REQUEST, Some(param));
         assert_eq!(e["code"], code, "{b}: {}", r.text);
         assert_eq!(specula(&app).await, before, "{b} changed the state");
+        // Errors name files, never the server's directories (beyond the client's own words).
+        let said = b["draft_model"].as_str().unwrap_or("\u{0}");
+        let shown = r.text.replace(said, "");
+        for dir in [std::env::temp_dir(), PathBuf::from(env!("CARGO_TARGET_TMPDIR"))] {
+            let dir = dir.display().to_string();
+            assert!(!shown.contains(&dir), "{b}: the error shows {dir}: {}", r.text);
+        }
     }
     let r = post_raw(&app, ADMIN, "{not json").await;
     assert_error(&r, StatusCode::BAD_REQUEST, None);

@@ -663,10 +663,16 @@ fn a_sidecar_head_that_does_not_load_is_not_reported_as_attached() {
     let resp =
         support::try_request(server.port, "GET", "/v1/models", None, Duration::from_secs(30)).expect("GET /v1/models");
     assert_eq!(resp.status, 200, "{}", resp.body);
+    // Files are named, server paths are not shown (the log keeps them).
+    for p in [dir.path(), model.parent().expect("cache dir")] {
+        let p = p.display().to_string();
+        assert!(!resp.body.contains(&p), "/v1/models shows the path {p}: {}", resp.body);
+    }
     let v = resp.json();
     let m = &v["data"][0]["specula"];
     let bundle = &m["bundle"];
     assert_eq!(bundle["mtp"]["status"], "not_loaded", "{m:#}");
+    assert_eq!(bundle["mtp"]["location"], format!("{stem}.mtp"), "{m:#}");
     let diags = bundle["diagnostics"].as_array().expect("diagnostics");
     assert!(
         diags.iter().any(|d| d

@@ -50,6 +50,40 @@ pub struct Diagnostic {
     pub message: String,
 }
 
+/// `text` with every absolute path in it cut to its last component (`/home/u/.cache/specula/
+/// models/x.gguf: bad magic` → `x.gguf: bad magic`): for messages that reach clients, which must
+/// not learn the server's directories. A path runs from a `/` that starts a word to the next
+/// whitespace, quote, comma or `: `.
+pub fn redact_paths(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('/') {
+        let word_start = at == 0 || rest[..at].ends_with([' ', '\'', '"', '(', '`', '=']);
+        if !word_start {
+            out.push_str(&rest[..=at]);
+            rest = &rest[at + 1..];
+            continue;
+        }
+        out.push_str(&rest[..at]);
+        let tail = &rest[at..];
+        let mut end = tail
+            .find(|c: char| c.is_whitespace() || matches!(c, '\'' | '"' | ',' | ')' | '`'))
+            .unwrap_or(tail.len());
+        if let Some(colon) = tail[..end].find(": ") {
+            end = end.min(colon);
+        }
+        if let Some(colon) = tail[..end].strip_suffix(':').map(str::len) {
+            end = colon;
+        }
+        let path = &tail[..end];
+        let last = path.trim_end_matches('/').rsplit('/').next().unwrap_or("");
+        out.push_str(if last.is_empty() { "/" } else { last });
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 impl std::fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let sev = match self.severity {
@@ -327,26 +361,57 @@ impl BundleReport {
     }
 
     /// The `specula` capability summary shown in `/v1/models`.
+    /// Served to clients (`/v1/models`), so files are named by their file names only: no
+    /// server path reaches a response (the operator's logs and `specula inspect` keep them).
     pub fn capabilities_json(&self) -> Json {
         let mtp = &self.capabilities.mtp;
+        let name = |p: &str| {
+            std::path::Path::new(p)
+                .file_name()
+                .map_or_else(|| p.to_string(), |n| n.to_string_lossy().into_owned())
+        };
+        let named = |p: &Option<String>| p.as_deref().map(name);
         serde_json::json!({
             "format": self.format,
             "architecture": self.architecture,
             "parameters": self.parameters,
             "quantization": self.quantization.iter().map(|q| format!("{} x{}", q.dtype, q.tensors)).collect::<Vec<_>>(),
             "batch_invariant": self.kernels.as_ref().map(|k| k.batch_invariant),
-            "mtp": {"status": mtp.status, "layout": mtp.layout, "location": mtp.location, "depth": mtp.depth},
+            "mtp": {"status": mtp.status, "layout": mtp.layout, "location": named(&mtp.location), "depth": mtp.depth},
             "block_drafter": self.capabilities.block_drafter.as_ref().map(|b| serde_json::json!({
-                "path": b.path, "valid": b.valid, "block_size": b.block_size, "target_layer_ids": b.target_layer_ids})),
+                "file": name(&b.path), "valid": b.valid, "block_size": b.block_size, "target_layer_ids": b.target_layer_ids})),
             "draft_model": self.capabilities.draft_model.as_ref().map(|d| serde_json::json!({
-                "path": d.path, "compatible": d.compatible, "tokenizer_match": d.tokenizer_match})),
+                "file": name(&d.path), "compatible": d.compatible, "tokenizer_match": d.tokenizer_match})),
             "ngram": self.capabilities.ngram,
             "tuning": self.tuning.as_ref().map(|t| serde_json::json!({
-                "path": t.path, "applies": t.applies, "reason": t.reason, "best": t.best, "date": t.date})),
+                "file": name(&t.path), "applies": t.applies, "reason": t.reason, "best": t.best, "date": t.date})),
             "tier": self.tier,
             "effective_modes": self.modes,
             "memory_estimate_bytes": self.memory.as_ref().map(|m| m.total_bytes),
-            "diagnostics": self.diagnostics.iter().filter(|d| d.severity != Severity::Info).map(|d| d.to_string()).collect::<Vec<_>>(),
+            "diagnostics": self.diagnostics.iter().filter(|d| d.severity != Severity::Info).map(|d| redact_paths(&d.to_string())).collect::<Vec<_>>(),
         })
+    }
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_paths;
+
+    #[test]
+    fn absolute_paths_become_file_names() {
+        for (text, want) in [
+            ("/root/.cache/specula/models/x.gguf: bad magic", "x.gguf: bad magic"),
+            (
+                "warning: a.mtp: it does not load: /tmp/.tmpX/a.mtp/model.safetensors: layer 99",
+                "warning: a.mtp: it does not load: model.safetensors: layer 99",
+            ),
+            ("reading '/etc/shadow' failed", "reading 'shadow' failed"),
+            ("dir /srv/models/ is empty", "dir models is empty"),
+            ("ratio 3/4 and a/b stay", "ratio 3/4 and a/b stay"),
+            ("no paths here", "no paths here"),
+            ("/", "/"),
+        ] {
+            assert_eq!(redact_paths(text), want, "{text}");
+        }
     }
 }
