@@ -498,7 +498,7 @@ mod tests {
             event: "load",
             kind,
             model: "m".into(),
-            path: None,
+            file: None,
             seconds,
             at: 0,
         };
