@@ -377,6 +377,7 @@ pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
             qkv_bias: false,
             qk_norm: false,
             parallel: false,
+            post_norms: false,
         });
     GpuConfig {
         name: name.to_string(),
