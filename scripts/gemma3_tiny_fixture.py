@@ -20,10 +20,9 @@ embeddings.
 Config field names: transformers 5.x no longer stores `rope_theta` / `rope_local_base_freq` as
 config attributes. They are passed as the legacy keyword arguments (which this version still
 accepts) and end up in `rope_parameters` = {"full_attention": {"rope_theta": 1e6, ...},
-"sliding_attention": {"rope_theta": 1e4, ...}}. Because Hub Gemma 3 checkpoints (and loaders that
-follow them) use the top-level keys, the saved config.json gets top-level `rope_theta` and
-`rope_local_base_freq` added alongside transformers' `rope_parameters` (same values; transformers
-reloads it unchanged, which this script checks).
+"sliding_attention": {"rope_theta": 1e4, ...}}. The saved config.json is kept as transformers 5
+writes it, so the fixture tests that layout (Hub configs of transformers 4 have the two
+top-level keys instead; Specula reads both).
 """
 import json
 import math
@@ -153,15 +152,8 @@ def main():
         if os.path.exists(p):
             os.remove(p)
 
-    # Hub-style top-level RoPE keys next to transformers 5.x's rope_parameters (see the docstring).
     cfg_path = os.path.join(OUT, "config.json")
     cj = json.load(open(cfg_path))
-    rp = cj["rope_parameters"]
-    cj["rope_theta"] = rp["full_attention"]["rope_theta"]
-    cj["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
-    with open(cfg_path, "w") as f:
-        json.dump(cj, f, indent=2, sort_keys=True)
-        f.write("\n")
     assert cj["model_type"] == "gemma3_text", cj["model_type"]
     print("config.json keys:", sorted(cj.keys()))
     print("rope_parameters:", cj["rope_parameters"])
