@@ -83,17 +83,13 @@ impl std::fmt::Debug for GrammarCompiler {
     }
 }
 
-/// The bytes each token id stands for, in toktrie's convention: byte-level BPE tokens decoded
-/// through the GPT-2 byte alphabet; special (control) tokens as `0xFF` followed by their text (so
-/// a grammar never matches them as text), other added tokens as their text, which they decode
-/// to; ids the tokenizer does not know (model rows past the
+/// The bytes each token id stands for, in toktrie's convention: vocabulary tokens as the text
+/// they decode to ([`Tokenizer::token_bytes`]: byte-level BPE through the GPT-2 byte alphabet,
+/// SentencePiece with `▁` as a space and `<0xXX>` byte tokens); special (control) tokens as
+/// `0xFF` followed by their text (so a grammar never matches them as text), other added tokens
+/// as their text, which they decode to; ids the tokenizer does not know (model rows past the
 /// vocabulary) as empty words (never allowed).
 fn token_words(tokenizer: &Tokenizer, rows: usize) -> Vec<Vec<u8>> {
-    let alphabet = crate::tokenizer::bytes_to_unicode();
-    let mut byte_of = std::collections::HashMap::with_capacity(256);
-    for (b, &c) in alphabet.iter().enumerate() {
-        byte_of.insert(c, b as u8);
-    }
     let added = tokenizer.inner().get_added_tokens_decoder();
     (0..rows as u32)
         .map(|id| {
@@ -107,14 +103,7 @@ fn token_words(tokenizer: &Tokenizer, rows: usize) -> Vec<Vec<u8>> {
                 w.extend_from_slice(t.content.as_bytes());
                 return w;
             }
-            let Some(s) = tokenizer.id_to_token(id) else {
-                return Vec::new();
-            };
-            // A token outside the byte alphabet (not byte-level BPE) is taken as its UTF-8 text.
-            s.chars()
-                .map(|c| byte_of.get(&c).copied())
-                .collect::<Option<Vec<u8>>>()
-                .unwrap_or_else(|| s.into_bytes())
+            tokenizer.token_bytes(id).unwrap_or_default()
         })
         .collect()
 }

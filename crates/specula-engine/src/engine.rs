@@ -355,12 +355,13 @@ impl Engine {
 
     /// The attached native drafters as `kind: source` lines (`mtp: /path`, `block: /path`).
     pub fn native_drafters(&self) -> Vec<String> {
+        // Shown to clients (`/v1/models`): the files by name, not by server path.
         let mut v = Vec::new();
         if let Some(m) = &self.mtp {
-            v.push(format!("mtp: {}", m.source));
+            v.push(format!("mtp: {}", crate::inspect::redact_paths(&m.source)));
         }
         if let Some(b) = &self.block {
-            v.push(format!("block: {}", b.source));
+            v.push(format!("block: {}", crate::inspect::redact_paths(&b.source)));
         }
         v
     }

@@ -93,6 +93,34 @@ pub struct Tokenizer {
     max_token_bytes: usize,
     /// What [`Tokenizer::encode_with_text_spans`] needs, each part built on its first use.
     text_mode: std::sync::Arc<TextMode>,
+    /// How the vocabulary strings spell text ([`Tokenizer::token_bytes`]).
+    spelling: Spelling,
+}
+
+/// How a tokenizer's vocabulary strings spell the bytes of text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spelling {
+    /// GPT-2's byte alphabet (byte-level BPE): one printable character per byte.
+    ByteLevel,
+    /// SentencePiece: `▁` for a space, `<0xXX>` tokens for bytes outside the vocabulary, the rest
+    /// as UTF-8 text.
+    SentencePiece,
+}
+
+impl Spelling {
+    /// The spelling a `tokenizers` object decodes with: SentencePiece when its decoder undoes
+    /// `▁` or byte fallback (`Metaspace`, `ByteFallback`), else byte-level.
+    fn of(inner: &tokenizers::Tokenizer) -> Self {
+        let decoder = inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .unwrap_or_default();
+        if !decoder.contains("ByteLevel") && (decoder.contains("ByteFallback") || decoder.contains("Metaspace")) {
+            Spelling::SentencePiece
+        } else {
+            Spelling::ByteLevel
+        }
+    }
 }
 
 /// The special (control) tokens' texts with a matcher for them, and a copy of the tokenizer
@@ -296,6 +324,7 @@ impl Tokenizer {
             numbers,
             max_token_bytes,
             text_mode: Default::default(),
+            spelling: Spelling::of(&inner),
             inner: inner.into(),
             bos_token: tok("tokenizer.ggml.bos_token_id"),
             eos_token: tok("tokenizer.ggml.eos_token_id"),
@@ -399,6 +428,7 @@ impl Tokenizer {
             numbers,
             max_token_bytes,
             text_mode: Default::default(),
+            spelling: Spelling::of(&inner),
             inner: inner.into(),
         })
     }
@@ -502,6 +532,47 @@ impl Tokenizer {
     /// The vocabulary string of an id.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// How this tokenizer's vocabulary strings spell text.
+    pub fn spelling(&self) -> Spelling {
+        self.spelling
+    }
+
+    /// The bytes of text a vocabulary token stands for, by the tokenizer's [`Spelling`]:
+    /// byte-level strings through GPT-2's byte alphabet (a string outside it as its UTF-8
+    /// text); SentencePiece `▁` as a space and `<0xXX>` as that byte. Added tokens are not
+    /// treated specially here (their text is their bytes). None for an id outside the
+    /// vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let s = self.inner.id_to_token(id)?;
+        Some(match self.spelling {
+            Spelling::ByteLevel => {
+                static BYTE_OF: std::sync::OnceLock<HashMap<char, u8>> = std::sync::OnceLock::new();
+                let byte_of = BYTE_OF.get_or_init(|| {
+                    bytes_to_unicode()
+                        .into_iter()
+                        .enumerate()
+                        .map(|(b, c)| (c, b as u8))
+                        .collect()
+                });
+                s.chars()
+                    .map(|c| byte_of.get(&c).copied())
+                    .collect::<Option<Vec<u8>>>()
+                    .unwrap_or_else(|| s.into_bytes())
+            }
+            Spelling::SentencePiece => {
+                let byte = s
+                    .strip_prefix("<0x")
+                    .and_then(|h| h.strip_suffix('>'))
+                    .filter(|h| h.len() == 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
+                match byte {
+                    Some(b) => vec![b],
+                    None => s.replace('▁', " ").into_bytes(),
+                }
+            }
+        })
     }
 
     /// The tokens that spell numbers and how a new number is spelt, for the n-gram drafter's

@@ -237,7 +237,10 @@ impl TuningFile {
             adaptive,
             tok_s,
             ar_tok_s,
-            source: source.display().to_string(),
+            // Shown to clients: the file's name, not its server path.
+            source: source
+                .file_name()
+                .map_or_else(|| source.display().to_string(), |n| n.to_string_lossy().into_owned()),
         }
     }
 

@@ -2,10 +2,7 @@
 //! top_logprobs}]}`) and legacy completions (`{tokens, token_logprobs, top_logprobs,
 //! text_offset}`).
 
-use std::collections::HashMap;
-
 use serde_json::{json, Map, Value};
-use specula_engine::tokenizer::bytes_to_unicode;
 use specula_engine::tokenizer::Tokenizer;
 use specula_engine::TokenLogprob;
 
@@ -13,39 +10,23 @@ use specula_engine::TokenLogprob;
 #[derive(Clone)]
 pub struct TokenBytes {
     tokenizer: Tokenizer,
-    /// GPT-2 byte-level alphabet, char -> byte.
-    byte_level: HashMap<char, u8>,
 }
 
 impl TokenBytes {
     pub fn new(tokenizer: Tokenizer) -> Self {
-        let byte_level = bytes_to_unicode()
-            .into_iter()
-            .enumerate()
-            .map(|(b, c)| (c, b as u8))
-            .collect();
-        Self { tokenizer, byte_level }
+        Self { tokenizer }
     }
 
     /// The bytes of token `id` whose decoded text is `text`. The text is exact unless the token is
-    /// part of a UTF-8 sequence (shown as U+FFFD); then the bytes come from the vocabulary entry:
-    /// the byte-level alphabet (GPT-2 style BPE) or a `<0xAB>` byte token (SentencePiece style).
+    /// part of a UTF-8 sequence (shown as U+FFFD); then the bytes come from the vocabulary entry
+    /// ([`Tokenizer::token_bytes`]: the byte-level alphabet, or a SentencePiece `<0xAB>` token).
     pub fn bytes(&self, id: u32, text: &str) -> Vec<u8> {
         if !text.contains('\u{FFFD}') {
             return text.as_bytes().to_vec();
         }
-        if let Some(piece) = self.tokenizer.id_to_token(id) {
-            if let Some(hex) = piece.strip_prefix("<0x").and_then(|s| s.strip_suffix('>')) {
-                if let Ok(b) = u8::from_str_radix(hex, 16) {
-                    return vec![b];
-                }
-            }
-            let mapped: Option<Vec<u8>> = piece.chars().map(|c| self.byte_level.get(&c).copied()).collect();
-            if let Some(b) = mapped {
-                return b;
-            }
-        }
-        text.as_bytes().to_vec()
+        self.tokenizer
+            .token_bytes(id)
+            .unwrap_or_else(|| text.as_bytes().to_vec())
     }
 }
 

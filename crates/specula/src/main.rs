@@ -397,7 +397,7 @@ impl SpecArgs {
                 let path: PathBuf = pull::resolve_model(m, true)?;
                 let t = std::time::Instant::now();
                 engine
-                    .attach_draft_model(&path, m)
+                    .attach_draft_model(&path, &draft_model_id(m))
                     .with_context(|| format!("loading draft model {}", path.display()))?;
                 tracing::info!(draft_model = %m, "draft model loaded in {:.2}s", t.elapsed().as_secs_f64());
                 self.reduce_draft_vocab(engine)?;
@@ -1029,7 +1029,7 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
     if let Some(m) = &a.draft_model {
         let path: PathBuf = pull::resolve_model(m, true)?;
         engine
-            .attach_draft_model(&path, m)
+            .attach_draft_model(&path, &draft_model_id(m))
             .with_context(|| format!("loading draft model {}", path.display()))?;
     }
     if let Some(p) = &a.drafter {
@@ -1391,6 +1391,16 @@ fn bench_gpu(a: &BenchArgs) -> Result<()> {
         "this specula was built without CUDA: build with `cargo build --release --features cuda` (docs/gpu.md) for --device {}",
         a.device
     )
+}
+
+/// The id a `--draft-model` argument is known by (in `/v1/models`, `decode_path`, stats): a
+/// catalog name as given, a path by its file name, so no server path reaches a client.
+fn draft_model_id(arg: &str) -> String {
+    let p = std::path::Path::new(arg);
+    match p.file_name() {
+        Some(name) if p.components().count() > 1 => name.to_string_lossy().into_owned(),
+        _ => arg.to_string(),
+    }
 }
 
 #[cfg(test)]
