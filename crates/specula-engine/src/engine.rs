@@ -549,15 +549,15 @@ impl Engine {
             Some(t) => t
                 .render_marked(messages, true, extras, &marked)
                 .map_err(|e| RequestError::InvalidParameter(format!("chat template: {e}")))?,
-            None if extras.tools.is_some() => {
-                return Err(RequestError::InvalidParameter(format!(
-                    "{} has no chat template, so it cannot be shown tools",
-                    self.id
-                )))
-            }
             None => {
                 // Checks that ChatML's tokens exist (else a base model's 400).
                 self.render_chat(&[], false)?;
+                if extras.tools.is_some() {
+                    return Err(RequestError::InvalidParameter(format!(
+                        "{} has no chat template, so it cannot be shown tools",
+                        self.id
+                    )));
+                }
                 let (text, spans) = chatml(messages, true);
                 let spans = messages
                     .iter()

@@ -1219,6 +1219,22 @@ fn corpus() -> Vec<Case> {
             load: Some(&["llama.block_count", "1099511627776 layers", "blk.1099511627775."]),
         },
         Case {
+            name: "GGUF block count short of the file's layers",
+            make: |r| {
+                let src = gguf_bundle(r);
+                let dst = r.join("short.gguf");
+                rewrite_gguf(&src, &dst, &mut |md, _| {
+                    set_md(md, "llama.block_count", gguf_file::Value::U32(1));
+                });
+                dst
+            },
+            file: "short.gguf",
+            subject: "llama.block_count",
+            message: "also holds 'blk.1.",
+            severity: Severity::Error,
+            load: Some(&["llama.block_count", "1 layers", "blk.1."]),
+        },
+        Case {
             name: "HF absurd num_hidden_layers",
             make: |r| {
                 let d = hf_bundle(r);

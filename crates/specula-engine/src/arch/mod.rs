@@ -339,7 +339,10 @@ pub fn rename(schema: &[TensorSpec], name: &str, from: BundleFormat, to: BundleF
 /// Check a config's layer count against the tensors a bundle holds (`has`, by full name): the
 /// last layer's first required per-layer tensor must be there. Run before anything loops over
 /// the layers, so an absurd count (a header saying 2^40 layers over weights of 2) is an error at
-/// once instead of a long loop or a huge allocation. Errors name the count and the tensor.
+/// once instead of a long loop or a huge allocation. In a GGUF file that tensor must not exist
+/// for the layer past the count either (llama.cpp refuses tensors it does not use: a
+/// `block_count` one short would run a truncated model). HF bundles may hold more (an MTP layer
+/// numbered after the last block). Errors name the count and the tensor.
 pub fn check_layer_count(
     a: &dyn Architecture,
     config: &ModelConfig,
@@ -360,6 +363,13 @@ pub fn check_layer_count(
     if !has(&name) {
         anyhow::bail!(
             "the config has {} layers, but the weights have no '{name}' (a layer count the weights do not hold)",
+            config.num_layers
+        );
+    }
+    let past = spec.name(format, config.num_layers);
+    if format == BundleFormat::Gguf && has(&past) {
+        anyhow::bail!(
+            "the config has {} layers, but the file also holds '{past}' (a layer count short of the file's layers)",
             config.num_layers
         );
     }
