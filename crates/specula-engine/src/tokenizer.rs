@@ -215,22 +215,33 @@ fn meta_u32(md: &HashMap<String, gguf_file::Value>, key: &str) -> Option<u32> {
         .and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|x| x as u32)))
 }
 
-/// `tokenizer.ggml.token_type` (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6
-/// byte), all normal when absent. Errors: a non-integer entry, or a count other than `n`.
-fn token_types(md: &HashMap<String, gguf_file::Value>, n: usize) -> Result<Vec<i32>> {
-    let types: Vec<i32> = match md.get("tokenizer.ggml.token_type") {
-        Some(v) => v
-            .to_vec()
-            .map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}"))?
-            .iter()
-            .map(|x| x.to_i32().map_err(|e| anyhow!("tokenizer.ggml.token_type: {e}")))
-            .collect::<Result<_>>()?,
-        None => vec![1; n],
+/// The metadata array `key` of `n` entries, each read by `get`; None when absent. Errors: not an
+/// array, an entry `get` refuses, or a count other than `n`.
+fn meta_array<T>(
+    md: &HashMap<String, gguf_file::Value>,
+    key: &str,
+    n: usize,
+    get: impl Fn(&gguf_file::Value) -> candle_core::Result<T>,
+) -> Result<Option<Vec<T>>> {
+    let Some(v) = md.get(key) else {
+        return Ok(None);
     };
-    if types.len() != n {
-        bail!("tokenizer.ggml.token_type has {} entries for {n} tokens", types.len());
+    let values: Vec<T> = v
+        .to_vec()
+        .map_err(|e| anyhow!("{key}: {e}"))?
+        .iter()
+        .map(|x| get(x).map_err(|e| anyhow!("{key}: {e}")))
+        .collect::<Result<_>>()?;
+    if values.len() != n {
+        bail!("{key} has {} entries for {n} tokens", values.len());
     }
-    Ok(types)
+    Ok(Some(values))
+}
+
+/// `tokenizer.ggml.token_type` (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6
+/// byte), all normal when absent. Errors: as [`meta_array`].
+fn token_types(md: &HashMap<String, gguf_file::Value>, n: usize) -> Result<Vec<i32>> {
+    Ok(meta_array(md, "tokenizer.ggml.token_type", n, gguf_file::Value::to_i32)?.unwrap_or_else(|| vec![1; n]))
 }
 
 fn meta_strings(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Vec<String>> {
@@ -340,22 +351,8 @@ impl Tokenizer {
     fn from_gguf_spm(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
         let tokens = meta_strings(md, "tokenizer.ggml.tokens")?;
         let types = token_types(md, tokens.len())?;
-        let scores: Vec<f32> = match md.get("tokenizer.ggml.scores") {
-            Some(v) => v
-                .to_vec()
-                .map_err(|e| anyhow!("tokenizer.ggml.scores: {e}"))?
-                .iter()
-                .map(|x| x.to_f32().map_err(|e| anyhow!("tokenizer.ggml.scores: {e}")))
-                .collect::<Result<_>>()?,
-            None => bail!("missing metadata key 'tokenizer.ggml.scores'"),
-        };
-        if scores.len() != tokens.len() {
-            bail!(
-                "tokenizer.ggml.scores has {} entries for {} tokens",
-                scores.len(),
-                tokens.len()
-            );
-        }
+        let scores = meta_array(md, "tokenizer.ggml.scores", tokens.len(), gguf_file::Value::to_f32)?
+            .ok_or_else(|| anyhow!("missing metadata key 'tokenizer.ggml.scores'"))?;
         let mut vocab = Vocab::default();
         for (i, t) in tokens.iter().enumerate() {
             // A later duplicate does not take an earlier token's id (llama.cpp keeps the first).

@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::{run, same};
+
 use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 
@@ -63,21 +65,10 @@ fn ngram(k: usize, adaptive: bool) -> SpecOptions {
     }
 }
 
-fn run(e: &mut Engine, r: &GenerateRequest) -> GenerateOutput {
-    e.generate(r, &mut |_| true).expect("generate")
-}
-
 /// [`run`] of `text` as a greedy request.
 fn go(e: &mut Engine, text: &str, max_tokens: usize, spec: SpecOptions) -> GenerateOutput {
     let r = req(e, text, max_tokens, spec);
     run(e, &r)
-}
-
-fn same(a: &GenerateOutput, b: &GenerateOutput, what: &str) {
-    assert_eq!(a.text.as_bytes(), b.text.as_bytes(), "{what}: text");
-    assert_eq!(a.token_ids, b.token_ids, "{what}: token ids");
-    assert_eq!(a.logprobs, b.logprobs, "{what}: logprobs");
-    assert_eq!(a.finish_reason, b.finish_reason, "{what}: finish reason");
 }
 
 #[test]
@@ -101,21 +92,6 @@ fn gemma_ngram_greedy_is_byte_identical_to_ar() {
     assert!(accepted > 0, "speculation ran and kept drafts");
 }
 
-/// Streams of one batch, stepped together with speculation on, each equal to its solo plain run.
-fn batch(e: &mut Engine, reqs: &[GenerateRequest]) -> Vec<GenerateOutput> {
-    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
-    let mut steps = 0;
-    while seqs.iter().any(|s| s.finished().is_none()) {
-        let mut refs: Vec<_> = seqs.iter_mut().collect();
-        for r in e.step(&mut refs) {
-            r.expect("step");
-        }
-        steps += 1;
-        assert!(steps < 2_000, "no progress");
-    }
-    seqs.into_iter().map(|s| e.retire(s, true)).collect()
-}
-
 #[test]
 fn gemma_batches_of_1_4_16_32_equal_solo_runs() {
     let mut e = engine(false);
@@ -135,7 +111,7 @@ fn gemma_batches_of_1_4_16_32_equal_solo_runs() {
         })
         .collect();
     for n in [1usize, 4, 16, 32] {
-        let outs = batch(&mut e, &reqs[32 - n..]);
+        let outs = common::run_batch(&mut e, &reqs[32 - n..], 2_000, &format!("batch of {n}"));
         for (i, out) in outs.iter().enumerate() {
             same(&solo[32 - n + i], out, &format!("batch of {n}, stream {i}"));
         }

@@ -47,18 +47,7 @@ fn mtp_matches_ar(e: &mut Engine, prompt: &[u32], ar: &GenerateOutput, k: usize,
 /// solo outputs.
 fn batched_matches_solo(e: &mut Engine, reqs: &[GenerateRequest], what: &str) -> Vec<GenerateOutput> {
     let solo: Vec<GenerateOutput> = reqs.iter().map(|r| run(e, r)).collect();
-    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
-    let mut steps = 0;
-    while seqs.iter().any(|s| s.finished().is_none()) {
-        let mut refs: Vec<_> = seqs.iter_mut().collect();
-        for r in e.step(&mut refs) {
-            r.expect("step");
-        }
-        steps += 1;
-        assert!(steps < 500, "{what}: no progress");
-    }
-    for (i, s) in seqs.into_iter().enumerate() {
-        let out = e.retire(s, true);
+    for (i, out) in common::run_batch(e, reqs, 500, what).into_iter().enumerate() {
         let spec = (&out.stats.spec.decode_path, out.stats.spec.drafted);
         assert_eq!(out.token_ids, solo[i].token_ids, "{what}: request {i}");
         assert_eq!(

@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::same;
+
 use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::{ChatMessage, Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
 
@@ -32,13 +34,6 @@ fn run(e: &mut Engine, messages: &[ChatMessage], mode: SpecMode) -> GenerateOutp
         },
     };
     e.generate(&req, &mut |_| true).expect("generate")
-}
-
-fn same(a: &GenerateOutput, b: &GenerateOutput, what: &str) {
-    assert_eq!(a.text.as_bytes(), b.text.as_bytes(), "{what}: text");
-    assert_eq!(a.token_ids, b.token_ids, "{what}: ids");
-    assert_eq!(a.logprobs, b.logprobs, "{what}: logprobs");
-    assert_eq!(a.finish_reason, b.finish_reason, "{what}: finish");
 }
 
 const SYSTEM: &str = "You are the vault assistant of the Northwind museum. The secret code of the vault is \

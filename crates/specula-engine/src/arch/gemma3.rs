@@ -22,14 +22,15 @@ use candle_core::Device;
 use serde_json::Value as Json;
 
 use super::llama::{
-    build_dense, dense_config_from_gguf, dense_config_from_hf, dense_gguf_metadata, dense_hf_config, hf_rope_theta,
+    self, build_dense, dense_config_from_gguf, dense_config_from_hf, dense_gguf_metadata, dense_hf_config,
+    hf_rope_theta,
 };
 use super::shape::*;
 use super::{
     AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, ModelConfig, Role, RopeStyle, SlidingWindow, StateKind,
     TensorSpec, WeightSource,
 };
-use crate::inspect::gguf::meta_usize;
+use crate::inspect::gguf::{meta_f64, meta_usize};
 use crate::model::{Family, LayerPass, Model};
 
 /// The Gemma 3 text model.
@@ -45,51 +46,11 @@ const DEFAULT_LOCAL_THETA: f64 = 10_000.0;
 
 /// The tensor schema, in the order a layer's tensors are listed.
 pub static TENSORS: &[TensorSpec] = &[
-    TensorSpec::new(
-        Role::TokenEmbedding,
-        "token_embd.weight",
-        "model.embed_tokens.weight",
-        false,
-        true,
-        Kind::Table,
-        vocab_by_hidden,
-    ),
-    TensorSpec::new(
-        Role::AttnNorm,
-        "attn_norm.weight",
-        "input_layernorm.weight",
-        true,
-        true,
-        Kind::Vector,
-        hidden,
-    ),
-    TensorSpec::new(
-        Role::AttnQ,
-        "attn_q.weight",
-        "self_attn.q_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        q_proj,
-    ),
-    TensorSpec::new(
-        Role::AttnK,
-        "attn_k.weight",
-        "self_attn.k_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        kv_proj,
-    ),
-    TensorSpec::new(
-        Role::AttnV,
-        "attn_v.weight",
-        "self_attn.v_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        kv_proj,
-    ),
+    llama::TOKEN_EMBD,
+    llama::ATTN_NORM,
+    llama::ATTN_Q,
+    llama::ATTN_K,
+    llama::ATTN_V,
     TensorSpec::new(
         Role::AttnQNorm,
         "attn_q_norm.weight",
@@ -108,15 +69,7 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         head_dim,
     ),
-    TensorSpec::new(
-        Role::AttnOutput,
-        "attn_output.weight",
-        "self_attn.o_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        o_proj,
-    ),
+    llama::ATTN_OUTPUT,
     // transformers' `post_attention_layernorm` is Gemma's post-attention norm (in Llama the
     // same name is the norm before the MLP).
     TensorSpec::new(
@@ -137,33 +90,9 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         hidden,
     ),
-    TensorSpec::new(
-        Role::FfnGate,
-        "ffn_gate.weight",
-        "mlp.gate_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        up_proj,
-    ),
-    TensorSpec::new(
-        Role::FfnUp,
-        "ffn_up.weight",
-        "mlp.up_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        up_proj,
-    ),
-    TensorSpec::new(
-        Role::FfnDown,
-        "ffn_down.weight",
-        "mlp.down_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        down_proj,
-    ),
+    llama::FFN_GATE,
+    llama::FFN_UP,
+    llama::FFN_DOWN,
     TensorSpec::new(
         Role::FfnPostNorm,
         "post_ffw_norm.weight",
@@ -173,47 +102,9 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         hidden,
     ),
-    TensorSpec::new(
-        Role::OutputNorm,
-        "output_norm.weight",
-        "model.norm.weight",
-        false,
-        true,
-        Kind::Vector,
-        hidden,
-    ),
-    TensorSpec::new(
-        Role::Output,
-        "output.weight",
-        "lm_head.weight",
-        false,
-        false,
-        Kind::Matrix,
-        vocab_by_hidden,
-    ),
+    llama::OUTPUT_NORM,
+    llama::OUTPUT,
 ];
-
-const GGUF_REQUIRED: &[&str] = &[
-    "embedding_length",
-    "attention.head_count",
-    "feed_forward_length",
-    "block_count",
-    "context_length",
-];
-
-const HF_REQUIRED: &[&str] = &[
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "max_position_embeddings",
-];
-
-fn meta_f64(md: &HashMap<String, Value>, key: &str) -> Option<f64> {
-    let v = md.get(key)?;
-    v.to_f32().ok().map(f64::from).or_else(|| v.to_f64().ok())
-}
 
 /// Per layer, whether it is windowed under llama.cpp's pattern rule: layer `l` is global when
 /// `l % pattern == pattern - 1` (pattern 0: every layer windowed).
@@ -241,11 +132,12 @@ impl super::Architecture for Gemma3 {
     }
 
     fn gguf_required_keys(&self) -> &'static [&'static str] {
-        GGUF_REQUIRED
+        // The dense block's config keys: Gemma's extras all have defaults.
+        llama::Llama.gguf_required_keys()
     }
 
     fn hf_required_fields(&self) -> &'static [&'static str] {
-        HF_REQUIRED
+        llama::Llama.hf_required_fields()
     }
 
     fn config_from_gguf(

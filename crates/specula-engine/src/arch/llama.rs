@@ -19,7 +19,7 @@ use super::{
     spec, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, ModelConfig, Role, RopeStyle, StateKind, TensorSpec,
     WeightSource,
 };
-use crate::inspect::gguf::meta_usize;
+use crate::inspect::gguf::{meta_f64, meta_usize};
 use crate::model::{Block, Embedding, Linear, Model};
 
 /// Which model a config describes: a member of the dense Llama family (each sets flags of the
@@ -65,62 +65,126 @@ impl serde::Serialize for Family {
 #[derive(Debug)]
 pub struct Llama;
 
+/// Rows of the dense block's schema that other families' schemas share (the same names in both
+/// formats, the same shapes).
+pub const TOKEN_EMBD: TensorSpec = TensorSpec::new(
+    Role::TokenEmbedding,
+    "token_embd.weight",
+    "model.embed_tokens.weight",
+    false,
+    true,
+    Kind::Table,
+    vocab_by_hidden,
+);
+
+pub const ATTN_NORM: TensorSpec = TensorSpec::new(
+    Role::AttnNorm,
+    "attn_norm.weight",
+    "input_layernorm.weight",
+    true,
+    true,
+    Kind::Vector,
+    hidden,
+);
+
+pub const ATTN_Q: TensorSpec = TensorSpec::new(
+    Role::AttnQ,
+    "attn_q.weight",
+    "self_attn.q_proj.weight",
+    true,
+    true,
+    Kind::Matrix,
+    q_proj,
+);
+
+pub const ATTN_K: TensorSpec = TensorSpec::new(
+    Role::AttnK,
+    "attn_k.weight",
+    "self_attn.k_proj.weight",
+    true,
+    true,
+    Kind::Matrix,
+    kv_proj,
+);
+
+pub const ATTN_V: TensorSpec = TensorSpec::new(
+    Role::AttnV,
+    "attn_v.weight",
+    "self_attn.v_proj.weight",
+    true,
+    true,
+    Kind::Matrix,
+    kv_proj,
+);
+
+pub const ATTN_OUTPUT: TensorSpec = TensorSpec::new(
+    Role::AttnOutput,
+    "attn_output.weight",
+    "self_attn.o_proj.weight",
+    true,
+    true,
+    Kind::Matrix,
+    o_proj,
+);
+
+pub const FFN_GATE: TensorSpec = TensorSpec::new(
+    Role::FfnGate,
+    "ffn_gate.weight",
+    "mlp.gate_proj.weight",
+    true,
+    true,
+    Kind::Matrix,
+    up_proj,
+);
+
+pub const FFN_UP: TensorSpec = TensorSpec::new(
+    Role::FfnUp,
+    "ffn_up.weight",
+    "mlp.up_proj.weight",
+    true,
+    true,
+    Kind::Matrix,
+    up_proj,
+);
+
+pub const FFN_DOWN: TensorSpec = TensorSpec::new(
+    Role::FfnDown,
+    "ffn_down.weight",
+    "mlp.down_proj.weight",
+    true,
+    true,
+    Kind::Matrix,
+    down_proj,
+);
+
+pub const OUTPUT_NORM: TensorSpec = TensorSpec::new(
+    Role::OutputNorm,
+    "output_norm.weight",
+    "model.norm.weight",
+    false,
+    true,
+    Kind::Vector,
+    hidden,
+);
+
+pub const OUTPUT: TensorSpec = TensorSpec::new(
+    Role::Output,
+    "output.weight",
+    "lm_head.weight",
+    false,
+    false,
+    Kind::Matrix,
+    vocab_by_hidden,
+);
+
 /// The tensor schema of the dense block, in the order a layer's tensors are listed.
 pub static TENSORS: &[TensorSpec] = &[
-    TensorSpec::new(
-        Role::TokenEmbedding,
-        "token_embd.weight",
-        "model.embed_tokens.weight",
-        false,
-        true,
-        Kind::Table,
-        vocab_by_hidden,
-    ),
-    TensorSpec::new(
-        Role::AttnNorm,
-        "attn_norm.weight",
-        "input_layernorm.weight",
-        true,
-        true,
-        Kind::Vector,
-        hidden,
-    ),
-    TensorSpec::new(
-        Role::AttnQ,
-        "attn_q.weight",
-        "self_attn.q_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        q_proj,
-    ),
-    TensorSpec::new(
-        Role::AttnK,
-        "attn_k.weight",
-        "self_attn.k_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        kv_proj,
-    ),
-    TensorSpec::new(
-        Role::AttnV,
-        "attn_v.weight",
-        "self_attn.v_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        kv_proj,
-    ),
-    TensorSpec::new(
-        Role::AttnOutput,
-        "attn_output.weight",
-        "self_attn.o_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        o_proj,
-    ),
+    TOKEN_EMBD,
+    ATTN_NORM,
+    ATTN_Q,
+    ATTN_K,
+    ATTN_V,
+    ATTN_OUTPUT,
     TensorSpec::new(
         Role::AttnQBias,
         "attn_q.bias",
@@ -175,51 +239,11 @@ pub static TENSORS: &[TensorSpec] = &[
         Kind::Vector,
         hidden,
     ),
-    TensorSpec::new(
-        Role::FfnGate,
-        "ffn_gate.weight",
-        "mlp.gate_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        up_proj,
-    ),
-    TensorSpec::new(
-        Role::FfnUp,
-        "ffn_up.weight",
-        "mlp.up_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        up_proj,
-    ),
-    TensorSpec::new(
-        Role::FfnDown,
-        "ffn_down.weight",
-        "mlp.down_proj.weight",
-        true,
-        true,
-        Kind::Matrix,
-        down_proj,
-    ),
-    TensorSpec::new(
-        Role::OutputNorm,
-        "output_norm.weight",
-        "model.norm.weight",
-        false,
-        true,
-        Kind::Vector,
-        hidden,
-    ),
-    TensorSpec::new(
-        Role::Output,
-        "output.weight",
-        "lm_head.weight",
-        false,
-        false,
-        Kind::Matrix,
-        vocab_by_hidden,
-    ),
+    FFN_GATE,
+    FFN_UP,
+    FFN_DOWN,
+    OUTPUT_NORM,
+    OUTPUT,
     // llama.cpp's converter writes Llama 3.1's RoPE scaling as a tensor; HF keeps it in the
     // config (not read: the catalog's HF bundles do not use it).
     TensorSpec::new(
@@ -268,11 +292,6 @@ const HF_REQUIRED: &[&str] = &[
     "num_attention_heads",
     "max_position_embeddings",
 ];
-
-fn meta_f64(md: &HashMap<String, Value>, key: &str) -> Option<f64> {
-    let v = md.get(key)?;
-    v.to_f32().ok().map(f64::from).or_else(|| v.to_f64().ok())
-}
 
 fn json_usize(c: &Json, k: &str) -> Option<usize> {
     c.get(k).and_then(Json::as_u64).map(|x| x as usize)

@@ -461,6 +461,12 @@ pub fn validate(scan: &GgufScan) -> Vec<TensorProblem> {
     out
 }
 
+/// A metadata value as a float (f32 or f64).
+pub fn meta_f64(md: &HashMap<String, Value>, key: &str) -> Option<f64> {
+    let v = md.get(key)?;
+    v.to_f32().ok().map(f64::from).or_else(|| v.to_f64().ok())
+}
+
 /// A metadata value as an unsigned integer (any integer width).
 pub fn meta_usize(md: &HashMap<String, Value>, key: &str) -> Option<usize> {
     match md.get(key)? {

@@ -75,3 +75,34 @@ pub fn req(
 pub fn run(e: &mut specula_engine::Engine, r: &specula_engine::GenerateRequest) -> specula_engine::GenerateOutput {
     e.generate(r, &mut |_| true).expect("generate")
 }
+
+/// Two outputs agree on everything a client sees of them: text bytes, token ids, logprobs and
+/// finish reason.
+pub fn same(a: &specula_engine::GenerateOutput, b: &specula_engine::GenerateOutput, what: &str) {
+    assert_eq!(a.text.as_bytes(), b.text.as_bytes(), "{what}: text");
+    assert_eq!(a.token_ids, b.token_ids, "{what}: ids");
+    assert_eq!(a.logprobs, b.logprobs, "{what}: logprobs");
+    assert_eq!(a.finish_reason, b.finish_reason, "{what}: finish");
+}
+
+/// Start every request of `reqs` as one batch and step them together through
+/// [`specula_engine::Engine::step`] until all finish (at most `max_steps` steps); returns the
+/// outputs in request order.
+pub fn run_batch(
+    e: &mut specula_engine::Engine,
+    reqs: &[specula_engine::GenerateRequest],
+    max_steps: usize,
+    what: &str,
+) -> Vec<specula_engine::GenerateOutput> {
+    let mut seqs: Vec<_> = reqs.iter().map(|r| e.start_sequence(r, None).expect("start")).collect();
+    let mut steps = 0;
+    while seqs.iter().any(|s| s.finished().is_none()) {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        for r in e.step(&mut refs) {
+            r.expect("step");
+        }
+        steps += 1;
+        assert!(steps < max_steps, "{what}: no progress");
+    }
+    seqs.into_iter().map(|s| e.retire(s, true)).collect()
+}
