@@ -712,13 +712,29 @@ fn add_safetensors(part: &mut Part, files: &[PathBuf]) {
             bytes: scan.file_len,
             tensors: scan.tensors.len(),
         });
-        for t in scan.tensors {
+        // transformers 5's fused experts stand for the per-expert tensors the loader reads.
+        let tensors = scan.tensors.into_iter().flat_map(|t| {
             let bytes = t.data_offsets.1.saturating_sub(t.data_offsets.0);
-            let name = t.name.clone();
+            match safetensors::split_fused_experts(&t.name, &t.dims) {
+                Some(slices) => {
+                    let per = bytes / t.elements().max(1);
+                    slices
+                        .into_iter()
+                        .map(|s| {
+                            let b = per * s.dims.iter().product::<usize>() as u64;
+                            (s.name, s.dims, t.dtype.clone(), b)
+                        })
+                        .collect::<Vec<_>>()
+                }
+                None => vec![(t.name, t.dims, t.dtype, bytes)],
+            }
+        });
+        for (tname, dims, dtype, bytes) in tensors {
+            let name = tname.clone();
             let meta = TensorMeta {
-                name: t.name,
-                dims: t.dims,
-                dtype: t.dtype,
+                name: tname,
+                dims,
+                dtype,
                 ggml: None,
                 bytes,
                 file: fname.clone(),
@@ -858,9 +874,9 @@ fn read_hf_tokenizer(part: &mut Part, dir: &Path) {
 /// the architecture's schema.
 fn expected_trunk(part: &Part, c: &ModelConfig) -> Vec<(String, Vec<usize>, bool)> {
     let Some(a) = part.architecture else { return Vec::new() };
-    crate::arch::expected_tensors(a.tensors(), part.format, c.num_layers)
+    crate::arch::expected_tensors(a, c, part.format)
         .into_iter()
-        .map(|(n, s)| (n, (s.shape)(c), s.required))
+        .map(|e| (e.name, (e.spec.shape)(c), e.required))
         .collect()
 }
 
@@ -1001,10 +1017,10 @@ fn compare_tokenizers(target: &Part, draft: &Part) -> Result<(), String> {
 fn projection_names(part: &Part, c: &ModelConfig) -> Vec<String> {
     let Some(a) = part.architecture else { return Vec::new() };
     let schema = a.tensors();
-    let mut v: Vec<String> = crate::arch::expected_tensors(schema, part.format, c.num_layers)
+    let mut v: Vec<String> = crate::arch::expected_tensors(a, c, part.format)
         .into_iter()
-        .filter(|(n, s)| s.kind == Kind::Matrix && (s.required || part.tensors.get(n).is_some()))
-        .map(|(n, _)| n)
+        .filter(|e| e.spec.kind == Kind::Matrix && (e.required || part.tensors.get(&e.name).is_some()))
+        .map(|e| e.name)
         .collect();
     if !v
         .iter()

@@ -8,7 +8,7 @@ use anyhow::Result;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::arch::{llama, Architecture, BundleFormat, Role};
+use crate::arch::{llama, Architecture, BundleFormat, Kind, Role};
 use crate::model::{Family, ModelConfig};
 
 /// Shape of a tiny test model.
@@ -100,6 +100,40 @@ fn tiny_config(spec: &TinySpec, vocab: usize) -> ModelConfig {
         sliding_window: None,
         query_scale: None,
         rope_freq_scale: None,
+        moe: None,
+    }
+}
+
+/// A tiny Mixture-of-Experts config over the tiny vocabulary ([`tiny_vocab`]): Qwen3-MoE
+/// (`qwen3moe`: QK-norm, top-k renormalized) or Qwen2-MoE (`qwen2moe`: q/k/v biases, a shared
+/// expert of 64); hidden 64, 4 layers (layer 2 dense of 128, the others 8 experts of 32, 2 per
+/// token), 4 heads of 16 over 2 KV heads, 256 positions.
+pub fn tiny_moe_config(gguf_arch: &'static str) -> ModelConfig {
+    let qwen2 = gguf_arch == "qwen2moe";
+    ModelConfig {
+        family: Family::Other(gguf_arch),
+        vocab_size: tiny_vocab().0.len(),
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_layers: 4,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000.0,
+        context_length: 256,
+        rope_style: crate::model::RopeStyle::Neox,
+        sliding_window: None,
+        query_scale: None,
+        rope_freq_scale: None,
+        moe: Some(crate::arch::MoeConfig {
+            experts: 8,
+            experts_per_token: 2,
+            expert_intermediate_size: 32,
+            shared_intermediate_size: qwen2.then_some(64),
+            norm_topk_prob: !qwen2,
+            layers: vec![true, true, false, true],
+        }),
     }
 }
 
@@ -135,9 +169,9 @@ fn tiny_weights(spec: &TinySpec, vocab: usize) -> Result<Vec<(String, Role, Tens
     let mut u = Uniform::new(spec.seed);
     let c = tiny_config(spec, vocab);
     let mut w = Vec::new();
-    for (name, s) in crate::arch::expected_tensors(llama::TENSORS, BundleFormat::Hf, spec.layers) {
-        if tiny_has(spec.family, s.role) {
-            w.push((name, s.role, random_for(&mut u, s.role, &(s.shape)(&c))?));
+    for e in crate::arch::expected_tensors(&llama::Llama, &c, BundleFormat::Hf) {
+        if tiny_has(spec.family, e.spec.role) {
+            w.push((e.name, e.spec.role, random_for(&mut u, e.spec.role, &(e.spec.shape)(&c))?));
         }
     }
     Ok(w)
@@ -151,12 +185,12 @@ fn random_bundle_weights(
     c: &ModelConfig,
     format: BundleFormat,
     seed: u64,
-) -> Result<Vec<(String, Tensor)>> {
+) -> Result<Vec<(String, Kind, Tensor)>> {
     let mut u = Uniform::new(seed);
     let mut w = Vec::new();
-    for (name, s) in crate::arch::expected_tensors(arch.tensors(), format, c.num_layers) {
-        if s.required || s.role == Role::Output {
-            w.push((name, random_for(&mut u, s.role, &(s.shape)(c))?));
+    for e in crate::arch::expected_tensors(arch, c, format) {
+        if e.required || e.spec.role == Role::Output {
+            w.push((e.name, e.spec.kind, random_for(&mut u, e.spec.role, &(e.spec.shape)(c))?));
         }
     }
     Ok(w)
@@ -176,8 +210,10 @@ pub fn write_random_gguf(
 ) -> Result<()> {
     use gguf_file::Value as V;
     let mut qtensors: Vec<(String, QTensor)> = Vec::new();
-    for (name, t) in random_bundle_weights(arch, c, BundleFormat::Gguf, seed)? {
-        let dt = if t.rank() == 2 { dtype } else { GgmlDType::F32 };
+    for (name, kind, t) in random_bundle_weights(arch, c, BundleFormat::Gguf, seed)? {
+        // Matrices and tables (stacked experts too) in `dtype`; what the loader reads as f32
+        // (norms, biases, an MoE router, as llama.cpp's converter keeps it) in f32.
+        let dt = if kind == Kind::Vector { GgmlDType::F32 } else { dtype };
         qtensors.push((name, QTensor::quantize(&t, dt)?));
     }
     let mut md: Vec<(String, V)> = vec![
@@ -199,6 +235,7 @@ pub fn write_random_hf(dir: &Path, arch: &dyn Architecture, c: &ModelConfig, see
     std::fs::create_dir_all(dir)?;
     let map: HashMap<String, Tensor> = random_bundle_weights(arch, c, BundleFormat::Hf, seed)?
         .into_iter()
+        .map(|(n, _, t)| (n, t))
         .collect();
     candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
     let mut config = arch.hf_config(c);

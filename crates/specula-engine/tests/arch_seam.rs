@@ -17,7 +17,7 @@ use specula_engine::arch::{
     self, llama, Architecture, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, Role, StateKind, TensorSpec,
     WeightSource,
 };
-use specula_engine::model::{Block, Family, LayerPass, LogitsRows, Model, ModelConfig, RopeStyle};
+use specula_engine::model::{Block, Family, Mlp, LayerPass, LogitsRows, Model, ModelConfig, RopeStyle};
 use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::testing::{tiny_vocab, write_random_gguf, write_random_hf};
 use specula_engine::{Engine, GenerateRequest, LoadOptions, SamplingParams};
@@ -175,9 +175,7 @@ impl Architecture for Parallel {
                 q_norm: None,
                 k_norm: None,
                 ffn_norm: None,
-                gate,
-                up,
-                down,
+                mlp: Mlp::dense(gate, up, down),
                 post_attn_norm: None,
                 post_ffn_norm: None,
             });
@@ -223,6 +221,7 @@ fn config() -> ModelConfig {
         sliding_window: None,
         query_scale: None,
         rope_freq_scale: None,
+        moe: None,
     }
 }
 

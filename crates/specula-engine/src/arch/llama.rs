@@ -20,7 +20,7 @@ use super::{
     WeightSource,
 };
 use crate::inspect::gguf::{meta_f64, meta_usize};
-use crate::model::{Block, Embedding, Linear, Model};
+use crate::model::{Block, Embedding, Linear, Mlp, Model};
 
 /// Which model a config describes: a member of the dense Llama family (each sets flags of the
 /// one block), or a model of another architecture file, by its registered name.
@@ -127,6 +127,66 @@ pub const ATTN_OUTPUT: TensorSpec = TensorSpec::new(
     o_proj,
 );
 
+pub const ATTN_Q_BIAS: TensorSpec = TensorSpec::new(
+    Role::AttnQBias,
+    "attn_q.bias",
+    "self_attn.q_proj.bias",
+    true,
+    false,
+    Kind::Vector,
+    q_out,
+);
+
+pub const ATTN_K_BIAS: TensorSpec = TensorSpec::new(
+    Role::AttnKBias,
+    "attn_k.bias",
+    "self_attn.k_proj.bias",
+    true,
+    false,
+    Kind::Vector,
+    kv_out,
+);
+
+pub const ATTN_V_BIAS: TensorSpec = TensorSpec::new(
+    Role::AttnVBias,
+    "attn_v.bias",
+    "self_attn.v_proj.bias",
+    true,
+    false,
+    Kind::Vector,
+    kv_out,
+);
+
+pub const ATTN_Q_NORM: TensorSpec = TensorSpec::new(
+    Role::AttnQNorm,
+    "attn_q_norm.weight",
+    "self_attn.q_norm.weight",
+    true,
+    false,
+    Kind::Vector,
+    head_dim,
+);
+
+pub const ATTN_K_NORM: TensorSpec = TensorSpec::new(
+    Role::AttnKNorm,
+    "attn_k_norm.weight",
+    "self_attn.k_norm.weight",
+    true,
+    false,
+    Kind::Vector,
+    head_dim,
+);
+
+pub const FFN_NORM: TensorSpec = TensorSpec::new(
+    Role::FfnNorm,
+    "ffn_norm.weight",
+    "post_attention_layernorm.weight",
+    true,
+    true,
+    Kind::Vector,
+    hidden,
+);
+
 pub const FFN_GATE: TensorSpec = TensorSpec::new(
     Role::FfnGate,
     "ffn_gate.weight",
@@ -185,60 +245,12 @@ pub static TENSORS: &[TensorSpec] = &[
     ATTN_K,
     ATTN_V,
     ATTN_OUTPUT,
-    TensorSpec::new(
-        Role::AttnQBias,
-        "attn_q.bias",
-        "self_attn.q_proj.bias",
-        true,
-        false,
-        Kind::Vector,
-        q_out,
-    ),
-    TensorSpec::new(
-        Role::AttnKBias,
-        "attn_k.bias",
-        "self_attn.k_proj.bias",
-        true,
-        false,
-        Kind::Vector,
-        kv_out,
-    ),
-    TensorSpec::new(
-        Role::AttnVBias,
-        "attn_v.bias",
-        "self_attn.v_proj.bias",
-        true,
-        false,
-        Kind::Vector,
-        kv_out,
-    ),
-    TensorSpec::new(
-        Role::AttnQNorm,
-        "attn_q_norm.weight",
-        "self_attn.q_norm.weight",
-        true,
-        false,
-        Kind::Vector,
-        head_dim,
-    ),
-    TensorSpec::new(
-        Role::AttnKNorm,
-        "attn_k_norm.weight",
-        "self_attn.k_norm.weight",
-        true,
-        false,
-        Kind::Vector,
-        head_dim,
-    ),
-    TensorSpec::new(
-        Role::FfnNorm,
-        "ffn_norm.weight",
-        "post_attention_layernorm.weight",
-        true,
-        true,
-        Kind::Vector,
-        hidden,
-    ),
+    ATTN_Q_BIAS,
+    ATTN_K_BIAS,
+    ATTN_V_BIAS,
+    ATTN_Q_NORM,
+    ATTN_K_NORM,
+    FFN_NORM,
     FFN_GATE,
     FFN_UP,
     FFN_DOWN,
@@ -372,6 +384,7 @@ pub fn dense_config_from_gguf(
         sliding_window: None,
         query_scale: None,
         rope_freq_scale: None,
+        moe: None,
     })
 }
 
@@ -409,6 +422,7 @@ pub fn dense_config_from_hf(family: Family, c: &Json) -> Result<ModelConfig> {
         sliding_window: None,
         query_scale: None,
         rope_freq_scale: None,
+        moe: None,
     })
 }
 
@@ -509,11 +523,38 @@ pub fn build_dense(
     device: &Device,
     norm_shift: f32,
 ) -> Result<Model> {
+    build_blocks(schema, config, w, device, norm_shift, &mut |w, l| dense_mlp(schema, w, l))
+}
+
+/// The name of `role`'s row in `schema` for `format` at `layer`: the first row of that role
+/// with a name in that format; None when there is none.
+pub fn schema_name(schema: &[TensorSpec], role: Role, format: BundleFormat, layer: usize) -> Option<String> {
+    let s = schema.iter().find(|s| s.role == role && !s.base(format).is_empty())?;
+    Some(s.name(format, layer))
+}
+
+/// The dense gated MLP of layer `l` (the schema's `FfnGate`, `FfnUp`, `FfnDown`).
+pub fn dense_mlp(schema: &[TensorSpec], w: &mut dyn WeightSource, l: usize) -> Result<Mlp> {
     let f = w.format();
-    let name = |r: Role, l: usize| -> Option<String> {
-        let s = schema.iter().find(|s| s.role == r)?;
-        (!s.base(f).is_empty()).then(|| s.name(f, l))
+    let mut lin = |r: Role| -> Result<Linear> {
+        let n = schema_name(schema, r, f, l).ok_or_else(|| anyhow!("the tensor schema has no {r:?}"))?;
+        w.linear(&n, None)
     };
+    Ok(Mlp::dense(lin(Role::FfnGate)?, lin(Role::FfnUp)?, lin(Role::FfnDown)?))
+}
+
+/// [`build_dense`] with each layer's MLP read by `mlp` (a family whose MLPs differ by layer,
+/// such as MoE): the attention, the norms, the embedding and the LM head by `schema`.
+pub fn build_blocks(
+    schema: &'static [TensorSpec],
+    config: ModelConfig,
+    w: &mut dyn WeightSource,
+    device: &Device,
+    norm_shift: f32,
+    mlp: &mut dyn FnMut(&mut dyn WeightSource, usize) -> Result<Mlp>,
+) -> Result<Model> {
+    let f = w.format();
+    let name = |r: Role, l: usize| schema_name(schema, r, f, l);
     let need = |r: Role, l: usize| name(r, l).ok_or_else(|| anyhow!("the tensor schema has no {r:?}"));
     let norm = |w: &mut dyn WeightSource, n: &str| -> Result<candle_core::Tensor> {
         let t = w.dense(n)?;
@@ -535,9 +576,7 @@ pub fn build_dense(
         let k = lin(w, Role::AttnK, Some(Role::AttnKBias))?;
         let v = lin(w, Role::AttnV, Some(Role::AttnVBias))?;
         let o = lin(w, Role::AttnOutput, None)?;
-        let gate = lin(w, Role::FfnGate, None)?;
-        let up = lin(w, Role::FfnUp, None)?;
-        let down = lin(w, Role::FfnDown, None)?;
+        let layer_mlp = mlp(w, l)?;
         let opt_norm = |w: &mut dyn WeightSource, r: Role| -> Result<Option<candle_core::Tensor>> {
             present(w, r).map(|n| norm(w, &n)).transpose()
         };
@@ -556,9 +595,7 @@ pub fn build_dense(
             q_norm,
             k_norm,
             ffn_norm: Some(ffn_norm),
-            gate,
-            up,
-            down,
+            mlp: layer_mlp,
             post_attn_norm,
             post_ffn_norm,
         });

@@ -19,6 +19,7 @@
 
 pub mod gemma3;
 pub mod llama;
+pub mod qwen_moe;
 
 use std::collections::HashMap;
 
@@ -69,6 +70,39 @@ pub struct ModelConfig {
     /// Linear RoPE scaling of the full-attention layers: the rotation angles multiplied by this
     /// (`1 / factor`; llama.cpp's `rope_freq_scale`). None: 1.
     pub rope_freq_scale: Option<f64>,
+    /// Mixture-of-Experts MLPs on some layers (Qwen2-MoE, Qwen3-MoE); None: every MLP is dense
+    /// of [`ModelConfig::intermediate_size`].
+    pub moe: Option<MoeConfig>,
+}
+
+/// The routed experts of a Mixture-of-Experts model (Shazeer et al. 2017; Qwen2-MoE / Qwen3-MoE
+/// as in transformers `modeling_qwen3_moe.py` and llama.cpp `build_moe_ffn`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`num_experts`; GGUF `expert_count`).
+    pub experts: usize,
+    /// Experts each token is routed to, top-k of the router's softmax (`num_experts_per_tok`;
+    /// GGUF `expert_used_count`).
+    pub experts_per_token: usize,
+    /// The SwiGLU width of one expert (`moe_intermediate_size`; GGUF
+    /// `expert_feed_forward_length`).
+    pub expert_intermediate_size: usize,
+    /// The width of the shared expert that every token also runs, scaled by a sigmoid gate
+    /// (Qwen2-MoE's `shared_expert_intermediate_size`; GGUF
+    /// `expert_shared_feed_forward_length`); None: no shared expert.
+    pub shared_intermediate_size: Option<usize>,
+    /// Whether the top-k routing weights are renormalized to sum to 1 (`norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Per layer, whether its MLP is the MoE (the others are dense of
+    /// [`ModelConfig::intermediate_size`]: `mlp_only_layers`, `decoder_sparse_step`).
+    pub layers: Vec<bool>,
+}
+
+impl MoeConfig {
+    /// Whether layer `l` has the MoE MLP.
+    pub fn is_moe(&self, l: usize) -> bool {
+        self.layers.get(l).copied().unwrap_or(false)
+    }
 }
 
 /// Which layers attend over a sliding window, how wide, and with which RoPE base.
@@ -89,11 +123,40 @@ impl ModelConfig {
     /// `hidden × kv_heads·head_dim` each) and the gated MLP's three (`hidden × intermediate`).
     /// A count of weights, not bytes. It is the work of a prompt token whose logits are not
     /// computed (prefill, a draft model's catch-up).
+    /// On an MoE model, the weights of the experts a token is routed to (plus the router and
+    /// the shared expert), not all experts ([`ModelConfig::total_block_params`]).
     pub fn block_params(&self) -> usize {
+        self.block_params_by(true)
+    }
+
+    /// [`ModelConfig::block_params`] with every expert counted: the weights held in memory.
+    pub fn total_block_params(&self) -> usize {
+        self.block_params_by(false)
+    }
+
+    fn block_params_by(&self, active: bool) -> usize {
         let h = self.hidden_size;
         let q = self.num_heads * self.head_dim;
         let kv = self.num_kv_heads * self.head_dim;
-        self.num_layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size)
+        let attention = 2 * h * q + 2 * h * kv;
+        (0..self.num_layers)
+            .map(|l| attention + self.mlp_params(l, active))
+            .sum()
+    }
+
+    /// The MLP weights of layer `l`: `3 × hidden × intermediate` for a dense one; for an MoE
+    /// one the router (`experts × hidden`), the routed experts (the `experts_per_token` a token
+    /// runs when `active`, else all) and the shared expert with its gate.
+    pub fn mlp_params(&self, l: usize, active: bool) -> usize {
+        let h = self.hidden_size;
+        match &self.moe {
+            Some(m) if m.is_moe(l) => {
+                let routed = if active { m.experts_per_token } else { m.experts };
+                let shared = m.shared_intermediate_size.map_or(0, |s| 3 * h * s + h);
+                m.experts * h + routed * 3 * h * m.expert_intermediate_size + shared
+            }
+            _ => 3 * h * self.intermediate_size,
+        }
     }
 
     /// [`ModelConfig::block_params`] plus the LM head (`vocab × hidden`): the weights a decode
@@ -191,6 +254,46 @@ pub mod shape {
     pub fn down_proj(c: &ModelConfig) -> Vec<usize> {
         vec![c.hidden_size, c.intermediate_size]
     }
+
+    fn moe(c: &ModelConfig) -> (usize, usize, usize) {
+        c.moe
+            .as_ref()
+            .map_or((0, 0, 0), |m| (m.experts, m.expert_intermediate_size, m.shared_intermediate_size.unwrap_or(0)))
+    }
+    /// `[experts, hidden]`: the MoE router.
+    pub fn router(c: &ModelConfig) -> Vec<usize> {
+        vec![moe(c).0, c.hidden_size]
+    }
+    /// `[experts, expert_intermediate, hidden]`: the experts' gate and up projections, stacked.
+    pub fn experts_up(c: &ModelConfig) -> Vec<usize> {
+        let (e, i, _) = moe(c);
+        vec![e, i, c.hidden_size]
+    }
+    /// `[experts, hidden, expert_intermediate]`: the experts' down projections, stacked.
+    pub fn experts_down(c: &ModelConfig) -> Vec<usize> {
+        let (e, i, _) = moe(c);
+        vec![e, c.hidden_size, i]
+    }
+    /// `[expert_intermediate, hidden]`: one expert's gate or up projection.
+    pub fn expert_up(c: &ModelConfig) -> Vec<usize> {
+        vec![moe(c).1, c.hidden_size]
+    }
+    /// `[hidden, expert_intermediate]`: one expert's down projection.
+    pub fn expert_down(c: &ModelConfig) -> Vec<usize> {
+        vec![c.hidden_size, moe(c).1]
+    }
+    /// `[shared_intermediate, hidden]`: the shared expert's gate or up projection.
+    pub fn shared_up(c: &ModelConfig) -> Vec<usize> {
+        vec![moe(c).2, c.hidden_size]
+    }
+    /// `[hidden, shared_intermediate]`: the shared expert's down projection.
+    pub fn shared_down(c: &ModelConfig) -> Vec<usize> {
+        vec![c.hidden_size, moe(c).2]
+    }
+    /// `[1, hidden]`: the shared expert's gate (HF `shared_expert_gate`, a 1-output linear).
+    pub fn shared_gate_row(c: &ModelConfig) -> Vec<usize> {
+        vec![1, c.hidden_size]
+    }
 }
 
 /// What a tensor is for: the role the loader gives it, whatever its name in either format.
@@ -227,6 +330,19 @@ pub enum Role {
     FfnDown,
     /// The norm of the MLP's output before the residual add (Gemma), `[hidden]`.
     FfnPostNorm,
+    /// The MoE router, `[experts, hidden]` (read as f32).
+    FfnRouter,
+    /// The routed experts' gate, up and down projections: stacked `[experts, out, in]` (GGUF)
+    /// or one expert's `[out, in]` ([`TensorSpec::per_expert`], HF).
+    FfnGateExps,
+    FfnUpExps,
+    FfnDownExps,
+    /// The shared expert's gate, up and down projections.
+    FfnGateShexp,
+    FfnUpShexp,
+    FfnDownShexp,
+    /// The shared expert's sigmoid gate, one row of `hidden` (read as f32).
+    FfnRouterShexp,
 }
 
 /// The shape class of a tensor, which says how it is stored and used.
@@ -256,6 +372,9 @@ pub struct TensorSpec {
     pub kind: Kind,
     /// The expected shape, outermost first (`[out, in]` for a projection in both formats).
     pub shape: fn(&ModelConfig) -> Vec<usize>,
+    /// One tensor per routed expert, its name holding `{e}` for the expert's number
+    /// (`mlp.experts.{e}.gate_proj.weight`): [`TensorSpec::expert_name`].
+    pub per_expert: bool,
 }
 
 impl TensorSpec {
@@ -277,7 +396,21 @@ impl TensorSpec {
             required,
             kind,
             shape,
+            per_expert: false,
         }
+    }
+
+    /// This row, one tensor per routed expert (its names hold `{e}`).
+    pub const fn experts(self) -> Self {
+        Self {
+            per_expert: true,
+            ..self
+        }
+    }
+
+    /// The name of expert `e`'s tensor of a per-expert row (`{e}` replaced).
+    pub fn expert_name(&self, format: BundleFormat, layer: usize, e: usize) -> String {
+        self.name(format, layer).replace("{e}", &e.to_string())
     }
 
     /// The full name in `format`; `layer` is used only for a per-layer tensor.
@@ -299,21 +432,55 @@ impl TensorSpec {
     }
 }
 
-/// A model's tensors as the schema names them in `format`, each with its spec and layer: the
-/// list a loader takes and `inspect` checks.
-pub fn expected_tensors(schema: &[TensorSpec], format: BundleFormat, layers: usize) -> Vec<(String, &TensorSpec)> {
-    let schema: Vec<&TensorSpec> = schema.iter().filter(|s| !s.base(format).is_empty()).collect();
+/// One tensor a bundle of a config holds: its full name, its schema row, and whether a bundle
+/// without it is malformed (for that layer of that config: [`Architecture::layer_tensors`]).
+#[derive(Debug, Clone)]
+pub struct Expected {
+    pub name: String,
+    pub spec: &'static TensorSpec,
+    pub required: bool,
+}
+
+/// A model's tensors as `arch`'s schema names them in `format` for config `c` (per layer by
+/// [`Architecture::layer_tensors`]; a per-expert row once per expert), in order: the list a
+/// loader takes and `inspect` checks.
+pub fn expected_tensors(arch: &dyn Architecture, c: &ModelConfig, format: BundleFormat) -> Vec<Expected> {
+    let named = |s: &TensorSpec| !s.base(format).is_empty();
+    let globals: Vec<&'static TensorSpec> = arch.tensors().iter().filter(|s| !s.per_layer && named(s)).collect();
     let mut out = Vec::new();
-    for s in schema.iter().filter(|s| !s.per_layer && s.role == Role::TokenEmbedding) {
-        out.push((s.name(format, 0), *s));
+    for s in globals.iter().filter(|s| s.role == Role::TokenEmbedding) {
+        out.push(Expected {
+            name: s.name(format, 0),
+            spec: s,
+            required: s.required,
+        });
     }
-    for l in 0..layers {
-        for s in schema.iter().filter(|s| s.per_layer) {
-            out.push((s.name(format, l), *s));
+    let experts = c.moe.as_ref().map_or(0, |m| m.experts);
+    for l in 0..c.num_layers {
+        for (s, required) in arch.layer_tensors(c, l).into_iter().filter(|(s, _)| named(s)) {
+            if s.per_expert {
+                for e in 0..experts {
+                    out.push(Expected {
+                        name: s.expert_name(format, l, e),
+                        spec: s,
+                        required,
+                    });
+                }
+            } else {
+                out.push(Expected {
+                    name: s.name(format, l),
+                    spec: s,
+                    required,
+                });
+            }
         }
     }
-    for s in schema.iter().filter(|s| !s.per_layer && s.role != Role::TokenEmbedding) {
-        out.push((s.name(format, 0), *s));
+    for s in globals.iter().filter(|s| s.role != Role::TokenEmbedding) {
+        out.push(Expected {
+            name: s.name(format, 0),
+            spec: s,
+            required: s.required,
+        });
     }
     out
 }
@@ -404,6 +571,12 @@ pub enum MlpKind {
     DenseSwiGlu,
     /// `down(gelu_tanh(gate(x)) * up(x))` (GeGLU; Shazeer 2020), Gemma's MLP.
     DenseGeGlu,
+    /// Routed SwiGLU experts: each token runs the top-k experts of the router's softmax and sums
+    /// their outputs weighted by the routing probabilities ([`MoeConfig`]).
+    Moe,
+    /// [`MlpKind::Moe`] plus a shared SwiGLU expert every token runs, scaled by
+    /// `sigmoid(gate · x)` (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE).
+    MoeShared,
 }
 
 /// The plan of one layer: what the forward runs there.
@@ -445,6 +618,19 @@ pub trait WeightSource {
     fn table(&mut self, name: &str) -> Result<Embedding>;
     /// A vector or small tensor as dense f32.
     fn dense(&mut self, name: &str) -> Result<Tensor>;
+    /// The `count` experts of a stacked `[count, out, in]` tensor as one linear layer each, in
+    /// order (the default expands the tensor to f32; a quantized source keeps each expert's
+    /// blocks as stored). Errors: the tensor is missing or not `count` deep.
+    fn experts(&mut self, name: &str, count: usize) -> Result<Vec<Linear>> {
+        let t = self.dense(name)?;
+        let dims = t.dims().to_vec();
+        if dims.len() != 3 || dims[0] != count {
+            anyhow::bail!("tensor '{name}' has shape {dims:?}, expected [{count}, out, in]");
+        }
+        (0..count)
+            .map(|e| Linear::from_dense(t.get(e)?, None))
+            .collect()
+    }
 }
 
 /// A model family. Implementations are unit structs in this module's files, listed in
@@ -478,6 +664,16 @@ pub trait Architecture: Send + Sync + std::fmt::Debug {
     fn config_from_hf(&self, model_type: &str, c: &Json) -> Result<ModelConfig>;
     /// The tensor schema.
     fn tensors(&self) -> &'static [TensorSpec];
+    /// The per-layer rows of the schema a bundle of config `c` holds at layer `layer`, each with
+    /// whether it is required there (a family whose layers differ, such as dense and MoE MLPs,
+    /// says which). The default: every per-layer row, required as the schema says.
+    fn layer_tensors(&self, _c: &ModelConfig, _layer: usize) -> Vec<(&'static TensorSpec, bool)> {
+        self.tensors()
+            .iter()
+            .filter(|s| s.per_layer)
+            .map(|s| (s, s.required))
+            .collect()
+    }
     /// Per layer, what the forward runs.
     fn layer_plan(&self, config: &ModelConfig) -> Vec<LayerPlan>;
     /// What a sequence's state is.
@@ -509,7 +705,7 @@ pub trait Architecture: Send + Sync + std::fmt::Debug {
 }
 
 /// The architectures built in.
-pub static REGISTRY: &[&dyn Architecture] = &[&llama::Llama, &gemma3::Gemma3];
+pub static REGISTRY: &[&dyn Architecture] = &[&llama::Llama, &gemma3::Gemma3, &qwen_moe::QwenMoe];
 
 /// Architectures added at run time ([`register`]).
 static REGISTERED: std::sync::RwLock<Vec<&'static dyn Architecture>> = std::sync::RwLock::new(Vec::new());

@@ -114,6 +114,32 @@ impl WeightSource for TensorReader<'_> {
     fn dense(&mut self, name: &str) -> Result<Tensor> {
         Ok(self.q(name)?.dequantize(&self.device)?)
     }
+
+    /// Each expert's blocks as stored (a quantized stacked tensor stays quantized).
+    fn experts(&mut self, name: &str, count: usize) -> Result<Vec<Linear>> {
+        let t = self.q(name)?;
+        let dims = t.shape().dims().to_vec();
+        if dims.len() != 3 || dims[0] != count {
+            bail!(
+                "{}: tensor '{name}' has shape {dims:?}, expected [{count}, out, in]",
+                self.path.display()
+            );
+        }
+        let data = t.data()?;
+        let per = data.len() / count;
+        (0..count)
+            .map(|e| {
+                let q = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                    t.dtype(),
+                    &data[e * per..(e + 1) * per],
+                    vec![dims[1], dims[2]],
+                    &self.device,
+                )
+                .map_err(|err| anyhow!("{}: tensor '{name}' expert {e}: {err}", self.path.display()))?;
+                Linear::from_qtensor(Arc::new(q), None)
+            })
+            .collect()
+    }
 }
 
 impl TensorReader<'_> {

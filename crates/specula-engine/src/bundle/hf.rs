@@ -208,7 +208,21 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
             }
         }
         let part = candle_core::safetensors::load(&f, device).map_err(|e| anyhow!("{}: {e}", f.display()))?;
-        tensors.extend(part);
+        for (name, t) in part {
+            // transformers 5's fused experts, read as the per-expert tensors they stand for.
+            match crate::inspect::safetensors::split_fused_experts(&name, t.dims()) {
+                Some(slices) => {
+                    for s in slices {
+                        let x = t.get(s.expert)?.narrow(0, s.rows.start, s.rows.len())?.contiguous()?;
+                        origin.insert(s.name.clone(), f.clone());
+                        tensors.insert(s.name, x);
+                    }
+                }
+                None => {
+                    tensors.insert(name, t);
+                }
+            }
+        }
     }
     let arch = crate::arch::of(&config);
     crate::arch::check_layer_count(arch, &config, BundleFormat::Hf, &|n| origin.contains_key(n))

@@ -59,7 +59,12 @@ pub fn estimate(
     let kv_tok =
         2 * c.num_layers as u64 * c.num_kv_heads as u64 * c.head_dim as u64 * crate::kv_cache::KV_ELEM_BYTES as u64;
     let kv = kv_tok * ctx as u64;
-    let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+    // The widest MLP activation of a row: the dense MLP's, or an MoE's experts run by one token
+    // (and its shared expert).
+    let moe_width = c.moe.as_ref().map_or(0, |m| {
+        m.experts_per_token * m.expert_intermediate_size + m.shared_intermediate_size.unwrap_or(0)
+    });
+    let (h, i) = (c.hidden_size as u64, c.intermediate_size.max(moe_width) as u64);
     let qkv = (c.num_heads + 2 * c.num_kv_heads) as u64 * c.head_dim as u64;
     // Per row: residual + normed input + attention output (4h), q/k/v, gate/up/product (3i), and
     // the int8 activation copies of our kernels (~h + i bytes).

@@ -19,6 +19,8 @@ fn layer_plan_line(plan: &[LayerPlan]) -> String {
             match p.mlp {
                 MlpKind::DenseSwiGlu => "SwiGLU MLP",
                 MlpKind::DenseGeGlu => "GeGLU MLP",
+                MlpKind::Moe => "MoE MLP",
+                MlpKind::MoeShared => "MoE MLP with a shared expert",
             }
             .into(),
         );
@@ -112,6 +114,29 @@ impl std::fmt::Display for BundleReport {
                 "  context        {} tokens; {} layers, hidden {}, {} heads / {} KV heads x {}, vocab {}",
                 c.context_length, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
             )?;
+            if let Some(m) = &c.moe {
+                let moe_layers = m.layers.iter().filter(|&&b| b).count();
+                let shared = m
+                    .shared_intermediate_size
+                    .map_or(String::new(), |s| format!(", a shared expert of {s}"));
+                writeln!(
+                    f,
+                    "  experts        {} per MoE layer ({moe_layers} of {} layers), {} active per token, expert FFN {}{shared}{}",
+                    m.experts,
+                    c.num_layers,
+                    m.experts_per_token,
+                    m.expert_intermediate_size,
+                    if m.norm_topk_prob { ", top-k weights renormalized" } else { "" }
+                )?;
+                writeln!(
+                    f,
+                    "  active         {} of {} block parameters per token (attention, router, {} experts{})",
+                    millions(c.block_params() as u64),
+                    millions(c.total_block_params() as u64),
+                    m.experts_per_token,
+                    if m.shared_intermediate_size.is_some() { ", shared expert" } else { "" }
+                )?;
+            }
         }
         if !self.layer_plan.is_empty() {
             writeln!(f, "  layers         {}", layer_plan_line(&self.layer_plan))?;

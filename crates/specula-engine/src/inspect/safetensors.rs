@@ -227,3 +227,72 @@ pub fn validate(scan: &StScan) -> Vec<TensorProblem> {
     }
     out
 }
+
+/// One expert's projection inside a fused expert tensor ([`split_fused_experts`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FusedSlice {
+    /// The per-expert name it stands for (`….experts.3.gate_proj.weight`).
+    pub name: String,
+    /// The expert: the index along the fused tensor's first dimension.
+    pub expert: usize,
+    /// Its rows within that expert's `[rows, in]` matrix.
+    pub rows: std::ops::Range<usize>,
+    /// Its shape, `[rows, in]`.
+    pub dims: Vec<usize>,
+}
+
+/// transformers 5's fused layout of an MoE layer's experts, as the per-expert tensors of
+/// the Hub layout it stands for: `P.experts.gate_up_proj` `[experts, 2 × inter, hidden]` is each
+/// expert's `P.experts.N.gate_proj.weight` (the first `inter` rows) and `up_proj.weight` (the
+/// rest); `P.experts.down_proj` `[experts, hidden, inter]` is each expert's `down_proj.weight`.
+/// None for any other name or shape. (transformers 5 fuses the experts in memory and writes the
+/// Hub layout back; a bundle saved fused is read the same way.)
+pub fn split_fused_experts(name: &str, dims: &[usize]) -> Option<Vec<FusedSlice>> {
+    let (prefix, which) = name.rsplit_once(".experts.")?;
+    if dims.len() != 3 {
+        return None;
+    }
+    let (n, rows, cols) = (dims[0], dims[1], dims[2]);
+    let parts: Vec<(&str, std::ops::Range<usize>)> = match which {
+        "gate_up_proj" if rows.is_multiple_of(2) => vec![("gate_proj", 0..rows / 2), ("up_proj", rows / 2..rows)],
+        "down_proj" => vec![("down_proj", 0..rows)],
+        _ => return None,
+    };
+    let mut out = Vec::with_capacity(n * parts.len());
+    for e in 0..n {
+        for (proj, r) in &parts {
+            out.push(FusedSlice {
+                name: format!("{prefix}.experts.{e}.{proj}.weight"),
+                expert: e,
+                rows: r.clone(),
+                dims: vec![r.len(), cols],
+            });
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod fused_tests {
+    use super::*;
+
+    #[test]
+    fn fused_experts_split_into_the_hub_layout_names() {
+        let s = split_fused_experts("model.layers.2.mlp.experts.gate_up_proj", &[2, 8, 5]).expect("fused");
+        let names: Vec<&str> = s.iter().map(|x| x.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.2.mlp.experts.0.gate_proj.weight",
+                "model.layers.2.mlp.experts.0.up_proj.weight",
+                "model.layers.2.mlp.experts.1.gate_proj.weight",
+                "model.layers.2.mlp.experts.1.up_proj.weight",
+            ]
+        );
+        assert_eq!((s[1].rows.clone(), s[1].dims.clone(), s[3].expert), (4..8, vec![4, 5], 1));
+        let d = split_fused_experts("model.layers.0.mlp.experts.down_proj", &[3, 5, 4]).expect("fused");
+        assert_eq!((d.len(), d[2].dims.clone()), (3, vec![5, 4]));
+        assert!(split_fused_experts("model.layers.0.mlp.experts.down_proj", &[5, 4]).is_none());
+        assert!(split_fused_experts("model.layers.0.mlp.experts.0.down_proj.weight", &[5, 4, 3]).is_none());
+    }
+}

@@ -20,6 +20,7 @@
 //! bit for bit (docs/perf.md, "Reference agreement").
 
 pub mod attention;
+pub mod moe;
 
 use std::sync::Arc;
 
@@ -245,6 +246,29 @@ impl Linear {
         Ok(ys)
     }
 
+    /// Products of several layers, each on its own input: `items` are (layer, `m` rows of its
+    /// input width, `m`); returns each layer's `m` rows of outputs, in order (an MoE's experts,
+    /// each on the rows routed to it). On our kernels they share one parallel pass; the bits
+    /// are each product's own.
+    pub fn forward_rows_each(items: &[(&Linear, &[f32], usize)]) -> Result<Vec<Vec<f32>>> {
+        if !items.iter().all(|(l, _, _)| l.is_batch_invariant()) {
+            return items.iter().map(|(l, x, m)| l.forward_rows(x, *m)).collect();
+        }
+        let jobs: Vec<_> = items
+            .iter()
+            .map(|(l, x, m)| match &l.weight {
+                Weight::Own(q) => q.job(x, *m),
+                Weight::OwnK(q) => q.job(x, *m),
+                Weight::Candle(_) => unreachable!("checked above"),
+            })
+            .collect();
+        let mut ys = crate::kernels::run_jobs(&jobs);
+        for (y, (l, _, _)) in ys.iter_mut().zip(items) {
+            l.add_bias(y);
+        }
+        Ok(ys)
+    }
+
     fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias_values {
             for row in y.chunks_exact_mut(b.len()) {
@@ -304,6 +328,43 @@ impl Embedding {
     }
 }
 
+/// A gated MLP's projections, `down(act(gate(x)) * up(x))`: a dense MLP, or one expert of an
+/// MoE.
+#[derive(Debug, Clone)]
+pub struct GatedMlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl GatedMlp {
+    /// Whether its three products run on batch-invariant kernels.
+    pub fn is_batch_invariant(&self) -> bool {
+        [&self.gate, &self.up, &self.down].iter().all(|l| l.is_batch_invariant())
+    }
+}
+
+/// A block's MLP weights, by [`crate::arch::MlpKind`].
+#[derive(Debug, Clone)]
+pub enum Mlp {
+    Dense(GatedMlp),
+    Moe(Box<moe::MoeMlp>),
+}
+
+impl Mlp {
+    /// A dense MLP of `gate`, `up` and `down`.
+    pub fn dense(gate: Linear, up: Linear, down: Linear) -> Self {
+        Mlp::Dense(GatedMlp { gate, up, down })
+    }
+
+    fn is_batch_invariant(&self) -> bool {
+        match self {
+            Mlp::Dense(m) => m.is_batch_invariant(),
+            Mlp::Moe(m) => m.is_batch_invariant(),
+        }
+    }
+}
+
 /// One transformer block's weights.
 #[derive(Debug, Clone)]
 pub struct Block {
@@ -318,9 +379,7 @@ pub struct Block {
     /// The norm before the MLP; None in blocks whose MLP reads the attention's norm (parallel
     /// attention and MLP).
     pub ffn_norm: Option<Tensor>,
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
+    pub mlp: Mlp,
     /// The norms of the attention's and the MLP's outputs before their residual adds (Gemma);
     /// None in blocks without them.
     pub post_attn_norm: Option<Tensor>,
@@ -606,9 +665,7 @@ impl Model {
     pub fn batch_invariant(&self) -> bool {
         self.lm_head.is_batch_invariant()
             && self.blocks.iter().all(|b| {
-                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]
-                    .iter()
-                    .all(|l| l.is_batch_invariant())
+                [&b.q, &b.k, &b.v, &b.o].iter().all(|l| l.is_batch_invariant()) && b.mlp.is_batch_invariant()
             })
     }
 
@@ -1007,14 +1064,20 @@ impl LayerPass<'_, '_, '_> {
         let total = self.rows;
         let kind = self.model.plans[self.li].mlp;
         let mlp = || -> Result<Vec<f32>> {
-            let [g, u]: [Vec<f32>; 2] = Linear::forward_rows_many(&[&block.gate, &block.up], h, total)?
+            use crate::arch::MlpKind;
+            let dense = match (&block.mlp, kind) {
+                (Mlp::Moe(m), MlpKind::Moe | MlpKind::MoeShared) => return m.forward(h, total),
+                (Mlp::Dense(d), MlpKind::DenseSwiGlu | MlpKind::DenseGeGlu) => d,
+                _ => bail!("layer {}: its weights do not match the layer plan's {kind:?} MLP", self.li),
+            };
+            let [g, u]: [Vec<f32>; 2] = Linear::forward_rows_many(&[&dense.gate, &dense.up], h, total)?
                 .try_into()
                 .map_err(|_| anyhow::anyhow!("gate and up: expected two products"))?;
             let act = match kind {
-                crate::arch::MlpKind::DenseSwiGlu => attention::silu_mul(&g, &u),
-                crate::arch::MlpKind::DenseGeGlu => attention::gelu_mul(&g, &u),
+                MlpKind::DenseGeGlu => attention::gelu_mul(&g, &u),
+                _ => attention::silu_mul(&g, &u),
             };
-            block.down.forward_rows(&act, total)
+            dense.down.forward_rows(&act, total)
         };
         if self.is_last() {
             // llama.cpp runs the last block's MLP on the output rows alone (one row for a

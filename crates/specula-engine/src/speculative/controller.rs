@@ -1716,6 +1716,7 @@ mod tests {
             sliding_window: None,
             query_scale: None,
             rope_freq_scale: None,
+            moe: None,
         };
         // Qwen2.5 0.5B and 1.5B: 24 layers of hidden 896 (14 heads of 64, MLP 4864) and 28
         // of hidden 1536 (12 heads of 128, MLP 8960), both with 2 KV heads.

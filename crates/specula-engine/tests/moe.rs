@@ -1,0 +1,328 @@
+//! Mixture-of-Experts targets (Qwen3-MoE, Qwen2-MoE with its shared expert): the two bundle
+//! layouts load to the same model, the expert dispatch is batch-invariant (row i of an m-row
+//! forward is bitwise the one-row forward, every m up to 64), and greedy speculation on an MoE
+//! target gives plain decoding's bytes solo, in batches of 1/4/16/32 and with a warm prefix
+//! cache. Tiny random models written by `specula_engine::testing` (no fixtures, no downloads).
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Device;
+use common::{run, same};
+use specula_engine::arch::{self, qwen_moe::QwenMoe};
+use specula_engine::bundle;
+use specula_engine::model::{LogitsRows, Model};
+use specula_engine::speculative::{SpecMode, SpecOptions};
+use specula_engine::testing::{tiny_moe_config, write_random_gguf, write_random_hf, write_tiny_gguf, TinySpec};
+use specula_engine::{Engine, GenerateOutput, GenerateRequest, LoadOptions, SamplingParams};
+
+const FAMILIES: [&str; 2] = ["qwen3moe", "qwen2moe"];
+
+/// A tiny MoE model of `family` written as GGUF in `dtype` (and as an HF bundle in f32) under
+/// `dir`; returns the GGUF path and the HF directory.
+fn write(dir: &std::path::Path, family: &'static str, dtype: GgmlDType) -> (std::path::PathBuf, std::path::PathBuf) {
+    let c = tiny_moe_config(family);
+    let gguf = dir.join(format!("{family}-{dtype:?}.gguf"));
+    let hf = dir.join(format!("{family}-hf"));
+    write_random_gguf(&gguf, &QwenMoe, family, &c, dtype, 11).expect("write gguf");
+    write_random_hf(&hf, &QwenMoe, &c, 11).expect("write hf");
+    (gguf, hf)
+}
+
+fn load(path: &std::path::Path) -> Model {
+    bundle::load(path, &Device::Cpu).expect("load").model
+}
+
+fn logits_all(m: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut kv = m.new_kv_cache();
+    let out = m.forward(tokens, &mut kv, LogitsRows::All, &[]).expect("forward");
+    out.logits.to_vec2::<f32>().expect("logits")
+}
+
+fn tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+#[test]
+fn gguf_and_hf_bundles_of_the_same_weights_agree() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for family in FAMILIES {
+        let (gguf, hf) = write(dir.path(), family, GgmlDType::F32);
+        let (a, b) = (load(&gguf), load(&hf));
+        let c = a.config();
+        assert_eq!(c.moe, b.config().moe, "{family}: the two configs' experts");
+        assert_eq!(c.moe.as_ref().expect("moe").layers, vec![true, true, false, true]);
+        let plan = arch::of(c).layer_plan(c);
+        let want = if family == "qwen2moe" {
+            arch::MlpKind::MoeShared
+        } else {
+            arch::MlpKind::Moe
+        };
+        assert_eq!(plan[0].mlp, want, "{family}");
+        assert_eq!(plan[2].mlp, arch::MlpKind::DenseSwiGlu, "{family}: the dense layer");
+        let t = tokens(19, c.vocab_size, 3);
+        let (la, lb) = (logits_all(&a, &t), logits_all(&b, &t));
+        let mut worst = 0f32;
+        for (ra, rb) in la.iter().zip(&lb) {
+            for (x, y) in ra.iter().zip(rb) {
+                worst = worst.max((x - y).abs());
+            }
+        }
+        eprintln!("{family}: GGUF f32 vs HF f32, max |logit diff| {worst:e}");
+        // Both run the same f32 weights; only the summation order of the products differs.
+        assert!(worst < 1e-4, "{family}: GGUF and HF logits differ by {worst}");
+    }
+}
+
+#[test]
+fn expert_dispatch_is_batch_invariant_for_every_row_count_to_64() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for family in FAMILIES {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+            let (gguf, _) = write(dir.path(), family, dtype);
+            let m = load(&gguf);
+            assert!(m.batch_invariant(), "{family} {dtype:?} runs on batch-invariant kernels");
+            let vocab = m.config().vocab_size;
+            let prefix = tokens(9, vocab, 5);
+            let rows = tokens(64, vocab, 6);
+            // One-row steps after the prefix: the reference rows.
+            let mut kv = m.new_kv_cache();
+            m.forward(&prefix, &mut kv, LogitsRows::None, &[]).expect("prefix");
+            let one: Vec<Vec<u32>> = rows
+                .iter()
+                .map(|&t| {
+                    let o = m.forward(&[t], &mut kv, LogitsRows::Last, &[]).expect("step");
+                    let l = o.logits.to_vec2::<f32>().expect("logits").remove(0);
+                    l.iter().map(|v| v.to_bits()).collect()
+                })
+                .collect();
+            for n in 1..=64 {
+                let mut kv = m.new_kv_cache();
+                m.forward(&prefix, &mut kv, LogitsRows::None, &[]).expect("prefix");
+                let o = m.forward(&rows[..n], &mut kv, LogitsRows::All, &[]).expect("rows");
+                for (i, row) in o.logits.to_vec2::<f32>().expect("logits").iter().enumerate() {
+                    let b: Vec<u32> = row.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(b, one[i], "{family} {dtype:?}: row {i} of {n}");
+                }
+            }
+        }
+    }
+}
+
+fn engine(path: &std::path::Path, prefix_cache: bool) -> Engine {
+    let opts = LoadOptions {
+        prefix_cache_bytes: if prefix_cache { 64 << 20 } else { 0 },
+        ..LoadOptions::default()
+    };
+    Engine::load(path, "tiny-moe", opts).expect("load")
+}
+
+fn req(prompt: Vec<u32>, max_tokens: usize, spec: SpecOptions) -> GenerateRequest {
+    GenerateRequest {
+        prompt_tokens: prompt,
+        sampling: SamplingParams::greedy(),
+        max_tokens: Some(max_tokens),
+        stop: vec![],
+        logprobs: Some(2),
+        ignore_eos: true,
+        spec,
+    }
+}
+
+fn spec(mode: SpecMode, k: usize, adaptive: bool) -> SpecOptions {
+    SpecOptions {
+        mode,
+        draft_max: k,
+        adaptive,
+        ..SpecOptions::default()
+    }
+}
+
+/// Prompts of the tiny vocabulary's ids (byte tokens and merges), some repetitive.
+fn prompts(vocab: usize) -> Vec<Vec<u32>> {
+    (0..8)
+        .map(|i| {
+            let base = tokens(6 + 3 * i, vocab - 2, 100 + i as u64);
+            if i % 2 == 0 {
+                base.iter().chain(&base).chain(&base).copied().collect()
+            } else {
+                base
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn greedy_speculation_on_moe_targets_is_byte_identical_to_ar() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for family in FAMILIES {
+        let (target, _) = write(dir.path(), family, GgmlDType::Q8_0);
+        let draft = dir.path().join("draft.gguf");
+        write_tiny_gguf(
+            &draft,
+            &TinySpec {
+                dtype: GgmlDType::Q8_0,
+                layers: 1,
+                ..TinySpec::new(specula_engine::model::Family::Qwen3)
+            },
+        )
+        .expect("draft");
+        let mut e = engine(&target, false);
+        e.attach_draft_model(&draft, "tiny-draft").expect("attach");
+        let vocab = e.model().config().vocab_size;
+        let (mut drafted, mut accepted) = (0, 0);
+        for (i, p) in prompts(vocab).into_iter().enumerate() {
+            let ar = run(&mut e, &req(p.clone(), 40, SpecOptions::default()));
+            for (mode, k, adaptive) in [
+                (SpecMode::Ngram, 4, false),
+                (SpecMode::Ngram, 8, true),
+                (SpecMode::Draft, 3, false),
+                (SpecMode::Draft, 5, true),
+            ] {
+                let sp = run(&mut e, &req(p.clone(), 40, spec(mode, k, adaptive)));
+                same(&ar, &sp, &format!("{family} prompt {i} {mode:?} k={k} adaptive={adaptive}"));
+                drafted += sp.stats.spec.drafted;
+                accepted += sp.stats.spec.accepted;
+            }
+        }
+        eprintln!("{family}: drafted {drafted}, accepted {accepted}");
+        assert!(accepted > 0, "{family}: speculation ran and kept drafts");
+    }
+}
+
+#[test]
+fn moe_batches_of_1_4_16_32_and_a_warm_prefix_cache_equal_solo_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for family in FAMILIES {
+        let (target, _) = write(dir.path(), family, GgmlDType::Q8_0);
+        let mut e = engine(&target, false);
+        let vocab = e.model().config().vocab_size;
+        let ps = prompts(vocab);
+        let reqs: Vec<GenerateRequest> = (0..32)
+            .map(|i| {
+                req(
+                    ps[i % ps.len()].clone(),
+                    16 + i % 5,
+                    spec(SpecMode::Ngram, 2 + i % 4, i % 2 == 0),
+                )
+            })
+            .collect();
+        let solo: Vec<GenerateOutput> = reqs
+            .iter()
+            .map(|r| {
+                let mut ar = r.clone();
+                ar.spec = SpecOptions::default();
+                run(&mut e, &ar)
+            })
+            .collect();
+        for n in [1usize, 4, 16, 32] {
+            let outs = common::run_batch(&mut e, &reqs[32 - n..], 2_000, &format!("{family} batch of {n}"));
+            for (i, out) in outs.iter().enumerate() {
+                same(&solo[32 - n + i], out, &format!("{family} batch of {n}, stream {i}"));
+            }
+        }
+        let mut warm = engine(&target, true);
+        for (i, r) in reqs.iter().take(8).enumerate() {
+            // Twice: the second run starts from the prefix cache.
+            for pass in 0..2 {
+                let out = run(&mut warm, r);
+                let mut ar = r.clone();
+                ar.spec = SpecOptions::default();
+                same(&solo[i], &out, &format!("{family} warm cache, request {i}, pass {pass}"));
+            }
+        }
+    }
+}
+
+/// transformers 5's fused expert layout (`mlp.experts.gate_up_proj` `[experts, 2 × inter,
+/// hidden]`, `mlp.experts.down_proj` `[experts, hidden, inter]`) loads to the same model as the
+/// per-expert layout, and `inspect` reads it without errors.
+#[test]
+fn fused_expert_layout_loads_as_the_per_expert_one() {
+    use candle_core::Tensor;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, hf) = write(dir.path(), "qwen3moe", GgmlDType::F32);
+    let per_expert = load(&hf);
+    let st = hf.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&st, &Device::Cpu).expect("read");
+    let c = tiny_moe_config("qwen3moe");
+    let m = c.moe.clone().expect("moe");
+    for l in (0..c.num_layers).filter(|&l| m.is_moe(l)) {
+        let p = format!("model.layers.{l}.mlp.experts");
+        let mut take = |proj: &str, e: usize| w.remove(&format!("{p}.{e}.{proj}.weight")).expect("expert");
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for e in 0..m.experts {
+            let (g, u, d) = (take("gate_proj", e), take("up_proj", e), take("down_proj", e));
+            gate_up.push(Tensor::cat(&[&g, &u], 0).expect("cat"));
+            down.push(d);
+        }
+        w.insert(format!("{p}.gate_up_proj"), Tensor::stack(&gate_up, 0).expect("stack"));
+        w.insert(format!("{p}.down_proj"), Tensor::stack(&down, 0).expect("stack"));
+    }
+    candle_core::safetensors::save(&w, &st).expect("save");
+    let fused = load(&hf);
+    let t = tokens(12, c.vocab_size, 9);
+    assert_eq!(logits_all(&per_expert, &t), logits_all(&fused, &t), "the same model");
+    let r = specula_engine::inspect::inspect(&hf, &Default::default()).expect("inspect");
+    let errors: Vec<_> = r
+        .diagnostics
+        .iter()
+        .filter(|d| d.severity == specula_engine::inspect::Severity::Error)
+        .collect();
+    assert!(errors.is_empty(), "inspect of the fused layout: {errors:?}");
+}
+
+/// `inspect` describes an MoE bundle: its experts, the active parameters per token, and a
+/// missing expert as an error naming the tensor.
+#[test]
+fn inspect_describes_experts_and_names_a_missing_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for family in FAMILIES {
+        let (gguf, hf) = write(dir.path(), family, GgmlDType::Q8_0);
+        for path in [&gguf, &hf] {
+            let r = specula_engine::inspect::inspect(path, &Default::default()).expect("inspect");
+            let text = r.to_string();
+            let c = r.config.as_ref().expect("config");
+            assert_eq!(c.moe, tiny_moe_config(family).moe, "{family} {}", path.display());
+            assert!(
+                text.contains("experts        8 per MoE layer (3 of 4 layers), 2 active per token, expert FFN 32"),
+                "{text}"
+            );
+            assert!(text.contains("block parameters per token"), "{text}");
+            let errors: Vec<_> = r
+                .diagnostics
+                .iter()
+                .filter(|d| d.severity == specula_engine::inspect::Severity::Error)
+                .collect();
+            assert!(errors.is_empty(), "{family} {}: {errors:?}", path.display());
+        }
+        // Active parameters: attention + router + 2 of 8 experts (+ the shared expert).
+        let c = tiny_moe_config(family);
+        let attention = 2 * 64 * 64 + 2 * 64 * 32;
+        let shared = if family == "qwen2moe" { 3 * 64 * 64 + 64 } else { 0 };
+        let moe_layer = |k: usize| attention + 8 * 64 + k * 3 * 64 * 32 + shared;
+        assert_eq!(c.block_params(), 3 * moe_layer(2) + attention + 3 * 64 * 128);
+        assert_eq!(c.total_block_params(), 3 * moe_layer(8) + attention + 3 * 64 * 128);
+        // An HF bundle without one expert's tensor: inspect names it, the load names it.
+        let st = hf.join("model.safetensors");
+        let mut w = candle_core::safetensors::load(&st, &Device::Cpu).expect("read");
+        let gone = "model.layers.3.mlp.experts.5.up_proj.weight";
+        w.remove(gone).expect("present");
+        candle_core::safetensors::save(&w, &st).expect("save");
+        let r = specula_engine::inspect::inspect(&hf, &Default::default()).expect("inspect");
+        assert!(
+            r.diagnostics.iter().any(|d| d.severity == specula_engine::inspect::Severity::Error
+                && d.to_string().contains(gone)),
+            "{family}: {:?}",
+            r.diagnostics
+        );
+        let err = format!("{:#}", bundle::load(&hf, &Device::Cpu).err().expect("refused"));
+        assert!(err.contains(gone), "{family}: {err}");
+    }
+}
