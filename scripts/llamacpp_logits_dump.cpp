@@ -4,8 +4,11 @@
 // tests/fixtures/qwen2moe-tiny/reference.json.
 //
 // Each sequence is decoded in ONE batch with logits requested at every position, on a fresh
-// KV cache (cleared between sequences). The KV cache is f32 and flash attention is off, so the
-// only deviations from an f32 reference come from the GGUF weight type and summation order.
+// KV cache (cleared between sequences), in llama.cpp's default settings: an f16 KV cache and
+// flash attention `auto` (on for the CPU), which Specula's reference mode reproduces
+// (`Engine::logits_as_llamacpp`). The deviations from an f32 reference come from the GGUF
+// weight type, the activations' quantization in the products, the f16 cache and the summation
+// order.
 // CPU only, 1 thread (deterministic).
 //
 // Build against a CPU llama.cpp build (static libs, OpenMP on), e.g. with
@@ -88,9 +91,9 @@ int main(int argc, char ** argv) {
     cp.n_seq_max = 1;
     cp.n_threads = 1;
     cp.n_threads_batch = 1;
-    cp.type_k = GGML_TYPE_F32;
-    cp.type_v = GGML_TYPE_F32;
-    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cp.type_k = GGML_TYPE_F16;
+    cp.type_v = GGML_TYPE_F16;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_AUTO;
     cp.no_perf = true;
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "cannot create context\n"); return 1; }

@@ -21,8 +21,13 @@ What the script does:
 - trains a byte-level BPE tokenizer (512 tokens: 509 trained, then <|endoftext|>, <|im_start|>,
   <|im_end|>) on the small English + code text below, with Qwen2's pre-tokenizer (NFC, the
   Qwen2 split regex, ByteLevel without its own regex) and a ChatML chat template;
-- builds each model with random weights (seeded; the seed is searched upward from 0 until the
-  routing and logits are robust, see `acceptable`), saves it with `save_pretrained` (f32);
+- builds each model with random weights (torch.manual_seed(seed), the seed searched upward from 0
+  until the routing and the logits are robust, see `acceptable` and `q8_robust`) and saves it with
+  `save_pretrained` (f32). Every matrix that the q8_0 GGUF quantizes is first rounded to values
+  that q8_0 represents exactly (`round_to_q8_0`), so model-q8_0.gguf holds exactly the same
+  weights as model.safetensors (checked: transformers on the dequantized GGUF gives bit-identical
+  logits); llama.cpp's q8_0 logits then differ from transformers' only through llama.cpp's own
+  q8_0 arithmetic (it quantizes the activations to q8_0 for these matrix products);
 - converts the two main fixtures with llama.cpp's convert_hf_to_gguf.py to q8_0 (committed) and
   f32 (/tmp only, for the cross-check). The converter only accepts BPE tokenizers whose
   pre-tokenizer hash it knows, so it is copied to a temporary directory and patched to map this
@@ -62,7 +67,7 @@ SEQ_LENS = [7, 12, 19]
 N_GREEDY = 16
 MIN_ROUTER_GAP = 2e-3  # required gap between the 2nd and 3rd router probability (brief: > 1e-3)
 MAX_Q8_TRIES = 8  # candidate seeds (each converted to GGUF and run by llama.cpp) before giving up
-Q8_MAX_DIFF = 0.25  # routing flips under q8_0 show as logit jumps of 0.3-1.2; plain q8_0 noise is ~0.1
+Q8_MAX_DIFF = 0.25  # llama.cpp q8_0 activation noise alone gives ~0.1; an expert flipped by it gives 0.3-2
 MIN_LOGIT_MARGIN = 2e-3  # required top1 - top2 logit margin at every reference position
 ROUTER_SCALE = 1.5  # router weights N(0, 1.5 / sqrt(hidden)): router logits of std ~1.5 (maximises the 2nd-3rd probability gap)
 LM_HEAD_STD = 0.2  # untied lm_head N(0, 0.2): logits of std ~1.6
@@ -639,7 +644,7 @@ def try_variant(name, spec, tok, seqs, converter_state, seed, force=False):
         ref["llamacpp"] = {
             "llama_cpp_commit": "0c1e570",
             "gguf": "model-q8_0.gguf",
-            "program": "scripts/llamacpp_logits_dump.cpp (CPU, 1 thread, f32 KV cache, no flash attention)",
+            "program": "scripts/llamacpp_logits_dump.cpp (CPU, 1 thread, llama.cpp's defaults: f16 KV cache, flash attention auto)",
             "sequences": [
                 {"tokens": ids, "argmax": l.argmax(-1).tolist(), "logits": [[sig6(v) for v in row.tolist()] for row in l]}
                 for ids, l in zip(seqs, lq8)
@@ -651,7 +656,9 @@ def try_variant(name, spec, tok, seqs, converter_state, seed, force=False):
             "note": (
                 "llama.cpp logits of the q8_0 GGUF in this directory: each sequence decoded in one batch with "
                 "logits at every position, rounded to 6 significant digits. greedy: 16 tokens generated "
-                "greedily by llama.cpp on the q8_0 GGUF from sequences[0]. max_abs_diff_f32_gguf_vs_transformers "
+                "greedily by llama.cpp on the q8_0 GGUF from sequences[0]. The q8_0 weights equal the f32 "
+                "safetensors weights exactly, so the differences to the transformers logits come from llama.cpp "
+                "quantizing the activations to q8_0 in its matrix products. max_abs_diff_f32_gguf_vs_transformers "
                 "is for an f32 GGUF converted the same way (not committed)."
             ),
         }

@@ -738,6 +738,9 @@ impl Engine {
                     self.model().config(),
                 )
             }),
+            verify_prior: (1..=MAX_DRAFT + 1)
+                .map(|r| crate::speculative::controller::verify_cost_prior(self.model().config(), r))
+                .collect(),
             mtp: self.mtp.clone(),
             block: self.block.clone(),
             controller_priors: self.controller_priors.clone(),

@@ -749,6 +749,45 @@ fn window(samples: &[Vec<u32>], range: std::ops::Range<usize>) -> Vec<Vec<u32>> 
     samples.iter().map(|s| s[range.clone()].to_vec()).collect()
 }
 
+/// S-law on a Mixture-of-Experts target (a tiny Qwen3-MoE in Q8_0: top-2 of 8 experts on three
+/// of its four layers) with a dense one-layer draft model of other random weights: the law of
+/// tokens 0..3 and 1..4 equals AR's (chi-square, z < 3.09, 3000 seeded runs each).
+#[test]
+fn sampling_spec_matches_ar_in_distribution_on_an_moe_target() {
+    use specula_engine::arch::qwen_moe::QwenMoe;
+    use specula_engine::testing::{tiny_moe_config, write_random_gguf};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = dir.path().join("moe.gguf");
+    let c = tiny_moe_config("qwen3moe");
+    write_random_gguf(&target, &QwenMoe, "qwen3moe", &c, GgmlDType::Q8_0, 11).expect("write");
+    let draft = write_tiny(
+        dir.path(),
+        "draft.gguf",
+        TinySpec {
+            seed: 7,
+            layers: 1,
+            dtype: GgmlDType::Q4_0,
+            ..TinySpec::new(Family::Qwen3)
+        },
+    );
+    let mut e = Engine::load(&target, "tiny-moe", LoadOptions::default()).expect("load");
+    assert!(e.model().batch_invariant());
+    e.attach_draft_model(&draft, "tiny-draft").expect("attach");
+    let prompt = e.tokenize("the then the thin then the").expect("tokenize");
+    let mut req = sampled_req(prompt, 4);
+    req.sampling.top_k = 40;
+    let runs = 3000;
+    let (ar, ..) = samples(&mut e, &req, SpecOptions::default(), runs);
+    let (sp, drafted, accepted, _) = samples(&mut e, &req, mode(SpecMode::Draft, 3, false), runs);
+    assert!(drafted >= runs as usize, "speculation ran ({drafted} drafted)");
+    assert!(accepted > 0 && accepted < drafted, "accepts and rejects both happen");
+    for w in [0..3, 1..4] {
+        let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
+        eprintln!("moe tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
+        assert!(z < 3.09, "law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})");
+    }
+}
+
 /// S-law on tiny models: with a sampling draft model (q close to p: most drafts accepted, full
 /// accepts and bonus tokens; q far from p: most rejected, residual draws), the law of the first
 /// three tokens, and of tokens 2..4 (one verify block of 2 drafts + the bonus or correction),

@@ -167,13 +167,15 @@ fn target_blocks(model_path: &Path, layers: std::ops::Range<usize>) -> Result<Ve
             t.map
                 .iter()
                 .filter_map(|(k, v)| k.strip_prefix(&p).map(|r| (r.to_string(), v.clone())))
+                .filter(|(r, _)| specula_engine::arch::llama::is_dense_block_tensor(r))
                 .collect()
         })
         .collect())
 }
 
 /// Initial weights of a head for `target` (DeepSeek-V3 names under `prefix`): the block copied
-/// from the target's last block (read from `model_path`), both input norms at one, `eh_proj`
+/// from the target's last block (read from `model_path`; an MoE layer's MLP is not a dense
+/// head's, so it starts random), both input norms at one, `eh_proj`
 /// passing the hidden state through (identity) plus a small random embedding part, the final
 /// norm the target's.
 pub fn initial_weights(target: &Model, model_path: &Path, prefix: &str, seed: u64) -> Result<HashMap<String, Tensor>> {
@@ -187,6 +189,15 @@ pub fn initial_weights(target: &Model, model_path: &Path, prefix: &str, seed: u6
         .map(|(k, v)| Ok((format!("{prefix}{k}"), v.to_dtype(DType::F32)?)))
         .collect::<Result<_>>()?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // A target whose last layer is MoE gives no dense MLP: the head's starts random
+    // (`intermediate_size` wide, N(0, 0.02)).
+    let i = c.intermediate_size;
+    for (name, dims) in [("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))] {
+        let key = format!("{prefix}mlp.{name}.weight");
+        if !m.contains_key(&key) {
+            m.insert(key, Tensor::from_vec(normal(&mut rng, i * h, 0.02), dims, &dev)?);
+        }
+    }
     let emb_part = Tensor::from_vec(normal(&mut rng, h * h, 0.02), (h, h), &dev)?;
     let eye = Tensor::eye(h, DType::F32, &dev)?;
     m.insert(format!("{prefix}eh_proj.weight"), Tensor::cat(&[&emb_part, &eye], 1)?);

@@ -137,6 +137,45 @@ fn distilled_mtp_head_is_accepted_exact_and_resumable() {
     assert!(accepted > 0, "a trained head drafts tokens the target accepts");
 }
 
+/// `specula distill` on a Mixture-of-Experts target (a tiny Qwen3-MoE, Q8_0): the MTP head
+/// (a dense block of the target's shape) trains, loads, drafts tokens the MoE target accepts,
+/// and greedy output with it is byte-identical to AR, solo and in a batch.
+#[test]
+fn distilled_mtp_head_on_an_moe_target_is_accepted_and_exact() {
+    use specula_engine::arch::qwen_moe::QwenMoe;
+    use specula_engine::testing::{tiny_moe_config, write_random_gguf};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("moe.gguf");
+    write_random_gguf(&path, &QwenMoe, "qwen3moe", &tiny_moe_config("qwen3moe"), GgmlDType::Q8_0, 11)
+        .expect("write");
+    let mut e = Engine::load(&path, "tiny-moe", LoadOptions::default()).expect("load");
+    let out = dir.path().join("head");
+    let r = specula_train::run_mtp(&mut e, &path, None, &distill_opts(&out, 40), &mut |_| {}).expect("distill");
+    assert!(r.finished && r.final_loss.is_finite(), "{r:?}");
+    e.attach_mtp_head(&out).expect("attach");
+    let mut accepted = 0;
+    let mut reqs = Vec::new();
+    for text in ["the then the thin the then", "in the thin then", "then the"] {
+        let prompt = e.tokenize(text).expect("tokenize");
+        let ar = run(&mut e, &req(prompt.clone(), SpecMode::Off, 1, SamplingParams::greedy()));
+        for k in [1, 3] {
+            let r = req(prompt.clone(), SpecMode::Mtp, k, SamplingParams::greedy());
+            let sp = run(&mut e, &r);
+            assert_eq!(ar.text.as_bytes(), sp.text.as_bytes(), "{text:?} k={k}");
+            assert_eq!(ar.token_ids, sp.token_ids, "{text:?} k={k}");
+            assert_eq!(ar.logprobs, sp.logprobs, "{text:?} k={k}");
+            accepted += sp.stats.spec.accepted;
+            reqs.push((r, ar.clone()));
+        }
+    }
+    assert!(accepted > 0, "the head drafts tokens the MoE target accepts");
+    let batch: Vec<_> = reqs.iter().map(|(r, _)| r.clone()).collect();
+    let outs = common::run_batch(&mut e, &batch, 2_000, "moe mtp batch");
+    for (i, (o, (_, ar))) in outs.iter().zip(&reqs).enumerate() {
+        common::same(ar, o, &format!("batched stream {i}"));
+    }
+}
+
 /// `specula distill --target-layers` on an MTP head: a fused-feature head (EAGLE-3) trains on
 /// the listed layers, says so in its config, loads and drafts exactly; a one-tap head given as
 /// `--init` becomes its starting point (the deepest tap passed through); a fused head cannot

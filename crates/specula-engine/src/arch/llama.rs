@@ -286,6 +286,12 @@ pub fn stem(role: Role, format: BundleFormat) -> &'static str {
     b.strip_suffix(".weight").unwrap_or(b)
 }
 
+/// Whether `hf_base` (a per-layer HF name without the layer prefix) is a tensor of the dense
+/// block ([`TENSORS`]): what a draft head copies from a target's layer.
+pub fn is_dense_block_tensor(hf_base: &str) -> bool {
+    !hf_base.is_empty() && TENSORS.iter().any(|s| s.per_layer && s.hf == hf_base)
+}
+
 /// The GGUF metadata keys a config needs (after `{arch}.`).
 const GGUF_REQUIRED: &[&str] = &[
     "embedding_length",

@@ -145,19 +145,11 @@ const SHARED_DOWN: TensorSpec = TensorSpec::new(
     Kind::Matrix,
     shared_down,
 );
-/// The shared expert's gate: `[hidden]` in GGUF, a one-output linear `[1, hidden]` in HF.
-const SHARED_ROUTER_GGUF: TensorSpec = TensorSpec::new(
+/// The shared expert's gate, a one-output linear `[1, hidden]` (as llama.cpp's converter writes
+/// it too).
+const SHARED_ROUTER: TensorSpec = TensorSpec::new(
     Role::FfnRouterShexp,
     "ffn_gate_inp_shexp.weight",
-    "",
-    true,
-    true,
-    Kind::Vector,
-    hidden,
-);
-const SHARED_ROUTER_HF: TensorSpec = TensorSpec::new(
-    Role::FfnRouterShexp,
-    "",
     "mlp.shared_expert_gate.weight",
     true,
     true,
@@ -189,8 +181,7 @@ pub static TENSORS: &[TensorSpec] = &[
     UP_EXP,
     DOWN_EXPS,
     DOWN_EXP,
-    SHARED_ROUTER_GGUF,
-    SHARED_ROUTER_HF,
+    SHARED_ROUTER,
     SHARED_GATE,
     SHARED_UP,
     SHARED_DOWN,
@@ -253,7 +244,6 @@ impl super::Architecture for QwenMoe {
             "num_hidden_layers",
             "num_attention_heads",
             "max_position_embeddings",
-            "num_experts",
             "num_experts_per_tok",
             "moe_intermediate_size",
         ]
@@ -333,8 +323,13 @@ impl super::Architecture for QwenMoe {
             QWEN2MOE => Some(field("shared_expert_intermediate_size")?),
             _ => None,
         };
+        // transformers 5 writes Qwen3-MoE's expert count as `num_local_experts`.
+        let experts = match field("num_experts") {
+            Ok(n) => n,
+            Err(_) => field("num_local_experts").map_err(|_| anyhow!("missing or non-integer field 'num_experts'"))?,
+        };
         c.moe = Some(MoeConfig {
-            experts: field("num_experts")?,
+            experts,
             experts_per_token: field("num_experts_per_tok")?,
             expert_intermediate_size: field("moe_intermediate_size")?,
             shared_intermediate_size: shared.filter(|&s| s > 0),

@@ -221,14 +221,16 @@ fn quantization_summary(header: &GgufHeader) -> String {
 
 /// The weights of block `layer` of a GGUF model, dequantized to f32 and named as in HF
 /// checkpoints (`input_layernorm.weight`, `self_attn.q_proj.weight`, ..., relative to the
-/// layer): what `specula distill` initialises a draft head's block from. Errors: the file does
-/// not read, its architecture is not supported, or the layer is missing.
+/// layer): what `specula distill` initialises a draft head's block from. The dense block's
+/// tensors only: an MoE layer gives its attention and norms, no MLP. Errors: the file does not
+/// read, its architecture is not supported, or the layer is missing.
 pub fn dense_block(path: &Path, layer: usize) -> Result<Vec<(String, Tensor)>> {
     let header = GgufHeader::read(path)?;
     let schema = header.arch().with_context(|| format!("{}", path.display()))?.tensors();
     let mut file = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
     let mut out = Vec::new();
-    for s in schema.iter().filter(|s| s.per_layer) {
+    // The dense block's rows only (an MoE layer's router and experts are not a head's).
+    for s in schema.iter().filter(|s| s.per_layer && crate::arch::llama::is_dense_block_tensor(s.hf)) {
         let name = s.name(BundleFormat::Gguf, layer);
         if !header.content.tensor_infos.contains_key(&name) {
             continue;

@@ -46,6 +46,9 @@ pub struct SequenceEnv {
     /// The draft model's size relative to the target's: the prior of its costs
     /// ([`DraftLength::set_draft_cost_prior`], [`DraftLength::set_catch_up_prior`]).
     pub draft_size: Option<crate::speculative::controller::SizeRatio>,
+    /// The target's verify cost by rows before it is measured, `[r - 1]` for r rows
+    /// ([`crate::speculative::controller::verify_cost_prior`]).
+    pub verify_prior: Vec<f64>,
     /// The attached MTP head.
     pub mtp: Option<Arc<crate::speculative::mtp::MtpHead>>,
     /// The attached block drafter.
@@ -255,6 +258,7 @@ impl Sequence {
             };
         }
         let mut k_ctl = DraftLength::new(req.spec.draft_max, req.spec.adaptive);
+        k_ctl.set_verify_prior(env.verify_prior.clone());
         if let Some(p) = drafter.as_ref().and_then(|d| d.max_pause()) {
             k_ctl.set_max_pause(p);
         }

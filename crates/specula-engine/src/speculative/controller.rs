@@ -395,6 +395,31 @@ pub struct DraftLength {
     catch_up_token_s: Option<f64>,
     /// Whether `catch_up_token_s` was measured (a prior gives way to the first measurement).
     catch_up_measured: bool,
+    /// [`DraftLength::set_verify_prior`]: the prior cost of r rows at `r - 1`; empty: the
+    /// dense default.
+    verify_prior: Vec<f64>,
+}
+
+/// The prior of an r-row target forward's cost relative to a one-row forward, before any is
+/// measured: the weights a forward reads, plus [`PRIOR_ROW_SLOPE`] of a one-row forward per
+/// extra row for the arithmetic. A dense model reads every weight once whatever the rows; an
+/// MoE model reads the experts its rows are routed to, `E (1 - (1 - k/E)^r)` distinct experts
+/// of `E` per layer when `r` rows each take `k` independently (an upper estimate: a text's
+/// tokens share experts more than that), so its verify grows faster with rows.
+pub fn verify_cost_prior(target: &ModelConfig, rows: usize) -> f64 {
+    let rows = rows.max(1);
+    let arithmetic = 1.0 + PRIOR_ROW_SLOPE * (rows - 1) as f64;
+    let Some(m) = &target.moe else { return arithmetic };
+    let moe_layers = m.layers.iter().filter(|&&b| b).count() as f64;
+    let expert = (3 * target.hidden_size * m.expert_intermediate_size) as f64;
+    let one_row = target.step_params() as f64;
+    let (e, k) = (m.experts as f64, m.experts_per_token as f64);
+    if one_row <= 0.0 || e <= 0.0 {
+        return arithmetic;
+    }
+    let distinct = e * (1.0 - (1.0 - k / e).powi(rows as i32));
+    let extra_reads = moe_layers * expert * (distinct - k) / one_row;
+    arithmetic + extra_reads
 }
 
 /// A draft model's size relative to its target's: the prior of its costs until they are
@@ -452,6 +477,7 @@ impl DraftLength {
             draft_cost_prior: 0.0,
             catch_up_token_s: None,
             catch_up_measured: false,
+            verify_prior: Vec::new(),
         }
     }
 
@@ -541,10 +567,25 @@ impl DraftLength {
         sum
     }
 
+    /// The prior of [`DraftLength::relative_forward_cost`] at `rows`: the target's
+    /// ([`DraftLength::set_verify_prior`]), or [`PRIOR_ROW_SLOPE`] per extra row.
+    fn prior_cost(&self, rows: usize) -> f64 {
+        match self.verify_prior.get(rows.wrapping_sub(1)) {
+            Some(&c) => c,
+            None => 1.0 + PRIOR_ROW_SLOPE * (rows.saturating_sub(1)) as f64,
+        }
+    }
+
+    /// Price unmeasured row counts by the target's prior ([`verify_cost_prior`]; `prior[r - 1]`
+    /// for r rows) instead of the dense default.
+    pub fn set_verify_prior(&mut self, prior: Vec<f64>) {
+        self.verify_prior = prior;
+    }
+
     /// Estimated seconds of an r-row target forward, relative to a one-row forward.
     pub fn relative_forward_cost(&self, rows: usize) -> f64 {
         let Some(t1) = self.forward_s.first().copied().flatten() else {
-            return 1.0 + PRIOR_ROW_SLOPE * (rows.saturating_sub(1)) as f64;
+            return self.prior_cost(rows);
         };
         if let Some(Some(t)) = self.forward_s.get(rows.wrapping_sub(1)) {
             return t / t1;
@@ -566,7 +607,7 @@ impl DraftLength {
         let slope = match above {
             Some((ra, ca)) => (ca - below.1) / (ra - below.0) as f64,
             None if below.0 > 1 => (below.1 - 1.0) / (below.0 - 1) as f64,
-            None => PRIOR_ROW_SLOPE,
+            None => return below.1 + self.prior_cost(rows) - self.prior_cost(below.0),
         };
         below.1 + slope.max(0.0) * (rows - below.0) as f64
     }
@@ -1696,6 +1737,62 @@ mod tests {
         let mut w = DraftLength::new(4, true);
         w.warm_start(&p);
         assert_eq!(w.catch_up_token_s, None);
+    }
+
+    #[test]
+    fn moe_verify_prior_counts_the_experts_the_rows_touch() {
+        // Qwen3-30B-A3B's shape: 48 layers of hidden 2048 (32 heads / 4 KV heads of 128), 128
+        // experts of 768, 8 per token.
+        let mut c = ModelConfig {
+            family: crate::model::Family::Other("qwen3moe"),
+            vocab_size: 151_936,
+            hidden_size: 2048,
+            intermediate_size: 6144,
+            num_layers: 48,
+            num_heads: 32,
+            num_kv_heads: 4,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            context_length: 32_768,
+            rope_style: crate::model::RopeStyle::Neox,
+            sliding_window: None,
+            query_scale: None,
+            rope_freq_scale: None,
+            moe: Some(crate::arch::MoeConfig {
+                experts: 128,
+                experts_per_token: 8,
+                expert_intermediate_size: 768,
+                shared_intermediate_size: None,
+                norm_topk_prob: true,
+                layers: vec![true; 48],
+            }),
+        };
+        assert_eq!(verify_cost_prior(&c, 1), 1.0);
+        // 9 rows touch 128 (1 - (120/128)^9) = 56.4 experts a layer instead of 8: 48.4 more
+        // experts of 3 x 2048 x 768 weights in 48 layers, over a 3.04 B-weight step, plus the
+        // arithmetic's 0.8.
+        let p9 = verify_cost_prior(&c, 9);
+        let want = 1.8 + 48.0 * 3.0 * 2048.0 * 768.0 * 128.0 * ((1.0 - (120.0f64 / 128.0).powi(9)) - 8.0 / 128.0)
+            / c.step_params() as f64;
+        assert!((p9 - want).abs() < 1e-9 && (5.0..6.0).contains(&p9), "{p9} vs {want}");
+        assert!(verify_cost_prior(&c, 3) < verify_cost_prior(&c, 5));
+        c.moe = None;
+        assert!((verify_cost_prior(&c, 9) - 1.8).abs() < 1e-12, "dense: the arithmetic alone");
+        // The controller prices unmeasured rows by it.
+        let mut k = DraftLength::new(8, true);
+        c.moe = Some(crate::arch::MoeConfig {
+            experts: 128,
+            experts_per_token: 8,
+            expert_intermediate_size: 768,
+            shared_intermediate_size: None,
+            norm_topk_prob: true,
+            layers: vec![true; 48],
+        });
+        k.set_verify_prior((1..=9).map(|r| verify_cost_prior(&c, r)).collect());
+        assert_eq!(k.relative_forward_cost(9), p9);
+        k.observe_forward(1, 0.01);
+        assert!((k.relative_forward_cost(9) - p9).abs() < 1e-9, "one row measured: the prior's steps");
     }
 
     #[test]
