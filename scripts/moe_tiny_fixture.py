@@ -27,12 +27,15 @@ What the script does:
   that q8_0 represents exactly (`round_to_q8_0`), so model-q8_0.gguf holds exactly the same
   weights as model.safetensors (checked: transformers on the dequantized GGUF gives bit-identical
   logits); llama.cpp's q8_0 logits then differ from transformers' only through llama.cpp's own
-  q8_0 arithmetic (it quantizes the activations to q8_0 for these matrix products);
+  arithmetic: mostly its q8_0 products (it quantizes the activations to q8_0 for them, ~0.1), plus
+  the f16 KV cache (a few 1e-3, as the f32 GGUF shows);
 - converts the two main fixtures with llama.cpp's convert_hf_to_gguf.py to q8_0 (committed) and
   f32 (/tmp only, for the cross-check). The converter only accepts BPE tokenizers whose
   pre-tokenizer hash it knows, so it is copied to a temporary directory and patched to map this
   tokenizer's hash to the `qwen2` pre-tokenizer (the copy is deleted afterwards);
-- builds scripts/llamacpp_logits_dump.cpp against libllama into /tmp and runs it on the GGUFs;
+- builds scripts/llamacpp_logits_dump.cpp against libllama into /tmp and runs it on the GGUFs
+  with llama.cpp's default settings (f16 KV cache, flash attention auto), which Specula's
+  reference mode `Engine::logits_as_llamacpp` reproduces;
 - writes reference.json and prints the cross-check numbers (llama.cpp f32 and q8_0 vs HF).
 """
 import ast

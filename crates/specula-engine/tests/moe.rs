@@ -440,3 +440,76 @@ fn gguf_fixtures_match_llamacpp() {
         assert_eq!(ours, generated, "{name}: llama.cpp's greedy tokens");
     }
 }
+
+/// The shape of the synthetic MoE model for CPU speed measurements (a few hundred MB in Q8_0):
+/// Qwen3-MoE, hidden 1024, 6 layers, 16 query / 4 KV heads of 64, 64 experts of 256, 8 per token.
+fn bench_config() -> specula_engine::model::ModelConfig {
+    let mut c = tiny_moe_config("qwen3moe");
+    c.hidden_size = 1024;
+    c.intermediate_size = 2048;
+    c.num_layers = 6;
+    c.num_heads = 16;
+    c.num_kv_heads = 4;
+    c.head_dim = 64;
+    c.context_length = 4096;
+    c.rope_theta = 1e6;
+    c.moe = Some(arch::MoeConfig {
+        experts: 64,
+        experts_per_token: 8,
+        expert_intermediate_size: 256,
+        shared_intermediate_size: None,
+        norm_topk_prob: true,
+        layers: vec![true; 6],
+    });
+    c
+}
+
+/// Write the synthetic MoE GGUF for the CPU speed comparison with llama.cpp (docs/perf.md):
+/// `SPECULA_MOE_BENCH_OUT=/tmp/moe-bench.gguf cargo test --release -p specula-engine --test moe
+/// -- --ignored write_bench_moe`.
+#[test]
+#[ignore]
+fn write_bench_moe() {
+    let out = std::env::var("SPECULA_MOE_BENCH_OUT").unwrap_or_else(|_| "/tmp/moe-bench.gguf".into());
+    write_random_gguf(std::path::Path::new(&out), &QwenMoe, "qwen3moe", &bench_config(), GgmlDType::Q8_0, 5)
+        .expect("write");
+    eprintln!("wrote {out}");
+}
+
+/// Verify cost by rows on an MoE target: the seconds of an r-row forward after a 512-token
+/// prefill over a one-row decode (median of 7), r = 2..9, beside the controller's prior
+/// (`verify_cost_prior`). `SPECULA_MOE_BENCH_OUT` names the model (default: the synthetic one
+/// of `write_bench_moe`): `cargo test --release -p specula-engine --test moe -- --ignored
+/// moe_verify_cost --nocapture`.
+#[test]
+#[ignore]
+fn moe_verify_cost() {
+    use std::time::Instant;
+    let path = std::env::var("SPECULA_MOE_BENCH_OUT").unwrap_or_else(|_| "/tmp/moe-bench.gguf".into());
+    let model = load(std::path::Path::new(&path));
+    let c = model.config().clone();
+    let ids = tokens(512 + 9, c.vocab_size, 17);
+    let mut kv = model.new_kv_cache();
+    model.forward(&ids[..512], &mut kv, LogitsRows::None, &[]).expect("prefill");
+    let mut time = |n: usize| {
+        let mut t: Vec<f64> = (0..7)
+            .map(|_| {
+                let s = Instant::now();
+                let rows = if n == 1 { LogitsRows::Last } else { LogitsRows::All };
+                model.forward(&ids[512..512 + n], &mut kv, rows, &[]).expect("forward");
+                kv.truncate(512);
+                s.elapsed().as_secs_f64()
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let one = time(1);
+    let mut line = format!("1 row {:.2} ms", one * 1e3);
+    for r in 2..=9 {
+        let t = time(r);
+        let prior = specula_engine::speculative::controller::verify_cost_prior(&c, r);
+        line += &format!(" | {r}: {:.2}x (prior {prior:.2}x)", t / one);
+    }
+    eprintln!("{path}: {line}");
+}
