@@ -21,11 +21,13 @@ SHAPES = {
     "qwen3-1.7b": dict(arch="qwen3", vocab=151936, hidden=2048, inter=6144, layers=28, heads=16, kv=8, hd=128, tied=True, theta=1e6),
     "qwen3-8b": dict(arch="qwen3", vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv=8, hd=128, tied=False, theta=1e6),
     "llama-3.1-8b": dict(arch="llama", vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8, hd=128, tied=False, theta=5e5),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", vocab=151936, hidden=2048, inter=6144, layers=48, heads=32, kv=4, hd=128, tied=False, theta=1e6,
+                          experts=128, top_k=8, expert_inter=768),
 }
 
 
 def build(shape):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     s = SHAPES[shape]
     common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
@@ -35,6 +37,11 @@ def build(shape):
                   rope_parameters={"rope_type": "default", "rope_theta": s["theta"]})
     if s["arch"] == "qwen3":
         cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    elif s["arch"] == "qwen3moe":
+        cfg = Qwen3MoeConfig(**common, num_experts=s["experts"], num_experts_per_tok=s["top_k"],
+                             moe_intermediate_size=s["expert_inter"], norm_topk_prob=True,
+                             decoder_sparse_step=1, mlp_only_layers=[])
+        cls = Qwen3MoeForCausalLM
     else:
         common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": s["theta"], "factor": 8.0,
                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -68,6 +75,7 @@ def main():
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--json")
+    ap.add_argument("--verify", default="", help="row counts of the verify-cost timing, e.g. 2,4,8")
     a = ap.parse_args()
     from transformers import StaticCache
 
@@ -78,10 +86,17 @@ def main():
     cfg, m = build(a.shape)
     wb = 2 * sum(p.numel() for p in m.parameters())
     out["weight_bytes"] = wb
+    sh = SHAPES[a.shape]
+    if "experts" in sh:
+        # A one-row step reads top_k of the experts of each layer (specula's step_bytes).
+        per_expert = 2 * 3 * sh["hidden"] * sh["expert_inter"]
+        wb -= sh["layers"] * (sh["experts"] - sh["top_k"]) * per_expert
+        out["step_bytes"] = wb
     out["floor_tok_s"] = bw / wb
     print(f"RESULT weights {wb / 1e9:.2f} GB, floor {wb / bw * 1e3:.3f} ms/token = {bw / wb:.0f} tok/s", flush=True)
     P, steps = 128, 40
-    fwd = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+    # MoE routing in transformers has data-dependent control flow: compile without fullgraph.
+    fwd = torch.compile(m.forward, mode="reduce-overhead", fullgraph="experts" not in sh)
     out["decode"] = []
     with torch.inference_mode():
         for B in [int(b) for b in a.batches.split(",")]:
@@ -110,6 +125,28 @@ def main():
             print(f"RESULT torch_compiled_decode B={B}: {dt * 1e3:.3f} ms/step, {B / dt:.0f} tok/s aggregate", flush=True)
             del cache
             torch.cuda.empty_cache()
+    if a.verify:
+        # Verify cost: an r-row forward at batch 1 after the prompt, over a one-row one.
+        out["verify"] = []
+        with torch.inference_mode():
+            cache = StaticCache(config=cfg, max_batch_size=1, max_cache_len=P + 64)
+            prompt = ((torch.arange(P, device="cuda") * 7919 + 13) % cfg.vocab_size)[None]
+            m(prompt, past_key_values=cache, cache_position=torch.arange(P, device="cuda"), use_cache=True)
+            base = None
+            for r in [1] + [int(x) for x in a.verify.split(",")]:
+                toks = prompt[:, :r]
+                pos = torch.arange(P, P + r, device="cuda")
+                for _ in range(5):
+                    fwd(toks, past_key_values=cache, cache_position=pos, position_ids=pos[None], use_cache=True)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(20):
+                    fwd(toks, past_key_values=cache, cache_position=pos, position_ids=pos[None], use_cache=True)
+                torch.cuda.synchronize()
+                dt = (time.perf_counter() - t) / 20
+                base = base or dt
+                out["verify"].append({"rows": r, "ms": dt * 1e3, "relative_to_one_row": dt / base})
+                print(f"RESULT torch_compiled_verify rows={r}: {dt * 1e3:.3f} ms = {dt / base:.2f}x", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

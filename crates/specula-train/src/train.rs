@@ -193,9 +193,8 @@ pub fn initial_weights(target: &Model, model_path: &Path, prefix: &str, seed: u6
     // (`intermediate_size` wide, N(0, 0.02)).
     let i = c.intermediate_size;
     for (name, dims) in [("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))] {
-        let key = format!("{prefix}mlp.{name}.weight");
-        if !m.contains_key(&key) {
-            m.insert(key, Tensor::from_vec(normal(&mut rng, i * h, 0.02), dims, &dev)?);
+        if let std::collections::hash_map::Entry::Vacant(v) = m.entry(format!("{prefix}mlp.{name}.weight")) {
+            v.insert(Tensor::from_vec(normal(&mut rng, i * h, 0.02), dims, &dev)?);
         }
     }
     let emb_part = Tensor::from_vec(normal(&mut rng, h * h, 0.02), (h, h), &dev)?;

@@ -412,6 +412,10 @@ impl super::Architecture for QwenMoe {
         StateKind::KvRows
     }
 
+    fn runs_on_cuda(&self) -> bool {
+        true
+    }
+
     fn build(&self, config: ModelConfig, w: &mut dyn WeightSource, device: &Device) -> Result<Model> {
         let moe = config
             .moe

@@ -464,16 +464,41 @@ pub fn check_tiny_bundles(ordinal: usize) -> Result<Value> {
     std::fs::create_dir_all(&dir)?;
     let mut results = Vec::new();
     let mut ok = true;
-    for (family, gguf) in [(Family::Llama, true), (Family::Qwen2, false), (Family::Qwen3, false)] {
+    // The dense families, and the MoE ones (tiny Qwen3-MoE / Qwen2-MoE with a dense layer).
+    let bundles = [
+        (Family::Llama, true),
+        (Family::Qwen2, false),
+        (Family::Qwen3, false),
+        (Family::Other("qwen3moe"), true),
+        (Family::Other("qwen2moe"), false),
+    ];
+    for (family, gguf) in bundles {
+        let moe = matches!(family, Family::Other(_));
         let spec = TinySpec::new(family);
-        let path = if gguf {
-            let p = dir.join(format!("{}.gguf", family.as_str()));
-            write_tiny_gguf(&p, &spec)?;
-            p
-        } else {
-            let p = dir.join(family.as_str());
-            write_tiny_hf(&p, &spec)?;
-            p
+        let path = match (moe, gguf) {
+            (false, true) => {
+                let p = dir.join(format!("{}.gguf", family.as_str()));
+                write_tiny_gguf(&p, &spec)?;
+                p
+            }
+            (false, false) => {
+                let p = dir.join(family.as_str());
+                write_tiny_hf(&p, &spec)?;
+                p
+            }
+            (true, true) => {
+                let c = crate::testing::tiny_moe_config(family.as_str());
+                let p = dir.join(format!("{}.gguf", family.as_str()));
+                let arch = crate::arch::of(&c);
+                crate::testing::write_random_gguf(&p, arch, family.as_str(), &c, candle_core::quantized::GgmlDType::F32, 11)?;
+                p
+            }
+            (true, false) => {
+                let c = crate::testing::tiny_moe_config(family.as_str());
+                let p = dir.join(family.as_str());
+                crate::testing::write_random_hf(&p, crate::arch::of(&c), &c, 11)?;
+                p
+            }
         };
         super::trace(&format!("tiny {}: CPU load", family.as_str()));
         let cpu = crate::bundle::load(&path, &candle_core::Device::Cpu)?.model;
@@ -661,7 +686,10 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
     let gemm = check_gemm(&gpu)?;
     let mut m = load::synthetic(gpu, o.shape.config(), o.seed, max_streams, ctx, o.dtype)?;
     let wb = m.weight_bytes();
-    let floor_s = wb as f64 / bw;
+    // The bytes a one-row step reads: every weight, except that an MoE layer reads only the
+    // experts a token is routed to (and its router and shared expert).
+    let step_bytes = m.step_bytes();
+    let floor_s = step_bytes as f64 / bw;
     let v = m.config.vocab;
 
     log("exactness: verify rows vs one-row decode");
@@ -778,6 +806,7 @@ pub fn run(o: &BenchOptions, log: &dyn Fn(&str)) -> Result<Value> {
         "weights": "synthetic (generated on the device)",
         "shape": m.config,
         "weight_bytes": wb,
+        "step_bytes": step_bytes,
         "copy_bandwidth_tb_s": bw / 1e12,
         "floor_ms_per_token": floor_s * 1e3,
         "floor_tok_s": 1.0 / floor_s,

@@ -26,10 +26,50 @@ pub(crate) struct Layer {
     pub k_norm: Option<DevBuf>,
     pub o: Mat,
     pub mlp_norm: DevBuf,
-    /// `[gate; up]` rows: `[2 intermediate, hidden]`.
-    pub gate_up: Mat,
-    pub down: Mat,
+    pub mlp: LayerMlp,
 }
+
+/// One layer's MLP on the device.
+pub(crate) enum LayerMlp {
+    /// `gate_up`: the `[gate; up]` rows interleaved in groups of 8, `[2 intermediate, hidden]`;
+    /// `down`: `[hidden, intermediate]`.
+    Dense { gate_up: Mat, down: Mat },
+    Moe(MoeLayer),
+}
+
+/// An MoE layer's weights (bf16).
+pub(crate) struct MoeLayer {
+    pub experts: usize,
+    /// The router's `[experts, hidden]` rows, then the shared expert's gate row when there is
+    /// one: `[experts (+ 1), hidden]`.
+    pub router: Mat,
+    /// Per expert its gate rows, then its up rows: `[experts, 2 expert_intermediate, hidden]`.
+    pub gate_up: DevBuf,
+    /// `[experts, hidden, expert_intermediate]`.
+    pub down: DevBuf,
+    /// The shared expert: `[gate; up]` interleaved as a dense MLP's, and its down.
+    pub shared: Option<(Mat, Mat)>,
+}
+
+impl LayerMlp {
+    /// Bytes of every weight; with `active`, a one-row step's: the router, the shared expert
+    /// and `top_k` of the experts.
+    fn bytes(&self, active: Option<usize>) -> usize {
+        match self {
+            LayerMlp::Dense { gate_up, down } => gate_up.bytes() + down.bytes(),
+            LayerMlp::Moe(m) => {
+                let shared = m.shared.as_ref().map_or(0, |(a, b)| a.bytes() + b.bytes());
+                let experts = m.gate_up.bytes() + m.down.bytes();
+                let experts = match active {
+                    Some(k) => experts / m.experts.max(1) * k,
+                    None => experts,
+                };
+                m.router.bytes() + shared + experts
+            }
+        }
+    }
+}
+
 
 /// All weights on the device.
 pub(crate) struct Weights {
@@ -46,6 +86,16 @@ impl Weights {
     /// it. A decode step reads one row of the embedding, so the strict floor is a little lower
     /// (docs/gpu.md gives both).
     pub fn bytes(&self) -> usize {
+        self.bytes_with(None)
+    }
+
+    /// [`Weights::bytes`] with only `top_k` experts of each MoE layer counted: what a one-row
+    /// step reads (the floor's numerator on an MoE model). The same as `bytes` on a dense one.
+    pub fn step_bytes(&self, top_k: usize) -> usize {
+        self.bytes_with(Some(top_k))
+    }
+
+    fn bytes_with(&self, active: Option<usize>) -> usize {
         let mut b = self.final_norm.bytes() + self.embed.bytes();
         if let Some(h) = &self.lm_head {
             b += h.bytes();
@@ -55,8 +105,7 @@ impl Weights {
                 + l.qkv.bytes()
                 + l.o.bytes()
                 + l.mlp_norm.bytes()
-                + l.gate_up.bytes()
-                + l.down.bytes();
+                + l.mlp.bytes(active);
             for x in [&l.qkv_bias, &l.q_norm, &l.k_norm].into_iter().flatten() {
                 b += x.bytes();
             }
@@ -106,6 +155,26 @@ pub(crate) struct Scratch {
     pub(crate) att_count: DevBuf,
     /// i32 `[3, MAX_ROWS]`: tokens, positions, slots.
     pub(crate) io: DevBuf,
+    /// The MoE layers' buffers (an MoE model only).
+    pub(crate) moe: Option<MoeScratch>,
+}
+
+/// Scratch of the MoE layers, for up to MAX_ROWS rows of `top_k` pairs each.
+pub(crate) struct MoeScratch {
+    /// f32 `[MAX_ROWS, experts (+ 1)]`: router logits (and the shared expert's gate logit).
+    pub router: DevBuf,
+    /// i32 / f32 `[MAX_ROWS, top_k]`: each row's experts by rank and their weights.
+    pub ids: DevBuf,
+    pub wts: DevBuf,
+    /// i32 `[experts + 1]` and `[MAX_ROWS · top_k]`: the pairs of each expert (`moe_plan`).
+    pub off: DevBuf,
+    pub pairs: DevBuf,
+    /// bf16 `[MAX_ROWS · top_k, expert_intermediate]`: SiLU(gate) · up per pair.
+    pub act: DevBuf,
+    /// f32 `[MAX_ROWS · top_k, hidden]`: each pair's expert output.
+    pub y: DevBuf,
+    /// f32 `[MAX_ROWS, hidden]`: the shared expert's output.
+    pub shared: DevBuf,
 }
 
 /// Kernel choices of `GpuModel::enqueue`, from the environment (speed only: the same bits).
@@ -276,6 +345,19 @@ impl GpuModel {
         if c.kv_heads == 0 || !c.heads.is_multiple_of(c.kv_heads) {
             bail!("heads ({}) must be a multiple of kv_heads ({})", c.heads, c.kv_heads);
         }
+        if let Some(m) = &c.moe {
+            if m.top_k == 0 || m.top_k > 8 || m.experts > 1024 || !m.expert_inter.is_multiple_of(8) {
+                bail!(
+                    "the CUDA MoE path needs 1 to 8 experts per token, at most 1024 experts and an expert width that is a multiple of 8 (got {}, {}, {})",
+                    m.top_k,
+                    m.experts,
+                    m.expert_inter
+                );
+            }
+            if m.shared_inter.is_some_and(|s| s > c.intermediate || !s.is_multiple_of(8)) {
+                bail!("the shared expert's width must be a multiple of 8 and at most intermediate_size");
+            }
+        }
         let inv_freq = DevBuf::new(c.inv_freq.len() * 4)?;
         gpu.upload(inv_freq.at(0), &c.inv_freq)?;
         let r = MAX_ROWS;
@@ -294,6 +376,23 @@ impl GpuModel {
             att_part: DevBuf::new(r * c.heads * ATT_SPLITS * (c.head_dim + 2) * 4)?,
             att_count: DevBuf::new(r * c.heads * 4)?,
             io: DevBuf::new(3 * r * 4)?,
+            moe: match &c.moe {
+                None => None,
+                Some(m) => {
+                    let ls = m.experts + usize::from(m.shared_inter.is_some());
+                    let pairs = r * m.top_k;
+                    Some(MoeScratch {
+                        router: DevBuf::new(r * ls * 4)?,
+                        ids: DevBuf::new(pairs * 4)?,
+                        wts: DevBuf::new(pairs * 4)?,
+                        off: DevBuf::new((m.experts + 1) * 4)?,
+                        pairs: DevBuf::new(pairs * 4)?,
+                        act: DevBuf::new(pairs * m.expert_inter * 2)?,
+                        y: DevBuf::new(pairs * c.hidden * 4)?,
+                        shared: DevBuf::new(r * c.hidden * 4)?,
+                    })
+                }
+            },
         };
         gpu.upload(s.att_count.at(0), &vec![0i32; r * c.heads])?;
         let kv = Kv {
@@ -380,6 +479,15 @@ impl GpuModel {
         self.w.bytes()
     }
 
+    /// Bytes of the weights a one-row step reads: [`GpuModel::weight_bytes`] with only the
+    /// experts a token is routed to counted on an MoE model.
+    pub fn step_bytes(&self) -> usize {
+        match &self.config.moe {
+            Some(m) => self.w.step_bytes(m.top_k),
+            None => self.w.bytes(),
+        }
+    }
+
     /// Bytes of the KV cache.
     pub fn kv_bytes(&self) -> usize {
         self.kv.k.bytes() * 2
@@ -454,7 +562,6 @@ impl GpuModel {
             &[A::P(self.w.embed.at(0)), A::P(tok), A::P(s.x.at(0)), A::I(h as i32)],
         )?;
         let layer_kv = self.kv.slots * self.kv.max_ctx * nkv * hd * 2;
-        let mma = g.gemm_path() == GemmPath::Mma;
         // Forwards of rows of different sequences (batch-1 decode; up to ATT_DEEP_ROWS rows, or
         // the grouped widths with SPECULA_CUDA_FUSE_ROPE=wide) do the RoPE / KV write in the
         // attention kernel: the same device code, so the same bits as the separate kernel the
@@ -535,22 +642,12 @@ impl GpuModel {
             if !fu.skips("norm") {
                 g.rmsnorm(x, l.mlp_norm.at(0), xn, n, h, c.rms_eps)?;
             }
-            if mma && fu.silu {
-                let act = Epilogue::SiluMul { act: s.act.at(0) };
-                g.gemm_epi(l.gate_up.ptrs(), xn, None, s.gu.at(0), n, 2 * inter, h, act)?;
-            } else {
-                g.gemm(l.gate_up.ptrs(), xn, None, s.gu.at(0), n, 2 * inter, h)?;
-                if !fu.skips("silu") {
-                    let total = n * inter;
-                    g.launch(
-                        "silu_mul",
-                        ((total.div_ceil(256)).min(65536) as u32, 1),
-                        256,
-                        &[A::P(s.gu.at(0)), A::P(s.act.at(0)), A::I(inter as i32), A::I(n as i32)],
-                    )?;
+            match &l.mlp {
+                LayerMlp::Dense { gate_up, down } => {
+                    self.dense_mlp(gate_up, down, inter, n, Some(x), x)?;
                 }
+                LayerMlp::Moe(m) => self.moe_mlp(m, n)?,
             }
-            g.gemm(l.down.ptrs(), s.act.at(0), Some(x), x, n, h, inter)?;
             for &(_, dst) in self.tap_dst.iter().filter(|(tl, _)| *tl == li) {
                 g.copy(dst, x, n * h * 4)?;
             }
@@ -575,6 +672,133 @@ impl GpuModel {
             (m as u32, 1),
             1024,
             &[A::P(s.logits.at(0)), A::I(c.vocab as i32), A::P(s.argmax.at(0))],
+        )
+    }
+
+    /// The dense gated MLP of the normed rows `s.xn` (`n` rows): `y = down(silu(gate) · up)`
+    /// (`+ r`), `width` its intermediate size.
+    fn dense_mlp(&self, gate_up: &Mat, down: &Mat, width: usize, n: usize, r: Option<u64>, y: u64) -> Result<()> {
+        let (g, s, h) = (&self.gpu, &self.s, self.config.hidden);
+        let xn = s.xn.at(0);
+        if g.gemm_path() == GemmPath::Mma && self.kernels.silu {
+            let act = Epilogue::SiluMul { act: s.act.at(0) };
+            g.gemm_epi(gate_up.ptrs(), xn, None, s.gu.at(0), n, 2 * width, h, act)?;
+        } else {
+            g.gemm(gate_up.ptrs(), xn, None, s.gu.at(0), n, 2 * width, h)?;
+            if !self.kernels.skips("silu") {
+                let total = n * width;
+                g.launch(
+                    "silu_mul",
+                    ((total.div_ceil(256)).min(65536) as u32, 1),
+                    256,
+                    &[A::P(s.gu.at(0)), A::P(s.act.at(0)), A::I(width as i32), A::I(n as i32)],
+                )?;
+            }
+        }
+        g.gemm(down.ptrs(), s.act.at(0), r, y, n, h, width)
+    }
+
+    /// The MoE MLP of the normed rows `s.xn`, added to the residual `s.x`: the router's
+    /// logits (a batch-invariant GEMM), each row's top-k (`moe_route`), the pairs of each
+    /// expert (`moe_plan`), every pair's gate/up and down products (`moe_gate_up`,
+    /// `moe_down`: one block per expert and feature tile), the shared expert as a dense MLP,
+    /// and the weighted sum in rank order (`moe_combine`).
+    fn moe_mlp(&self, m: &MoeLayer, n: usize) -> Result<()> {
+        let (g, s, c) = (&self.gpu, &self.s, &self.config);
+        let (Some(cfg), Some(ms)) = (&c.moe, &s.moe) else {
+            bail!("an MoE layer in a model without MoE buffers");
+        };
+        let h = c.hidden;
+        let e = cfg.experts;
+        let ls = e + usize::from(m.shared.is_some());
+        let k = cfg.top_k;
+        let xn = s.xn.at(0);
+        g.gemm(m.router.ptrs(), xn, None, ms.router.at(0), n, ls, h)?;
+        g.launch(
+            "moe_route",
+            (n as u32, 1),
+            32,
+            &[
+                A::P(ms.router.at(0)),
+                A::I(e as i32),
+                A::I(ls as i32),
+                A::I(k as i32),
+                A::I(cfg.norm_topk as i32),
+                A::P(ms.ids.at(0)),
+                A::P(ms.wts.at(0)),
+            ],
+        )?;
+        let plan_threads = e.next_multiple_of(32) as u32;
+        g.launch_smem(
+            "moe_plan",
+            (1, 1),
+            plan_threads,
+            ((e + 1) * 4) as u32,
+            &[
+                A::P(ms.ids.at(0)),
+                A::I((n * k) as i32),
+                A::I(e as i32),
+                A::P(ms.off.at(0)),
+                A::P(ms.pairs.at(0)),
+            ],
+        )?;
+        // 8 warps of 2 features a block.
+        let tiles = |f: usize| f.div_ceil(16) as u32;
+        let ei = cfg.expert_inter;
+        g.launch(
+            "moe_gate_up",
+            (tiles(ei), e as u32),
+            256,
+            &[
+                A::P(m.gate_up.at(0)),
+                A::P(xn),
+                A::P(ms.off.at(0)),
+                A::P(ms.pairs.at(0)),
+                A::I(k as i32),
+                A::P(ms.act.at(0)),
+                A::I(ei as i32),
+                A::I(h as i32),
+            ],
+        )?;
+        g.launch(
+            "moe_down",
+            (tiles(h), e as u32),
+            256,
+            &[
+                A::P(m.down.at(0)),
+                A::P(ms.act.at(0)),
+                A::P(ms.off.at(0)),
+                A::P(ms.pairs.at(0)),
+                A::I(k as i32),
+                A::P(ms.y.at(0)),
+                A::I(h as i32),
+                A::I(ei as i32),
+            ],
+        )?;
+        let shared = match (&m.shared, cfg.shared_inter) {
+            (Some((gate_up, down)), Some(si)) => {
+                self.dense_mlp(gate_up, down, si, n, None, ms.shared.at(0))?;
+                ms.shared.at(0)
+            }
+            _ => 0,
+        };
+        let total = n * h;
+        g.launch(
+            "moe_combine",
+            ((total.div_ceil(256)).min(65536) as u32, 1),
+            256,
+            &[
+                A::P(s.x.at(0)),
+                A::P(ms.y.at(0)),
+                A::P(ms.wts.at(0)),
+                A::I(k as i32),
+                A::I(h as i32),
+                A::I(n as i32),
+                A::P(shared),
+                A::P(ms.router.at(0)),
+                A::I(ls as i32),
+                A::I(e as i32),
+            ],
         )
     }
 

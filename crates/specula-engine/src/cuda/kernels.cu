@@ -1549,3 +1549,225 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* P, unsigned long long n, un
     P[i] = f2bf(offset + scale * splitmix_u(seed, i));
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Mixture-of-Experts (Qwen3-MoE, Qwen2-MoE): routing, expert products, weighted sum.
+//
+// Batch invariance: a row's output depends on its own values only. The router's logits come
+// from the batch-invariant GEMM; routing is per row (one warp, fixed-order reductions); each
+// (row, expert) product is a dot product folded in a fixed order (lane l takes the 8-wide
+// chunks l, l + 32, ... in order, then warp_sum) whatever other rows share the expert's block;
+// the weighted sum is per row in top-k rank order. Grouping rows by expert is for the weight
+// reads only: the rows routed to an expert read its weights in one block.
+
+// One warp per row r: softmax over the E router logits L[r * LS + e] (the max, then the
+// exponentials summed in a fixed order), the top-k logits (ties to the lower expert), their
+// probabilities, renormalized to sum to 1 when `norm`. ids / wts: [rows, topk].
+extern "C" __global__ void moe_route(const float* L, int E, int LS, int topk, int norm, int* ids, float* wts) {
+  pdl_wait();
+  pdl_launch();
+  const int r = blockIdx.x, lane = threadIdx.x;
+  const float* l = L + (size_t)r * LS;
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+  mx = warp_max(mx);
+  float s = 0.0f;
+  for (int e = lane; e < E; e += 32) s += expf(l[e] - mx);
+  s = warp_sum(s);
+  int chosen[8];
+  float p[8];
+  float total = 0.0f;
+  for (int k = 0; k < topk; k++) {
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) {
+      bool taken = false;
+      for (int j = 0; j < k; j++) taken |= chosen[j] == e;
+      const float v = l[e];
+      if (!taken && (v > best || (v == best && e < bi))) {
+        best = v;
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float v2 = __shfl_xor_sync(0xffffffffu, best, o);
+      const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (v2 > best || (v2 == best && i2 < bi)) {
+        best = v2;
+        bi = i2;
+      }
+    }
+    chosen[k] = bi;
+    p[k] = expf(best - mx) / s;
+    total += p[k];
+  }
+  if (lane == 0) {
+    for (int k = 0; k < topk; k++) {
+      ids[r * topk + k] = chosen[k];
+      wts[r * topk + k] = norm ? p[k] / total : p[k];
+    }
+  }
+}
+
+// One block of at least E threads: per expert e, the (row, rank) pairs routed to it (pair id
+// r * topk + k, in row-major order) at pairs[off[e] .. off[e + 1]]. n: rows * topk.
+extern "C" __global__ void moe_plan(const int* ids, int n, int E, int* off, int* pairs) {
+  pdl_wait();
+  pdl_launch();
+  extern __shared__ int cnt[];
+  const int e = threadIdx.x;
+  if (e < E) {
+    int c = 0;
+    for (int i = 0; i < n; i++) c += ids[i] == e;
+    cnt[e] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int i = 0; i < E; i++) {
+      const int t = cnt[i];
+      cnt[i] = acc;
+      acc += t;
+    }
+    off[E] = acc;
+  }
+  __syncthreads();
+  if (e < E) {
+    int o = cnt[e];
+    off[e] = o;
+    for (int i = 0; i < n; i++)
+      if (ids[i] == e) pairs[o++] = i;
+  }
+}
+
+// The products of expert blockIdx.y for the pairs routed to it. W: bf16 [E, NR * F, KD] (NR = 2:
+// F gate rows, then F up rows; NR = 1: F rows); X: bf16 rows of KD, the pair's row p / topk
+// (GU) or the pair's own row p (down). GU: Out bf16 [pairs, F] = silu_mul1(gate, up); else Out
+// f32 [pairs, F]. Block: 8 warps of RW features; up to MP pairs share each weight load.
+template <int RW, int MP, int U, bool GU>
+__device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf16_t* __restrict__ X,
+                                         const int* __restrict__ off, const int* __restrict__ pairs, int topk,
+                                         void* Out, int F, int KD) {
+  constexpr int NR = GU ? 2 : 1;
+  pdl_wait();
+  pdl_launch();
+  const int e = blockIdx.y;
+  const int p0 = off[e], p1 = off[e + 1];
+  if (p0 == p1) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int f0 = (blockIdx.x * (blockDim.x >> 5) + warp) * RW;
+  if (f0 >= F) return;
+  const int KV = KD >> 3;
+  const uint4* wrow[NR][RW];
+#pragma unroll
+  for (int h = 0; h < NR; h++)
+#pragma unroll
+    for (int r = 0; r < RW; r++) {
+      const int f = min(f0 + r, F - 1);
+      wrow[h][r] = reinterpret_cast<const uint4*>(W + ((size_t)e * NR * F + (size_t)h * F + f) * KD);
+    }
+  for (int pc = p0; pc < p1; pc += MP) {
+    const int np = min(MP, p1 - pc);
+    const uint4* xr[MP];
+    int pid[MP];
+#pragma unroll
+    for (int m = 0; m < MP; m++) {
+      pid[m] = pairs[pc + min(m, np - 1)];
+      const int xrow = GU ? pid[m] / topk : pid[m];
+      xr[m] = reinterpret_cast<const uint4*>(X + (size_t)xrow * KD);
+    }
+    float acc[MP][NR][RW];
+#pragma unroll
+    for (int m = 0; m < MP; m++)
+#pragma unroll
+      for (int h = 0; h < NR; h++)
+#pragma unroll
+        for (int r = 0; r < RW; r++) acc[m][h][r] = 0.0f;
+    // Each accumulator folds chunks kv, kv + 32, ... in order (U only batches the loads).
+    for (int kv0 = lane; kv0 < KV; kv0 += 32 * U) {
+      uint4 wv[U][NR][RW];
+#pragma unroll
+      for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int h = 0; h < NR; h++)
+#pragma unroll
+          for (int r = 0; r < RW; r++) {
+            const int kv = kv0 + 32 * u;
+            wv[u][h][r] = kv < KV ? __ldcs(wrow[h][r] + kv) : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int kv = kv0 + 32 * u;
+        if (kv >= KV) break;
+        float wf[NR][RW][8];
+#pragma unroll
+        for (int h = 0; h < NR; h++)
+#pragma unroll
+          for (int r = 0; r < RW; r++) unpack8(wv[u][h][r], wf[h][r]);
+#pragma unroll
+        for (int m = 0; m < MP; m++) {
+          if (m >= np) break;
+          float xf[8];
+          unpack8(__ldg(xr[m] + kv), xf);
+#pragma unroll
+          for (int h = 0; h < NR; h++)
+#pragma unroll
+            for (int r = 0; r < RW; r++)
+#pragma unroll
+              for (int j = 0; j < 8; j++) acc[m][h][r] = __fmaf_rn(wf[h][r][j], xf[j], acc[m][h][r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MP; m++) {
+      if (m >= np) break;
+#pragma unroll
+      for (int r = 0; r < RW; r++) {
+        const float a = warp_sum(acc[m][0][r]);
+        const float b = GU ? warp_sum(acc[m][NR - 1][r]) : 0.0f;
+        const int f = f0 + r;
+        if (lane == 0 && f < F) {
+          const size_t i = (size_t)pid[m] * F + f;
+          if (GU)
+            reinterpret_cast<bf16_t*>(Out)[i] = silu_mul1(a, b);
+          else
+            reinterpret_cast<float*>(Out)[i] = a;
+        }
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up(const bf16_t* W, const bf16_t* X, const int* off,
+                                                               const int* pairs, int topk, bf16_t* Act, int F, int KD) {
+  moe_gemv<2, 4, 2, true>(W, X, off, pairs, topk, Act, F, KD);
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_down(const bf16_t* W, const bf16_t* Act, const int* off,
+                                                            const int* pairs, int topk, float* Y, int F, int KD) {
+  moe_gemv<2, 4, 2, false>(W, Act, off, pairs, topk, Y, F, KD);
+}
+
+// X[r, j] += sum_k wts[r, k] * Y[r * topk + k, j] (the ranks in order), plus
+// sigmoid(L[r * LS + E]) * S[r, j] (the shared expert and its gate) when S is not null.
+// Grid-stride over rows * H.
+extern "C" __global__ void moe_combine(float* X, const float* Y, const float* wts, int topk, int H, int rows,
+                                       const float* S, const float* L, int LS, int E) {
+  pdl_wait();
+  pdl_launch();
+  const size_t n = (size_t)rows * H;
+  for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
+    const size_t r = idx / H, j = idx % H;
+    float m = 0.0f;
+    for (int k = 0; k < topk; k++) {
+      const float t = __fmul_rn(wts[r * topk + k], Y[(r * topk + k) * H + j]);
+      m = k == 0 ? t : __fadd_rn(m, t);
+    }
+    if (S) {
+      const float g = 1.0f / (1.0f + expf(-L[r * LS + E]));
+      m = __fadd_rn(m, __fmul_rn(g, S[idx]));
+    }
+    X[idx] = __fadd_rn(X[idx], m);
+  }
+}

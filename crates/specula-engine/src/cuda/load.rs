@@ -1,7 +1,7 @@
 //! Weights for the CUDA path: synthetic ones of a named architecture's shape, generated on the
 //! device (vLLM's `--load-format dummy`), or a bundle's tensors converted to bf16 at load.
 
-use super::{DevBuf, Gpu, GpuModel, Layer, Mat, Weights};
+use super::{DevBuf, Gpu, GpuModel, Layer, LayerMlp, Mat, MoeLayer, Weights};
 use crate::arch::{BundleFormat, Role, TensorSpec};
 use crate::model::{ModelConfig, RopeStyle};
 use anyhow::{anyhow, bail, Context, Result};
@@ -33,6 +33,21 @@ pub struct GpuConfig {
     /// RoPE inverse frequencies, `head_dim / 2` values.
     #[serde(skip)]
     pub inv_freq: Vec<f32>,
+    /// The routed experts of an MoE model; None: dense.
+    pub moe: Option<GpuMoe>,
+}
+
+/// The experts of an MoE model on the device ([`crate::arch::MoeConfig`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GpuMoe {
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_inter: usize,
+    /// The shared expert's width (Qwen2-MoE); None: none.
+    pub shared_inter: Option<usize>,
+    pub norm_topk: bool,
+    /// Per layer, whether its MLP is the MoE.
+    pub layers: Vec<bool>,
 }
 
 /// Llama 3.1's RoPE frequency scaling (`rope_type: llama3`): factor, low and high frequency
@@ -84,6 +99,8 @@ pub struct Shape {
     pub qk_norm: bool,
     pub tied: bool,
     pub llama3_scaling: Option<Llama3Scaling>,
+    /// Routed experts: (experts, per token, expert width); every layer MoE.
+    pub moe: Option<(usize, usize, usize)>,
 }
 
 const LLAMA31: Llama3Scaling = Llama3Scaling {
@@ -108,6 +125,7 @@ pub const SHAPES: &[Shape] = &[
         qk_norm: true,
         tied: true,
         llama3_scaling: None,
+        moe: None,
     },
     Shape {
         name: "qwen3-1.7b",
@@ -122,6 +140,7 @@ pub const SHAPES: &[Shape] = &[
         qk_norm: true,
         tied: true,
         llama3_scaling: None,
+        moe: None,
     },
     Shape {
         name: "qwen3-8b",
@@ -136,6 +155,7 @@ pub const SHAPES: &[Shape] = &[
         qk_norm: true,
         tied: false,
         llama3_scaling: None,
+        moe: None,
     },
     Shape {
         name: "llama-3.1-8b",
@@ -150,6 +170,22 @@ pub const SHAPES: &[Shape] = &[
         qk_norm: false,
         tied: false,
         llama3_scaling: Some(LLAMA31),
+        moe: None,
+    },
+    Shape {
+        name: "qwen3-30b-a3b",
+        vocab: 151936,
+        hidden: 2048,
+        intermediate: 6144,
+        layers: 48,
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        rope_theta: 1_000_000.0,
+        qk_norm: true,
+        tied: false,
+        llama3_scaling: None,
+        moe: Some((128, 8, 768)),
     },
 ];
 
@@ -181,6 +217,14 @@ impl Shape {
             tied: self.tied,
             interleaved_rope: false,
             inv_freq: rope_inv_freq(self.head_dim, self.rope_theta, self.llama3_scaling),
+            moe: self.moe.map(|(experts, top_k, expert_inter)| GpuMoe {
+                experts,
+                top_k,
+                expert_inter,
+                shared_inter: None,
+                norm_topk: true,
+                layers: vec![true; self.layers],
+            }),
         }
     }
 }
@@ -266,8 +310,26 @@ pub fn synthetic(
             },
             o: synth_mat(&gpu, h, c.heads * hd, &mut sd, dtype)?,
             mlp_norm: synth(&gpu, h, &mut sd, 0.1, 1.0)?,
-            gate_up: synth_mat(&gpu, 2 * c.intermediate, h, &mut sd, dtype)?,
-            down: synth_mat(&gpu, h, c.intermediate, &mut sd, dtype)?,
+            mlp: match &c.moe {
+                None => LayerMlp::Dense {
+                    gate_up: synth_mat(&gpu, 2 * c.intermediate, h, &mut sd, dtype)?,
+                    down: synth_mat(&gpu, h, c.intermediate, &mut sd, dtype)?,
+                },
+                Some(m) => {
+                    if dtype != WeightDtype::Bf16 {
+                        bail!("the CUDA MoE path runs bf16 experts only");
+                    }
+                    let (e, i) = (m.experts, m.expert_inter);
+                    // The router's rows scaled so the softmax spreads (U(-1, 1)·4/sqrt(h)).
+                    LayerMlp::Moe(MoeLayer {
+                        experts: e,
+                        router: Mat::bf16(synth(&gpu, e * h, &mut sd, 4.0 / (h as f32).sqrt(), 0.0)?),
+                        gate_up: synth(&gpu, e * 2 * i * h, &mut sd, 1.0 / (h as f32).sqrt(), 0.0)?,
+                        down: synth(&gpu, e * h * i, &mut sd, 1.0 / (i as f32).sqrt(), 0.0)?,
+                        shared: None,
+                    })
+                }
+            },
         });
     }
     let w = Weights {
@@ -364,6 +426,71 @@ fn read_tensors(path: &Path, schema: &[TensorSpec]) -> Result<HashMap<String, Te
     Ok(out)
 }
 
+/// The MoE MLP of layer `l` from a bundle's tensors `t` (HF names where the schema has one,
+/// GGUF names for the stacked experts): the router (and the shared expert's gate row) as one
+/// matrix, each expert's gate rows then up rows, the downs, the shared expert as a dense MLP.
+fn upload_moe(
+    gpu: &Gpu,
+    t: &HashMap<String, Tensor>,
+    schema: &[TensorSpec],
+    l: usize,
+    m: &GpuMoe,
+    path: &Path,
+) -> Result<MoeLayer> {
+    let get = |n: &str| -> Result<&Tensor> {
+        t.get(n)
+            .ok_or_else(|| anyhow!("{}: tensor '{n}' is missing", path.display()))
+    };
+    let named = |r: Role, f: BundleFormat| {
+        schema
+            .iter()
+            .find(|s| s.role == r && !s.base(f).is_empty() && !s.per_expert)
+            .map(|s| s.name(f, l))
+    };
+    let hf = |r: Role| named(r, BundleFormat::Hf).ok_or_else(|| anyhow!("the tensor schema has no {r:?}"));
+    // Per expert, the [out, in] matrix of `role`: one tensor each (HF) or the stacked GGUF one.
+    let experts = |r: Role| -> Result<Vec<Tensor>> {
+        if let Some(s) = schema.iter().find(|s| s.role == r && s.per_expert) {
+            let first = s.expert_name(BundleFormat::Hf, l, 0);
+            if t.contains_key(&first) {
+                return (0..m.experts)
+                    .map(|e| Ok(get(&s.expert_name(BundleFormat::Hf, l, e))?.clone()))
+                    .collect();
+            }
+        }
+        let stacked = named(r, BundleFormat::Gguf).ok_or_else(|| anyhow!("the tensor schema has no stacked {r:?}"))?;
+        let x = get(&stacked)?;
+        (0..m.experts).map(|e| Ok(x.get(e)?)).collect()
+    };
+    let gates = experts(Role::FfnGateExps)?;
+    let ups = experts(Role::FfnUpExps)?;
+    let downs = experts(Role::FfnDownExps)?;
+    let mut gu: Vec<&Tensor> = Vec::with_capacity(2 * m.experts);
+    for (g, u) in gates.iter().zip(&ups) {
+        gu.push(g);
+        gu.push(u);
+    }
+    let mut router = vec![get(&hf(Role::FfnRouter)?)?.clone()];
+    let shared = match m.shared_inter {
+        None => None,
+        Some(_) => {
+            router.push(get(&hf(Role::FfnRouterShexp)?)?.reshape((1, ()))?);
+            Some((
+                upload_gate_up(gpu, get(&hf(Role::FfnGateShexp)?)?, get(&hf(Role::FfnUpShexp)?)?)?,
+                upload_mat(gpu, &[get(&hf(Role::FfnDownShexp)?)?])?,
+            ))
+        }
+    };
+    let router_refs: Vec<&Tensor> = router.iter().collect();
+    Ok(MoeLayer {
+        experts: m.experts,
+        router: upload_mat(gpu, &router_refs)?,
+        gate_up: upload_bf16(gpu, &gu)?,
+        down: upload_bf16(gpu, &downs.iter().collect::<Vec<_>>())?,
+        shared,
+    })
+}
+
 /// The [`GpuConfig`] of a bundle's [`ModelConfig`].
 pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
     // The CUDA forward runs the dense block with one plan for every layer.
@@ -395,6 +522,14 @@ pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
         tied,
         interleaved_rope: c.rope_style == RopeStyle::Interleaved,
         inv_freq: rope_inv_freq(c.head_dim, c.rope_theta, None),
+        moe: c.moe.as_ref().map(|m| GpuMoe {
+            experts: m.experts,
+            top_k: m.experts_per_token,
+            expert_inter: m.expert_intermediate_size,
+            shared_inter: m.shared_intermediate_size,
+            norm_topk: m.norm_topk_prob,
+            layers: m.layers.clone(),
+        }),
     }
 }
 
@@ -471,8 +606,15 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
             k_norm: norm(Role::AttnKNorm)?,
             o: upload_mat(&gpu, &[get(&p(Role::AttnOutput))?])?,
             mlp_norm: upload_bf16(&gpu, &[get(&p(Role::FfnNorm))?])?,
-            gate_up: upload_gate_up(&gpu, get(&p(Role::FfnGate))?, get(&p(Role::FfnUp))?)?,
-            down: upload_mat(&gpu, &[get(&p(Role::FfnDown))?])?,
+            mlp: match &gc.moe {
+                Some(m) if m.layers.get(l).copied().unwrap_or(false) => {
+                    LayerMlp::Moe(upload_moe(&gpu, &t, arch.tensors(), l, m, path)?)
+                }
+                _ => LayerMlp::Dense {
+                    gate_up: upload_gate_up(&gpu, get(&p(Role::FfnGate))?, get(&p(Role::FfnUp))?)?,
+                    down: upload_mat(&gpu, &[get(&p(Role::FfnDown))?])?,
+                },
+            },
         });
     }
     let embed = get(&hf(Role::TokenEmbedding, 0))?;

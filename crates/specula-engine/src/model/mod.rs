@@ -347,14 +347,14 @@ impl GatedMlp {
 /// A block's MLP weights, by [`crate::arch::MlpKind`].
 #[derive(Debug, Clone)]
 pub enum Mlp {
-    Dense(GatedMlp),
+    Dense(Box<GatedMlp>),
     Moe(Box<moe::MoeMlp>),
 }
 
 impl Mlp {
     /// A dense MLP of `gate`, `up` and `down`.
     pub fn dense(gate: Linear, up: Linear, down: Linear) -> Self {
-        Mlp::Dense(GatedMlp { gate, up, down })
+        Mlp::Dense(Box::new(GatedMlp { gate, up, down }))
     }
 
     fn is_batch_invariant(&self) -> bool {
