@@ -43,10 +43,11 @@ pub(crate) struct MoeLayer {
     /// The router's `[experts, hidden]` rows, then the shared expert's gate row when there is
     /// one: `[experts (+ 1), hidden]`.
     pub router: Mat,
-    /// Per expert its gate rows, then its up rows: `[experts, 2 expert_intermediate, hidden]`.
-    pub gate_up: DevBuf,
+    /// Per expert its gate rows, then its up rows: `[experts, 2 expert_intermediate, hidden]`
+    /// (bf16, or Q8_0 values with their scales).
+    pub gate_up: Mat,
     /// `[experts, hidden, expert_intermediate]`.
-    pub down: DevBuf,
+    pub down: Mat,
     /// The shared expert: `[gate; up]` interleaved as a dense MLP's, and its down.
     pub shared: Option<(Mat, Mat)>,
 }
@@ -745,12 +746,15 @@ impl GpuModel {
         // 8 warps of 2 features a block.
         let tiles = |f: usize| f.div_ceil(16) as u32;
         let ei = cfg.expert_inter;
+        let q8 = m.gate_up.scales.is_some();
+        let (w, d) = m.gate_up.ptrs();
         g.launch(
-            "moe_gate_up",
+            if q8 { "moe_gate_up_q8" } else { "moe_gate_up" },
             (tiles(ei), e as u32),
             256,
             &[
-                A::P(m.gate_up.at(0)),
+                A::P(w),
+                A::P(d),
                 A::P(xn),
                 A::P(ms.off.at(0)),
                 A::P(ms.pairs.at(0)),
@@ -760,12 +764,14 @@ impl GpuModel {
                 A::I(h as i32),
             ],
         )?;
+        let (w, d) = m.down.ptrs();
         g.launch(
-            "moe_down",
+            if q8 { "moe_down_q8" } else { "moe_down" },
             (tiles(h), e as u32),
             256,
             &[
-                A::P(m.down.at(0)),
+                A::P(w),
+                A::P(d),
                 A::P(ms.act.at(0)),
                 A::P(ms.off.at(0)),
                 A::P(ms.pairs.at(0)),

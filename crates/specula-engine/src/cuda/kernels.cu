@@ -1641,14 +1641,17 @@ extern "C" __global__ void moe_plan(const int* ids, int n, int E, int* off, int*
   }
 }
 
-// The products of expert blockIdx.y for the pairs routed to it. W: bf16 [E, NR * F, KD] (NR = 2:
-// F gate rows, then F up rows; NR = 1: F rows); X: bf16 rows of KD, the pair's row p / topk
-// (GU) or the pair's own row p (down). GU: Out bf16 [pairs, F] = silu_mul1(gate, up); else Out
-// f32 [pairs, F]. Block: 8 warps of RW features; up to MP pairs share each weight load.
-template <int RW, int MP, int U, bool GU>
-__device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf16_t* __restrict__ X,
-                                         const int* __restrict__ off, const int* __restrict__ pairs, int topk,
-                                         void* Out, int F, int KD) {
+// The products of expert blockIdx.y for the pairs routed to it. W: [E, NR * F, KD] (NR = 2: F
+// gate rows, then F up rows; NR = 1: F rows), bf16, or with Q8 int8 values and f32 scales D
+// [E, NR * F, KD / 32] (llama.cpp's Q8_0: one scale per 32 weights); X: bf16 rows of KD, the
+// pair's row p / topk (GU) or the pair's own row p (down). GU: Out bf16 [pairs, F] =
+// silu_mul1(gate, up); else Out f32 [pairs, F]. Block: 8 warps of RW features; up to MP pairs
+// share each weight load. Q8: a chunk's 8 products fold into a zeroed partial, then
+// acc = fma(d, partial, acc).
+template <int RW, int MP, int U, bool GU, bool Q8>
+__device__ __forceinline__ void moe_gemv(const void* __restrict__ W, const float* __restrict__ D,
+                                         const bf16_t* __restrict__ X, const int* __restrict__ off,
+                                         const int* __restrict__ pairs, int topk, void* Out, int F, int KD) {
   constexpr int NR = GU ? 2 : 1;
   pdl_wait();
   pdl_launch();
@@ -1659,14 +1662,11 @@ __device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf1
   const int f0 = (blockIdx.x * (blockDim.x >> 5) + warp) * RW;
   if (f0 >= F) return;
   const int KV = KD >> 3;
-  const uint4* wrow[NR][RW];
+  size_t row[NR][RW];
 #pragma unroll
   for (int h = 0; h < NR; h++)
 #pragma unroll
-    for (int r = 0; r < RW; r++) {
-      const int f = min(f0 + r, F - 1);
-      wrow[h][r] = reinterpret_cast<const uint4*>(W + ((size_t)e * NR * F + (size_t)h * F + f) * KD);
-    }
+    for (int r = 0; r < RW; r++) row[h][r] = (size_t)e * NR * F + (size_t)h * F + min(f0 + r, F - 1);
   for (int pc = p0; pc < p1; pc += MP) {
     const int np = min(MP, p1 - pc);
     const uint4* xr[MP];
@@ -1687,6 +1687,7 @@ __device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf1
     // Each accumulator folds chunks kv, kv + 32, ... in order (U only batches the loads).
     for (int kv0 = lane; kv0 < KV; kv0 += 32 * U) {
       uint4 wv[U][NR][RW];
+      float dv[U][NR][RW];
 #pragma unroll
       for (int u = 0; u < U; u++)
 #pragma unroll
@@ -1694,7 +1695,19 @@ __device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf1
 #pragma unroll
           for (int r = 0; r < RW; r++) {
             const int kv = kv0 + 32 * u;
-            wv[u][h][r] = kv < KV ? __ldcs(wrow[h][r] + kv) : make_uint4(0, 0, 0, 0);
+            const bool in = kv < KV;
+            if (Q8) {
+              const uint2 q = in ? __ldcs(reinterpret_cast<const uint2*>(
+                                       reinterpret_cast<const signed char*>(W) + row[h][r] * KD) + kv)
+                                 : make_uint2(0, 0);
+              wv[u][h][r] = make_uint4(q.x, q.y, 0, 0);
+              dv[u][h][r] = in ? __ldg(D + row[h][r] * ((KD + 31) >> 5) + (kv >> 2)) : 0.0f;
+            } else {
+              wv[u][h][r] = in ? __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const bf16_t*>(W) +
+                                                                       row[h][r] * KD) + kv)
+                               : make_uint4(0, 0, 0, 0);
+              dv[u][h][r] = 1.0f;
+            }
           }
 #pragma unroll
       for (int u = 0; u < U; u++) {
@@ -1704,7 +1717,17 @@ __device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf1
 #pragma unroll
         for (int h = 0; h < NR; h++)
 #pragma unroll
-          for (int r = 0; r < RW; r++) unpack8(wv[u][h][r], wf[h][r]);
+          for (int r = 0; r < RW; r++) {
+            if (Q8) {
+#pragma unroll
+              for (int j = 0; j < 4; j++) {
+                wf[h][r][j] = (float)(signed char)((wv[u][h][r].x >> (8 * j)) & 0xff);
+                wf[h][r][4 + j] = (float)(signed char)((wv[u][h][r].y >> (8 * j)) & 0xff);
+              }
+            } else {
+              unpack8(wv[u][h][r], wf[h][r]);
+            }
+          }
 #pragma unroll
         for (int m = 0; m < MP; m++) {
           if (m >= np) break;
@@ -1713,9 +1736,17 @@ __device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf1
 #pragma unroll
           for (int h = 0; h < NR; h++)
 #pragma unroll
-            for (int r = 0; r < RW; r++)
+            for (int r = 0; r < RW; r++) {
+              if (Q8) {
+                float part = 0.0f;
 #pragma unroll
-              for (int j = 0; j < 8; j++) acc[m][h][r] = __fmaf_rn(wf[h][r][j], xf[j], acc[m][h][r]);
+                for (int j = 0; j < 8; j++) part = __fmaf_rn(wf[h][r][j], xf[j], part);
+                acc[m][h][r] = __fmaf_rn(dv[u][h][r], part, acc[m][h][r]);
+              } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[m][h][r] = __fmaf_rn(wf[h][r][j], xf[j], acc[m][h][r]);
+              }
+            }
         }
       }
     }
@@ -1739,14 +1770,19 @@ __device__ __forceinline__ void moe_gemv(const bf16_t* __restrict__ W, const bf1
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(const bf16_t* W, const bf16_t* X, const int* off,
-                                                               const int* pairs, int topk, bf16_t* Act, int F, int KD) {
-  moe_gemv<2, 4, 2, true>(W, X, off, pairs, topk, Act, F, KD);
+#define MOE_GEMV_ARGS \
+  const void *W, const float *D, const bf16_t *X, const int *off, const int *pairs, int topk, void *Out, int F, int KD
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up(MOE_GEMV_ARGS) {
+  moe_gemv<2, 4, 2, true, false>(W, D, X, off, pairs, topk, Out, F, KD);
 }
-
-extern "C" __global__ void __launch_bounds__(256) moe_down(const bf16_t* W, const bf16_t* Act, const int* off,
-                                                            const int* pairs, int topk, float* Y, int F, int KD) {
-  moe_gemv<2, 4, 2, false>(W, Act, off, pairs, topk, Y, F, KD);
+extern "C" __global__ void __launch_bounds__(256) moe_down(MOE_GEMV_ARGS) {
+  moe_gemv<2, 4, 2, false, false>(W, D, X, off, pairs, topk, Out, F, KD);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_q8(MOE_GEMV_ARGS) {
+  moe_gemv<2, 4, 2, true, true>(W, D, X, off, pairs, topk, Out, F, KD);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_down_q8(MOE_GEMV_ARGS) {
+  moe_gemv<2, 4, 2, false, true>(W, D, X, off, pairs, topk, Out, F, KD);
 }
 
 // X[r, j] += sum_k wts[r, k] * Y[r * topk + k, j] (the ranks in order), plus

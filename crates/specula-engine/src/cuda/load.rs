@@ -316,16 +316,14 @@ pub fn synthetic(
                     down: synth_mat(&gpu, h, c.intermediate, &mut sd, dtype)?,
                 },
                 Some(m) => {
-                    if dtype != WeightDtype::Bf16 {
-                        bail!("the CUDA MoE path runs bf16 experts only");
-                    }
                     let (e, i) = (m.experts, m.expert_inter);
-                    // The router's rows scaled so the softmax spreads (U(-1, 1)·4/sqrt(h)).
+                    // The router's rows scaled so the softmax spreads (U(-1, 1)·4/sqrt(h)), in
+                    // bf16; the experts in `dtype`.
                     LayerMlp::Moe(MoeLayer {
                         experts: e,
                         router: Mat::bf16(synth(&gpu, e * h, &mut sd, 4.0 / (h as f32).sqrt(), 0.0)?),
-                        gate_up: synth(&gpu, e * 2 * i * h, &mut sd, 1.0 / (h as f32).sqrt(), 0.0)?,
-                        down: synth(&gpu, e * h * i, &mut sd, 1.0 / (i as f32).sqrt(), 0.0)?,
+                        gate_up: synth_mat(&gpu, e * 2 * i, h, &mut sd, dtype)?,
+                        down: synth_mat(&gpu, e * h, i, &mut sd, dtype)?,
                         shared: None,
                     })
                 }
@@ -485,8 +483,8 @@ fn upload_moe(
     Ok(MoeLayer {
         experts: m.experts,
         router: upload_mat(gpu, &router_refs)?,
-        gate_up: upload_bf16(gpu, &gu)?,
-        down: upload_bf16(gpu, &downs.iter().collect::<Vec<_>>())?,
+        gate_up: upload_mat(gpu, &gu)?,
+        down: upload_mat(gpu, &downs.iter().collect::<Vec<_>>())?,
         shared,
     })
 }
