@@ -713,10 +713,15 @@ fn add_safetensors(part: &mut Part, files: &[PathBuf]) {
             tensors: scan.tensors.len(),
         });
         // transformers 5's fused experts stand for the per-expert tensors the loader reads.
-        let tensors = scan.tensors.into_iter().flat_map(|t| {
+        let mut fused_errors = Vec::new();
+        let tensors: Vec<_> = scan.tensors.into_iter().flat_map(|t| {
             let bytes = t.data_offsets.1.saturating_sub(t.data_offsets.0);
             match safetensors::split_fused_experts(&t.name, &t.dims) {
-                Some(slices) => {
+                Err(e) => {
+                    fused_errors.push((t.name.clone(), e));
+                    vec![(t.name, t.dims, t.dtype, bytes)]
+                }
+                Ok(Some(slices)) => {
                     let per = bytes / t.elements().max(1);
                     slices
                         .into_iter()
@@ -726,9 +731,12 @@ fn add_safetensors(part: &mut Part, files: &[PathBuf]) {
                         })
                         .collect::<Vec<_>>()
                 }
-                None => vec![(t.name, t.dims, t.dtype, bytes)],
+                Ok(None) => vec![(t.name, t.dims, t.dtype, bytes)],
             }
-        });
+        }).collect();
+        for (name, e) in fused_errors {
+            part.diag(Severity::Error, &fname, &name, e);
+        }
         for (tname, dims, dtype, bytes) in tensors {
             let name = tname.clone();
             let meta = TensorMeta {
@@ -911,8 +919,21 @@ fn check_trunk_tensors(part: &mut Part) {
             }
         }
     }
-    for (file, name, msg) in problems {
+    // The first problems one by one; a config that expects thousands of absent tensors (a wrong
+    // expert count) gets one line for the rest.
+    const LISTED: usize = 50;
+    let more = problems.len().saturating_sub(LISTED);
+    let first_file = problems.first().map(|p| p.0.clone());
+    for (file, name, msg) in problems.into_iter().take(LISTED) {
         part.diag(Severity::Error, file, name, msg);
+    }
+    if let (true, Some(file)) = (more > 0, first_file) {
+        part.diag(
+            Severity::Error,
+            file,
+            "tensors",
+            format!("and {more} more tensors missing or malformed (not listed)"),
+        );
     }
     if let Some(tv) = part.tokenizer.vocab_size {
         if tv > c.vocab_size {

@@ -516,3 +516,94 @@ fn moe_verify_cost() {
     }
     eprintln!("{path}: {line}");
 }
+
+/// Malformed MoE configs are refused by the loader and by `inspect`, the error naming the key
+/// or field: expert counts no bundle can hold (none, billions, more per token than there are),
+/// a Qwen2-MoE without its shared expert, non-boolean / non-positive routing fields, a dense
+/// layer past the last one, a fused expert tensor of an impossible shape. No enumeration of
+/// absent tensors, no panic.
+#[test]
+fn malformed_moe_configs_name_the_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let refused = |path: &std::path::Path, key: &str| {
+        let Err(e) = bundle::load(path, &Device::Cpu) else {
+            panic!("{}: loaded despite a bad '{key}'", path.display())
+        };
+        let e = format!("{e:#}");
+        assert!(e.contains(key), "{}: the error does not name '{key}': {e}", path.display());
+        let r = specula_engine::inspect::inspect(path, &Default::default()).expect("inspect");
+        let errors: Vec<String> = r
+            .diagnostics
+            .iter()
+            .filter(|d| d.severity == specula_engine::inspect::Severity::Error)
+            .map(|d| d.to_string())
+            .collect();
+        assert!(
+            errors.iter().any(|d| d.contains(key)),
+            "{}: inspect does not name '{key}': {errors:?}",
+            path.display()
+        );
+        assert!(errors.len() < 60, "{}: {} errors listed", path.display(), errors.len());
+    };
+    // GGUF: the counts as written by the architecture's metadata writer.
+    for (key, v) in [
+        ("qwen3moe.expert_used_count", 9u32),
+        ("qwen3moe.expert_used_count", 0),
+        ("qwen3moe.expert_count", 1 << 31),
+    ] {
+        let p = dir.path().join(format!("{key}-{v}.gguf"));
+        // The tensors of a valid config, one metadata value changed.
+        write_random_gguf(&p, &QwenMoe, "qwen3moe", &tiny_moe_config("qwen3moe"), GgmlDType::Q8_0, 1).expect("write");
+        rewrite_gguf_u32(&p, key, v);
+        refused(&p, key);
+    }
+    // HF: config.json edits.
+    let cases: Vec<(&str, &str, serde_json::Value, &str)> = vec![
+        ("qwen3moe", "num_experts_per_tok", 9.into(), "num_experts_per_tok"),
+        ("qwen3moe", "num_experts", (1u64 << 31).into(), "num_experts"),
+        ("qwen3moe", "num_experts", 0.into(), "num_experts"),
+        ("qwen2moe", "shared_expert_intermediate_size", 0.into(), "shared_expert_intermediate_size"),
+        ("qwen3moe", "norm_topk_prob", "yes".into(), "norm_topk_prob"),
+        ("qwen3moe", "decoder_sparse_step", 0.into(), "decoder_sparse_step"),
+        ("qwen3moe", "decoder_sparse_step", "2".into(), "decoder_sparse_step"),
+        ("qwen3moe", "mlp_only_layers", serde_json::json!([7]), "mlp_only_layers"),
+    ];
+    for (i, (family, field, value, key)) in cases.into_iter().enumerate() {
+        let hf = dir.path().join(format!("hf-{i}"));
+        write_random_hf(&hf, &QwenMoe, &tiny_moe_config(family), 1).expect("write");
+        let cfg = hf.join("config.json");
+        let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).expect("read")).expect("json");
+        j[field] = value;
+        std::fs::write(&cfg, j.to_string()).expect("write");
+        refused(&hf, key);
+    }
+    // A fused gate/up tensor whose rows cannot be split into gate and up halves.
+    let hf = dir.path().join("hf-odd");
+    write_random_hf(&hf, &QwenMoe, &tiny_moe_config("qwen3moe"), 1).expect("write");
+    let st = hf.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&st, &Device::Cpu).expect("read");
+    w.insert(
+        "model.layers.0.mlp.experts.gate_up_proj".into(),
+        candle_core::Tensor::zeros((8, 63, 64), candle_core::DType::F32, &Device::Cpu).expect("zeros"),
+    );
+    candle_core::safetensors::save(&w, &st).expect("save");
+    refused(&hf, "model.layers.0.mlp.experts.gate_up_proj");
+}
+
+/// Rewrite one u32 metadata value of the GGUF file at `path` in place.
+fn rewrite_gguf_u32(path: &std::path::Path, key: &str, v: u32) {
+    use candle_core::quantized::gguf_file;
+    let mut f = std::fs::File::open(path).expect("open");
+    let content = gguf_file::Content::read(&mut f).expect("read");
+    let mut md = content.metadata.clone();
+    md.insert(key.to_string(), gguf_file::Value::U32(v));
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|n| (n.clone(), content.tensor(&mut f, n, &Device::Cpu).expect("tensor")))
+        .collect();
+    let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = std::fs::File::create(path).expect("create");
+    gguf_file::write(&mut out, &md_refs, &t_refs).expect("write");
+}

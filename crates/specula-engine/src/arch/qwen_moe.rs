@@ -203,6 +203,30 @@ fn family_of(name: &str) -> Result<&'static str> {
     }
 }
 
+/// The most experts a layer may have: above every released MoE model (Qwen3: 128, DeepSeek-V3:
+/// 256, Kimi K2: 384), and low enough that a config's count cannot make the loader or `inspect`
+/// enumerate millions of tensor names.
+pub const MAX_EXPERTS: usize = 4096;
+
+/// Refuse an MoE config no bundle can hold: no experts or more than [`MAX_EXPERTS`], experts per
+/// token outside `1..=experts`, experts of width 0. The errors name the key (`experts_key` ...).
+fn check_moe(m: &MoeConfig, experts_key: &str, used_key: &str, width_key: &str) -> Result<()> {
+    if m.experts == 0 || m.experts > MAX_EXPERTS {
+        bail!("{experts_key} is {}: 1 to {MAX_EXPERTS} experts expected", m.experts);
+    }
+    if m.experts_per_token == 0 || m.experts_per_token > m.experts {
+        bail!(
+            "{used_key} is {}: 1 to {} (the experts) expected",
+            m.experts_per_token,
+            m.experts
+        );
+    }
+    if m.expert_intermediate_size == 0 {
+        bail!("{width_key} is 0");
+    }
+    Ok(())
+}
+
 /// transformers' rule for which layers are MoE: not in `mlp_only_layers`, and
 /// `(layer + 1) % decoder_sparse_step == 0`.
 fn hf_moe_layers(layers: usize, mlp_only: &[usize], step: usize) -> Vec<bool> {
@@ -278,14 +302,16 @@ impl super::Architecture for QwenMoe {
             }
             Some(_) => meta_usize(md, &key).ok_or_else(|| anyhow!("metadata '{key}' is not a count"))?,
         };
-        let shared = (family == QWEN2MOE).then(|| {
-            meta_usize(md, &format!("{arch}.expert_shared_feed_forward_length")).unwrap_or(c.intermediate_size)
-        });
+        let shared_key = format!("{arch}.expert_shared_feed_forward_length");
+        let shared = (family == QWEN2MOE).then(|| meta_usize(md, &shared_key).unwrap_or(c.intermediate_size));
+        if shared == Some(0) {
+            bail!("metadata '{shared_key}' is 0: Qwen2-MoE has a shared expert");
+        }
         // An MoE layer is one with a router (llama.cpp's qwen MoE files have one in every layer).
         let layers = (0..c.num_layers)
             .map(|l| dims(&ROUTER.name(BundleFormat::Gguf, l)).is_some())
             .collect();
-        c.moe = Some(MoeConfig {
+        let moe = MoeConfig {
             experts,
             experts_per_token: used,
             expert_intermediate_size: expert_ff,
@@ -293,7 +319,14 @@ impl super::Architecture for QwenMoe {
             // llama.cpp's graphs: Qwen3-MoE renormalizes, Qwen2-MoE does not.
             norm_topk_prob: family == QWEN3MOE,
             layers,
-        });
+        };
+        check_moe(
+            &moe,
+            &format!("metadata '{arch}.expert_count'"),
+            &format!("metadata '{arch}.expert_used_count'"),
+            &format!("metadata '{arch}.expert_feed_forward_length'"),
+        )?;
+        c.moe = Some(moe);
         Ok(c)
     }
 
@@ -318,24 +351,53 @@ impl super::Architecture for QwenMoe {
                 .collect::<Result<_>>()?,
             Some(v) => bail!("field 'mlp_only_layers' is {v}, not a list of layer numbers"),
         };
-        let step = j.get("decoder_sparse_step").and_then(Json::as_u64).unwrap_or(1) as usize;
+        if let Some(&bad) = mlp_only.iter().find(|&&l| l >= c.num_layers) {
+            bail!(
+                "field 'mlp_only_layers' names layer {bad}, but the model has {} layers",
+                c.num_layers
+            );
+        }
+        let step = match j.get("decoder_sparse_step") {
+            None | Some(Json::Null) => 1,
+            Some(v) => match v.as_u64() {
+                Some(s) if s >= 1 => s as usize,
+                _ => bail!("field 'decoder_sparse_step' is {v}: a positive integer expected"),
+            },
+        };
         let shared = match family {
-            QWEN2MOE => Some(field("shared_expert_intermediate_size")?),
+            QWEN2MOE => match field("shared_expert_intermediate_size")? {
+                0 => bail!("field 'shared_expert_intermediate_size' is 0: Qwen2-MoE has a shared expert"),
+                s => Some(s),
+            },
             _ => None,
         };
         // transformers 5 writes Qwen3-MoE's expert count as `num_local_experts`.
-        let experts = match field("num_experts") {
-            Ok(n) => n,
-            Err(_) => field("num_local_experts").map_err(|_| anyhow!("missing or non-integer field 'num_experts'"))?,
+        let (experts_key, experts) = match field("num_experts") {
+            Ok(n) => ("num_experts", n),
+            Err(_) => (
+                "num_local_experts",
+                field("num_local_experts")
+                    .map_err(|_| anyhow!("missing or non-integer field 'num_experts' (or 'num_local_experts')"))?,
+            ),
         };
-        c.moe = Some(MoeConfig {
+        let norm_topk_prob = match j.get("norm_topk_prob") {
+            None | Some(Json::Null) => false,
+            Some(Json::Bool(b)) => *b,
+            // transformers reads it as a Python truth value: 0 and 1 are accepted.
+            Some(v) if v.as_u64() == Some(0) => false,
+            Some(v) if v.as_u64() == Some(1) => true,
+            Some(v) => bail!("field 'norm_topk_prob' is {v}: true or false expected"),
+        };
+        let moe = MoeConfig {
             experts,
             experts_per_token: field("num_experts_per_tok")?,
             expert_intermediate_size: field("moe_intermediate_size")?,
-            shared_intermediate_size: shared.filter(|&s| s > 0),
-            norm_topk_prob: j.get("norm_topk_prob").and_then(Json::as_bool).unwrap_or(false),
+            shared_intermediate_size: shared,
+            norm_topk_prob,
             layers: hf_moe_layers(c.num_layers, &mlp_only, step),
-        });
+        };
+        check_moe(&moe, &format!("field '{experts_key}'"), "field 'num_experts_per_tok'", "field 'moe_intermediate_size'")?;
+        c.moe = Some(moe);
         Ok(c)
     }
 

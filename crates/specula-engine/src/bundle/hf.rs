@@ -210,7 +210,9 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
         let part = candle_core::safetensors::load(&f, device).map_err(|e| anyhow!("{}: {e}", f.display()))?;
         for (name, t) in part {
             // transformers 5's fused experts, read as the per-expert tensors they stand for.
-            match crate::inspect::safetensors::split_fused_experts(&name, t.dims()) {
+            let fused = crate::inspect::safetensors::split_fused_experts(&name, t.dims())
+                .map_err(|e| anyhow!("{}: tensor '{name}' {e}", f.display()))?;
+            match fused {
                 Some(slices) => {
                     for s in slices {
                         let x = t.get(s.expert)?.narrow(0, s.rows.start, s.rows.len())?.contiguous()?;

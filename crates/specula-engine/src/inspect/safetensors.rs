@@ -245,18 +245,30 @@ pub struct FusedSlice {
 /// the Hub layout it stands for: `P.experts.gate_up_proj` `[experts, 2 × inter, hidden]` is each
 /// expert's `P.experts.N.gate_proj.weight` (the first `inter` rows) and `up_proj.weight` (the
 /// rest); `P.experts.down_proj` `[experts, hidden, inter]` is each expert's `down_proj.weight`.
-/// None for any other name or shape. (transformers 5 fuses the experts in memory and writes the
-/// Hub layout back; a bundle saved fused is read the same way.)
-pub fn split_fused_experts(name: &str, dims: &[usize]) -> Option<Vec<FusedSlice>> {
-    let (prefix, which) = name.rsplit_once(".experts.")?;
+/// `Ok(None)` for any other name; an error naming the shape for a fused name whose shape is not
+/// one (not 3-D, or an odd gate/up row count). (transformers 5 fuses the experts in memory and
+/// writes the Hub layout back; a bundle saved fused is read the same way.)
+pub fn split_fused_experts(name: &str, dims: &[usize]) -> std::result::Result<Option<Vec<FusedSlice>>, String> {
+    let Some((prefix, which)) = name.rsplit_once(".experts.") else {
+        return Ok(None);
+    };
+    if !matches!(which, "gate_up_proj" | "down_proj") {
+        return Ok(None);
+    }
     if dims.len() != 3 {
-        return None;
+        return Err(format!(
+            "has shape {dims:?}: a fused expert tensor is [experts, out, in]"
+        ));
     }
     let (n, rows, cols) = (dims[0], dims[1], dims[2]);
     let parts: Vec<(&str, std::ops::Range<usize>)> = match which {
         "gate_up_proj" if rows.is_multiple_of(2) => vec![("gate_proj", 0..rows / 2), ("up_proj", rows / 2..rows)],
-        "down_proj" => vec![("down_proj", 0..rows)],
-        _ => return None,
+        "gate_up_proj" => {
+            return Err(format!(
+                "has shape {dims:?}: the gate and up rows of each expert are 2 × moe_intermediate_size, an even count"
+            ))
+        }
+        _ => vec![("down_proj", 0..rows)],
     };
     let mut out = Vec::with_capacity(n * parts.len());
     for e in 0..n {
@@ -269,7 +281,7 @@ pub fn split_fused_experts(name: &str, dims: &[usize]) -> Option<Vec<FusedSlice>
             });
         }
     }
-    Some(out)
+    Ok(Some(out))
 }
 
 #[cfg(test)]
@@ -278,7 +290,9 @@ mod fused_tests {
 
     #[test]
     fn fused_experts_split_into_the_hub_layout_names() {
-        let s = split_fused_experts("model.layers.2.mlp.experts.gate_up_proj", &[2, 8, 5]).expect("fused");
+        let s = split_fused_experts("model.layers.2.mlp.experts.gate_up_proj", &[2, 8, 5])
+            .expect("a fused shape")
+            .expect("fused");
         let names: Vec<&str> = s.iter().map(|x| x.name.as_str()).collect();
         assert_eq!(
             names,
@@ -290,9 +304,17 @@ mod fused_tests {
             ]
         );
         assert_eq!((s[1].rows.clone(), s[1].dims.clone(), s[3].expert), (4..8, vec![4, 5], 1));
-        let d = split_fused_experts("model.layers.0.mlp.experts.down_proj", &[3, 5, 4]).expect("fused");
+        let d = split_fused_experts("model.layers.0.mlp.experts.down_proj", &[3, 5, 4])
+            .expect("a fused shape")
+            .expect("fused");
         assert_eq!((d.len(), d[2].dims.clone()), (3, vec![5, 4]));
-        assert!(split_fused_experts("model.layers.0.mlp.experts.down_proj", &[5, 4]).is_none());
-        assert!(split_fused_experts("model.layers.0.mlp.experts.0.down_proj.weight", &[5, 4, 3]).is_none());
+        assert_eq!(
+            split_fused_experts("model.layers.0.mlp.experts.0.down_proj.weight", &[5, 4, 3]),
+            Ok(None)
+        );
+        let flat = split_fused_experts("model.layers.0.mlp.experts.down_proj", &[5, 4]).expect_err("2-D");
+        assert!(flat.contains("[5, 4]"), "{flat}");
+        let odd = split_fused_experts("model.layers.0.mlp.experts.gate_up_proj", &[8, 63, 64]).expect_err("odd");
+        assert!(odd.contains("even"), "{odd}");
     }
 }
