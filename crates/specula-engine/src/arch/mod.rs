@@ -693,7 +693,8 @@ pub trait Architecture: Send + Sync + std::fmt::Debug {
     fn embedding_scale(&self, _config: &ModelConfig) -> Option<f32> {
         None
     }
-    /// Whether the CUDA backend's forward runs this architecture.
+    /// Whether the CUDA backend serves this architecture (`--device cuda:N`): its forward has
+    /// the kernels and has been checked on a GPU against the CPU.
     fn runs_on_cuda(&self) -> bool {
         false
     }

@@ -474,8 +474,11 @@ impl super::Architecture for QwenMoe {
         StateKind::KvRows
     }
 
+    /// Not yet: the CUDA MoE forward (`cuda/kernels.cu`, `moe_*`) is built and loads these
+    /// bundles, but has not been run on a GPU; `specula bench --device cuda:N --shape
+    /// qwen3-30b-a3b` checks it first.
     fn runs_on_cuda(&self) -> bool {
-        true
+        false
     }
 
     fn build(&self, config: ModelConfig, w: &mut dyn WeightSource, device: &Device) -> Result<Model> {

@@ -533,9 +533,23 @@ pub fn config_of(c: &ModelConfig, name: &str, tied: bool) -> GpuConfig {
 
 /// Load a bundle (GGUF file or HF directory) onto the GPU as bf16, with `config` its parsed
 /// [`ModelConfig`] (the CPU loader's). Errors name the bundle and the missing tensor.
+///
+/// The layers must be of the kinds the CUDA forward has kernels for (full attention, pre-norm,
+/// SwiGLU or MoE MLPs): the engine's target ([`engine_target`]) also needs the architecture to
+/// be validated on a GPU ([`crate::arch::Architecture::runs_on_cuda`]); `bench` checks the
+/// others against the CPU.
 pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, max_ctx: usize) -> Result<GpuModel> {
     let arch = crate::arch::of(config);
-    if !arch.runs_on_cuda() {
+    let kernels_exist = arch.layer_plan(config).iter().all(|p| {
+        p.attention == crate::arch::AttentionKind::Full
+            && !p.post_norms
+            && !p.parallel
+            && matches!(
+                p.mlp,
+                crate::arch::MlpKind::DenseSwiGlu | crate::arch::MlpKind::Moe | crate::arch::MlpKind::MoeShared
+            )
+    }) && arch.embedding_scale(config).is_none();
+    if !kernels_exist {
         bail!(
             "{}: the {} architecture does not run on the CUDA backend yet (run it on the CPU)",
             path.display(),
@@ -651,6 +665,14 @@ pub fn engine_target(
     want_slots: usize,
     context: usize,
 ) -> Result<GpuModel> {
+    let arch = crate::arch::of(config);
+    if !arch.runs_on_cuda() {
+        bail!(
+            "{}: the {} architecture does not run on the CUDA backend yet (run it on the CPU)",
+            path.display(),
+            arch.name()
+        );
+    }
     let gpu = Gpu::open(ordinal)?;
     let mut m = from_bundle(gpu, path, config, 1, 16)?;
     m.fit_kv(want_slots, context.clamp(1, config.context_length), 0.9)?;
