@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
@@ -137,9 +137,39 @@ impl GrammarCompiler {
         &self.words
     }
 
-    /// Compile a constraint. Errors (a bad schema, regex or grammar) are the client's: the
-    /// message says what is wrong.
+    /// Compile a constraint. Errors (a bad schema, regex or grammar, one too large) are the
+    /// client's: the message says what is wrong, in one line.
+    ///
+    /// The grammar library compiles recursively (a chain of rules or `$ref`s, nested groups):
+    /// the work runs on a thread of its own with a [`COMPILE_STACK_BYTES`] stack (reserved, not
+    /// touched unless used), and grammars are bounded by [`MAX_GRAMMAR_BYTES`] first, so no
+    /// request can overflow a stack, which would abort the whole server.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<GrammarConstraint> {
+        let size = match spec {
+            GrammarSpec::JsonObject => 0,
+            GrammarSpec::JsonSchema(s) => s.to_string().len(),
+            GrammarSpec::Regex(r) => r.len(),
+            GrammarSpec::Lark(l) | GrammarSpec::ToolCalls(l) => l.len(),
+        };
+        if size > MAX_GRAMMAR_BYTES {
+            bail!("the grammar is {size} bytes; at most {MAX_GRAMMAR_BYTES} are accepted");
+        }
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("grammar-compile".into())
+                .stack_size(COMPILE_STACK_BYTES)
+                .spawn_scoped(scope, || self.compile_here(spec))
+                .map_err(|e| anyhow!("grammar: could not start its compilation: {e}"))?
+                .join()
+                .unwrap_or_else(|_| {
+                    Err(anyhow!(
+                        "the grammar could not be compiled (the grammar library failed on it)"
+                    ))
+                })
+        })
+    }
+
+    fn compile_here(&self, spec: &GrammarSpec) -> Result<GrammarConstraint> {
         let grammar = match spec {
             GrammarSpec::JsonObject => {
                 TopLevelGrammar::from_json_schema(compact_layout(serde_json::json!({"type": "object"})))
@@ -148,10 +178,10 @@ impl GrammarCompiler {
             GrammarSpec::Regex(r) => TopLevelGrammar::from_regex(r),
             GrammarSpec::Lark(l) | GrammarSpec::ToolCalls(l) => TopLevelGrammar::from_lark(l.clone()),
         };
-        let parser = self.factory.create_parser(grammar)?;
+        let parser = self.factory.create_parser(grammar).map_err(grammar_error)?;
         let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(anyhow!("{e}"));
+            return Err(grammar_error(anyhow!("{e}")));
         }
         // A grammar that compiles may still admit no first token (a regex of the empty
         // language, a rule that only recurses into itself): its first mask is an error. Found
@@ -245,14 +275,43 @@ impl GrammarConstraint {
 
 /// The first line of an llguidance error: its later lines dump the parser's state, which is
 /// for a grammar's author, not a client.
+/// The first line of an error, at most 300 characters: what a client is told of the grammar
+/// library's errors (which can carry a caught panic's backtrace, with paths of the build).
 fn brief(e: &anyhow::Error) -> String {
-    format!("{e}").lines().next().unwrap_or_default().to_string()
+    let line = format!("{e}").lines().next().unwrap_or_default().to_string();
+    match line.char_indices().nth(300) {
+        Some((i, _)) => format!("{}...", &line[..i]),
+        None => line,
+    }
 }
 
-/// A matcher's error mid-generation: its first line for the client, the whole dump in the log.
+/// The largest grammar, JSON schema (as JSON text), regex or tool grammar a request may
+/// carry: far above hand-written grammars and schemas, and a bound on the compiler's work.
+pub const MAX_GRAMMAR_BYTES: usize = 512 * 1024;
+
+/// The stack of the thread that compiles a grammar: deep enough for any grammar within
+/// [`MAX_GRAMMAR_BYTES`] (`tests/grammar_limits.rs` compiles the deepest ones).
+pub const COMPILE_STACK_BYTES: usize = 1 << 30;
+
+/// An error of the grammar library on a request's grammar (it failed to compile, or hit one of
+/// its limits mid-generation, such as more than 2,000 items in a parser row): the client's
+/// error, reported in one line.
+#[derive(Debug, Clone)]
+pub struct GrammarError(pub String);
+
+impl std::fmt::Display for GrammarError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for GrammarError {}
+
+/// A matcher's error: its first line for the client (a [`GrammarError`]), the whole dump in
+/// the log.
 fn grammar_error(e: anyhow::Error) -> anyhow::Error {
     tracing::debug!(error = %format!("{e:#}"), "grammar error");
-    anyhow!("grammar: {}", brief(&e))
+    anyhow::Error::new(GrammarError(format!("grammar: {}", brief(&e))))
 }
 
 impl GrammarConstraint {

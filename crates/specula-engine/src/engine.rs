@@ -1019,7 +1019,12 @@ impl Engine {
     /// finished, `Ok(Some(outcome))`, or the error of its forward or acceptance (an internal
     /// error; the sequence should then be finished by the caller).
     pub fn step(&self, seqs: &mut [&mut Sequence]) -> Vec<Result<Option<StepOutcome>, RequestError>> {
-        let internal = |e: anyhow::Error| RequestError::Internal(format!("{e:#}"));
+        // A grammar that hits one of the grammar library's limits mid-generation is the
+        // request's fault, not the server's.
+        let internal = |e: anyhow::Error| match e.downcast_ref::<crate::constraint::GrammarError>() {
+            Some(g) => RequestError::InvalidParameter(format!("response_format: {g}")),
+            None => RequestError::Internal(format!("{e:#}")),
+        };
         let mut inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();
         let deferred = self.budget_prompt_rows(seqs, &mut inputs);
         if draft_budget_on() {

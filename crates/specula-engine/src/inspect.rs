@@ -714,26 +714,30 @@ fn add_safetensors(part: &mut Part, files: &[PathBuf]) {
         });
         // transformers 5's fused experts stand for the per-expert tensors the loader reads.
         let mut fused_errors = Vec::new();
-        let tensors: Vec<_> = scan.tensors.into_iter().flat_map(|t| {
-            let bytes = t.data_offsets.1.saturating_sub(t.data_offsets.0);
-            match safetensors::split_fused_experts(&t.name, &t.dims) {
-                Err(e) => {
-                    fused_errors.push((t.name.clone(), e));
-                    vec![(t.name, t.dims, t.dtype, bytes)]
+        let tensors: Vec<_> = scan
+            .tensors
+            .into_iter()
+            .flat_map(|t| {
+                let bytes = t.data_offsets.1.saturating_sub(t.data_offsets.0);
+                match safetensors::split_fused_experts(&t.name, &t.dims) {
+                    Err(e) => {
+                        fused_errors.push((t.name.clone(), e));
+                        vec![(t.name, t.dims, t.dtype, bytes)]
+                    }
+                    Ok(Some(slices)) => {
+                        let per = bytes / t.elements().max(1);
+                        slices
+                            .into_iter()
+                            .map(|s| {
+                                let b = per * s.dims.iter().product::<usize>() as u64;
+                                (s.name, s.dims, t.dtype.clone(), b)
+                            })
+                            .collect::<Vec<_>>()
+                    }
+                    Ok(None) => vec![(t.name, t.dims, t.dtype, bytes)],
                 }
-                Ok(Some(slices)) => {
-                    let per = bytes / t.elements().max(1);
-                    slices
-                        .into_iter()
-                        .map(|s| {
-                            let b = per * s.dims.iter().product::<usize>() as u64;
-                            (s.name, s.dims, t.dtype.clone(), b)
-                        })
-                        .collect::<Vec<_>>()
-                }
-                Ok(None) => vec![(t.name, t.dims, t.dtype, bytes)],
-            }
-        }).collect();
+            })
+            .collect();
         for (name, e) in fused_errors {
             part.diag(Severity::Error, &fname, &name, e);
         }

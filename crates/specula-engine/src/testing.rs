@@ -171,7 +171,11 @@ fn tiny_weights(spec: &TinySpec, vocab: usize) -> Result<Vec<(String, Role, Tens
     let mut w = Vec::new();
     for e in crate::arch::expected_tensors(&llama::Llama, &c, BundleFormat::Hf) {
         if tiny_has(spec.family, e.spec.role) {
-            w.push((e.name, e.spec.role, random_for(&mut u, e.spec.role, &(e.spec.shape)(&c))?));
+            w.push((
+                e.name,
+                e.spec.role,
+                random_for(&mut u, e.spec.role, &(e.spec.shape)(&c))?,
+            ));
         }
     }
     Ok(w)
@@ -190,7 +194,11 @@ fn random_bundle_weights(
     let mut w = Vec::new();
     for e in crate::arch::expected_tensors(arch, c, format) {
         if e.required || e.spec.role == Role::Output {
-            w.push((e.name, e.spec.kind, random_for(&mut u, e.spec.role, &(e.spec.shape)(c))?));
+            w.push((
+                e.name,
+                e.spec.kind,
+                random_for(&mut u, e.spec.role, &(e.spec.shape)(c))?,
+            ));
         }
     }
     Ok(w)

@@ -17,7 +17,7 @@ use specula_engine::arch::{
     self, llama, Architecture, AttentionKind, BundleFormat, Kind, LayerPlan, MlpKind, Role, StateKind, TensorSpec,
     WeightSource,
 };
-use specula_engine::model::{Block, Family, Mlp, LayerPass, LogitsRows, Model, ModelConfig, RopeStyle};
+use specula_engine::model::{Block, Family, LayerPass, LogitsRows, Mlp, Model, ModelConfig, RopeStyle};
 use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::testing::{tiny_vocab, write_random_gguf, write_random_hf};
 use specula_engine::{Engine, GenerateRequest, LoadOptions, SamplingParams};

@@ -87,7 +87,10 @@ fn expert_dispatch_is_batch_invariant_for_every_row_count_to_64() {
         for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
             let (gguf, _) = write(dir.path(), family, dtype);
             let m = load(&gguf);
-            assert!(m.batch_invariant(), "{family} {dtype:?} runs on batch-invariant kernels");
+            assert!(
+                m.batch_invariant(),
+                "{family} {dtype:?} runs on batch-invariant kernels"
+            );
             let vocab = m.config().vocab_size;
             let prefix = tokens(9, vocab, 5);
             let rows = tokens(64, vocab, 6);
@@ -186,7 +189,11 @@ fn greedy_speculation_on_moe_targets_is_byte_identical_to_ar() {
                 (SpecMode::Draft, 5, true),
             ] {
                 let sp = run(&mut e, &req(p.clone(), 40, spec(mode, k, adaptive)));
-                same(&ar, &sp, &format!("{family} prompt {i} {mode:?} k={k} adaptive={adaptive}"));
+                same(
+                    &ar,
+                    &sp,
+                    &format!("{family} prompt {i} {mode:?} k={k} adaptive={adaptive}"),
+                );
                 drafted += sp.stats.spec.drafted;
                 accepted += sp.stats.spec.accepted;
             }
@@ -234,7 +241,11 @@ fn moe_batches_of_1_4_16_32_and_a_warm_prefix_cache_equal_solo_runs() {
                 let out = run(&mut warm, r);
                 let mut ar = r.clone();
                 ar.spec = SpecOptions::default();
-                same(&solo[i], &out, &format!("{family} warm cache, request {i}, pass {pass}"));
+                same(
+                    &solo[i],
+                    &out,
+                    &format!("{family} warm cache, request {i}, pass {pass}"),
+                );
             }
         }
     }
@@ -317,8 +328,9 @@ fn inspect_describes_experts_and_names_a_missing_one() {
         candle_core::safetensors::save(&w, &st).expect("save");
         let r = specula_engine::inspect::inspect(&hf, &Default::default()).expect("inspect");
         assert!(
-            r.diagnostics.iter().any(|d| d.severity == specula_engine::inspect::Severity::Error
-                && d.to_string().contains(gone)),
+            r.diagnostics
+                .iter()
+                .any(|d| d.severity == specula_engine::inspect::Severity::Error && d.to_string().contains(gone)),
             "{family}: {:?}",
             r.diagnostics
         );
@@ -334,7 +346,10 @@ fn inspect_describes_experts_and_names_a_missing_one() {
 /// `scripts/moe_tiny_fixture.py`): per sequence its tokens and every position's logits, from
 /// transformers (f32) and, for the GGUF fixtures, llama.cpp on the committed Q8_0 file.
 fn reference(name: &str) -> serde_json::Value {
-    let p = common::repo_root().join("tests/fixtures").join(name).join("reference.json");
+    let p = common::repo_root()
+        .join("tests/fixtures")
+        .join(name)
+        .join("reference.json");
     serde_json::from_str(&std::fs::read_to_string(&p).expect("reference.json")).expect("json")
 }
 
@@ -399,7 +414,11 @@ fn hf_fixtures_match_transformers() {
         assert!(argmax_ok, "{name}: an argmax differs from transformers'");
         let g = &r["greedy"];
         let n = g["generated"].as_array().expect("generated").len();
-        assert_eq!(greedy(&dir, ids(&g["prompt"]), n), ids(&g["generated"]), "{name}: greedy");
+        assert_eq!(
+            greedy(&dir, ids(&g["prompt"]), n),
+            ids(&g["generated"]),
+            "{name}: greedy"
+        );
     }
 }
 
@@ -413,7 +432,10 @@ fn hf_fixtures_match_transformers() {
 #[test]
 fn gguf_fixtures_match_llamacpp() {
     for name in ["qwen3moe-tiny", "qwen2moe-tiny"] {
-        let path = common::repo_root().join("tests/fixtures").join(name).join("model-q8_0.gguf");
+        let path = common::repo_root()
+            .join("tests/fixtures")
+            .join(name)
+            .join("model-q8_0.gguf");
         let r = reference(name);
         let m = load(&path);
         assert!(m.batch_invariant());
@@ -474,8 +496,15 @@ fn bench_config() -> specula_engine::model::ModelConfig {
 #[ignore]
 fn write_bench_moe() {
     let out = std::env::var("SPECULA_MOE_BENCH_OUT").unwrap_or_else(|_| "/tmp/moe-bench.gguf".into());
-    write_random_gguf(std::path::Path::new(&out), &QwenMoe, "qwen3moe", &bench_config(), GgmlDType::Q8_0, 5)
-        .expect("write");
+    write_random_gguf(
+        std::path::Path::new(&out),
+        &QwenMoe,
+        "qwen3moe",
+        &bench_config(),
+        GgmlDType::Q8_0,
+        5,
+    )
+    .expect("write");
     eprintln!("wrote {out}");
 }
 
@@ -493,7 +522,9 @@ fn moe_verify_cost() {
     let c = model.config().clone();
     let ids = tokens(512 + 9, c.vocab_size, 17);
     let mut kv = model.new_kv_cache();
-    model.forward(&ids[..512], &mut kv, LogitsRows::None, &[]).expect("prefill");
+    model
+        .forward(&ids[..512], &mut kv, LogitsRows::None, &[])
+        .expect("prefill");
     let mut time = |n: usize| {
         let mut t: Vec<f64> = (0..7)
             .map(|_| {
@@ -530,7 +561,11 @@ fn malformed_moe_configs_name_the_key() {
             panic!("{}: loaded despite a bad '{key}'", path.display())
         };
         let e = format!("{e:#}");
-        assert!(e.contains(key), "{}: the error does not name '{key}': {e}", path.display());
+        assert!(
+            e.contains(key),
+            "{}: the error does not name '{key}': {e}",
+            path.display()
+        );
         let r = specula_engine::inspect::inspect(path, &Default::default()).expect("inspect");
         let errors: Vec<String> = r
             .diagnostics
@@ -553,7 +588,15 @@ fn malformed_moe_configs_name_the_key() {
     ] {
         let p = dir.path().join(format!("{key}-{v}.gguf"));
         // The tensors of a valid config, one metadata value changed.
-        write_random_gguf(&p, &QwenMoe, "qwen3moe", &tiny_moe_config("qwen3moe"), GgmlDType::Q8_0, 1).expect("write");
+        write_random_gguf(
+            &p,
+            &QwenMoe,
+            "qwen3moe",
+            &tiny_moe_config("qwen3moe"),
+            GgmlDType::Q8_0,
+            1,
+        )
+        .expect("write");
         rewrite_gguf_u32(&p, key, v);
         refused(&p, key);
     }
@@ -562,7 +605,12 @@ fn malformed_moe_configs_name_the_key() {
         ("qwen3moe", "num_experts_per_tok", 9.into(), "num_experts_per_tok"),
         ("qwen3moe", "num_experts", (1u64 << 31).into(), "num_experts"),
         ("qwen3moe", "num_experts", 0.into(), "num_experts"),
-        ("qwen2moe", "shared_expert_intermediate_size", 0.into(), "shared_expert_intermediate_size"),
+        (
+            "qwen2moe",
+            "shared_expert_intermediate_size",
+            0.into(),
+            "shared_expert_intermediate_size",
+        ),
         ("qwen3moe", "norm_topk_prob", "yes".into(), "norm_topk_prob"),
         ("qwen3moe", "decoder_sparse_step", 0.into(), "decoder_sparse_step"),
         ("qwen3moe", "decoder_sparse_step", "2".into(), "decoder_sparse_step"),
@@ -572,7 +620,8 @@ fn malformed_moe_configs_name_the_key() {
         let hf = dir.path().join(format!("hf-{i}"));
         write_random_hf(&hf, &QwenMoe, &tiny_moe_config(family), 1).expect("write");
         let cfg = hf.join("config.json");
-        let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).expect("read")).expect("json");
+        let mut j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cfg).expect("read")).expect("json");
         j[field] = value;
         std::fs::write(&cfg, j.to_string()).expect("write");
         refused(&hf, key);

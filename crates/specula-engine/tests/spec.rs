@@ -784,7 +784,10 @@ fn sampling_spec_matches_ar_in_distribution_on_an_moe_target() {
     for w in [0..3, 1..4] {
         let (stat, df, z) = chi_square(&window(&ar, w.clone()), &window(&sp, w.clone()));
         eprintln!("moe tokens {w:?}: chi2 {stat:.1} df {df} z {z:.2}; drafted {drafted} accepted {accepted}");
-        assert!(z < 3.09, "law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})");
+        assert!(
+            z < 3.09,
+            "law of tokens {w:?} differs from AR (chi2 {stat:.1}, df {df}, z {z:.2})"
+        );
     }
 }
 

@@ -146,8 +146,15 @@ fn distilled_mtp_head_on_an_moe_target_is_accepted_and_exact() {
     use specula_engine::testing::{tiny_moe_config, write_random_gguf};
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("moe.gguf");
-    write_random_gguf(&path, &QwenMoe, "qwen3moe", &tiny_moe_config("qwen3moe"), GgmlDType::Q8_0, 11)
-        .expect("write");
+    write_random_gguf(
+        &path,
+        &QwenMoe,
+        "qwen3moe",
+        &tiny_moe_config("qwen3moe"),
+        GgmlDType::Q8_0,
+        11,
+    )
+    .expect("write");
     let mut e = Engine::load(&path, "tiny-moe", LoadOptions::default()).expect("load");
     let out = dir.path().join("head");
     let r = specula_train::run_mtp(&mut e, &path, None, &distill_opts(&out, 40), &mut |_| {}).expect("distill");

@@ -529,7 +529,9 @@ pub fn build_dense(
     device: &Device,
     norm_shift: f32,
 ) -> Result<Model> {
-    build_blocks(schema, config, w, device, norm_shift, &mut |w, l| dense_mlp(schema, w, l))
+    build_blocks(schema, config, w, device, norm_shift, &mut |w, l| {
+        dense_mlp(schema, w, l)
+    })
 }
 
 /// The name of `role`'s row in `schema` for `format` at `layer`: the first row of that role

@@ -256,9 +256,13 @@ pub mod shape {
     }
 
     fn moe(c: &ModelConfig) -> (usize, usize, usize) {
-        c.moe
-            .as_ref()
-            .map_or((0, 0, 0), |m| (m.experts, m.expert_intermediate_size, m.shared_intermediate_size.unwrap_or(0)))
+        c.moe.as_ref().map_or((0, 0, 0), |m| {
+            (
+                m.experts,
+                m.expert_intermediate_size,
+                m.shared_intermediate_size.unwrap_or(0),
+            )
+        })
     }
     /// `[experts, hidden]`: the MoE router.
     pub fn router(c: &ModelConfig) -> Vec<usize> {
@@ -627,9 +631,7 @@ pub trait WeightSource {
         if dims.len() != 3 || dims[0] != count {
             anyhow::bail!("tensor '{name}' has shape {dims:?}, expected [{count}, out, in]");
         }
-        (0..count)
-            .map(|e| Linear::from_dense(t.get(e)?, None))
-            .collect()
+        (0..count).map(|e| Linear::from_dense(t.get(e)?, None)).collect()
     }
 }
 

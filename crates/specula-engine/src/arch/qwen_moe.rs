@@ -27,8 +27,7 @@ use candle_core::Device;
 use serde_json::Value as Json;
 
 use super::llama::{
-    self, build_blocks, dense_config_from_gguf, dense_config_from_hf, dense_gguf_metadata, dense_hf_config,
-    schema_name,
+    self, build_blocks, dense_config_from_gguf, dense_config_from_hf, dense_gguf_metadata, dense_hf_config, schema_name,
 };
 use super::shape::*;
 use super::{
@@ -396,7 +395,12 @@ impl super::Architecture for QwenMoe {
             norm_topk_prob,
             layers: hf_moe_layers(c.num_layers, &mlp_only, step),
         };
-        check_moe(&moe, &format!("field '{experts_key}'"), "field 'num_experts_per_tok'", "field 'moe_intermediate_size'")?;
+        check_moe(
+            &moe,
+            &format!("field '{experts_key}'"),
+            "field 'num_experts_per_tok'",
+            "field 'moe_intermediate_size'",
+        )?;
         c.moe = Some(moe);
         Ok(c)
     }
@@ -560,7 +564,12 @@ fn read_experts(w: &mut dyn WeightSource, moe: &MoeConfig, layer: usize) -> Resu
     } else {
         // One tensor per expert (a bundle with transformers 5's fused experts is read as
         // those by the loader: `inspect::safetensors::split_fused_experts`).
-        let spec = |r: Role| TENSORS.iter().find(|s| s.role == r && s.per_expert).expect("per-expert rows");
+        let spec = |r: Role| {
+            TENSORS
+                .iter()
+                .find(|s| s.role == r && s.per_expert)
+                .expect("per-expert rows")
+        };
         let mut read = |r: Role| -> Result<Vec<Linear>> {
             (0..n)
                 .map(|e| w.linear(&spec(r).expert_name(BundleFormat::Hf, layer, e), None))

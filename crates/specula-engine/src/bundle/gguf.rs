@@ -230,7 +230,10 @@ pub fn dense_block(path: &Path, layer: usize) -> Result<Vec<(String, Tensor)>> {
     let mut file = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
     let mut out = Vec::new();
     // The dense block's rows only (an MoE layer's router and experts are not a head's).
-    for s in schema.iter().filter(|s| s.per_layer && crate::arch::llama::is_dense_block_tensor(s.hf)) {
+    for s in schema
+        .iter()
+        .filter(|s| s.per_layer && crate::arch::llama::is_dense_block_tensor(s.hf))
+    {
         let name = s.name(BundleFormat::Gguf, layer);
         if !header.content.tensor_infos.contains_key(&name) {
             continue;

@@ -490,7 +490,14 @@ pub fn check_tiny_bundles(ordinal: usize) -> Result<Value> {
                 let c = crate::testing::tiny_moe_config(family.as_str());
                 let p = dir.join(format!("{}.gguf", family.as_str()));
                 let arch = crate::arch::of(&c);
-                crate::testing::write_random_gguf(&p, arch, family.as_str(), &c, candle_core::quantized::GgmlDType::F32, 11)?;
+                crate::testing::write_random_gguf(
+                    &p,
+                    arch,
+                    family.as_str(),
+                    &c,
+                    candle_core::quantized::GgmlDType::F32,
+                    11,
+                )?;
                 p
             }
             (true, false) => {

@@ -33,7 +33,10 @@ pub(crate) struct Layer {
 pub(crate) enum LayerMlp {
     /// `gate_up`: the `[gate; up]` rows interleaved in groups of 8, `[2 intermediate, hidden]`;
     /// `down`: `[hidden, intermediate]`.
-    Dense { gate_up: Mat, down: Mat },
+    Dense {
+        gate_up: Mat,
+        down: Mat,
+    },
     Moe(MoeLayer),
 }
 
@@ -71,7 +74,6 @@ impl LayerMlp {
     }
 }
 
-
 /// All weights on the device.
 pub(crate) struct Weights {
     pub embed: DevBuf,
@@ -102,11 +104,7 @@ impl Weights {
             b += h.bytes();
         }
         for l in &self.layers {
-            b += l.attn_norm.bytes()
-                + l.qkv.bytes()
-                + l.o.bytes()
-                + l.mlp_norm.bytes()
-                + l.mlp.bytes(active);
+            b += l.attn_norm.bytes() + l.qkv.bytes() + l.o.bytes() + l.mlp_norm.bytes() + l.mlp.bytes(active);
             for x in [&l.qkv_bias, &l.q_norm, &l.k_norm].into_iter().flatten() {
                 b += x.bytes();
             }
@@ -355,7 +353,9 @@ impl GpuModel {
                     m.expert_inter
                 );
             }
-            if m.shared_inter.is_some_and(|s| s > c.intermediate || !s.is_multiple_of(8)) {
+            if m.shared_inter
+                .is_some_and(|s| s > c.intermediate || !s.is_multiple_of(8))
+            {
                 bail!("the shared expert's width must be a multiple of 8 and at most intermediate_size");
             }
         }

@@ -134,7 +134,11 @@ impl std::fmt::Display for BundleReport {
                     millions(c.block_params() as u64),
                     millions(c.total_block_params() as u64),
                     m.experts_per_token,
-                    if m.shared_intermediate_size.is_some() { ", shared expert" } else { "" }
+                    if m.shared_intermediate_size.is_some() {
+                        ", shared expert"
+                    } else {
+                        ""
+                    }
                 )?;
             }
         }

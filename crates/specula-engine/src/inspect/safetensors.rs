@@ -303,7 +303,10 @@ mod fused_tests {
                 "model.layers.2.mlp.experts.1.up_proj.weight",
             ]
         );
-        assert_eq!((s[1].rows.clone(), s[1].dims.clone(), s[3].expert), (4..8, vec![4, 5], 1));
+        assert_eq!(
+            (s[1].rows.clone(), s[1].dims.clone(), s[3].expert),
+            (4..8, vec![4, 5], 1)
+        );
         let d = split_fused_experts("model.layers.0.mlp.experts.down_proj", &[3, 5, 4])
             .expect("a fused shape")
             .expect("fused");

@@ -340,7 +340,9 @@ pub struct GatedMlp {
 impl GatedMlp {
     /// Whether its three products run on batch-invariant kernels.
     pub fn is_batch_invariant(&self) -> bool {
-        [&self.gate, &self.up, &self.down].iter().all(|l| l.is_batch_invariant())
+        [&self.gate, &self.up, &self.down]
+            .iter()
+            .all(|l| l.is_batch_invariant())
     }
 }
 
@@ -664,9 +666,10 @@ impl Model {
     /// element-wise ops always are). Greedy speculation is exact only on such a model.
     pub fn batch_invariant(&self) -> bool {
         self.lm_head.is_batch_invariant()
-            && self.blocks.iter().all(|b| {
-                [&b.q, &b.k, &b.v, &b.o].iter().all(|l| l.is_batch_invariant()) && b.mlp.is_batch_invariant()
-            })
+            && self
+                .blocks
+                .iter()
+                .all(|b| [&b.q, &b.k, &b.v, &b.o].iter().all(|l| l.is_batch_invariant()) && b.mlp.is_batch_invariant())
     }
 
     /// A KV cache sized for this model's context window, with blocks from the model's pool.
@@ -1068,7 +1071,10 @@ impl LayerPass<'_, '_, '_> {
             let dense = match (&block.mlp, kind) {
                 (Mlp::Moe(m), MlpKind::Moe | MlpKind::MoeShared) => return m.forward(h, total),
                 (Mlp::Dense(d), MlpKind::DenseSwiGlu | MlpKind::DenseGeGlu) => d,
-                _ => bail!("layer {}: its weights do not match the layer plan's {kind:?} MLP", self.li),
+                _ => bail!(
+                    "layer {}: its weights do not match the layer plan's {kind:?} MLP",
+                    self.li
+                ),
             };
             let [g, u]: [Vec<f32>; 2] = Linear::forward_rows_many(&[&dense.gate, &dense.up], h, total)?
                 .try_into()

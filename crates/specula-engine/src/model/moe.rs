@@ -166,7 +166,12 @@ impl MoeMlp {
         let used: Vec<usize> = (0..self.experts.len()).filter(|&e| !members[e].is_empty()).collect();
         let inputs: Vec<Vec<f32>> = used
             .iter()
-            .map(|&e| members[e].iter().flat_map(|&r| h[r * hs..(r + 1) * hs].iter().copied()).collect())
+            .map(|&e| {
+                members[e]
+                    .iter()
+                    .flat_map(|&r| h[r * hs..(r + 1) * hs].iter().copied())
+                    .collect()
+            })
             .collect();
         // The products: every used expert's gate and up, and the shared expert's, in one pass.
         let mut items: Vec<(&Linear, &[f32], usize)> = Vec::with_capacity(2 * used.len() + 2);

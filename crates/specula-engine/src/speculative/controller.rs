@@ -1773,12 +1773,16 @@ mod tests {
         // experts of 3 x 2048 x 768 weights in 48 layers, over a 3.04 B-weight step, plus the
         // arithmetic's 0.8.
         let p9 = verify_cost_prior(&c, 9);
-        let want = 1.8 + 48.0 * 3.0 * 2048.0 * 768.0 * 128.0 * ((1.0 - (120.0f64 / 128.0).powi(9)) - 8.0 / 128.0)
-            / c.step_params() as f64;
+        let want = 1.8
+            + 48.0 * 3.0 * 2048.0 * 768.0 * 128.0 * ((1.0 - (120.0f64 / 128.0).powi(9)) - 8.0 / 128.0)
+                / c.step_params() as f64;
         assert!((p9 - want).abs() < 1e-9 && (5.0..6.0).contains(&p9), "{p9} vs {want}");
         assert!(verify_cost_prior(&c, 3) < verify_cost_prior(&c, 5));
         c.moe = None;
-        assert!((verify_cost_prior(&c, 9) - 1.8).abs() < 1e-12, "dense: the arithmetic alone");
+        assert!(
+            (verify_cost_prior(&c, 9) - 1.8).abs() < 1e-12,
+            "dense: the arithmetic alone"
+        );
         // The controller prices unmeasured rows by it.
         let mut k = DraftLength::new(8, true);
         c.moe = Some(crate::arch::MoeConfig {
@@ -1792,7 +1796,10 @@ mod tests {
         k.set_verify_prior((1..=9).map(|r| verify_cost_prior(&c, r)).collect());
         assert_eq!(k.relative_forward_cost(9), p9);
         k.observe_forward(1, 0.01);
-        assert!((k.relative_forward_cost(9) - p9).abs() < 1e-9, "one row measured: the prior's steps");
+        assert!(
+            (k.relative_forward_cost(9) - p9).abs() < 1e-9,
+            "one row measured: the prior's steps"
+        );
     }
 
     #[test]
