@@ -234,9 +234,11 @@ fn classify(path: &Path) -> anyhow::Result<(BundleFormat, PathBuf, Option<PathBu
         );
     }
     let mut magic = [0u8; 4];
-    let ok = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .is_ok();
+    let ok = match crate::bundle::open_file(path) {
+        Ok(mut f) => std::io::Read::read_exact(&mut f, &mut magic).is_ok(),
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => anyhow::bail!("{}: {e}", path.display()),
+        Err(_) => false,
+    };
     if ok && &magic == b"GGUF" {
         let root = path
             .parent()
@@ -257,7 +259,7 @@ fn classify(path: &Path) -> anyhow::Result<(BundleFormat, PathBuf, Option<PathBu
 }
 
 fn read_json(path: &Path) -> Result<Json, String> {
-    let s = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let s = crate::bundle::read_text(path).map_err(|e| e.to_string())?;
     serde_json::from_str(&s).map_err(|e| format!("invalid JSON: {e}"))
 }
 
@@ -849,7 +851,7 @@ fn read_hf_tokenizer(part: &mut Part, dir: &Path) {
     }
     let jinja = dir.join("chat_template.jinja");
     let (src, origin) = if jinja.exists() {
-        match std::fs::read_to_string(&jinja) {
+        match crate::bundle::read_text(&jinja) {
             Ok(s) => (Some(s), jinja.display().to_string()),
             Err(e) => {
                 part.diag(Severity::Error, jinja.display().to_string(), "", e.to_string());

@@ -415,7 +415,8 @@ impl Tokenizer {
     /// Load a Hugging Face `tokenizer.json`; `bos`/`eos` come from `tokenizer_config.json` /
     /// `generation_config.json` (resolved by the bundle loader).
     pub fn from_hf_file(path: &Path, bos: Option<String>, eos: Option<String>, add_bos: bool) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let text = crate::bundle::read_text(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let inner: tokenizers::Tokenizer = text.parse().map_err(|e| anyhow!("{}: {e}", path.display()))?;
         let lookup = |s: Option<String>| s.and_then(|s| inner.token_to_id(&s).map(|id| (id, s)));
         let (numbers, max_token_bytes) = vocab_facts(&inner);
         Ok(Self {

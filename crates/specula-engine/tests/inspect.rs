@@ -1742,3 +1742,45 @@ fn memory_preflight_advises_or_refuses_with_the_numbers() {
     assert!(memory::available_memory().is_some_and(|a| a > 0));
     assert!(memory::resident_bytes().is_some_and(|a| a > 0));
 }
+
+/// A FIFO (or a bundle directory holding one) is refused at once by the loader and by
+/// `inspect`: opening a FIFO blocks until a writer comes, and a model path can come from a
+/// request (`/v1/models/{id}/speculative`'s `draft_model`), so one request could stop the engine.
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let dir = tmp();
+    let fifo = dir.path().join("model.gguf");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if !made.is_ok_and(|s| s.success()) {
+        eprintln!("SKIP: mkfifo is not available");
+        return;
+    }
+    let hf = dir.path().join("hf");
+    tiny_hf(&hf, Family::Qwen2);
+    std::fs::remove_file(hf.join("config.json")).expect("rm");
+    let made = std::process::Command::new("mkfifo")
+        .arg(hf.join("config.json"))
+        .status();
+    assert!(made.is_ok_and(|s| s.success()));
+    for path in [fifo.clone(), hf.clone()] {
+        let p = path.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let load = specula_engine::bundle::load(&p, &candle_core::Device::Cpu)
+                .err()
+                .map(|e| format!("{e:#}"));
+            let insp = inspect::inspect(&p, &InspectOptions::default()).map(|r| errors(&r));
+            let _ = tx.send((load, insp));
+        });
+        let (load, insp) = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("{}: blocked on a FIFO", path.display()));
+        let load = load.expect("a FIFO does not load");
+        assert!(load.contains("not a regular file"), "{}: {load}", path.display());
+        let refused = match insp {
+            Err(e) => format!("{e:#}").contains("not a regular file"),
+            Ok(errs) => errs.iter().any(|e| e.contains("not a regular file")),
+        };
+        assert!(refused, "{}: inspect does not say so", path.display());
+    }
+}

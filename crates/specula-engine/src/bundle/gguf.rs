@@ -180,7 +180,7 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
 
     let file = BufReader::with_capacity(
         1 << 20,
-        File::open(path).with_context(|| format!("opening {}", path.display()))?,
+        super::open_file(path).with_context(|| format!("opening {}", path.display()))?,
     );
     let mut r = TensorReader {
         header: &header,
@@ -227,7 +227,7 @@ fn quantization_summary(header: &GgufHeader) -> String {
 pub fn dense_block(path: &Path, layer: usize) -> Result<Vec<(String, Tensor)>> {
     let header = GgufHeader::read(path)?;
     let schema = header.arch().with_context(|| format!("{}", path.display()))?.tensors();
-    let mut file = BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let mut file = BufReader::new(super::open_file(path).with_context(|| format!("opening {}", path.display()))?);
     let mut out = Vec::new();
     // The dense block's rows only (an MoE layer's router and experts are not a head's).
     for s in schema

@@ -16,7 +16,7 @@ use crate::model::{Embedding, Linear, ModelConfig};
 use crate::tokenizer::Tokenizer;
 
 fn read_json(path: &Path) -> Result<Json> {
-    let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let s = super::read_text(path).with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&s).with_context(|| format!("{}: invalid JSON", path.display()))
 }
 
@@ -157,7 +157,7 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
     )?;
     let template_src = if dir.join("chat_template.jinja").exists() {
         Some(
-            std::fs::read_to_string(dir.join("chat_template.jinja"))
+            super::read_text(&dir.join("chat_template.jinja"))
                 .with_context(|| format!("reading {}/chat_template.jinja", dir.display()))?,
         )
     } else {

@@ -57,7 +57,7 @@ pub fn kind_of(path: &Path) -> Result<BundleKind> {
     }
     let mut magic = [0u8; 4];
     use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let mut f = open_file(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     if f.read_exact(&mut magic).is_ok() && &magic == b"GGUF" {
         return Ok(BundleKind::Gguf);
     }
@@ -65,6 +65,29 @@ pub fn kind_of(path: &Path) -> Result<BundleKind> {
         "{}: not a GGUF file (bad magic) and not a bundle directory",
         path.display()
     )
+}
+
+/// Open `path` for reading if it is a regular file (symbolic links followed). A FIFO, a device
+/// or a socket is refused before it is opened: opening a FIFO blocks until a writer comes, and
+/// a path reaches the loaders from requests (`/v1/models/{id}/speculative`'s `draft_model`), so
+/// one request could stop the engine thread. Errors: the path does not exist, is not a regular
+/// file, or cannot be opened.
+pub fn open_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, device or socket is not read)",
+        ));
+    }
+    std::fs::File::open(path)
+}
+
+/// The text of the regular file `path` ([`open_file`]).
+pub fn read_text(path: &Path) -> std::io::Result<String> {
+    let mut s = String::new();
+    std::io::Read::read_to_string(&mut open_file(path)?, &mut s)?;
+    Ok(s)
 }
 
 /// Load a bundle from a GGUF file, a directory holding one GGUF file, or an HF directory.

@@ -268,7 +268,7 @@ impl Reader {
 /// tensor data. Errors name the file, the byte offset and the key or tensor being read.
 pub fn scan(path: &Path) -> Result<GgufScan> {
     let file = path.display().to_string();
-    let f = File::open(path).map_err(|e| anyhow!("{file}: {e}"))?;
+    let f = crate::bundle::open_file(path).map_err(|e| anyhow!("{file}: {e}"))?;
     let len = f.metadata().map_err(|e| anyhow!("{file}: {e}"))?.len();
     let mut r = Reader {
         inner: BufReader::with_capacity(1 << 16, f),

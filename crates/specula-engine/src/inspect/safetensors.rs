@@ -7,7 +7,6 @@
 //! by [`validate`].
 
 use std::collections::HashSet;
-use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
@@ -128,7 +127,7 @@ fn parse_entry(name: &str, v: &Json) -> std::result::Result<StTensor, String> {
 /// the file and what is wrong (truncated length, header longer than the file, bad JSON).
 pub fn scan(path: &Path) -> Result<StScan> {
     let file = path.display().to_string();
-    let mut f = File::open(path).map_err(|e| anyhow!("{file}: {e}"))?;
+    let mut f = crate::bundle::open_file(path).map_err(|e| anyhow!("{file}: {e}"))?;
     let file_len = f.metadata().map_err(|e| anyhow!("{file}: {e}"))?.len();
     if file_len < 8 {
         bail!("{file}: {file_len} bytes, too short for the 8-byte safetensors header length (truncated file)");

@@ -334,6 +334,8 @@ impl NamedTensors {
         }
         let mut map = HashMap::new();
         for f in &files {
+            // A regular file only (a FIFO would block the open).
+            crate::bundle::open_file(f).with_context(|| format!("{}", f.display()))?;
             let ts = candle_core::safetensors::load(f, &Device::Cpu)
                 .with_context(|| format!("{}: not a readable safetensors file", f.display()))?;
             for (k, t) in ts {
