@@ -43,6 +43,12 @@ pub fn resolve_local(spec: &str) -> anyhow::Result<PathBuf> {
     if !spec.is_empty() && as_path.exists() {
         return Ok(as_path.to_path_buf());
     }
+    resolve_catalog(spec)
+}
+
+/// The verified local file of the catalog model `spec` (never a path: a name only). Errors:
+/// not a catalog name, or not downloaded.
+pub fn resolve_catalog(spec: &str) -> anyhow::Result<PathBuf> {
     let Some(entry) = crate::catalog::lookup(spec) else {
         anyhow::bail!(
             "'{spec}' is not a file or directory, and not a catalog name (known: {})",

@@ -104,9 +104,12 @@ pub(crate) struct SpecChange {
     pub draft_max: Option<usize>,
     pub adaptive: Option<bool>,
     pub sampled_verify: Option<SampledVerify>,
-    /// Attach this draft model (a GGUF file, a bundle directory or a pulled catalog name),
-    /// unless it is the attached one.
+    /// Attach this draft model (a pulled catalog name, or a GGUF file or bundle directory
+    /// under the server's models directories), unless it is the attached one.
     pub draft_model: Option<String>,
+    /// Where `draft_model` is, resolved by the HTTP handler under the operator's rules
+    /// ([`resolve_draft_model`]).
+    pub draft_path: Option<PathBuf>,
     /// Detach the draft model.
     pub unload_draft: bool,
 }
@@ -169,6 +172,7 @@ fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
         adaptive,
         sampled_verify,
         draft_model,
+        draft_path: None,
         unload_draft,
     })
 }
@@ -300,10 +304,12 @@ fn change_on_worker(
     let action = match &change.draft_model {
         Some(name) if state.current.as_ref().is_some_and(|k| &k.id == name) => Action::Keep,
         Some(name) => {
-            let path = specula_engine::cache::resolve_local(name).map_err(|e| {
-                let e = specula_engine::inspect::redact_paths(&format!("{e:#}"));
-                ApiError::invalid(format!("Invalid 'draft_model': {e}."), Some("draft_model"))
-                    .with_code("draft_model_not_found")
+            let path = change.draft_path.clone().ok_or_else(|| {
+                ApiError::invalid(
+                    format!("Invalid 'draft_model': '{name}' was not resolved."),
+                    Some("draft_model"),
+                )
+                .with_code("draft_model_not_found")
             })?;
             let same_file = state
                 .current
@@ -421,6 +427,45 @@ fn change_on_worker(
     Ok(Outcome { previous, info, events })
 }
 
+/// Where a request's `draft_model` is, under the operator's rules: a pulled catalog model by
+/// name, or a regular file or bundle directory inside one of `dirs` (`--models-dir`; a name
+/// relative to a directory, or an absolute path that canonicalizes inside one). Nothing else is
+/// opened, and the error is the same whether another path exists or not, so the endpoint cannot
+/// probe the file system. Errors: 400 `draft_model_not_found`.
+pub fn resolve_draft_model(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, ApiError> {
+    let not_found = |why: String| {
+        ApiError::invalid(format!("Invalid 'draft_model': {why}."), Some("draft_model"))
+            .with_code("draft_model_not_found")
+    };
+    if specula_engine::catalog::lookup(name).is_some() {
+        return specula_engine::cache::resolve_catalog(name)
+            .map_err(|e| not_found(specula_engine::inspect::redact_paths(&format!("{e:#}"))));
+    }
+    if dirs.is_empty() {
+        return Err(not_found(format!(
+            "'{name}' is not a catalog model, and this server loads no model files over HTTP (its operator allows them with --models-dir)"
+        )));
+    }
+    let given = Path::new(name);
+    let candidates: Vec<PathBuf> = if given.is_absolute() {
+        vec![given.to_path_buf()]
+    } else {
+        dirs.iter().map(|d| d.join(given)).collect()
+    };
+    let allowed: Vec<PathBuf> = dirs.iter().filter_map(|d| std::fs::canonicalize(d).ok()).collect();
+    for c in candidates {
+        let Ok(real) = std::fs::canonicalize(&c) else { continue };
+        let inside = allowed.iter().any(|d| real.starts_with(d));
+        let kind_ok = std::fs::metadata(&real).is_ok_and(|m| m.is_file() || m.is_dir());
+        if inside && kind_ok {
+            return Ok(real);
+        }
+    }
+    Err(not_found(format!(
+        "'{name}' is not a catalog model, and no model of that name is in the server's models directories"
+    )))
+}
+
 /// `POST /v1/models/{id}/speculative`: change the speculation default of requests without a
 /// `spec` field, loading or unloading a draft model when needed (see the module docs). Other
 /// `POST /v1/models/...` paths are 404.
@@ -439,10 +484,20 @@ pub async fn post_model(
     if id != h.model().id {
         return ApiError::model_not_found(id).into_response();
     }
-    let change = match body.map_err(ApiError::from).and_then(|Json(v)| parse_change(&v)) {
+    let mut change = match body.map_err(ApiError::from).and_then(|Json(v)| parse_change(&v)) {
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
+    if let Some(name) = change.draft_model.clone() {
+        let dirs = h.models_dirs();
+        // A few stats and a canonicalization: off the async workers all the same.
+        let resolved = tokio::task::spawn_blocking(move || resolve_draft_model(&name, &dirs)).await;
+        match resolved {
+            Ok(Ok(p)) => change.draft_path = Some(p),
+            Ok(Err(e)) => return e.into_response(),
+            Err(_) => return ApiError::internal("resolving the draft model failed").into_response(),
+        }
+    }
     let (tx, rx) = oneshot::channel();
     if h.control(change, tx).is_err() {
         return ApiError::internal("the engine worker is not running").into_response();

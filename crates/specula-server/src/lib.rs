@@ -28,7 +28,7 @@
 //! The engine runs on one dedicated OS thread ([`EngineHandle`]); requests are served one at a
 //! time in arrival order, with at most `max_queue` waiting (more get 429 with `Retry-After: 1`).
 
-mod admin;
+pub mod admin;
 mod api;
 pub mod auth;
 mod chat_output;
@@ -97,6 +97,9 @@ pub struct ServeOptions {
     /// API keys and whether `/metrics` needs one; [`serve`] turns the Host check on when `host`
     /// is a loopback address ([`auth::is_loopback_host`]). The default asks for no key.
     pub access: Access,
+    /// Directories whose models requests may attach as draft models (`--models-dir`); empty:
+    /// pulled catalog models only ([`admin::resolve_draft_model`]).
+    pub models_dirs: Vec<std::path::PathBuf>,
 }
 
 impl Default for ServeOptions {
@@ -114,6 +117,7 @@ impl Default for ServeOptions {
             target_load_s: None,
             draft_load_s: None,
             access: Access::default(),
+            models_dirs: Vec::new(),
         }
     }
 }
@@ -160,7 +164,8 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
     let handle = EngineHandle::spawn_with_bundle(engine, opts.max_queue, opts.spec, opts.bundle.clone())
         .with_tool_parser(opts.tool_parser)
         .with_load_seconds(opts.target_load_s, opts.draft_load_s)
-        .with_max_batch(opts.max_batch);
+        .with_max_batch(opts.max_batch)
+        .with_models_dirs(opts.models_dirs.clone());
     let handle = match opts.kv_budget_bytes {
         Some(b) => handle.with_kv_budget(b),
         None => handle,

@@ -7,6 +7,7 @@
 //! the next token.
 
 use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -293,6 +294,9 @@ struct Shared {
     queue: Arc<Queue>,
     model: ModelCell,
     token_bytes: TokenBytes,
+    /// The directories a request's `draft_model` may name files in (`--models-dir`); empty:
+    /// catalog names only ([`crate::admin::resolve_draft_model`]).
+    models_dirs: Arc<RwLock<Vec<PathBuf>>>,
 }
 
 /// A cheap, cloneable handle to the engine worker. The worker thread ends when the last handle
@@ -394,8 +398,25 @@ impl EngineHandle {
                 queue,
                 model: Arc::new(RwLock::new(Arc::new(model))),
                 token_bytes,
+                models_dirs: Arc::new(RwLock::new(Vec::new())),
             }),
         }
+    }
+
+    /// Allow requests to name draft models in `dirs` (`--models-dir`): a file or bundle
+    /// directory inside one of them. Without, a request names pulled catalog models only.
+    pub fn with_models_dirs(self, dirs: Vec<PathBuf>) -> Self {
+        *self.shared.models_dirs.write().unwrap_or_else(PoisonError::into_inner) = dirs;
+        self
+    }
+
+    /// The directories of [`EngineHandle::with_models_dirs`].
+    pub fn models_dirs(&self) -> Vec<PathBuf> {
+        self.shared
+            .models_dirs
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// What the model serves now. A speculation change (`POST /v1/models/{id}/speculative`)

@@ -78,7 +78,9 @@ async fn run(app: &Router) -> (String, String) {
 }
 
 fn spec_app() -> (Router, EngineHandle) {
-    let h = EngineHandle::spawn_with_queue(spec_engine(), 16);
+    // Requests may attach the models of the tests' tmp directory (the draft models are there).
+    let dirs = vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))];
+    let h = EngineHandle::spawn_with_queue(spec_engine(), 16).with_models_dirs(dirs);
     (router(h.clone()), h)
 }
 
@@ -328,7 +330,9 @@ async fn a_startup_draft_model_counts_once() {
     let mut e = spec_engine();
     let draft = path_str(&draft_model_path());
     e.attach_draft_model(&draft_model_path(), &draft).unwrap();
-    let h = EngineHandle::spawn_with_queue(e, 16).with_load_seconds(Some(1.5), Some(0.25));
+    let h = EngineHandle::spawn_with_queue(e, 16)
+        .with_load_seconds(Some(1.5), Some(0.25))
+        .with_models_dirs(vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))]);
     let app = router(h);
     let sp = specula(&app).await;
     let loads = sp["loads"].as_array().unwrap();
@@ -361,7 +365,13 @@ async fn smollm2_drafts_for_itself_after_a_switch() {
         catalog::DEFAULT_MODEL
     );
     let engine = Engine::load(&path, "smollm2", LoadOptions::default()).expect("load SmolLM2");
-    let app = router(EngineHandle::spawn_with_queue(engine, 16));
+    // The operator allows the tests' models and the model cache (so the catalog file can be
+    // named by its path too).
+    let dirs = vec![
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")),
+        specula_engine::cache::models_dir(),
+    ];
+    let app = router(EngineHandle::spawn_with_queue(engine, 16).with_models_dirs(dirs));
     let admin = "/v1/models/smollm2/speculative";
     let ask = json!({"messages": [{"role": "user", "content": "List the days of the week, then list them again."}],
         "temperature": 0, "max_tokens": 48});
@@ -436,7 +446,9 @@ async fn the_tuning_choice_follows_the_startup_drafters() {
         mode: SpecMode::Default,
         ..Default::default()
     };
-    let app = router(EngineHandle::spawn_with_spec(e, 16, spec));
+    let app = router(
+        EngineHandle::spawn_with_spec(e, 16, spec).with_models_dirs(vec![PathBuf::from(env!("CARGO_TARGET_TMPDIR"))]),
+    );
     let sp = specula(&app).await;
     assert!(sp["tuned_default"].is_object(), "{sp}");
     assert_eq!(sp["effective_spec"]["drafter"], "ar", "{sp}");
@@ -460,4 +472,46 @@ async fn the_tuning_choice_follows_the_startup_drafters() {
     assert!(sp["tuned_default"].is_object(), "{sp}");
     assert_eq!(sp["effective_spec"]["drafter"], "ar", "{sp}");
     assert_eq!(run(&app).await.1, "ar");
+}
+
+/// Over HTTP a draft model is a pulled catalog model or a model under the operator's
+/// `--models-dir`: any other path is refused before it is opened, with the same error whether it
+/// exists or not (no probing of the server's files), and a server without models directories
+/// takes catalog names only.
+#[tokio::test]
+async fn draft_models_come_from_the_catalog_or_the_models_dirs_only() {
+    let (app, _h) = spec_app();
+    let outside = tempfile::tempdir().expect("tempdir");
+    let real = outside.path().join("model.gguf");
+    std::fs::copy(draft_model_path(), &real).expect("copy");
+    let missing = outside.path().join("missing.gguf");
+    let inside_by_dots = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("..")
+        .join("..")
+        .join("Cargo.toml");
+    let mut messages = Vec::new();
+    for p in [real.clone(), missing, PathBuf::from("/etc/passwd"), inside_by_dots] {
+        let r = post(&app, ADMIN, json!({"mode": "draft", "draft_model": path_str(&p)})).await;
+        let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("draft_model"));
+        assert_eq!(e["code"], "draft_model_not_found", "{}: {e}", p.display());
+        messages.push(e["message"].as_str().unwrap().replace(&path_str(&p), "PATH"));
+    }
+    assert!(
+        messages.windows(2).all(|w| w[0] == w[1]),
+        "the errors differ: {messages:?}"
+    );
+    // A name relative to a models directory.
+    let name = draft_model_path().file_name().unwrap().to_string_lossy().to_string();
+    let v = change(&app, ADMIN, json!({"mode": "draft", "draft_model": name})).await;
+    assert_eq!(v["reloaded"], true, "{v}");
+    // Without models directories: catalog names only.
+    let app = router(EngineHandle::spawn_with_queue(spec_engine(), 16));
+    let r = post(
+        &app,
+        ADMIN,
+        json!({"mode": "draft", "draft_model": path_str(&draft_model_path())}),
+    )
+    .await;
+    let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("draft_model"));
+    assert!(e["message"].as_str().unwrap().contains("--models-dir"), "{e}");
 }

@@ -111,6 +111,12 @@ struct ServeArgs {
     /// server is never open to the network by accident).
     #[arg(long)]
     no_auth: bool,
+    /// A directory whose models (GGUF files, bundle directories) requests may attach as draft
+    /// models (`POST /v1/models/{id}/speculative` with `draft_model`). Repeatable. Without it,
+    /// requests name pulled catalog models only: no request opens a file the operator did not
+    /// allow.
+    #[arg(long = "models-dir", value_name = "DIR")]
+    models_dirs: Vec<PathBuf>,
     /// Answer `GET /metrics` without an API key (for a scraper that has none).
     #[arg(long)]
     metrics_public: bool,
@@ -765,6 +771,12 @@ fn serve_access(a: &ServeArgs) -> Result<specula_server::Access> {
 fn serve(a: ServeArgs) -> Result<()> {
     // Who may use the server is settled first: a misconfiguration fails at once.
     let access = serve_access(&a)?;
+    for d in &a.models_dirs {
+        if !d.is_dir() {
+            anyhow::bail!("--models-dir {}: not a directory", d.display());
+        }
+    }
+    let models_dirs = a.models_dirs.clone();
     // Fail before the model loads (seconds to minutes) when the address is taken or not ours:
     // a probe bind, released at once; the server binds it again once the model is ready.
     if a.port != 0 {
@@ -841,6 +853,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             target_load_s: Some(target_load_s),
             draft_load_s,
             access,
+            models_dirs,
         },
     ))
 }
