@@ -536,8 +536,8 @@ impl super::Architecture for QwenMoe {
     }
 }
 
-/// The name of `role`'s row for the bundle's format at `layer` (`e`: the expert, for a
-/// per-expert row).
+/// The name of `role`'s first row in the bundle's format at `layer` (a stacked GGUF tensor,
+/// not a per-expert HF one).
 fn tensor_name(w: &dyn WeightSource, role: Role, layer: usize) -> Result<String> {
     schema_name(TENSORS, role, w.format(), layer).ok_or_else(|| anyhow!("the tensor schema has no {role:?}"))
 }
