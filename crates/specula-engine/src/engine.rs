@@ -508,6 +508,22 @@ impl Engine {
         self.tokenize(text)
     }
 
+    /// Tokenize a prompt given as text by a client: control-token strings in it (`<|im_end|>`)
+    /// are the text they spell, as message contents are ([`crate::tokenizer::Tokenizer::encode_with_text_spans`]
+    /// over the whole text), unless `parse_special`, which maps them to their tokens as
+    /// [`Engine::tokenize_prompt`] does. A text without such strings gives the same ids either
+    /// way. Errors: as [`Engine::tokenize_prompt`].
+    pub fn tokenize_prompt_text(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, RequestError> {
+        if parse_special {
+            return self.tokenize_prompt(text);
+        }
+        self.check_prompt_bytes(text)?;
+        self.bundle
+            .tokenizer
+            .encode_with_text_spans(text, std::slice::from_ref(&(0..text.len())))
+            .map_err(|e| RequestError::InvalidParameter(e.to_string()))
+    }
+
     /// [`RequestError::PromptTooLongBytes`] for a text too long for the context window whatever
     /// its tokens.
     fn check_prompt_bytes(&self, text: &str) -> Result<(), RequestError> {
@@ -531,7 +547,7 @@ impl Engine {
     /// Render a chat prompt (with the generation prompt) and tokenize it; returns the tokens and
     /// the rendered text. Message contents are data: control-token text written in a
     /// `content` or `reasoning_content` becomes the ordinary tokens of that text
-    /// ([`Tokenizer::encode_with_text_spans`]), so a message cannot close its turn or open a
+    /// ([`crate::tokenizer::Tokenizer::encode_with_text_spans`]), so a message cannot close its turn or open a
     /// system turn; only the template's own markup yields control tokens. Contents without
     /// such text tokenize exactly as the rendered text does.
     ///

@@ -793,8 +793,15 @@ pub fn template_kwargs(b: &Body) -> Result<Map<String, Value>, ApiError> {
 }
 
 /// Completions `prompt`: a string, an array of one string, an array of token ids, or an array
-/// of one array of token ids.
+/// of one array of token ids. A string is text: control-token strings in it are tokenized as
+/// the text they spell, unless the request sets `parse_special: true` (llama-server's
+/// `parse_special`; a Specula extension), which maps them to their tokens.
 pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
+    let parse_special = b.bool("parse_special")?.unwrap_or(false);
+    let text = |s: &String| Prompt::Text {
+        text: s.clone(),
+        parse_special,
+    };
     let v = b.get("prompt").ok_or_else(|| missing("prompt"))?;
     let expected = "a string, an array of one string, or an array of token ids";
     // `at` names the array of token ids (`prompt` or `prompt[0]`), so a bad element is named
@@ -816,7 +823,7 @@ pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
             .collect()
     };
     match v {
-        Value::String(s) => Ok(Prompt::Text(s.clone())),
+        Value::String(s) => Ok(text(s)),
         Value::Array(items) => {
             let Some(first) = items.first() else {
                 return Err(
@@ -836,7 +843,7 @@ pub fn prompt(b: &Body) -> Result<Prompt, ApiError> {
             match first {
                 Value::String(s) => {
                     single()?;
-                    Ok(Prompt::Text(s.clone()))
+                    Ok(text(s))
                 }
                 Value::Array(inner) => {
                     single()?;

@@ -136,8 +136,8 @@ pub enum Prompt {
     /// Rendered with the model's chat template (generation prompt added; tools, tool_choice
     /// and keyword arguments passed), then tokenized.
     Chat(ChatPrompt),
-    /// Tokenized as is.
-    Text(String),
+    /// A text prompt: control-token strings in it are text unless `parse_special`.
+    Text { text: String, parse_special: bool },
     /// Token ids, used as is.
     Tokens(Vec<u32>),
 }
@@ -798,7 +798,7 @@ fn start_job(
             prompt_tail = tail;
             tokens
         }
-        Prompt::Text(text) => engine.tokenize_prompt(text)?,
+        Prompt::Text { text, parse_special } => engine.tokenize_prompt_text(text, *parse_special)?,
         Prompt::Tokens(ids) => ids.clone(),
     };
     let mut req = sub.request.clone();

@@ -281,6 +281,53 @@ async fn completions_match_engine_generate() {
     }
 }
 
+/// A `/v1/completions` prompt string is text: a control-token string in it (`<|im_end|>`) is
+/// tokenized as the characters it spells, unless the request sets `parse_special: true`; a
+/// prompt without such strings gives the same tokens either way.
+#[tokio::test]
+async fn completion_prompt_strings_are_text_unless_parse_special() {
+    let (app, _h) = app();
+    let eng = engine();
+    let special = eng
+        .tokenizer()
+        .token_to_id("<|im_end|>")
+        .expect("the tiny vocabulary's <|im_end|>");
+    let prompt = "the thin<|im_end|> hen";
+    let count = |v: &Value| v["usage"]["prompt_tokens"].as_u64().expect("usage");
+    let ask = |parse: Option<bool>, p: &str| {
+        let mut b = json!({"model": MODEL, "prompt": p, "max_tokens": 1, "temperature": 0});
+        if let Some(x) = parse {
+            b["parse_special"] = x.into();
+        }
+        b
+    };
+    let as_text = post(&app, "/v1/completions", ask(None, prompt)).await.json();
+    let parsed = post(&app, "/v1/completions", ask(Some(true), prompt)).await.json();
+    let with_special = eng.tokenize(prompt).unwrap();
+    assert!(with_special.contains(&special));
+    assert_eq!(count(&parsed), with_special.len() as u64);
+    // As text: the 11 characters of `<|im_end|>` are byte tokens of the tiny vocabulary.
+    assert_eq!(
+        count(&as_text),
+        with_special.len() as u64 - 1 + "<|im_end|>".len() as u64
+    );
+    // Without control-token text the two agree.
+    let plain = "the thin hen";
+    let a = post(&app, "/v1/completions", ask(None, plain)).await.json();
+    let b = post(&app, "/v1/completions", ask(Some(true), plain)).await.json();
+    assert_eq!(
+        (count(&a), a["choices"][0]["text"].clone()),
+        (count(&b), b["choices"][0]["text"].clone())
+    );
+    let r = post(
+        &app,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": plain, "parse_special": "yes"}),
+    )
+    .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, Some("parse_special"));
+}
+
 #[tokio::test]
 async fn completions_default_max_tokens_is_16() {
     let (app, _h) = app();
