@@ -311,7 +311,8 @@ const HF_REQUIRED: &[&str] = &[
     "max_position_embeddings",
 ];
 
-fn json_usize(c: &Json, k: &str) -> Option<usize> {
+/// An unsigned integer field of `config.json`; None when absent or of another type.
+pub fn json_usize(c: &Json, k: &str) -> Option<usize> {
     c.get(k).and_then(Json::as_u64).map(|x| x as usize)
 }
 

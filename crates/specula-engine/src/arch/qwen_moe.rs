@@ -333,10 +333,7 @@ impl super::Architecture for QwenMoe {
         let family = family_of(model_type)?;
         let mut c = dense_config_from_hf(Family::Other(family), j)?;
         let field = |k: &str| -> Result<usize> {
-            j.get(k)
-                .and_then(Json::as_u64)
-                .map(|x| x as usize)
-                .ok_or_else(|| anyhow!("missing or non-integer field '{k}'"))
+            llama::json_usize(j, k).ok_or_else(|| anyhow!("missing or non-integer field '{k}'"))
         };
         let mlp_only: Vec<usize> = match j.get("mlp_only_layers") {
             None | Some(Json::Null) => Vec::new(),

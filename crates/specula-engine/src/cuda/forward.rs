@@ -743,44 +743,31 @@ impl GpuModel {
                 A::P(ms.pairs.at(0)),
             ],
         )?;
-        // 8 warps of 2 features a block.
-        let tiles = |f: usize| f.div_ceil(16) as u32;
+        // Each pair's products of its expert: `out` = `mat` · `x` rows, `f` outputs of width
+        // `kd`, 8 warps of 2 features a block (the `_q8` kernel for Q8_0 experts).
+        let gemv = |name: &str, mat: &Mat, x: u64, out: u64, f: usize, kd: usize| {
+            let (w, d) = mat.ptrs();
+            let q8 = if mat.scales.is_some() { "_q8" } else { "" };
+            g.launch(
+                &format!("{name}{q8}"),
+                (f.div_ceil(16) as u32, e as u32),
+                256,
+                &[
+                    A::P(w),
+                    A::P(d),
+                    A::P(x),
+                    A::P(ms.off.at(0)),
+                    A::P(ms.pairs.at(0)),
+                    A::I(k as i32),
+                    A::P(out),
+                    A::I(f as i32),
+                    A::I(kd as i32),
+                ],
+            )
+        };
         let ei = cfg.expert_inter;
-        let q8 = m.gate_up.scales.is_some();
-        let (w, d) = m.gate_up.ptrs();
-        g.launch(
-            if q8 { "moe_gate_up_q8" } else { "moe_gate_up" },
-            (tiles(ei), e as u32),
-            256,
-            &[
-                A::P(w),
-                A::P(d),
-                A::P(xn),
-                A::P(ms.off.at(0)),
-                A::P(ms.pairs.at(0)),
-                A::I(k as i32),
-                A::P(ms.act.at(0)),
-                A::I(ei as i32),
-                A::I(h as i32),
-            ],
-        )?;
-        let (w, d) = m.down.ptrs();
-        g.launch(
-            if q8 { "moe_down_q8" } else { "moe_down" },
-            (tiles(h), e as u32),
-            256,
-            &[
-                A::P(w),
-                A::P(d),
-                A::P(ms.act.at(0)),
-                A::P(ms.off.at(0)),
-                A::P(ms.pairs.at(0)),
-                A::I(k as i32),
-                A::P(ms.y.at(0)),
-                A::I(h as i32),
-                A::I(ei as i32),
-            ],
-        )?;
+        gemv("moe_gate_up", &m.gate_up, xn, ms.act.at(0), ei, h)?;
+        gemv("moe_down", &m.down, ms.act.at(0), ms.y.at(0), h, ei)?;
         let shared = match (&m.shared, cfg.shared_inter) {
             (Some((gate_up, down)), Some(si)) => {
                 self.dense_mlp(gate_up, down, si, n, None, ms.shared.at(0))?;

@@ -1743,6 +1743,14 @@ mod tests {
     fn moe_verify_prior_counts_the_experts_the_rows_touch() {
         // Qwen3-30B-A3B's shape: 48 layers of hidden 2048 (32 heads / 4 KV heads of 128), 128
         // experts of 768, 8 per token.
+        let moe = crate::arch::MoeConfig {
+            experts: 128,
+            experts_per_token: 8,
+            expert_intermediate_size: 768,
+            shared_intermediate_size: None,
+            norm_topk_prob: true,
+            layers: vec![true; 48],
+        };
         let mut c = ModelConfig {
             family: crate::model::Family::Other("qwen3moe"),
             vocab_size: 151_936,
@@ -1759,14 +1767,7 @@ mod tests {
             sliding_window: None,
             query_scale: None,
             rope_freq_scale: None,
-            moe: Some(crate::arch::MoeConfig {
-                experts: 128,
-                experts_per_token: 8,
-                expert_intermediate_size: 768,
-                shared_intermediate_size: None,
-                norm_topk_prob: true,
-                layers: vec![true; 48],
-            }),
+            moe: Some(moe.clone()),
         };
         assert_eq!(verify_cost_prior(&c, 1), 1.0);
         // 9 rows touch 128 (1 - (120/128)^9) = 56.4 experts a layer instead of 8: 48.4 more
@@ -1785,14 +1786,7 @@ mod tests {
         );
         // The controller prices unmeasured rows by it.
         let mut k = DraftLength::new(8, true);
-        c.moe = Some(crate::arch::MoeConfig {
-            experts: 128,
-            experts_per_token: 8,
-            expert_intermediate_size: 768,
-            shared_intermediate_size: None,
-            norm_topk_prob: true,
-            layers: vec![true; 48],
-        });
+        c.moe = Some(moe);
         k.set_verify_prior((1..=9).map(|r| verify_cost_prior(&c, r)).collect());
         assert_eq!(k.relative_forward_cost(9), p9);
         k.observe_forward(1, 0.01);
