@@ -151,6 +151,7 @@ fn parse_body(body: Result<Json<Value>, JsonRejection>) -> Result<Value, ApiErro
 
 fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let b = Body::new(v)?;
+    b.check_fields(params::CHAT_FIELDS)?;
     let common = params::common(&b, &h.model().id, &["max_completion_tokens", "max_tokens"])?;
     let messages = params::messages(&b)?;
     let tools = params::tools(&b)?;
@@ -219,6 +220,7 @@ fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
 
 fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let b = Body::new(v)?;
+    b.check_fields(params::COMPLETION_FIELDS)?;
     let common = params::common(&b, &h.model().id, &["max_tokens"])?;
     let prompt = params::prompt(&b)?;
     if b.bool("echo")?.unwrap_or(false) {

@@ -69,6 +69,73 @@ fn as_integer(v: &Value) -> Option<i128> {
     (f.fract() == 0.0 && f.abs() < 1e18).then_some(f as i128)
 }
 
+/// Top-level fields shared by `/v1/chat/completions` and `/v1/completions` (the sampling and
+/// length controls of [`common`], the `spec` extension, `response_format`).
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "logprobs",
+    "spec",
+    "response_format",
+];
+
+/// Top-level fields `/v1/chat/completions` reads, beyond [`COMMON_FIELDS`].
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "reasoning_effort",
+    "max_reasoning_tokens",
+    "think_prelude_chars",
+];
+
+/// Top-level fields `/v1/completions` reads, beyond [`COMMON_FIELDS`].
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "parse_special", "echo", "best_of", "suffix"];
+
+/// Fields OpenAI's SDKs and clients send that change nothing on a local server (billing, storage,
+/// tracing and cache-routing hints): accepted and ignored.
+pub const IGNORED_FIELDS: &[&str] = &[
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+];
+
+/// OpenAI fields this server does not implement: a request that sets one (to anything but
+/// `null`) is refused with `unsupported_parameter` rather than answered as if it were honoured.
+const UNSUPPORTED_FIELDS: &[&str] = &[
+    "audio",
+    "prediction",
+    "web_search_options",
+    "functions",
+    "function_call",
+    "verbosity",
+];
+
+/// Longest field name quoted back in an error message.
+const MAX_QUOTED_FIELD: usize = 64;
+
 impl<'a> Body<'a> {
     pub fn new(v: &'a Value) -> Result<Self, ApiError> {
         match v {
@@ -79,6 +146,51 @@ impl<'a> Body<'a> {
             )
             .with_code("invalid_type")),
         }
+    }
+
+    /// Refuse top-level fields the endpoint does not read: `known` (the endpoint's list, beside
+    /// the shared [`COMMON_FIELDS`] and [`IGNORED_FIELDS`]) pass; an OpenAI field this server
+    /// does not implement is a 400 `unsupported_parameter` (`modalities` passes when it asks for
+    /// text only); anything else is a 400 `unknown_parameter` naming the field (cut to 64
+    /// characters), as OpenAI answers an unrecognized argument.
+    pub fn check_fields(&self, known: &[&str]) -> Result<(), ApiError> {
+        for (key, v) in self.0 {
+            let k = key.as_str();
+            if COMMON_FIELDS.contains(&k) || known.contains(&k) || IGNORED_FIELDS.contains(&k) {
+                continue;
+            }
+            if k == "modalities" {
+                let text_only = match v {
+                    Value::Null => true,
+                    Value::Array(a) => a.iter().all(|m| m.as_str() == Some("text")),
+                    _ => false,
+                };
+                if text_only {
+                    continue;
+                }
+                return Err(
+                    ApiError::invalid("Only the 'text' modality is supported.", Some("modalities"))
+                        .with_code("unsupported_parameter"),
+                );
+            }
+            if UNSUPPORTED_FIELDS.contains(&k) {
+                if v.is_null() {
+                    continue;
+                }
+                return Err(
+                    ApiError::invalid(format!("'{k}' is not supported by this server."), Some(k))
+                        .with_code("unsupported_parameter"),
+                );
+            }
+            let shown: String = k.chars().take(MAX_QUOTED_FIELD).collect();
+            let cut = if shown.len() < k.len() { "..." } else { "" };
+            return Err(ApiError::invalid(
+                format!("Unrecognized request argument supplied: {shown}{cut}"),
+                Some(&shown),
+            )
+            .with_code("unknown_parameter"));
+        }
+        Ok(())
     }
 
     /// The field, `null` counting as absent.

@@ -819,6 +819,81 @@ async fn bad_requests_get_openai_errors() {
     assert!(m.contains("specula_completion_tokens_total 0"), "{m}");
 }
 
+/// Strict requests: a top-level field the endpoint does not read is a 400 `unknown_parameter`
+/// naming it (a huge name is cut); OpenAI fields this server does not implement are
+/// `unsupported_parameter`; the SDKs' bookkeeping fields are accepted and change nothing.
+#[tokio::test]
+async fn unknown_fields_are_refused_and_bookkeeping_fields_ignored() {
+    let (app, _h) = app();
+    let chat = "/v1/chat/completions";
+    let completions = "/v1/completions";
+    let bodies = [
+        (
+            chat,
+            json!({"messages": messages_json(), "max_tokens": 4, "temperature": 0}),
+        ),
+        (
+            completions,
+            json!({"prompt": "the hen", "max_tokens": 4, "temperature": 0}),
+        ),
+    ];
+    let huge = "k".repeat(20 << 20);
+    for (path, base) in &bodies {
+        let plain = post(&app, path, base.clone()).await;
+        assert_eq!(plain.status, StatusCode::OK, "{}", plain.text);
+        let text = |r: &Reply| {
+            let v: Value = serde_json::from_str(&r.text).unwrap();
+            v["choices"][0]
+                .get("message")
+                .map_or(v["choices"][0]["text"].clone(), |m| m["content"].clone())
+        };
+        for (field, value, code) in [
+            ("cache_prompt", json!(true), "unknown_parameter"),
+            ("n_predict", json!(8), "unknown_parameter"),
+            ("Temperature", json!(0.5), "unknown_parameter"),
+            ("x", json!(null), "unknown_parameter"),
+            ("functions", json!([{"name": "f"}]), "unsupported_parameter"),
+            ("audio", json!({"voice": "alloy"}), "unsupported_parameter"),
+            ("modalities", json!(["text", "audio"]), "unsupported_parameter"),
+        ] {
+            let mut body = base.clone();
+            body[field] = value;
+            let r = post(&app, path, body.clone()).await;
+            let e = assert_error(&r, StatusCode::BAD_REQUEST, Some(field));
+            assert_eq!(e["code"], code, "{path} {field}: {}", r.text);
+            body["stream"] = json!(true);
+            let r = post(&app, path, body).await;
+            assert_error(&r, StatusCode::BAD_REQUEST, Some(field));
+        }
+        let mut body = base.clone();
+        body[huge.as_str()] = json!(1);
+        let r = post_raw(&app, path, &body.to_string()).await;
+        let e = assert_error(&r, StatusCode::BAD_REQUEST, None);
+        assert_eq!(e["code"], "unknown_parameter");
+        assert!(
+            r.text.len() < 1000,
+            "the error quotes the whole name: {} bytes",
+            r.text.len()
+        );
+        for (field, value) in [
+            ("user", json!("user-1234")),
+            ("store", json!(false)),
+            ("metadata", json!({"run": "7"})),
+            ("service_tier", json!("auto")),
+            ("prompt_cache_key", json!("k")),
+            ("safety_identifier", json!("s")),
+            ("modalities", json!(["text"])),
+            ("functions", json!(null)),
+        ] {
+            let mut body = base.clone();
+            body[field] = value;
+            let r = post(&app, path, body).await;
+            assert_eq!(r.status, StatusCode::OK, "{path} {field}: {}", r.text);
+            assert_eq!(text(&r), text(&plain), "{path} {field}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn queue_full_answers_429() {
     // max_queue 0: one request may run, none may wait.
