@@ -128,6 +128,36 @@ impl ApiError {
         .with_code("invalid_host")
     }
 
+    /// 408, code `request_timeout`: the request's body did not arrive within `limit`.
+    pub fn request_timeout(limit: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            format!("The request body did not arrive within {} seconds.", limit.as_secs()),
+        )
+        .with_code("request_timeout")
+    }
+
+    /// 413, code `request_too_large`: the body is over `limit` bytes.
+    pub fn body_too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("The request body is larger than the server's limit of {limit} bytes."),
+        )
+        .with_code("request_too_large")
+    }
+
+    /// 400, code `invalid_body`: the body could not be read (the client broke it off).
+    pub fn unreadable_body() -> Self {
+        Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "The request body could not be read.",
+        )
+        .with_code("invalid_body")
+    }
+
     /// 500 `server_error`.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)

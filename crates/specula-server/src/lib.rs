@@ -33,6 +33,7 @@ mod api;
 pub mod auth;
 mod chat_output;
 mod chat_prompt;
+pub mod conn;
 mod error;
 mod logprobs;
 mod metrics;
@@ -42,7 +43,6 @@ pub mod tools;
 mod worker;
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -52,8 +52,10 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 pub use admin::LoadEvent;
+pub use api::check_request;
 pub use auth::Access;
 pub use chat_prompt::{ChatInfo, ChatPrompt};
+pub use conn::ConnLimits;
 pub use error::ApiError;
 pub use metrics::Metrics;
 pub use worker::{
@@ -100,6 +102,8 @@ pub struct ServeOptions {
     /// Directories whose models requests may attach as draft models (`--models-dir`); empty:
     /// pulled catalog models only ([`admin::resolve_draft_model`]).
     pub models_dirs: Vec<std::path::PathBuf>,
+    /// Header and body timeouts and the connection cap ([`ConnLimits`]).
+    pub limits: ConnLimits,
 }
 
 impl Default for ServeOptions {
@@ -118,6 +122,7 @@ impl Default for ServeOptions {
             draft_load_s: None,
             access: Access::default(),
             models_dirs: Vec::new(),
+            limits: ConnLimits::default(),
         }
     }
 }
@@ -132,6 +137,13 @@ pub fn router(handle: EngineHandle) -> Router {
 /// header and the API key before any route (or the 404 fallback) runs, and the request metrics
 /// count what it refuses.
 pub fn router_with_access(handle: EngineHandle, access: Access) -> Router {
+    router_with_limits(handle, access, conn::DEFAULT_BODY_TIMEOUT)
+}
+
+/// [`router_with_access`] with a request body read whole within `body_timeout`
+/// ([`conn::read_body`]; after the access check, so a caller without a key cannot make the
+/// server buffer a body).
+pub fn router_with_limits(handle: EngineHandle, access: Access, body_timeout: Duration) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/completions", post(api::completions))
@@ -141,6 +153,7 @@ pub fn router_with_access(handle: EngineHandle, access: Access) -> Router {
         .route("/metrics", get(api::metrics))
         .method_not_allowed_fallback(api::method_not_allowed)
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(body_timeout, conn::read_body))
         .layer(axum::middleware::from_fn_with_state(access, auth::guard))
         .layer(axum::middleware::from_fn_with_state(handle.clone(), api::track))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -197,31 +210,30 @@ pub async fn serve(engine: specula_engine::Engine, opts: ServeOptions) -> Result
         host_check = access.checks_host(),
         "listening on http://{address}"
     );
-    serve_with_shutdown(handle, listener, access, shutdown_signal()).await
+    serve_with_limits(handle, listener, access, opts.limits, shutdown_signal()).await
 }
 
-/// Serve on an already bound listener, behind `access`, until `shutdown` completes; in-flight
-/// requests then get a short grace period.
+/// Serve on an already bound listener, behind `access`, with the default [`ConnLimits`], until
+/// `shutdown` completes; in-flight requests then get a short grace period.
 pub async fn serve_with_shutdown(
     handle: EngineHandle,
     listener: TcpListener,
     access: Access,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let signalled = Arc::new(tokio::sync::Notify::new());
-    let notify = signalled.clone();
-    let server = axum::serve(listener, router_with_access(handle, access)).with_graceful_shutdown(async move {
-        shutdown.await;
-        tracing::info!("shutting down");
-        notify.notify_one();
-    });
-    tokio::select! {
-        r = async { server.await } => r.context("serving HTTP")?,
-        _ = async { signalled.notified().await; tokio::time::sleep(SHUTDOWN_GRACE).await } => {
-            tracing::warn!("requests still running after {}s; exiting", SHUTDOWN_GRACE.as_secs());
-        }
-    }
-    Ok(())
+    serve_with_limits(handle, listener, access, ConnLimits::default(), shutdown).await
+}
+
+/// [`serve_with_shutdown`] within `limits`.
+pub async fn serve_with_limits(
+    handle: EngineHandle,
+    listener: TcpListener,
+    access: Access,
+    limits: ConnLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let app = router_with_limits(handle, access, limits.body_timeout);
+    conn::serve(app, listener, limits, shutdown, SHUTDOWN_GRACE).await
 }
 
 /// `host:port` as a URL's authority writes it (RFC 3986 §3.2.2): an IPv6 address in brackets

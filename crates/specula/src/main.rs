@@ -120,6 +120,16 @@ struct ServeArgs {
     /// Answer `GET /metrics` without an API key (for a scraper that has none).
     #[arg(long)]
     metrics_public: bool,
+    /// Connections served at once; more wait until one closes.
+    #[arg(long, default_value_t = specula_server::conn::DEFAULT_MAX_CONNECTIONS as u32, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_connections: u32,
+    /// Seconds a client has to send a request's headers (also how long an idle keep-alive
+    /// connection stays open); the connection is closed after.
+    #[arg(long, value_name = "SECONDS", default_value_t = specula_server::conn::DEFAULT_HEADER_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=86400))]
+    header_timeout: u64,
+    /// Seconds a client has to send a request's body once its headers are in; 408 after.
+    #[arg(long, value_name = "SECONDS", default_value_t = specula_server::conn::DEFAULT_BODY_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=86400))]
+    body_timeout: u64,
     #[command(flatten)]
     placement: PlacementArgs,
 }
@@ -854,6 +864,11 @@ fn serve(a: ServeArgs) -> Result<()> {
             draft_load_s,
             access,
             models_dirs,
+            limits: specula_server::ConnLimits {
+                header_timeout: std::time::Duration::from_secs(a.header_timeout),
+                body_timeout: std::time::Duration::from_secs(a.body_timeout),
+                max_connections: a.max_connections as usize,
+            },
         },
     ))
 }
