@@ -2,6 +2,7 @@
 //! target step, every token through the [`Emitter`]).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -9,7 +10,9 @@ use candle_core::{Device, Tensor};
 
 use crate::bundle::{self, LoadedBundle};
 use crate::chat::{ChatMessage, ChatTemplate};
-use crate::constraint::{Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningConstraint};
+use crate::constraint::{
+    Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningConstraint, ReasoningControl,
+};
 use crate::device::{DeviceRow, DeviceTarget, SlotPool};
 use crate::kv_cache::KvCache;
 use crate::model::{LogitsRows, Model, ModelConfig};
@@ -50,6 +53,86 @@ struct DraftModel {
 /// The most draft tokens per target step a request may ask for.
 pub const MAX_DRAFT: usize = 32;
 
+/// What reading a draft model for an engine needs ([`Engine::draft_loader`]): the target's
+/// tokenizer and vocabulary to check it against, and the device to load it on. Runs on any
+/// thread.
+#[derive(Clone)]
+pub struct DraftLoader {
+    tokenizer: Tokenizer,
+    vocab: usize,
+    device: Device,
+    target_id: String,
+}
+
+/// A draft model read and checked by [`DraftLoader::load`], ready for
+/// [`Engine::attach_loaded_draft`].
+pub struct LoadedDraft {
+    bundle: LoadedBundle,
+    id: String,
+}
+
+impl LoadedDraft {
+    /// The id it was loaded under.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl DraftLoader {
+    /// Read the draft model at `path` (a GGUF file or HF directory) under `id`. Its tokenizer
+    /// and LM head size are checked against the target's from the headers, before any weight is
+    /// read, and `cancel` is looked at then too: a draft model with another tokenizer, or a
+    /// load nobody waits for any more, stops there. Errors: the bundle does not load, does not
+    /// fit the target, or the load was cancelled.
+    pub fn load(&self, path: &Path, id: &str, cancel: &AtomicBool) -> Result<LoadedDraft> {
+        let bundle = bundle::load_with(path, &self.device, &|tokenizer, config| {
+            self.check(id, tokenizer, config)?;
+            if cancel.load(Ordering::Relaxed) {
+                anyhow::bail!("the load of draft model {id} was cancelled");
+            }
+            Ok(())
+        })?;
+        Ok(LoadedDraft {
+            bundle,
+            id: id.to_string(),
+        })
+    }
+
+    /// Can a model with `tokenizer` and `config` draft for the target? The same tokenizer
+    /// (vocabulary, merges, special tokens) and as many LM head rows.
+    fn check(&self, id: &str, tokenizer: &Tokenizer, config: &ModelConfig) -> Result<()> {
+        crate::tokenizer::check_same_tokenizer(&self.tokenizer, tokenizer)
+            .map_err(|e| anyhow::anyhow!("draft model {id} cannot draft for {}: {e}", self.target_id))?;
+        let (tv, dv) = (self.vocab, config.vocab_size);
+        if tv != dv {
+            anyhow::bail!(
+                "draft model {id} cannot draft for {}: its LM head has {dv} rows, the target's has {tv}",
+                self.target_id
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Compile a request's grammar with `compiler` (any thread: the compile runs on a thread of
+/// its own with a deep stack, [`GrammarCompiler::compile`]). Errors are the request's, naming
+/// `tools` for a grammar built from forced tool calls and `response_format` otherwise.
+pub fn compile_request_grammar(
+    compiler: &GrammarCompiler,
+    spec: &GrammarSpec,
+) -> Result<Box<dyn Constraint>, RequestError> {
+    compiler
+        .compile(spec)
+        .map(|c| Box::new(c) as Box<dyn Constraint>)
+        .map_err(|e| match spec {
+            GrammarSpec::ToolCalls(_) => RequestError::InvalidParameter(format!(
+                "tools: tool_choice forces a call, and the grammar for it could not be built \
+                 from the tools' parameters: {e:#}"
+            )),
+            _ => RequestError::InvalidParameter(format!("response_format: {e:#}")),
+        })
+}
+
 /// A loaded model ready to generate.
 pub struct Engine {
     bundle: LoadedBundle,
@@ -59,8 +142,8 @@ pub struct Engine {
     draft: Option<DraftModel>,
     /// What `SpecMode::Default` runs, measured by `specula tune` (see [`crate::tuning`]).
     tuned: Option<crate::tuning::TunedDefault>,
-    /// Built on the first constrained request.
-    grammar: Option<GrammarCompiler>,
+    /// Built on the first constrained request (or [`Engine::shared_grammar_compiler`]).
+    grammar: Option<Arc<GrammarCompiler>>,
     /// The attached MTP head ([`crate::speculative::mtp`]).
     mtp: Option<Arc<crate::speculative::mtp::MtpHead>>,
     /// The attached block drafter ([`crate::speculative::block`]).
@@ -270,28 +353,43 @@ impl Engine {
 
     /// Load a draft model (GGUF file or HF directory) for speculative decoding with this engine
     /// as the target. Errors when the bundle does not load, or when its tokenizer differs from
-    /// the target's (vocabulary, merges, special tokens) or its vocabulary size does not match.
+    /// the target's (vocabulary, merges, special tokens) or its vocabulary size does not match
+    /// (both checked before any weight is read).
     pub fn attach_draft_model(&mut self, path: &Path, id: &str) -> Result<()> {
-        let draft = bundle::load(path, &self.opts.device)?;
-        self.attach_draft_bundle(draft, id)
+        let draft = self.draft_loader().load(path, id, &AtomicBool::new(false))?;
+        self.attach_loaded_draft(draft);
+        Ok(())
     }
 
     /// As [`Engine::attach_draft_model`], from a loaded bundle.
     pub fn attach_draft_bundle(&mut self, draft: LoadedBundle, id: &str) -> Result<()> {
-        crate::tokenizer::check_same_tokenizer(&self.bundle.tokenizer, &draft.tokenizer)
-            .map_err(|e| anyhow::anyhow!("draft model {id} cannot draft for {}: {e}", self.id))?;
-        let (tv, dv) = (self.config().vocab_size, draft.model.config.vocab_size);
-        if tv != dv {
-            anyhow::bail!(
-                "draft model {id} cannot draft for {}: its LM head has {dv} rows, the target's has {tv}",
-                self.id
-            );
-        }
-        self.draft = Some(DraftModel {
-            model: Arc::new(draft.model),
+        let loader = self.draft_loader();
+        loader.check(id, &draft.tokenizer, &draft.model.config)?;
+        self.attach_loaded_draft(LoadedDraft {
+            bundle: draft,
             id: id.to_string(),
         });
         Ok(())
+    }
+
+    /// What loading a draft model for this engine needs, to load one off the engine's thread
+    /// ([`DraftLoader::load`]) while it keeps generating.
+    pub fn draft_loader(&self) -> DraftLoader {
+        DraftLoader {
+            tokenizer: self.bundle.tokenizer.clone(),
+            vocab: self.config().vocab_size,
+            device: self.opts.device.clone(),
+            target_id: self.id.clone(),
+        }
+    }
+
+    /// Attach a draft model [`DraftLoader::load`] read for this engine (checked then: attaching
+    /// is a move).
+    pub fn attach_loaded_draft(&mut self, draft: LoadedDraft) {
+        self.draft = Some(DraftModel {
+            model: Arc::new(draft.bundle.model),
+            id: draft.id,
+        });
     }
 
     /// Reduce the attached draft model's LM head to a draft vocabulary (FR-Spec): the `n` token
@@ -785,37 +883,39 @@ impl Engine {
             }
             let c = GrammarCompiler::new(&self.bundle.tokenizer, rows, &self.bundle.eos_ids)
                 .map_err(|e| RequestError::Internal(format!("{e:#}")))?;
-            self.grammar = Some(c);
+            self.grammar = Some(Arc::new(c));
         }
         self.grammar
-            .as_ref()
+            .as_deref()
+            .ok_or_else(|| RequestError::Internal("grammar compiler".into()))
+    }
+
+    /// The grammar compiler of this model, to compile requests' grammars off the engine's
+    /// thread ([`compile_request_grammar`]). Errors: the model has no end-of-generation token.
+    pub fn shared_grammar_compiler(&mut self) -> Result<Arc<GrammarCompiler>, RequestError> {
+        self.grammar_compiler()?;
+        self.grammar
+            .clone()
             .ok_or_else(|| RequestError::Internal("grammar compiler".into()))
     }
 
     /// Compile a structured-output constraint for this model. Errors: the grammar, schema or
     /// regex is invalid (a request error).
     pub fn compile_grammar(&mut self, spec: &GrammarSpec) -> Result<Box<dyn Constraint>, RequestError> {
-        self.grammar_compiler()?
-            .compile(spec)
-            .map(|c| Box::new(c) as Box<dyn Constraint>)
-            .map_err(|e| match spec {
-                GrammarSpec::ToolCalls(_) => RequestError::InvalidParameter(format!(
-                    "tools: tool_choice forces a call, and the grammar for it could not be built \
-                     from the tools' parameters: {e:#}"
-                )),
-                _ => RequestError::InvalidParameter(format!("response_format: {e:#}")),
-            })
+        compile_request_grammar(self.grammar_compiler()?, spec)
     }
 
-    /// Build the constraint of `control` for this model: the grammar alone, or the reasoning
-    /// bounds with the grammar applied to the answer after the reasoning (`None` when `control`
-    /// constrains nothing). Errors: an invalid grammar, empty reasoning markers.
-    pub fn compile_output_control(
+    /// The constraint of a request whose grammar is already compiled (`grammar`, from
+    /// [`compile_request_grammar`] with this model's [`Engine::shared_grammar_compiler`]): the
+    /// grammar alone, or the reasoning bounds of `reasoning` with the grammar applied to the
+    /// answer after the reasoning (`None` when neither constrains anything). Errors: empty
+    /// reasoning markers.
+    pub fn constrain(
         &mut self,
-        control: &OutputControl,
+        grammar: Option<Box<dyn Constraint>>,
+        reasoning: Option<&ReasoningControl>,
     ) -> Result<Option<Box<dyn Constraint>>, RequestError> {
-        let grammar = control.grammar.as_ref().map(|g| self.compile_grammar(g)).transpose()?;
-        let Some(r) = &control.reasoning else {
+        let Some(r) = reasoning else {
             return Ok(grammar);
         };
         let bad = |m: String| RequestError::InvalidParameter(m);
@@ -831,6 +931,17 @@ impl Engine {
         ReasoningConstraint::new(words, r, forced, grammar)
             .map(|c| Some(Box::new(c) as Box<dyn Constraint>))
             .map_err(|e| bad(format!("{e:#}")))
+    }
+
+    /// Build the constraint of `control` for this model: the grammar alone, or the reasoning
+    /// bounds with the grammar applied to the answer after the reasoning (`None` when `control`
+    /// constrains nothing). Errors: an invalid grammar, empty reasoning markers.
+    pub fn compile_output_control(
+        &mut self,
+        control: &OutputControl,
+    ) -> Result<Option<Box<dyn Constraint>>, RequestError> {
+        let grammar = control.grammar.as_ref().map(|g| self.compile_grammar(g)).transpose()?;
+        self.constrain(grammar, control.reasoning.as_ref())
     }
 
     /// As [`Engine::generate`], with the output constrained to `grammar` (structured output):

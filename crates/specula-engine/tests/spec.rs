@@ -319,6 +319,37 @@ fn tiny_pair(draft: Draft) -> (tempfile::TempDir, Engine) {
     (dir, e)
 }
 
+/// A draft model is checked against the target from its headers, before any weight is read:
+/// one with another tokenizer is refused there, and a load cancelled by then (its client went
+/// away) stops there. Runs off the engine (`Engine::draft_loader`), attached by a move.
+#[test]
+fn draft_loads_are_checked_before_the_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..TinySpec::new(Family::Qwen2)
+    };
+    let target = write_tiny(dir.path(), "target.gguf", spec.clone());
+    let draft = write_tiny(dir.path(), "draft.gguf", TinySpec { seed: 7, ..spec });
+    let mut e = Engine::load(&target, "tiny", LoadOptions::default()).expect("load");
+    let loader = e.draft_loader();
+    let yes = std::sync::atomic::AtomicBool::new(true);
+    let no = std::sync::atomic::AtomicBool::new(false);
+    let err = loader.load(&draft, "d", &yes).err().expect("a cancelled load fails");
+    assert!(format!("{err:#}").contains("cancelled"), "{err:#}");
+    let other =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3moe-tiny/model-q8_0.gguf");
+    let err = loader
+        .load(&other, "other", &no)
+        .err()
+        .expect("another tokenizer is refused");
+    assert!(format!("{err:#}").contains("cannot draft for tiny"), "{err:#}");
+    let d = loader.load(&draft, "d", &no).expect("a matching draft model loads");
+    assert_eq!(d.id(), "d");
+    e.attach_loaded_draft(d);
+    assert_eq!(e.draft_model_id(), Some("d"));
+}
+
 /// As [`spec`], with drafter `mode`.
 fn mode(mode: SpecMode, k: usize, adaptive: bool) -> SpecOptions {
     SpecOptions {

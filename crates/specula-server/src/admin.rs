@@ -3,9 +3,11 @@
 //! `specula_model_loads_total{kind}`.
 //!
 //! A change is a control message on the engine worker's job channel: it runs between two
-//! generations, after the jobs queued before it and before those queued after it, so a load
-//! never races a generation (generations queued behind a load wait for it). It loads only when
-//! what must be loaded changes: a draft model that is not attached yet (or another one than the
+//! generations, after the jobs queued before it and before those queued after it. A draft model
+//! it needs is read first, in the HTTP handler off the worker thread (checked against the target
+//! from its headers before its weights; cancelled if the client goes away), and attached by the
+//! worker with a move; a change whose client went away before the worker reached it is dropped.
+//! It loads only when what must be loaded changes: a draft model that is not attached yet (or another one than the
 //! attached one); switching among `off`, `ngram`, `on`, `default` and `draft` with what is
 //! already attached loads nothing. Switching away from `draft` keeps the draft model attached
 //! (switching back is then free, and `on` / `default` keep using it); `"unload_draft": true`
@@ -17,6 +19,7 @@
 //! draft model was replaced, it drafts with the new one (greedy output is the same either way).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
@@ -26,7 +29,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
 use serde_json::{json, Value};
-use specula_engine::engine::MAX_DRAFT;
+use specula_engine::engine::{LoadedDraft, MAX_DRAFT};
 use specula_engine::speculative::{SampledVerify, SpecMode, SpecOptions};
 use specula_engine::tuning::TunedDefault;
 use specula_engine::Engine;
@@ -112,6 +115,8 @@ pub(crate) struct SpecChange {
     pub draft_path: Option<PathBuf>,
     /// Detach the draft model.
     pub unload_draft: bool,
+    /// Seconds the handler took to read `draft_model` off the worker thread, if it did.
+    pub load_seconds: Option<f64>,
 }
 
 const FIELD_NAMES: [&str; 6] = [
@@ -174,12 +179,16 @@ fn parse_change(v: &Value) -> Result<SpecChange, ApiError> {
         draft_model,
         draft_path: None,
         unload_draft,
+        load_seconds: None,
     })
 }
 
 /// A change on its way to the engine worker.
 pub(crate) struct Control {
     pub change: SpecChange,
+    /// `change.draft_model`, read and checked by the HTTP handler off the worker thread (`None`
+    /// when it is the attached one, or none is asked for).
+    pub loaded: Option<LoadedDraft>,
     /// The model info of the handle that asked (replaced once the change is made).
     pub cell: ModelCell,
     pub reply: oneshot::Sender<Result<Outcome, ApiError>>,
@@ -260,12 +269,22 @@ enum Action {
     Unload,
 }
 
-/// Make a change on the worker thread and answer it. A panic is answered as a 500 (the engine
-/// is left as the panic left it).
+/// Make a change on the worker thread and answer it; a change whose client went away before
+/// it ran is dropped, not applied. A panic is answered as a 500 (the engine is left as the
+/// panic left it).
 pub(crate) fn apply(engine: &mut Engine, state: &mut DraftState, ctl: Control, metrics: &Metrics) {
-    let Control { change, cell, reply } = ctl;
+    let Control {
+        change,
+        loaded,
+        cell,
+        reply,
+    } = ctl;
+    if reply.is_closed() {
+        tracing::info!("speculation change dropped: its client went away before it ran");
+        return;
+    }
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        change_on_worker(engine, state, &change, &cell, metrics)
+        change_on_worker(engine, state, &change, loaded, &cell, metrics)
     }));
     let result = result.unwrap_or_else(|panic| {
         let msg = panic
@@ -288,6 +307,7 @@ fn change_on_worker(
     engine: &mut Engine,
     state: &mut DraftState,
     change: &SpecChange,
+    loaded: Option<LoadedDraft>,
     cell: &ModelCell,
     metrics: &Metrics,
 ) -> Result<Outcome, ApiError> {
@@ -355,16 +375,19 @@ fn change_on_worker(
     match action {
         Action::Keep => {}
         Action::Load { id, path } => {
-            let t = Instant::now();
-            engine.attach_draft_model(&path, &id).map_err(|e| {
-                let e = specula_engine::inspect::redact_paths(&format!("{e:#}"));
-                ApiError::invalid(
-                    format!("The draft model '{id}' could not be attached (nothing was changed): {e}."),
-                    Some("draft_model"),
-                )
-                .with_code("draft_model_unusable")
-            })?;
-            let seconds = t.elapsed().as_secs_f64();
+            let (seconds, draft) = match loaded.filter(|d| d.id() == id) {
+                Some(d) => (change.load_seconds.unwrap_or(0.0), d),
+                // Attached since the handler looked (or detached): read it here after all.
+                None => {
+                    let t = Instant::now();
+                    let d = engine
+                        .draft_loader()
+                        .load(&path, &id, &AtomicBool::new(false))
+                        .map_err(|e| unusable_draft(&id, &e))?;
+                    (t.elapsed().as_secs_f64(), d)
+                }
+            };
+            engine.attach_loaded_draft(draft);
             metrics.model_loads.with_label_values(&["draft"]).inc();
             tracing::info!(kind = "draft", model = %id, path = %path.display(), "model loaded in {seconds:.2}s");
             events.push(LoadEvent::new("load", "draft", &id, Some(&path), Some(seconds)));
@@ -425,6 +448,27 @@ fn change_on_worker(
         "speculation default changed"
     );
     Ok(Outcome { previous, info, events })
+}
+
+/// The 400 of a draft model that does not load or cannot draft for the target; server paths in
+/// the loader's message are cut to file names.
+fn unusable_draft(id: &str, e: &anyhow::Error) -> ApiError {
+    let e = specula_engine::inspect::redact_paths(&format!("{e:#}"));
+    ApiError::invalid(
+        format!("The draft model '{id}' could not be attached (nothing was changed): {e}."),
+        Some("draft_model"),
+    )
+    .with_code("draft_model_unusable")
+}
+
+/// Sets its flag when dropped: a load whose HTTP handler was dropped (the client went away)
+/// stops at its next check.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 /// Where a request's `draft_model` is, under the operator's rules: a pulled catalog model by
@@ -498,8 +542,37 @@ pub async fn post_model(
             Err(_) => return ApiError::internal("resolving the draft model failed").into_response(),
         }
     }
+    // Read a draft model that is not the attached one here, off the worker thread (which keeps
+    // generating meanwhile): its tokenizer is checked from the headers before any weight, and
+    // a client that goes away cancels the load at that check.
+    let mut loaded = None;
+    if let (Some(id), Some(path)) = (change.draft_model.clone(), change.draft_path.clone()) {
+        if h.model().draft_model.as_deref() != Some(id.as_str()) {
+            let cancel = CancelOnDrop(Arc::new(AtomicBool::new(false)));
+            let flag = cancel.0.clone();
+            let loader = h.draft_loader();
+            let t = Instant::now();
+            let read = tokio::task::spawn_blocking(move || {
+                let r = loader.load(&path, &id, &flag);
+                r.map_err(|e| unusable_draft(&id, &e))
+            })
+            .await;
+            drop(cancel);
+            match read {
+                Ok(Ok(d)) => {
+                    change.load_seconds = Some(t.elapsed().as_secs_f64());
+                    loaded = Some(d);
+                }
+                Ok(Err(e)) => {
+                    tracing::info!("speculation change rejected: {}", e.message);
+                    return e.into_response();
+                }
+                Err(_) => return ApiError::internal("loading the draft model failed").into_response(),
+            }
+        }
+    }
     let (tx, rx) = oneshot::channel();
-    if h.control(change, tx).is_err() {
+    if h.control(change, loaded, tx).is_err() {
         return ApiError::internal("the engine worker is not running").into_response();
     }
     match rx.await {

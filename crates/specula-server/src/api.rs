@@ -252,6 +252,20 @@ fn parse_completion(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     })
 }
 
+/// Parse a request body as the route `path` (`/v1/chat/completions` or `/v1/completions`) does,
+/// without generating: the parameter checks a request goes through before it is queued. `Ok`:
+/// the grammar its answer is constrained to (`response_format`, or the call a `tool_choice`
+/// forces), if any, which the engine compiles when the request starts. For the fuzz targets in
+/// `fuzz/`.
+pub fn check_request(h: &EngineHandle, path: &str, body: &Value) -> Result<Option<GrammarSpec>, ApiError> {
+    let parsed = match path {
+        "/v1/chat/completions" => parse_chat(h, body)?,
+        "/v1/completions" => parse_completion(h, body)?,
+        _ => return Err(ApiError::route_not_found("POST", path)),
+    };
+    Ok(parsed.grammar)
+}
+
 pub async fn chat_completions(State(h): State<EngineHandle>, body: Result<Json<Value>, JsonRejection>) -> Response {
     let parsed = parse_body(body).and_then(|v| parse_chat(&h, &v));
     match parsed {
@@ -289,7 +303,20 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
         grammar: p.grammar.clone(),
         reasoning: p.reasoning,
     };
-    let mut rx = match h.submit(sub) {
+    // The grammar compiles here, off the engine thread: a large one delays only its request.
+    let compiled = match &p.grammar {
+        Some(g) => match h.compile_grammar(g).await {
+            Some(Ok(c)) => Some(c),
+            Some(Err(e)) => {
+                return ApiError::from_request_error(&e, p.kind.prompt_param())
+                    .naming_max_tokens(c.max_tokens_param)
+                    .into_response()
+            }
+            None => None,
+        },
+        None => None,
+    };
+    let mut rx = match h.submit_compiled(sub, compiled) {
         Ok(rx) => rx,
         Err(SubmitError::QueueFull) => return ApiError::queue_full(h.max_queue()).into_response(),
         Err(SubmitError::WorkerGone) => return ApiError::internal("the engine worker is not running").into_response(),

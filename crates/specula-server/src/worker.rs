@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, PoisonError, RwLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use specula_engine::constraint::{GrammarSpec, OutputControl, ReasoningControl};
+use specula_engine::constraint::{Constraint, GrammarCompiler, GrammarSpec, OutputControl, ReasoningControl};
+use specula_engine::engine::DraftLoader;
 use specula_engine::sequence::{Sequence, StepOutcome};
 use specula_engine::speculative::{SpecMode, SpecOptions};
 use specula_engine::{Engine, GenerateOutput, GenerateRequest, RequestError, StreamDelta};
@@ -226,6 +227,9 @@ enum Work {
 
 struct Job {
     sub: Submission,
+    /// `sub.grammar` compiled off the worker thread ([`EngineHandle::compile_grammar`]); `None`
+    /// with a grammar: the worker compiles it.
+    compiled: Option<Box<dyn Constraint>>,
     events: UnboundedSender<Event>,
     enqueued: Instant,
     slot: Slot,
@@ -297,6 +301,13 @@ struct Shared {
     /// The directories a request's `draft_model` may name files in (`--models-dir`); empty:
     /// catalog names only ([`crate::admin::resolve_draft_model`]).
     models_dirs: Arc<RwLock<Vec<PathBuf>>>,
+    /// The model's grammar compiler, for compiling requests' grammars off the worker thread;
+    /// `None` when the model cannot end a grammar (the worker then reports why).
+    grammar: Option<Arc<GrammarCompiler>>,
+    /// Grammar compilations running at once (one per core): more wait.
+    compiles: Arc<tokio::sync::Semaphore>,
+    /// Reads draft models off the worker thread ([`crate::admin`]).
+    draft_loader: Arc<DraftLoader>,
 }
 
 /// A cheap, cloneable handle to the engine worker. The worker thread ends when the last handle
@@ -343,7 +354,7 @@ impl EngineHandle {
     /// As [`EngineHandle::spawn_with_spec`], with the bundle's capability summary (from
     /// `specula_engine::inspect`) shown in `/v1/models`.
     pub fn spawn_with_bundle(
-        engine: Engine,
+        mut engine: Engine,
         max_queue: usize,
         spec: SpecOptions,
         bundle: Option<serde_json::Value>,
@@ -371,6 +382,9 @@ impl EngineHandle {
             chat: ChatInfo::of(&engine),
         };
         let token_bytes = TokenBytes::new(engine.tokenizer().clone());
+        let grammar = engine.shared_grammar_compiler().ok();
+        let draft_loader = Arc::new(engine.draft_loader());
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let queue = Arc::new(Queue {
             max_queue,
             max_batch: AtomicUsize::new(1),
@@ -399,8 +413,30 @@ impl EngineHandle {
                 model: Arc::new(RwLock::new(Arc::new(model))),
                 token_bytes,
                 models_dirs: Arc::new(RwLock::new(Vec::new())),
+                grammar,
+                compiles: Arc::new(tokio::sync::Semaphore::new(cores)),
+                draft_loader,
             }),
         }
+    }
+
+    /// Compile a request's grammar on a blocking thread (the compile itself on a deep stack),
+    /// at most one per core at once, so the worker thread never waits for one. `None`: the
+    /// worker compiles it (this model's compiler could not be built; the worker says why).
+    /// Dropping the future gives up waiting; a compile already running finishes unseen.
+    pub async fn compile_grammar(&self, spec: &GrammarSpec) -> Option<Result<Box<dyn Constraint>, RequestError>> {
+        let compiler = self.shared.grammar.clone()?;
+        let _permit = self.shared.compiles.acquire().await.ok()?;
+        let spec = spec.clone();
+        let compiled =
+            tokio::task::spawn_blocking(move || specula_engine::engine::compile_request_grammar(&compiler, &spec))
+                .await;
+        Some(compiled.unwrap_or_else(|_| Err(RequestError::Internal("the grammar compilation failed".into()))))
+    }
+
+    /// Reads draft models for this model off the worker thread.
+    pub(crate) fn draft_loader(&self) -> Arc<DraftLoader> {
+        self.shared.draft_loader.clone()
     }
 
     /// Allow requests to name draft models in `dirs` (`--models-dir`): a file or bundle
@@ -442,10 +478,12 @@ impl EngineHandle {
     pub(crate) fn control(
         &self,
         change: crate::admin::SpecChange,
+        loaded: Option<specula_engine::engine::LoadedDraft>,
         reply: tokio::sync::oneshot::Sender<Result<crate::admin::Outcome, crate::error::ApiError>>,
     ) -> Result<(), SubmitError> {
         let ctl = crate::admin::Control {
             change,
+            loaded,
             cell: self.shared.model.clone(),
             reply,
         };
@@ -518,10 +556,21 @@ impl EngineHandle {
 
     /// Queue a generation. Events arrive on the returned receiver; dropping it cancels the job.
     pub fn submit(&self, sub: Submission) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        self.submit_compiled(sub, None)
+    }
+
+    /// As [`EngineHandle::submit`], with `sub.grammar` already compiled
+    /// ([`EngineHandle::compile_grammar`]).
+    pub fn submit_compiled(
+        &self,
+        sub: Submission,
+        compiled: Option<Box<dyn Constraint>>,
+    ) -> Result<UnboundedReceiver<Event>, SubmitError> {
         let slot = self.shared.queue.admit()?;
         let (tx, rx) = unbounded_channel();
         let job = Job {
             sub,
+            compiled,
             events: tx,
             enqueued: Instant::now(),
             slot,
@@ -654,7 +703,7 @@ fn worker_loop(
                     let budget = queue.kv_budget.load(Ordering::SeqCst);
                     let free = budget.saturating_sub(running.iter().map(|r| r.reserved).sum());
                     let started = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        start_job(&mut engine, &job.sub, &job.events, free, budget)
+                        start_job(&mut engine, &job.sub, &mut job.compiled, &job.events, free, budget)
                     }));
                     let failure = match started {
                         Ok(Ok(Some((seq, reserved)))) => {
@@ -663,6 +712,7 @@ fn worker_loop(
                                 events,
                                 enqueued,
                                 slot,
+                                ..
                             } = *job;
                             metrics.queue_seconds.observe(enqueued.elapsed().as_secs_f64());
                             metrics.running.inc();
@@ -787,6 +837,7 @@ fn worker_loop(
 fn start_job(
     engine: &mut Engine,
     sub: &Submission,
+    compiled: &mut Option<Box<dyn Constraint>>,
     events: &UnboundedSender<Event>,
     free: usize,
     budget: usize,
@@ -833,13 +884,16 @@ fn start_job(
         return Ok(None);
     }
     // Compile the constraint before answering "started": a bad schema or grammar is a 400.
-    let control = OutputControl {
-        grammar: sub.grammar.clone(),
-        reasoning: sub
-            .reasoning
-            .and_then(|r| r.control(&prompt_tail, sub.grammar.is_some())),
+    let reasoning = sub
+        .reasoning
+        .and_then(|r| r.control(&prompt_tail, sub.grammar.is_some()));
+    let constraint = match compiled.take() {
+        Some(grammar) => engine.constrain(Some(grammar), reasoning.as_ref())?,
+        None => engine.compile_output_control(&OutputControl {
+            grammar: sub.grammar.clone(),
+            reasoning,
+        })?,
     };
-    let constraint = engine.compile_output_control(&control)?;
     let seq = engine.start_sequence(&req, constraint)?;
     if events
         .send(Event::Started {

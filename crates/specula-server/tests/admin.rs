@@ -515,3 +515,55 @@ async fn draft_models_come_from_the_catalog_or_the_models_dirs_only() {
     let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("draft_model"));
     assert!(e["message"].as_str().unwrap().contains("--models-dir"), "{e}");
 }
+
+/// A change whose client went away before the worker reached it is dropped, not applied later:
+/// nothing is loaded or switched.
+#[tokio::test]
+async fn an_abandoned_change_is_not_applied() {
+    let (app, h) = spec_app();
+    let before = specula(&app).await;
+    let hold = h.hold().unwrap();
+    let a = app.clone();
+    let draft = path_str(&draft_model_path());
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        post(&a, ADMIN, json!({"mode": "draft", "draft_model": draft})),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the change waits for the held worker");
+    drop(hold);
+    // A generation queued after the abandoned change runs once the worker has passed it.
+    let (_, path) = run(&app).await;
+    assert_eq!(path, "ar");
+    assert_eq!(specula(&app).await, before);
+    assert_eq!(counter(&app, "specula_model_loads_total", "draft").await, 0);
+}
+
+/// A draft model is read in the request's handler, not on the engine's thread: with the engine
+/// busy, a draft model with another tokenizer is refused at once (from its header, before its
+/// weights), and the refusal changes nothing.
+#[tokio::test]
+async fn draft_models_are_checked_off_the_engine_thread() {
+    let (app, h) = spec_app();
+    let before = specula(&app).await;
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3moe-tiny/model-q8_0.gguf");
+    let other = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("specula-admin-other-tokenizer.gguf");
+    std::fs::copy(&fixture, &other).unwrap();
+    let hold = h.hold().unwrap();
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        post(&app, ADMIN, json!({"mode": "draft", "draft_model": path_str(&other)})),
+    )
+    .await
+    .expect("a draft model with another tokenizer is refused while the engine is busy");
+    let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("draft_model"));
+    assert_eq!(e["code"], "draft_model_unusable", "{}", r.text);
+    assert!(
+        e["message"].as_str().unwrap().contains("cannot draft for"),
+        "{}",
+        r.text
+    );
+    drop(hold);
+    assert_eq!(specula(&app).await, before);
+    assert_eq!(counter(&app, "specula_model_loads_total", "draft").await, 0);
+}

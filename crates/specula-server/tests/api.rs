@@ -894,6 +894,37 @@ async fn unknown_fields_are_refused_and_bookkeeping_fields_ignored() {
     }
 }
 
+/// Grammars compile in the request's handler, not on the engine's thread: with the engine busy,
+/// a bad grammar is refused at once and a good one is compiled before the request queues.
+#[tokio::test]
+async fn grammars_compile_off_the_engine_thread() {
+    let (app, h) = app();
+    let hold = h.hold().unwrap();
+    let mut body = json!({"messages": messages_json(), "max_tokens": 4, "temperature": 0,
+        "response_format": {"type": "regex", "regex": "(ab"}});
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        post(&app, "/v1/chat/completions", body.clone()),
+    )
+    .await
+    .expect("a bad grammar is refused while the engine is busy");
+    let e = assert_error(&r, StatusCode::BAD_REQUEST, Some("response_format"));
+    assert!(e["message"].as_str().unwrap().contains("invalid regex"), "{}", r.text);
+    body["response_format"] = json!({"type": "regex", "regex": "(ab)+"});
+    let a = app.clone();
+    let pending = tokio::spawn(async move { post(&a, "/v1/chat/completions", body).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!pending.is_finished(), "a good grammar waits for the engine");
+    drop(hold);
+    let r = pending.await.unwrap();
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let text = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(text.starts_with("ab") && text.len() <= 8, "{text}");
+}
+
 #[tokio::test]
 async fn queue_full_answers_429() {
     // max_queue 0: one request may run, none may wait.

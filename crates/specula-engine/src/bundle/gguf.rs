@@ -157,7 +157,7 @@ impl TensorReader<'_> {
 }
 
 /// Load a GGUF model file.
-pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
+pub fn load(path: &Path, device: &Device, before_weights: super::BeforeWeights) -> Result<LoadedBundle> {
     let header = GgufHeader::read(path)?;
     let config = header.config().with_context(|| format!("{}", path.display()))?;
     let tokenizer =
@@ -177,6 +177,7 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
     eos.extend(end_of_generation_ids(&tokenizer));
     eos.sort_unstable();
     eos.dedup();
+    before_weights(&tokenizer, &config)?;
 
     let file = BufReader::with_capacity(
         1 << 20,

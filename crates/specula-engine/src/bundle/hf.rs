@@ -137,7 +137,7 @@ fn token_string(v: Option<&Json>) -> Option<String> {
 }
 
 /// Load a Hugging Face bundle directory.
-pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
+pub fn load(dir: &Path, device: &Device, before_weights: super::BeforeWeights) -> Result<LoadedBundle> {
     let config = read_config(dir)?;
     let tok_cfg_path = dir.join("tokenizer_config.json");
     let tok_cfg = if tok_cfg_path.exists() {
@@ -187,6 +187,7 @@ pub fn load(dir: &Path, device: &Device) -> Result<LoadedBundle> {
     eos.extend(end_of_generation_ids(&tokenizer));
     eos.sort_unstable();
     eos.dedup();
+    before_weights(&tokenizer, &config)?;
 
     let mut tensors = HashMap::new();
     let mut origin: HashMap<String, std::path::PathBuf> = HashMap::new();

@@ -9,6 +9,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use candle_core::Device;
 
+use crate::arch::ModelConfig;
 use crate::chat::ChatTemplate;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -96,6 +97,17 @@ pub fn read_text(path: &Path) -> std::io::Result<String> {
 /// shapes and dtypes against the config, data ranges, tokenizer, chat template), so a malformed
 /// bundle fails before any weight is read, with an error naming the file and the field or tensor.
 pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
+    load_with(path, device, &|_, _| Ok(()))
+}
+
+/// A check of a bundle's tokenizer and config that runs before any weight is read.
+pub type BeforeWeights<'a> = &'a dyn Fn(&Tokenizer, &ModelConfig) -> Result<()>;
+
+/// As [`load`], with `before_weights` run on the bundle's tokenizer and config once they are
+/// read and before any weight is: its error ends the load, so a bundle that cannot serve (a
+/// draft model with another tokenizer, a load whose client went away) costs a header read, not
+/// a weight read.
+pub fn load_with(path: &Path, device: &Device, before_weights: BeforeWeights) -> Result<LoadedBundle> {
     let part = crate::inspect::read_part(path, crate::inspect::Component::Target)?;
     if let Some(d) = part
         .diags
@@ -114,12 +126,12 @@ pub fn load(path: &Path, device: &Device) -> Result<LoadedBundle> {
                 .map(|e| e.path())
                 .find(|p| p.extension().is_some_and(|x| x == "gguf"));
             match f {
-                Some(f) => gguf::load(&f, device),
+                Some(f) => gguf::load(&f, device, before_weights),
                 None => bail!("{}: no .gguf file", path.display()),
             }
         }
-        BundleKind::Gguf => gguf::load(path, device),
-        BundleKind::HuggingFace => hf::load(path, device),
+        BundleKind::Gguf => gguf::load(path, device, before_weights),
+        BundleKind::HuggingFace => hf::load(path, device, before_weights),
     }
 }
 
