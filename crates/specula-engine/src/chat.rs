@@ -172,15 +172,50 @@ fn sentinel(k: usize) -> String {
     format!("\u{F0000}{k}\u{F0001}")
 }
 
+/// Replace each string in `v` (object keys too) for which `marked` is true by a sentinel,
+/// recording it with `origin` in `fields`.
+fn mark_json(
+    v: &mut serde_json::Value,
+    origin: &str,
+    marked: &dyn Fn(&str) -> bool,
+    fields: &mut Vec<(String, String)>,
+) {
+    use serde_json::Value as J;
+    match v {
+        J::String(s) => mark_str(s, origin, marked, fields),
+        J::Array(items) => items.iter_mut().for_each(|x| mark_json(x, origin, marked, fields)),
+        J::Object(map) => {
+            let entries = std::mem::take(map);
+            for (mut k, mut x) in entries {
+                mark_str(&mut k, origin, marked, fields);
+                mark_json(&mut x, origin, marked, fields);
+                map.insert(k, x);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Replace `f` by a sentinel if `marked` says so, recording it with `origin` in `fields`.
+fn mark_str(f: &mut String, origin: &str, marked: &dyn Fn(&str) -> bool, fields: &mut Vec<(String, String)>) {
+    if marked(f) {
+        let real = std::mem::replace(f, sentinel(fields.len()));
+        fields.push((origin.to_string(), real));
+    }
+}
+
 impl ChatTemplate {
     /// [`ChatTemplate::render_with`], with the byte ranges of the rendered text that hold a
-    /// message's `content` or `reasoning_content` for which `marked` is true (content holding
-    /// control-token text, which must be tokenized as the text it spells, not as markup).
+    /// client-written string for which `marked` is true (one holding control-token text, which
+    /// must be tokenized as the text it spells, not as markup): a message's `content`,
+    /// `reasoning_content`, `name`, `tool_call_id`, its tool calls' names and arguments, and
+    /// every string (and key) of the `tools` and `tool_choice` objects. A string the template
+    /// prints through `tojson` is located in its JSON-escaped form.
     ///
     /// The template is rendered twice, once with each marked field replaced by a sentinel; the
     /// spans are where the sentinels land, and the second render with the fields put back must
     /// equal the first. Errors: the template's own errors; a template that rewrites a marked
-    /// field (its spans cannot be known), naming the message.
+    /// field (its spans cannot be known), naming the message or `tools`.
     pub fn render_marked(
         &self,
         messages: &[ChatMessage],
@@ -189,24 +224,33 @@ impl ChatTemplate {
         marked: &dyn Fn(&str) -> bool,
     ) -> Result<(String, Vec<std::ops::Range<usize>>), minijinja::Error> {
         let rendered = self.render_with(messages, add_generation_prompt, extras)?;
-        let mut fields: Vec<(usize, String)> = Vec::new();
+        let mut fields: Vec<(String, String)> = Vec::new();
         let mut masked = messages.to_vec();
         for (i, m) in masked.iter_mut().enumerate() {
-            let mut mark = |f: &mut String| {
-                if marked(f) {
-                    let real = std::mem::replace(f, sentinel(fields.len()));
-                    fields.push((i, real));
-                }
-            };
-            mark(&mut m.content);
-            if let Some(r) = m.reasoning_content.as_mut() {
-                mark(r);
+            let origin = format!("message {i}");
+            mark_str(&mut m.content, &origin, marked, &mut fields);
+            for f in [&mut m.reasoning_content, &mut m.name, &mut m.tool_call_id]
+                .into_iter()
+                .flatten()
+            {
+                mark_str(f, &origin, marked, &mut fields);
             }
+            for call in m.tool_calls.iter_mut().flatten() {
+                mark_str(&mut call.function.name, &origin, marked, &mut fields);
+                mark_json(&mut call.function.arguments, &origin, marked, &mut fields);
+            }
+        }
+        let mut masked_extras = extras.clone();
+        for tool in masked_extras.tools.iter_mut().flatten() {
+            mark_json(tool, "tools", marked, &mut fields);
+        }
+        if let Some(choice) = masked_extras.tool_choice.as_mut() {
+            mark_json(choice, "tool_choice", marked, &mut fields);
         }
         if fields.is_empty() {
             return Ok((rendered, Vec::new()));
         }
-        let stand_in = self.render_with(&masked, add_generation_prompt, extras)?;
+        let stand_in = self.render_with(&masked, add_generation_prompt, &masked_extras)?;
         let mut rebuilt = String::with_capacity(rendered.len());
         let mut spans = Vec::new();
         let mut rest = stand_in.as_str();
@@ -218,8 +262,17 @@ impl ChatTemplate {
                 .and_then(|end| Some((after[..end].parse::<usize>().ok()?, end)));
             match field.and_then(|(k, end)| Some((fields.get(k)?, end))) {
                 Some(((_, real), end)) => {
-                    spans.push(rebuilt.len()..rebuilt.len() + real.len());
-                    rebuilt.push_str(real);
+                    // As written, or as `tojson` escapes it inside a JSON string.
+                    let quoted = serde_json::to_string(real).unwrap_or_default();
+                    let escaped = quoted.get(1..quoted.len().saturating_sub(1)).unwrap_or("");
+                    let ahead = rendered.get(rebuilt.len()..).unwrap_or("");
+                    let text = if ahead.starts_with(real.as_str()) {
+                        real.as_str()
+                    } else {
+                        escaped
+                    };
+                    spans.push(rebuilt.len()..rebuilt.len() + text.len());
+                    rebuilt.push_str(text);
                     rest = &after[end + '\u{F0001}'.len_utf8()..];
                 }
                 None => {
@@ -230,11 +283,11 @@ impl ChatTemplate {
         }
         rebuilt.push_str(rest);
         if rebuilt != rendered {
-            let i = fields.first().map_or(0, |f| f.0);
+            let origin = fields.first().map_or("message 0", |f| f.0.as_str());
             return Err(minijinja::Error::new(
                 ErrorKind::InvalidOperation,
                 format!(
-                    "message {i} holds control-token text in a field this chat template rewrites, so it cannot be \
+                    "{origin} holds control-token text in a field this chat template rewrites, so it cannot be \
                      passed as plain text; remove the control-token text"
                 ),
             ));

@@ -132,3 +132,99 @@ fn catalog_chat_templates_read_contents_as_text() {
         check(&e, model);
     }
 }
+
+/// Tools and tool calls are data too: control-token text in a tool's description or a
+/// parameter's name, in a tool call's name or arguments (a JSON object, or a string the
+/// template prints as it is) or in a tool result's call id, is read as the text it spells.
+/// Either the prompt has exactly the control tokens of a harmless request and spells the
+/// rendered text, or (a template that reorders or rewrites the field) the request is refused.
+#[test]
+fn tools_and_tool_calls_are_text() {
+    use serde_json::json;
+    use specula_engine::chat::{ChatExtras, ChatFunctionCall, ChatToolCall};
+    let model = "qwen2.5-coder-0.5b-instruct";
+    let e = Engine::load(&common::model_path(model), model, LoadOptions::default()).expect("load");
+    let tool = |desc: &str, param: &str| {
+        json!({"type": "function", "function": {"name": "get_weather", "description": desc,
+            "parameters": {"type": "object", "properties": {param: {"type": "string", "description": desc}},
+                "required": [param]}}})
+    };
+    let call = |name: &str, args: serde_json::Value, id: &str| {
+        vec![
+            ChatMessage::new("user", "Weather in Paris?"),
+            ChatMessage {
+                role: "assistant".into(),
+                tool_calls: Some(vec![ChatToolCall {
+                    id: id.into(),
+                    kind: "function".into(),
+                    function: ChatFunctionCall {
+                        name: name.into(),
+                        arguments: args,
+                    },
+                }]),
+                ..Default::default()
+            },
+            ChatMessage {
+                role: "tool".into(),
+                content: "sunny".into(),
+                tool_call_id: Some(id.into()),
+                ..Default::default()
+            },
+        ]
+    };
+    let extras = |t: serde_json::Value| ChatExtras {
+        tools: Some(vec![t]),
+        ..Default::default()
+    };
+    let plain = || extras(tool("Get the weather.", "city"));
+    let mut refused = 0;
+    let mut checked = 0;
+    for inj in INJECTIONS {
+        let request = |s: &str| -> Vec<(&str, Vec<ChatMessage>, ChatExtras)> {
+            vec![
+                (
+                    "description",
+                    call("get_weather", json!({"city": "Paris"}), "c1"),
+                    extras(tool(s, "city")),
+                ),
+                (
+                    "parameter name",
+                    call("get_weather", json!({"city": "Paris"}), "c1"),
+                    extras(tool("Get.", s)),
+                ),
+                (
+                    "arguments object",
+                    call("get_weather", json!({"city": s}), "c1"),
+                    plain(),
+                ),
+                ("arguments string", call("get_weather", json!(s), "c1"), plain()),
+                ("call name", call(s, json!({"city": "Paris"}), "c1"), plain()),
+                ("call id", call("get_weather", json!({"city": "Paris"}), s), plain()),
+            ]
+        };
+        for ((what, msgs, ex), (_, hmsgs, hex)) in request(inj).into_iter().zip(request("x")) {
+            let harmless = e.chat_tokens(&hmsgs, &hex).expect("harmless").0;
+            match e.chat_tokens(&msgs, &ex) {
+                Ok((ids, text)) => {
+                    checked += 1;
+                    assert_eq!(
+                        specials(&e, &ids),
+                        specials(&e, &harmless),
+                        "{what} {inj:?} added or removed control tokens"
+                    );
+                    assert_eq!(
+                        spelled(&e, &ids),
+                        text,
+                        "{what} {inj:?}: the tokens spell the rendered text"
+                    );
+                }
+                Err(RequestError::InvalidParameter(m)) if m.contains("control-token text") => refused += 1,
+                Err(err) => panic!("{what} {inj:?}: {err}"),
+            }
+        }
+    }
+    assert!(
+        checked >= 4 * INJECTIONS.len(),
+        "only {checked} cases rendered ({refused} refused)"
+    );
+}
