@@ -127,7 +127,11 @@ fn a_template_that_rewrites_contents_refuses_control_token_text() {
 
 #[test]
 fn catalog_chat_templates_read_contents_as_text() {
-    for model in ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"] {
+    for model in [
+        "smollm2-135m-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+        "qwen2.5-coder-1.5b-instruct",
+    ] {
         let e = Engine::load(&common::model_path(model), model, LoadOptions::default()).expect("load");
         check(&e, model);
     }
@@ -227,4 +231,32 @@ fn tools_and_tool_calls_are_text() {
         checked >= 4 * INJECTIONS.len(),
         "only {checked} cases rendered ({refused} refused)"
     );
+}
+
+/// The catalog's base model (Gemma 3 270M) has no chat template: a chat request is refused, and
+/// a completion prompt's control-token text is text unless special tokens are asked for.
+#[test]
+fn a_base_model_reads_prompt_text_as_text() {
+    let model = "gemma-3-270m";
+    let e = Engine::load(&common::model_path(model), model, LoadOptions::default()).expect("load");
+    let err = e
+        .chat_prompt_tokens(&[ChatMessage::new("user", "hi")])
+        .expect_err("no template");
+    assert!(
+        matches!(&err, RequestError::InvalidParameter(m) if m.contains("no chat template")),
+        "{err:?}"
+    );
+    let plain = e.tokenize_prompt_text("x", false).expect("plain");
+    for inj in INJECTIONS {
+        let ids = e.tokenize_prompt_text(inj, false).expect("text");
+        assert_eq!(specials(&e, &ids), specials(&e, &plain), "{inj:?} as text");
+        let parsed = e.tokenize_prompt_text(inj, true).expect("parsed");
+        if inj.contains("<start_of_turn>") {
+            assert_ne!(
+                specials(&e, &parsed),
+                specials(&e, &plain),
+                "{inj:?} with parse_special"
+            );
+        }
+    }
 }
