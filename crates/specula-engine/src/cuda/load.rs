@@ -568,7 +568,13 @@ pub fn from_bundle(gpu: Gpu, path: &Path, config: &ModelConfig, slots: usize, ma
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
     let mut gc = config_of(config, &name, tied);
-    let rope_freqs = crate::arch::spec(arch.tensors(), Role::RopeFreqs).name(BundleFormat::Gguf, 0);
+    // Llama 3.1's frequency factors; architectures without the tensor have no entry for it.
+    let rope_freqs = arch
+        .tensors()
+        .iter()
+        .find(|s| s.role == Role::RopeFreqs)
+        .map(|s| s.name(BundleFormat::Gguf, 0))
+        .unwrap_or_default();
     if let Some(f) = t.get(&rope_freqs) {
         // llama.cpp's Llama 3.1 scaling: each frequency divided by its factor (as the CPU
         // model does).
