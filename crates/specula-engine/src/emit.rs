@@ -32,6 +32,8 @@ pub struct Emitter {
     /// Bytes of `text` already released to the stream.
     released: usize,
     finish: Option<FinishReason>,
+    /// The stop string that ended the generation, if one did.
+    matched_stop: Option<String>,
 }
 
 /// What one call of [`Emitter::emit_block`] did.
@@ -63,6 +65,7 @@ impl Emitter {
             text: String::new(),
             released: 0,
             finish: None,
+            matched_stop: None,
         }
     }
 
@@ -93,7 +96,8 @@ impl Emitter {
                 let piece = self.detokenize_step(false);
                 let scan_from = self.text.len().saturating_sub(self.max_stop_len().saturating_sub(1));
                 self.text.push_str(&piece);
-                if let Some(cut) = self.find_stop(scan_from) {
+                if let Some((cut, stop)) = self.find_stop(scan_from) {
+                    self.matched_stop = Some(self.stop[stop].clone());
                     self.text.truncate(cut);
                     self.finish = Some(FinishReason::Stop);
                 }
@@ -157,16 +161,23 @@ impl Emitter {
         self.stop.iter().map(|s| s.len()).max().unwrap_or(0)
     }
 
-    /// Earliest stop-string match starting at or after byte `from` of `text`.
-    fn find_stop(&self, from: usize) -> Option<usize> {
+    /// Earliest stop-string match starting at or after byte `from` of `text`: its byte offset
+    /// and the index of the stop string (the first one listed among those matching there).
+    fn find_stop(&self, from: usize) -> Option<(usize, usize)> {
         let mut from = from.min(self.text.len());
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
         self.stop
             .iter()
-            .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| from + i))
+            .enumerate()
+            .filter_map(|(k, s)| self.text[from..].find(s.as_str()).map(|i| (from + i, k)))
             .min()
+    }
+
+    /// The stop string that ended the generation (`None`: it ended otherwise, or goes on).
+    pub fn matched_stop(&self) -> Option<&str> {
+        self.matched_stop.as_deref()
     }
 
     /// Length of the longest suffix of unreleased text that is a proper prefix of a stop string.

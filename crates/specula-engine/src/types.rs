@@ -107,6 +107,8 @@ pub struct GenerateOutput {
     /// Per-token log-probabilities, when requested.
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub finish_reason: FinishReason,
+    /// The stop string that ended the generation (`finish_reason` is then `Stop`).
+    pub stop_sequence: Option<String>,
     pub stats: GenerationStats,
 }
 

@@ -34,20 +34,20 @@ const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 
 /// Which endpoint a generation belongs to (shapes the response objects).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Chat,
     Completion,
 }
 
 impl Kind {
-    fn endpoint(self) -> &'static str {
+    pub(crate) fn endpoint(self) -> &'static str {
         match self {
             Kind::Chat => "/v1/chat/completions",
             Kind::Completion => "/v1/completions",
         }
     }
 
-    fn prompt_param(self) -> &'static str {
+    pub(crate) fn prompt_param(self) -> &'static str {
         match self {
             Kind::Chat => "messages",
             Kind::Completion => "prompt",
@@ -56,16 +56,16 @@ impl Kind {
 }
 
 /// A parsed generation request, ready to submit.
-struct Parsed {
-    kind: Kind,
-    prompt: Prompt,
-    common: Common,
+pub(crate) struct Parsed {
+    pub(crate) kind: Kind,
+    pub(crate) prompt: Prompt,
+    pub(crate) common: Common,
     /// Alternatives per token when log-probabilities were asked for.
     logprobs: Option<usize>,
     /// Speculative decoding (the `spec` field over the server default).
     spec: SpecOptions,
     /// Chat: how the output is parsed (tool calls, reasoning).
-    chat: Option<ChatSetup>,
+    pub(crate) chat: Option<ChatSetup>,
     /// `response_format`: the grammar the answer is constrained to.
     grammar: Option<GrammarSpec>,
     /// Chat: bounds on the model's reasoning.
@@ -74,7 +74,7 @@ struct Parsed {
 
 /// How a chat response's output is parsed.
 #[derive(Debug, Clone)]
-struct ChatSetup {
+pub(crate) struct ChatSetup {
     /// The tool-call parser's dialect and configuration (`None`: no tools, or `tool_choice`
     /// `none`: the output is all content).
     tools: Option<(Dialect, ParserConfig)>,
@@ -84,14 +84,14 @@ struct ChatSetup {
 
 impl ChatSetup {
     /// The pipeline for one response, given the end of its rendered prompt.
-    fn output(&self, prompt_tail: &str) -> ChatOutput {
+    pub(crate) fn output(&self, prompt_tail: &str) -> ChatOutput {
         let reasoning = output_reasoning(prompt_tail, self.thinking);
         let tools = self.tools.as_ref().map(|(d, cfg)| d.parser(cfg));
         ChatOutput::new(reasoning, tools)
     }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -99,7 +99,7 @@ fn unix_now() -> u64 {
 }
 
 /// A unique-enough response id: random per process, plus a counter.
-fn new_id(prefix: &str) -> String {
+pub(crate) fn new_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     static SALT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let salt = *SALT.get_or_init(|| std::collections::hash_map::RandomState::new().build_hasher().finish());
@@ -145,11 +145,11 @@ fn parse_spec(h: &EngineHandle, b: &Body) -> Result<SpecOptions, ApiError> {
     Ok(spec)
 }
 
-fn parse_body(body: Result<Json<Value>, JsonRejection>) -> Result<Value, ApiError> {
+pub(crate) fn parse_body(body: Result<Json<Value>, JsonRejection>) -> Result<Value, ApiError> {
     body.map(|Json(v)| v).map_err(ApiError::from)
 }
 
-fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
+pub(crate) fn parse_chat(h: &EngineHandle, v: &Value) -> Result<Parsed, ApiError> {
     let b = Body::new(v)?;
     b.check_fields(params::CHAT_FIELDS)?;
     let common = params::common(&b, &h.model().id, &["max_completion_tokens", "max_tokens"])?;
@@ -282,9 +282,10 @@ pub async fn completions(State(h): State<EngineHandle>, body: Result<Json<Value>
     }
 }
 
-/// Submit, wait for the start (errors before any output become 4xx), then answer as a whole or
-/// as a stream.
-async fn generate(h: EngineHandle, p: Parsed) -> Response {
+/// Submit `p` (its grammar compiled first, off the engine thread) and wait for its start: the
+/// events' receiver, the end of the rendered prompt and the prompt's token count. Errors before
+/// any output are 4xx (`ApiError`), as every route reports them.
+pub(crate) async fn start(h: &EngineHandle, p: &Parsed) -> Result<(UnboundedReceiver<Event>, String, usize), ApiError> {
     let c = &p.common;
     let sub = Submission {
         prompt: p.prompt.clone(),
@@ -303,33 +304,40 @@ async fn generate(h: EngineHandle, p: Parsed) -> Response {
         grammar: p.grammar.clone(),
         reasoning: p.reasoning,
     };
+    let request_error =
+        |e: &RequestError| ApiError::from_request_error(e, p.kind.prompt_param()).naming_max_tokens(c.max_tokens_param);
     // The grammar compiles here, off the engine thread: a large one delays only its request.
     let compiled = match &p.grammar {
         Some(g) => match h.compile_grammar(g).await {
             Some(Ok(c)) => Some(c),
-            Some(Err(e)) => {
-                return ApiError::from_request_error(&e, p.kind.prompt_param())
-                    .naming_max_tokens(c.max_tokens_param)
-                    .into_response()
-            }
+            Some(Err(e)) => return Err(request_error(&e)),
             None => None,
         },
         None => None,
     };
     let mut rx = match h.submit_compiled(sub, compiled) {
         Ok(rx) => rx,
-        Err(SubmitError::QueueFull) => return ApiError::queue_full(h.max_queue()).into_response(),
-        Err(SubmitError::WorkerGone) => return ApiError::internal("the engine worker is not running").into_response(),
+        Err(SubmitError::QueueFull) => return Err(ApiError::queue_full(h.max_queue())),
+        Err(SubmitError::WorkerGone) => return Err(ApiError::internal("the engine worker is not running")),
     };
-    let prompt_tail = match rx.recv().await {
-        Some(Event::Started { prompt_tail, .. }) => prompt_tail,
-        Some(Event::Failed(e)) => {
-            return ApiError::from_request_error(&e, p.kind.prompt_param())
-                .naming_max_tokens(c.max_tokens_param)
-                .into_response()
-        }
-        Some(other) => return ApiError::internal(format!("unexpected engine event {other:?}")).into_response(),
-        None => return ApiError::internal("the engine worker stopped").into_response(),
+    match rx.recv().await {
+        Some(Event::Started {
+            prompt_tail,
+            prompt_tokens,
+        }) => Ok((rx, prompt_tail, prompt_tokens)),
+        Some(Event::Failed(e)) => Err(request_error(&e)),
+        Some(other) => Err(ApiError::internal(format!("unexpected engine event {other:?}"))),
+        None => Err(ApiError::internal("the engine worker stopped")),
+    }
+}
+
+/// Submit, wait for the start (errors before any output become 4xx), then answer as a whole or
+/// as a stream.
+async fn generate(h: EngineHandle, p: Parsed) -> Response {
+    let c = &p.common;
+    let (mut rx, prompt_tail, _) = match start(&h, &p).await {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
     };
     let output = p.chat.as_ref().map(|c| c.output(&prompt_tail));
     let ctx = ResponseCtx {

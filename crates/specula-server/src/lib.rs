@@ -1,6 +1,7 @@
-//! Specula's OpenAI-compatible HTTP server.
+//! Specula's OpenAI-compatible HTTP server, with Anthropic's Messages API beside it.
 //!
-//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+//! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/messages` and
+//! `POST /v1/messages/count_tokens` ([`anthropic`]), `GET /v1/models`,
 //! `GET /v1/models/{id}`, `POST /v1/models/{id}/speculative` (change the speculation default at
 //! run time, loading or unloading a draft model when needed; `admin.rs`), `GET /health`,
 //! `GET /metrics` (Prometheus text). Errors use OpenAI's body
@@ -29,6 +30,7 @@
 //! time in arrival order, with at most `max_queue` waiting (more get 429 with `Retry-After: 1`).
 
 pub mod admin;
+pub mod anthropic;
 mod api;
 pub mod auth;
 mod chat_output;
@@ -147,6 +149,8 @@ pub fn router_with_limits(handle: EngineHandle, access: Access, body_timeout: Du
     Router::new()
         .route("/v1/chat/completions", post(api::chat_completions))
         .route("/v1/completions", post(api::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(api::list_models))
         .route("/v1/models/{*model}", get(api::get_model).post(admin::post_model))
         .route("/health", get(api::health))
@@ -155,6 +159,7 @@ pub fn router_with_limits(handle: EngineHandle, access: Access, body_timeout: Du
         .fallback(api::not_found)
         .layer(axum::middleware::from_fn_with_state(body_timeout, conn::read_body))
         .layer(axum::middleware::from_fn_with_state(access, auth::guard))
+        .layer(axum::middleware::from_fn(anthropic::error_shape))
         .layer(axum::middleware::from_fn_with_state(handle.clone(), api::track))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(handle)

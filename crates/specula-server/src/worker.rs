@@ -223,6 +223,9 @@ enum Work {
     Hold(mpsc::Receiver<()>, Slot),
     /// A change of the speculation default (between jobs; takes no queue place).
     Control(Box<crate::admin::Control>),
+    /// Render and tokenize a prompt, answering its token count (between jobs; takes no queue
+    /// place).
+    Count(Prompt, tokio::sync::oneshot::Sender<Result<usize, RequestError>>),
 }
 
 struct Job {
@@ -582,6 +585,18 @@ impl EngineHandle {
         Ok(rx)
     }
 
+    /// The token count of `prompt` as a generation would render and tokenize it (on the worker,
+    /// between jobs).
+    pub async fn count_prompt_tokens(&self, prompt: Prompt) -> Result<usize, RequestError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.shared
+            .jobs
+            .send(Work::Count(prompt, tx))
+            .map_err(|_| RequestError::Internal("the engine worker is not running".into()))?;
+        rx.await
+            .unwrap_or_else(|_| Err(RequestError::Internal("the engine worker stopped".into())))
+    }
+
     /// Occupy the engine (a queue place, then the worker) until the guard is dropped: for tests
     /// of queueing and for maintenance.
     pub fn hold(&self) -> Result<HoldGuard, SubmitError> {
@@ -688,6 +703,12 @@ fn worker_loop(
             };
             match work {
                 Work::Control(ctl) => crate::admin::apply(&mut engine, &mut drafts, *ctl, &metrics),
+                Work::Count(prompt, reply) => {
+                    if !reply.is_closed() {
+                        let n = prompt_tokens(&engine, &prompt).map(|(t, _)| t.len());
+                        let _ = reply.send(n);
+                    }
+                }
                 Work::Hold(release, mut slot) => {
                     slot.take();
                     metrics.running.inc();
@@ -842,16 +863,7 @@ fn start_job(
     free: usize,
     budget: usize,
 ) -> Result<Option<(Sequence, usize)>, RequestError> {
-    let mut prompt_tail = String::new();
-    let tokens = match &sub.prompt {
-        Prompt::Chat(p) => {
-            let (tokens, tail) = chat_prompt::render_tokens(engine, p)?;
-            prompt_tail = tail;
-            tokens
-        }
-        Prompt::Text { text, parse_special } => engine.tokenize_prompt_text(text, *parse_special)?,
-        Prompt::Tokens(ids) => ids.clone(),
-    };
+    let (tokens, prompt_tail) = prompt_tokens(engine, &sub.prompt)?;
     let mut req = sub.request.clone();
     req.prompt_tokens = tokens;
     if req.max_tokens.is_none() {
@@ -905,6 +917,15 @@ fn start_job(
         return Err(RequestError::Internal("client went away".to_string()));
     }
     Ok(Some((seq, need)))
+}
+
+/// A job's prompt as tokens, with the end of its rendered text (chat prompts; empty otherwise).
+fn prompt_tokens(engine: &Engine, prompt: &Prompt) -> Result<(Vec<u32>, String), RequestError> {
+    Ok(match prompt {
+        Prompt::Chat(p) => chat_prompt::render_tokens(engine, p)?,
+        Prompt::Text { text, parse_special } => (engine.tokenize_prompt_text(text, *parse_special)?, String::new()),
+        Prompt::Tokens(ids) => (ids.clone(), String::new()),
+    })
 }
 
 /// The drafter family of a decode path, for metric labels: `ar` (plain decoding, also when

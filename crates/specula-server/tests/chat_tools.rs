@@ -708,3 +708,143 @@ async fn a_template_that_rejects_tools_is_a_400() {
         "{e}"
     );
 }
+
+/// The Anthropic route's `tool_use` / `tool_result` blocks and `tool_choice`: a forced call
+/// comes back as a `tool_use` block with its parsed `input` (streamed as `input_json_delta`s
+/// that concatenate to it) and `stop_reason` `tool_use`; a follow-up turn with the call and its
+/// result renders the prompt the OpenAI route renders for the same turn, and answers the same.
+#[tokio::test]
+async fn anthropic_tool_use_round_trip() {
+    let (app, _h) = serve(&tools_model());
+    let unit = unit_tool();
+    let f = &unit["function"];
+    let tool = json!({"name": f["name"], "input_schema": f["parameters"]});
+    let base = json!({"model": MODEL, "max_tokens": 160, "temperature": 0, "tools": [tool],
+        "tool_choice": {"type": "tool", "name": "set_unit"},
+        "messages": [{"role": "user", "content": "the thin then the"}]});
+    let v = post(&app, "/v1/messages", base.clone()).await.json();
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    let blocks = v["content"].as_array().unwrap();
+    let call = blocks
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .expect("a tool_use block");
+    assert_eq!(call["name"], "set_unit");
+    assert!(
+        ["celsius", "fahrenheit"].contains(&call["input"]["unit"].as_str().unwrap_or_default()),
+        "{v}"
+    );
+    // The OpenAI route forced the same way gives the same call.
+    let chat = post(
+        &app,
+        CHAT,
+        json!({"model": MODEL, "max_tokens": 160, "temperature": 0, "tools": [unit],
+        "tool_choice": {"type": "function", "function": {"name": "set_unit"}},
+        "messages": [{"role": "user", "content": "the thin then the"}]}),
+    )
+    .await
+    .json();
+    let args: Value = serde_json::from_str(
+        chat["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(call["input"], args);
+    // Streamed.
+    let mut b = base.clone();
+    b["stream"] = json!(true);
+    let r = post(&app, "/v1/messages", b).await;
+    let mut partial = String::new();
+    let mut started = false;
+    for line in r.text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        let d: Value = serde_json::from_str(line).unwrap();
+        if d["type"] == "content_block_start" && d["content_block"]["type"] == "tool_use" {
+            assert_eq!(d["content_block"]["name"], "set_unit");
+            started = true;
+        }
+        if d["delta"]["type"] == "input_json_delta" {
+            partial.push_str(d["delta"]["partial_json"].as_str().unwrap());
+        }
+        if d["type"] == "message_delta" {
+            assert_eq!(d["delta"]["stop_reason"], "tool_use");
+        }
+    }
+    assert!(started, "{}", r.text);
+    assert_eq!(serde_json::from_str::<Value>(&partial).unwrap(), call["input"]);
+    // The next turn: the call and its result.
+    let id = call["id"].as_str().unwrap();
+    let next = json!({"model": MODEL, "max_tokens": 12, "temperature": 0, "tools": [tool],
+        "messages": [{"role": "user", "content": "the thin then the"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": id, "name": "set_unit", "input": call["input"]}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": id, "content": "done"}]}]});
+    let v = post(&app, "/v1/messages", next).await.json();
+    let chat = post(
+        &app,
+        CHAT,
+        json!({"model": MODEL, "max_tokens": 12, "temperature": 0, "tools": [unit],
+        "messages": [{"role": "user", "content": "the thin then the"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": id, "type": "function",
+                "function": {"name": "set_unit", "arguments": call["input"].to_string()}}]},
+            {"role": "tool", "tool_call_id": id, "content": "done"}]}),
+    )
+    .await
+    .json();
+    assert_eq!(
+        v["usage"]["input_tokens"].as_u64().unwrap() + v["usage"]["cache_read_input_tokens"].as_u64().unwrap(),
+        chat["usage"]["prompt_tokens"].as_u64().unwrap(),
+        "{v}"
+    );
+    assert_eq!(v["content"][0]["text"], chat["choices"][0]["message"]["content"], "{v}");
+}
+
+/// The Anthropic route's `thinking`: enabled gives a `thinking` block (the reasoning the OpenAI
+/// route returns as `reasoning_content`) before the text, with `budget_tokens` as
+/// `max_reasoning_tokens`; disabled renders the template with thinking off.
+#[tokio::test]
+async fn anthropic_thinking_maps_to_the_reasoning_split() {
+    let (app, _h) = serve(&think_model());
+    let msgs = json!([{"role": "user", "content": "the hen"}]);
+    for (thinking, kwargs) in [
+        (
+            json!({"type": "enabled", "budget_tokens": 6}),
+            json!({"chat_template_kwargs": {"enable_thinking": true}, "max_reasoning_tokens": 6}),
+        ),
+        (
+            json!({"type": "disabled"}),
+            json!({"chat_template_kwargs": {"enable_thinking": false}}),
+        ),
+    ] {
+        let v = post(
+            &app,
+            "/v1/messages",
+            json!({"model": MODEL, "max_tokens": 30, "temperature": 0,
+            "ignore_eos": true, "messages": msgs, "thinking": thinking}),
+        )
+        .await
+        .json();
+        let mut c = json!({"model": MODEL, "max_tokens": 30, "temperature": 0, "ignore_eos": true, "messages": msgs});
+        for (k, x) in kwargs.as_object().unwrap() {
+            c[k] = x.clone();
+        }
+        let chat = post(&app, CHAT, c).await.json();
+        let m = &chat["choices"][0]["message"];
+        let reasoning = m.get("reasoning_content").and_then(Value::as_str).unwrap_or("");
+        let blocks = v["content"].as_array().unwrap();
+        let thought: String = blocks
+            .iter()
+            .filter(|b| b["type"] == "thinking")
+            .map(|b| b["thinking"].as_str().unwrap())
+            .collect();
+        let text: String = blocks
+            .iter()
+            .filter(|b| b["type"] == "text")
+            .map(|b| b["text"].as_str().unwrap())
+            .collect();
+        assert_eq!(thought, reasoning, "{thinking}: {v}");
+        assert_eq!(text, m["content"].as_str().unwrap_or(""), "{thinking}: {v}");
+        if thinking["type"] == "enabled" {
+            assert!(!thought.is_empty() && blocks[0]["type"] == "thinking", "{v}");
+        }
+    }
+}

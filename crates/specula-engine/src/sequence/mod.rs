@@ -725,6 +725,7 @@ impl Sequence {
             token_ids: self.emitter.tokens().to_vec(),
             logprobs: self.req.logprobs.map(|_| self.emitter.logprobs().to_vec()),
             finish_reason,
+            stop_sequence: self.emitter.matched_stop().map(str::to_string),
             stats: self.stats,
         };
         (out, self.state.into_kv())
