@@ -1118,10 +1118,16 @@ fn kernel_report(part: &Part) -> Option<KernelReport> {
     })
 }
 
+/// The sum of sizes read from headers, saturating (an absurd header gives a huge sum, never an
+/// overflow).
+fn sat_sum(it: impl Iterator<Item = u64>) -> u64 {
+    it.fold(0, u64::saturating_add)
+}
+
 /// Bytes the loader holds for a part's weights (see [`MemoryEstimate::weights_bytes`]).
 fn weights_in_memory(part: &Part) -> u64 {
     let Some(c) = part.config.as_ref() else {
-        return part.tensors.list.iter().map(|t| t.bytes).sum();
+        return sat_sum(part.tensors.list.iter().map(|t| t.bytes));
     };
     let expected = expected_trunk(part, c);
     let projections: std::collections::HashSet<String> = projection_names(part, c).into_iter().collect();
@@ -1132,32 +1138,33 @@ fn weights_in_memory(part: &Part) -> u64 {
     let mut total = 0u64;
     for (name, _, _) in &expected {
         let Some(t) = part.tensors.get(name) else { continue };
-        total += match part.format {
-            BundleFormat::Hf => t.elements() * 4,
+        // Saturating: the sizes come from a file's header (an absurd one gives a huge total).
+        total = total.saturating_add(match part.format {
+            BundleFormat::Hf => t.elements().saturating_mul(4),
             BundleFormat::Gguf => {
                 let dense = matches!(t.ggml, Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None);
                 if projections.contains(name) || *name == embd {
                     if dense {
-                        t.elements() * 4
+                        t.elements().saturating_mul(4)
                     } else {
                         t.bytes
                     }
                 } else {
                     // Norms, biases, rope factors: dequantized to f32.
-                    t.elements() * 4
+                    t.elements().saturating_mul(4)
                 }
             }
-        };
+        });
     }
     // A tied LM head: the embedding's tensor made into a Linear as well.
     let tied = part.format == BundleFormat::Gguf && tied_head(part);
     if tied {
         if let Some(t) = part.tensors.get(&embd) {
-            total += match t.ggml {
+            total = total.saturating_add(match t.ggml {
                 Some(dt) if own_kernel(dt, t.dims.get(1).copied().unwrap_or(0)) => t.bytes,
-                Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None => t.elements() * 4,
+                Some(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) | None => t.elements().saturating_mul(4),
                 Some(_) => 0,
-            };
+            });
         }
     }
     total
@@ -1197,8 +1204,8 @@ fn quant_groups(part: &Part) -> Vec<QuantGroup> {
             bytes: 0,
         });
         g.tensors += 1;
-        g.parameters += t.elements();
-        g.bytes += t.bytes;
+        g.parameters = g.parameters.saturating_add(t.elements());
+        g.bytes = g.bytes.saturating_add(t.bytes);
     }
     let mut v: Vec<QuantGroup> = m.into_values().collect();
     v.sort_by(|a, b| b.parameters.cmp(&a.parameters).then(a.dtype.cmp(&b.dtype)));
@@ -1273,8 +1280,8 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleRepor
                     path: p.display().to_string(),
                     name: d.name.clone(),
                     architecture: d.arch.clone(),
-                    parameters: d.tensors.list.iter().map(TensorMeta::elements).sum(),
-                    weight_bytes: d.tensors.list.iter().map(|t| t.bytes).sum(),
+                    parameters: sat_sum(d.tensors.list.iter().map(TensorMeta::elements)),
+                    weight_bytes: sat_sum(d.tensors.list.iter().map(|t| t.bytes)),
                     quantization: quant_groups(&d)
                         .iter()
                         .map(|q| format!("{} x{}", q.dtype, q.tensors))
@@ -1295,7 +1302,7 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleRepor
     let fp = fingerprint(&target);
     let bundle_id = BundleId {
         path: path.display().to_string(),
-        bytes: target.files.iter().map(|f| f.bytes).sum(),
+        bytes: sat_sum(target.files.iter().map(|f| f.bytes)),
         fingerprint: fp.clone(),
     };
 
@@ -1304,7 +1311,7 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleRepor
         path: d.path.clone(),
         bytes: draft_part
             .as_ref()
-            .map(|p| p.files.iter().map(|f| f.bytes).sum())
+            .map(|p| sat_sum(p.files.iter().map(|f| f.bytes)))
             .unwrap_or(0),
         fingerprint: d.fingerprint.clone(),
     });
@@ -1359,7 +1366,7 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleRepor
     let memory = estimate_part(&target).map(|mut m| {
         if let Some(d) = draft_part.as_ref().and_then(estimate_part) {
             m.draft_model_bytes = d.total_bytes;
-            m.total_bytes += d.total_bytes;
+            m.total_bytes = m.total_bytes.saturating_add(d.total_bytes);
         }
         m
     });
@@ -1390,8 +1397,8 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> anyhow::Result<BundleRepor
     });
 
     diags.sort_by_key(|d| d.severity);
-    let parameters = target.tensors.list.iter().map(TensorMeta::elements).sum();
-    let weight_bytes = target.tensors.list.iter().map(|t| t.bytes).sum();
+    let parameters = sat_sum(target.tensors.list.iter().map(TensorMeta::elements));
+    let weight_bytes = sat_sum(target.tensors.list.iter().map(|t| t.bytes));
     Ok(BundleReport {
         path: path.display().to_string(),
         format: target.format,

@@ -306,6 +306,20 @@ impl super::Architecture for QwenMoe {
         if shared == Some(0) {
             bail!("metadata '{shared_key}' is 0: Qwen2-MoE has a shared expert");
         }
+        // The layer count is the header's: before anything is built per layer, the weights must
+        // hold its last layer (a huge `block_count` would otherwise loop and allocate per layer;
+        // `check_layer_count` says the rest).
+        let last = c
+            .num_layers
+            .checked_sub(1)
+            .map(|l| llama::ATTN_NORM.name(BundleFormat::Gguf, l));
+        if last.as_ref().is_none_or(|n| dims(n).is_none()) {
+            bail!(
+                "metadata '{arch}.block_count' = {}: the weights have no {}",
+                c.num_layers,
+                last.map_or("layers".to_string(), |n| format!("'{n}'"))
+            );
+        }
         // An MoE layer is one with a router (llama.cpp's qwen MoE files have one in every layer).
         let layers = (0..c.num_layers)
             .map(|l| dims(&ROUTER.name(BundleFormat::Gguf, l)).is_some())

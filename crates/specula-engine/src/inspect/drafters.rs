@@ -640,7 +640,7 @@ pub(super) fn mtp_report(target: &Part, drafter: Option<&Path>, diags: &mut Vec<
     };
     let bad = validate_mtp(&found, target, declared.filter(|&d| d > 0), diags, &file);
     let n_tensors = found.tensors().count();
-    let params = found.tensors().map(TensorMeta::elements).sum();
+    let params = found.tensors().map(TensorMeta::elements).fold(0, u64::saturating_add);
     if declared.is_none() {
         push(
             diags,
@@ -902,7 +902,11 @@ pub(super) fn block_drafter_report(
         );
     }
     report.tensors = tensors.len();
-    report.parameters = tensors.list.iter().map(TensorMeta::elements).sum();
+    report.parameters = tensors
+        .list
+        .iter()
+        .map(TensorMeta::elements)
+        .fold(0, u64::saturating_add);
     let strip = |n: &str| n.strip_prefix("model.").unwrap_or(n).to_string();
     let h = report.hidden_size.or(th);
     let mut layer_ids = std::collections::BTreeSet::new();

@@ -9,7 +9,6 @@
 //! ranges past the end of the file).
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::Path;
 
@@ -49,7 +48,9 @@ impl GgufTensor {
         let dt = self.dtype?;
         let n = self.elements();
         let bs = dt.block_size() as u64;
-        n.is_multiple_of(bs).then(|| n / bs * dt.type_size() as u64)
+        // Saturating: an absurd shape gives a size past any file, which [`validate`] reports.
+        n.is_multiple_of(bs)
+            .then(|| (n / bs).saturating_mul(dt.type_size() as u64))
     }
 }
 
@@ -141,15 +142,15 @@ pub fn dtype_name(dt: GgmlDType) -> String {
     }
 }
 
-struct Reader {
-    inner: BufReader<File>,
+struct Reader<R> {
+    inner: R,
     pos: u64,
     len: u64,
     version: u32,
     file: String,
 }
 
-impl Reader {
+impl<R: Read> Reader<R> {
     fn remaining(&self) -> u64 {
         self.len.saturating_sub(self.pos)
     }
@@ -232,7 +233,14 @@ impl Reader {
                             8
                         }
                     }
-                    9 => 12,
+                    // An array: its element type and length (u32 + u32 in version 1).
+                    9 => {
+                        if self.version == 1 {
+                            8
+                        } else {
+                            12
+                        }
+                    }
                     other => bail!(
                         "{}: {what}: array of unknown value type {other} at offset {}",
                         self.file,
@@ -270,8 +278,16 @@ pub fn scan(path: &Path) -> Result<GgufScan> {
     let file = path.display().to_string();
     let f = crate::bundle::open_file(path).map_err(|e| anyhow!("{file}: {e}"))?;
     let len = f.metadata().map_err(|e| anyhow!("{file}: {e}"))?.len();
+    scan_reader(BufReader::with_capacity(1 << 16, f), len, &file)
+}
+
+/// [`scan`] over any reader positioned at the start of a GGUF file of `len` bytes (`file`
+/// names it in errors): the same reading and checks, for a file already in memory (and for the
+/// fuzz targets in `fuzz/`).
+pub fn scan_reader<R: Read>(inner: R, len: u64, file: &str) -> Result<GgufScan> {
+    let file = file.to_string();
     let mut r = Reader {
-        inner: BufReader::with_capacity(1 << 16, f),
+        inner,
         pos: 0,
         len,
         version: 3,
@@ -448,7 +464,8 @@ pub fn validate(scan: &GgufScan) -> Vec<TensorProblem> {
             ));
             continue;
         }
-        let bytes = n / bs * dt.type_size() as u64;
+        // Saturating, not wrapping: a huge shape must not come out as a small size that fits.
+        let bytes = (n / bs).saturating_mul(dt.type_size() as u64);
         let start = scan.data_offset.saturating_add(t.offset);
         let end = start.saturating_add(bytes);
         if end > scan.file_len {

@@ -49,28 +49,44 @@ pub fn estimate(
 ) -> MemoryEstimate {
     let c = config;
     let ctx = kv_context.unwrap_or(c.context_length).min(c.context_length);
-    let rope = c.context_length as u64 * c.head_dim as u64 * 4;
+    // The sizes come from a file's header: saturating arithmetic, so a header with absurd
+    // values gives an absurd (huge) estimate, never an overflow.
+    let u = |x: usize| x as u64;
+    let mul = |xs: &[u64]| xs.iter().fold(1u64, |a, &x| a.saturating_mul(x));
+    let add = |xs: &[u64]| xs.iter().fold(0u64, |a, &x| a.saturating_add(x));
+    let rope = mul(&[u(c.context_length), u(c.head_dim), 4]);
     // The tokenizers crate's BPE (vocab map, reverse map, merge map, added tokens, and our
     // special-token list), plus what the header strings leave in the allocator: ~175 bytes per
     // token and per merge, fitted to VmRSS after loading the catalog models (120-190 measured;
     // docs/perf.md, "Bundle inspection and memory").
-    let tokenizer = 175 * (vocab_tokens as u64 + merges as u64);
-    let runtime = rope + tokenizer;
-    let kv_tok =
-        2 * c.num_layers as u64 * c.num_kv_heads as u64 * c.head_dim as u64 * crate::kv_cache::KV_ELEM_BYTES as u64;
-    let kv = kv_tok * ctx as u64;
+    let tokenizer = mul(&[175, add(&[u(vocab_tokens), u(merges)])]);
+    let runtime = add(&[rope, tokenizer]);
+    let kv_tok = mul(&[
+        2,
+        u(c.num_layers),
+        u(c.num_kv_heads),
+        u(c.head_dim),
+        crate::kv_cache::KV_ELEM_BYTES as u64,
+    ]);
+    let kv = mul(&[kv_tok, u(ctx)]);
     // The widest MLP activation of a row: the dense MLP's, or an MoE's experts run by one token
     // (and its shared expert).
     let moe_width = c.moe.as_ref().map_or(0, |m| {
-        m.experts_per_token * m.expert_intermediate_size + m.shared_intermediate_size.unwrap_or(0)
+        add(&[
+            mul(&[u(m.experts_per_token), u(m.expert_intermediate_size)]),
+            u(m.shared_intermediate_size.unwrap_or(0)),
+        ])
     });
-    let (h, i) = (c.hidden_size as u64, c.intermediate_size.max(moe_width) as u64);
-    let qkv = (c.num_heads + 2 * c.num_kv_heads) as u64 * c.head_dim as u64;
+    let (h, i) = (u(c.hidden_size), u(c.intermediate_size).max(moe_width));
+    let qkv = mul(&[add(&[u(c.num_heads), mul(&[2, u(c.num_kv_heads)])]), u(c.head_dim)]);
     // Per row: residual + normed input + attention output (4h), q/k/v, gate/up/product (3i), and
     // the int8 activation copies of our kernels (~h + i bytes).
-    let per_row = 4 * (4 * h + qkv + 3 * i) + h + i;
-    let scratch = PREFILL_CHUNK * per_row + MAX_VERIFY_ROWS * c.vocab_size as u64 * 4 * 2;
-    let resident = weights_bytes + runtime;
+    let per_row = add(&[mul(&[4, add(&[mul(&[4, h]), qkv, mul(&[3, i])])]), h, i]);
+    let scratch = add(&[
+        mul(&[PREFILL_CHUNK, per_row]),
+        mul(&[MAX_VERIFY_ROWS, u(c.vocab_size), 4, 2]),
+    ]);
+    let resident = add(&[weights_bytes, runtime]);
     MemoryEstimate {
         weights_bytes,
         runtime_bytes: runtime,
@@ -80,7 +96,7 @@ pub fn estimate(
         kv_bytes: kv,
         scratch_bytes: scratch,
         draft_model_bytes: 0,
-        total_bytes: resident + kv + scratch,
+        total_bytes: add(&[resident, kv, scratch]),
     }
 }
 

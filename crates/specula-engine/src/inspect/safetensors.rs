@@ -127,8 +127,15 @@ fn parse_entry(name: &str, v: &Json) -> std::result::Result<StTensor, String> {
 /// the file and what is wrong (truncated length, header longer than the file, bad JSON).
 pub fn scan(path: &Path) -> Result<StScan> {
     let file = path.display().to_string();
-    let mut f = crate::bundle::open_file(path).map_err(|e| anyhow!("{file}: {e}"))?;
+    let f = crate::bundle::open_file(path).map_err(|e| anyhow!("{file}: {e}"))?;
     let file_len = f.metadata().map_err(|e| anyhow!("{file}: {e}"))?.len();
+    scan_reader(f, file_len, &file)
+}
+
+/// [`scan`] over any reader positioned at the start of a safetensors file of `file_len` bytes
+/// (`file` names it in errors): the same reading and checks, for a file already in memory (and
+/// for the fuzz targets in `fuzz/`).
+pub fn scan_reader<R: Read>(mut f: R, file_len: u64, file: &str) -> Result<StScan> {
     if file_len < 8 {
         bail!("{file}: {file_len} bytes, too short for the 8-byte safetensors header length (truncated file)");
     }

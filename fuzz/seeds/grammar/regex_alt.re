@@ -1,0 +1,1 @@
+r(yes|no|maybe)+\s*(\w+|\d{2,}|[^abc]*?)
