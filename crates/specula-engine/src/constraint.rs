@@ -178,10 +178,13 @@ impl GrammarCompiler {
             GrammarSpec::Regex(r) => TopLevelGrammar::from_regex(r),
             GrammarSpec::Lark(l) | GrammarSpec::ToolCalls(l) => TopLevelGrammar::from_lark(l.clone()),
         };
-        let parser = self.factory.create_parser(grammar).map_err(grammar_error)?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(grammar_error(spec.param()))?;
         let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(grammar_error(anyhow!("{e}")));
+            return Err(grammar_error(spec.param())(anyhow!("{e}")));
         }
         // A grammar that compiles may still admit no first token (a regex of the empty
         // language, a rule that only recurses into itself): its first mask is an error. Found
@@ -201,6 +204,7 @@ impl GrammarCompiler {
             }
         };
         Ok(GrammarConstraint {
+            param: spec.param(),
             matcher,
             vocab: self.vocab,
             eos: self.eos.clone(),
@@ -247,6 +251,8 @@ fn compact_layout(mut schema: serde_json::Value) -> serde_json::Value {
 
 /// An llguidance matcher as a [`Constraint`].
 pub struct GrammarConstraint {
+    /// The request parameter the grammar came from, named by its errors.
+    param: &'static str,
     matcher: Matcher,
     vocab: usize,
     /// The model's end-of-generation ids: wherever the grammar allows its end (the first id, the
@@ -297,21 +303,42 @@ pub const COMPILE_STACK_BYTES: usize = 1 << 30;
 /// its limits mid-generation, such as more than 2,000 items in a parser row): the client's
 /// error, reported in one line.
 #[derive(Debug, Clone)]
-pub struct GrammarError(pub String);
+pub struct GrammarError {
+    /// The request parameter the grammar came from: `response_format`, or `tools` for a
+    /// grammar built from forced tool calls ([`GrammarSpec::param`]).
+    pub param: &'static str,
+    pub message: String,
+}
 
 impl std::fmt::Display for GrammarError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.message)
     }
 }
 
 impl std::error::Error for GrammarError {}
 
-/// A matcher's error: its first line for the client (a [`GrammarError`]), the whole dump in
-/// the log.
-fn grammar_error(e: anyhow::Error) -> anyhow::Error {
-    tracing::debug!(error = %format!("{e:#}"), "grammar error");
-    anyhow::Error::new(GrammarError(format!("grammar: {}", brief(&e))))
+/// A matcher's error on the grammar of `param`: its first line for the client (a
+/// [`GrammarError`]), the whole dump in the log.
+fn grammar_error(param: &'static str) -> impl Fn(anyhow::Error) -> anyhow::Error {
+    move |e| {
+        tracing::debug!(error = %format!("{e:#}"), "grammar error");
+        anyhow::Error::new(GrammarError {
+            param,
+            message: format!("grammar: {}", brief(&e)),
+        })
+    }
+}
+
+impl GrammarSpec {
+    /// The request parameter this grammar comes from: `tools` for forced tool calls,
+    /// `response_format` otherwise.
+    pub fn param(&self) -> &'static str {
+        match self {
+            GrammarSpec::ToolCalls(_) => "tools",
+            _ => "response_format",
+        }
+    }
 }
 
 impl GrammarConstraint {
@@ -359,7 +386,7 @@ impl Constraint for GrammarConstraint {
     fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
         let allowed = match self.state_mask.take() {
             Some(m) => m,
-            None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
+            None => self.matcher.compute_mask_or_eos().map_err(grammar_error(self.param))?,
         };
         self.apply(&allowed, logits);
         Ok(())
@@ -372,7 +399,7 @@ impl Constraint for GrammarConstraint {
             return Ok(());
         }
         let token = self.as_matcher_token(token);
-        self.matcher.consume_token(token).map_err(grammar_error)
+        self.matcher.consume_token(token).map_err(grammar_error(self.param))
     }
 
     fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
@@ -390,7 +417,7 @@ impl Constraint for GrammarConstraint {
         if drafted.is_empty() {
             let allowed = match self.state_mask.take() {
                 Some(m) => m,
-                None => self.matcher.compute_mask_or_eos().map_err(grammar_error)?,
+                None => self.matcher.compute_mask_or_eos().map_err(grammar_error(self.param))?,
             };
             self.apply(&allowed, logits);
             self.state_mask = Some(allowed);
@@ -407,8 +434,8 @@ impl Constraint for GrammarConstraint {
         // there, or a grammar llguidance cannot roll back (`stop=` and `max_tokens=` lexemes),
         // never touches the committed state the target's masks come from.
         let mut ahead = self.matcher.clone();
-        ahead.consume_tokens(&tokens).map_err(grammar_error)?;
-        let allowed = ahead.compute_mask_or_eos().map_err(grammar_error)?;
+        ahead.consume_tokens(&tokens).map_err(grammar_error(self.param))?;
+        let allowed = ahead.compute_mask_or_eos().map_err(grammar_error(self.param))?;
         self.apply(&allowed, logits);
         Ok(true)
     }

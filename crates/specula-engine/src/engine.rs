@@ -1149,7 +1149,7 @@ impl Engine {
         // A grammar that hits one of the grammar library's limits mid-generation is the
         // request's fault, not the server's.
         let internal = |e: anyhow::Error| match e.downcast_ref::<crate::constraint::GrammarError>() {
-            Some(g) => RequestError::InvalidParameter(format!("response_format: {g}")),
+            Some(g) => RequestError::InvalidParameter(format!("{}: {g}", g.param)),
             None => RequestError::Internal(format!("{e:#}")),
         };
         let mut inputs: Vec<Option<StepInput>> = seqs.iter_mut().map(|s| s.next_input()).collect();

@@ -515,9 +515,12 @@ pub fn resolve_draft_model(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, ApiE
 /// `POST /v1/models/...` paths are 404.
 pub async fn post_model(
     State(h): State<EngineHandle>,
-    UrlPath(rest): UrlPath<String>,
+    rest: Result<UrlPath<String>, axum::extract::rejection::PathRejection>,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Response {
+    let Ok(UrlPath(rest)) = rest else {
+        return crate::api::bad_path().into_response();
+    };
     let Some(id) = rest.strip_suffix("/speculative") else {
         let path = format!("/v1/models/{rest}");
         if rest == h.model().id {

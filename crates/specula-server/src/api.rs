@@ -6,7 +6,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{MatchedPath, Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::Next;
@@ -285,7 +285,7 @@ pub async fn completions(State(h): State<EngineHandle>, body: Result<Json<Value>
 /// Submit `p` (its grammar compiled first, off the engine thread) and wait for its start: the
 /// events' receiver, the end of the rendered prompt and the prompt's token count. Errors before
 /// any output are 4xx (`ApiError`), as every route reports them.
-pub(crate) async fn start(h: &EngineHandle, p: &Parsed) -> Result<(UnboundedReceiver<Event>, String, usize), ApiError> {
+pub(crate) async fn start(h: &EngineHandle, p: &Parsed) -> Result<Started, ApiError> {
     let c = &p.common;
     let sub = Submission {
         prompt: p.prompt.clone(),
@@ -320,14 +320,59 @@ pub(crate) async fn start(h: &EngineHandle, p: &Parsed) -> Result<(UnboundedRece
         Err(SubmitError::QueueFull) => return Err(ApiError::queue_full(h.max_queue())),
         Err(SubmitError::WorkerGone) => return Err(ApiError::internal("the engine worker is not running")),
     };
-    match rx.recv().await {
+    let (prompt_tail, prompt_tokens, cached_tokens) = match rx.recv().await {
         Some(Event::Started {
             prompt_tail,
             prompt_tokens,
-        }) => Ok((rx, prompt_tail, prompt_tokens)),
-        Some(Event::Failed(e)) => Err(request_error(&e)),
-        Some(other) => Err(ApiError::internal(format!("unexpected engine event {other:?}"))),
-        None => Err(ApiError::internal("the engine worker stopped")),
+            cached_tokens,
+        }) => (prompt_tail, prompt_tokens, cached_tokens),
+        Some(Event::Failed(e)) => return Err(request_error(&e)),
+        Some(other) => return Err(ApiError::internal(format!("unexpected engine event {other:?}"))),
+        None => return Err(ApiError::internal("the engine worker stopped")),
+    };
+    // A grammar can hit one of its library's limits at the first token (a row of more than
+    // 2,000 alternatives): a stream waits for that token before its 200, so the error is still
+    // a 400.
+    let first = if c.stream && p.grammar.is_some() {
+        match rx.recv().await {
+            Some(Event::Failed(e)) => return Err(request_error(&e)),
+            None => return Err(ApiError::internal("the engine worker stopped")),
+            first => first,
+        }
+    } else {
+        None
+    };
+    Ok(Started {
+        events: Events { first, rx },
+        prompt_tail,
+        prompt_tokens,
+        cached_tokens,
+    })
+}
+
+/// A request the engine started ([`start`]).
+pub(crate) struct Started {
+    pub(crate) events: Events,
+    /// The end of the rendered chat prompt (empty for other prompts).
+    pub(crate) prompt_tail: String,
+    pub(crate) prompt_tokens: usize,
+    /// Prompt tokens taken from the prefix cache.
+    pub(crate) cached_tokens: usize,
+}
+
+/// A started request's events, the first one possibly read already ([`start`]).
+pub(crate) struct Events {
+    first: Option<Event>,
+    rx: UnboundedReceiver<Event>,
+}
+
+impl Events {
+    /// The next event; `None` when the worker dropped the request's channel.
+    pub(crate) async fn recv(&mut self) -> Option<Event> {
+        match self.first.take() {
+            Some(e) => Some(e),
+            None => self.rx.recv().await,
+        }
     }
 }
 
@@ -335,8 +380,8 @@ pub(crate) async fn start(h: &EngineHandle, p: &Parsed) -> Result<(UnboundedRece
 /// as a stream.
 async fn generate(h: EngineHandle, p: Parsed) -> Response {
     let c = &p.common;
-    let (mut rx, prompt_tail, _) = match start(&h, &p).await {
-        Ok(s) => s,
+    let (mut rx, prompt_tail) = match start(&h, &p).await {
+        Ok(s) => (s.events, s.prompt_tail),
         Err(e) => return e.into_response(),
     };
     let output = p.chat.as_ref().map(|c| c.output(&prompt_tail));
@@ -527,7 +572,7 @@ impl ResponseCtx {
 struct StreamState {
     ctx: ResponseCtx,
     output: Option<ChatOutput>,
-    rx: UnboundedReceiver<Event>,
+    rx: Events,
     buf: VecDeque<SseEvent>,
     text_offset: usize,
     done: bool,
@@ -541,7 +586,7 @@ fn data(v: &Value) -> SseEvent {
 /// `[DONE]`. Dropping it (client gone) drops the receiver, which cancels the generation.
 fn sse_stream(
     ctx: ResponseCtx,
-    rx: UnboundedReceiver<Event>,
+    rx: Events,
     output: Option<ChatOutput>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let mut buf = VecDeque::new();
@@ -632,7 +677,11 @@ pub async fn list_models(State(h): State<EngineHandle>) -> Json<Value> {
     Json(json!({"object": "list", "data": [model_json(&h)]}))
 }
 
-pub async fn get_model(State(h): State<EngineHandle>, Path(model): Path<String>) -> Response {
+pub async fn get_model(State(h): State<EngineHandle>, model: Result<Path<String>, PathRejection>) -> Response {
+    let model = match model {
+        Ok(Path(m)) => m,
+        Err(_) => return bad_path().into_response(),
+    };
     let m = h.model();
     let id = m.id.as_str();
     if model == id {
@@ -642,6 +691,11 @@ pub async fn get_model(State(h): State<EngineHandle>, Path(model): Path<String>)
     } else {
         ApiError::model_not_found(&model).into_response()
     }
+}
+
+/// A path whose parameter does not decode (percent-encoded bytes that are not UTF-8).
+pub(crate) fn bad_path() -> ApiError {
+    ApiError::invalid("The URL's path does not decode as UTF-8.", None).with_code("invalid_url")
 }
 
 pub async fn health() -> Json<Value> {

@@ -214,7 +214,14 @@ impl<'a> Body<'a> {
                         ),
                     ));
                 }
-                Ok(Some(f as f32))
+                // A nonzero value below f32's smallest subnormal keeps its sign instead of
+                // rounding to 0 (`top_p: 1e-300` is in (0, 1], not the 0 it would round to).
+                let r = f as f32;
+                if r == 0.0 && f != 0.0 {
+                    let tiny = f32::from_bits(1);
+                    return Ok(Some(if f > 0.0 { tiny } else { -tiny }));
+                }
+                Ok(Some(r))
             }
         }
     }

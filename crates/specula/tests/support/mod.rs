@@ -289,6 +289,11 @@ impl Server {
         format!("http://127.0.0.1:{}/v1", self.port)
     }
 
+    /// The server process's id (for reading `/proc/PID/status`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// What the server printed so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.log.path()).unwrap_or_default()
