@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: installs the Python client used by the API test,
+# The whole test suite, from a fresh clone: installs the Python clients used by the API tests,
 # builds, pulls the four catalog models (checked against pinned sha256; cached after the first
 # run), then runs every test of the workspace.
 set -euo pipefail
@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 if ! python3 -c 'import openai' 2>/dev/null; then
     echo "== installing the openai Python package (for the API compatibility test)"
     python3 -m pip install --quiet --disable-pip-version-check 'openai>=1.55.3,<3'
+fi
+if ! python3 -c 'import anthropic' 2>/dev/null; then
+    echo "== installing the anthropic Python package (for the Messages API compatibility test)"
+    python3 -m pip install --quiet --disable-pip-version-check 'anthropic>=0.40,<3'
 fi
 
 echo "== building"

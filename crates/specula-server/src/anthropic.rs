@@ -33,9 +33,8 @@ use axum::Json;
 use futures::Stream;
 use serde_json::{json, Map, Value};
 use specula_engine::{GenerateOutput, RequestError};
-use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::api::{self, new_id, Parsed};
+use crate::api::{self, new_id, Events, Parsed};
 use crate::chat_output::{ChatOutput, OutEvent};
 use crate::error::ApiError;
 use crate::params::Body;
@@ -67,11 +66,18 @@ const MESSAGES_FIELDS: &[&str] = &[
     "ignore_eos",
 ];
 
-/// Fields Anthropic's SDK or clients may send that change nothing here: accepted and ignored.
-const IGNORED_FIELDS: &[&str] = &["service_tier", "anthropic_version"];
+/// Fields Anthropic's SDK or clients may send that change nothing here: accepted and ignored
+/// (`cache_control`: the prefix cache reuses every prompt's prefix without being asked).
+const IGNORED_FIELDS: &[&str] = &["service_tier", "anthropic_version", "cache_control"];
 
 /// Anthropic features this server does not implement: a request that sets one is refused.
-const UNSUPPORTED_FIELDS: &[&str] = &["container", "mcp_servers", "context_management"];
+const UNSUPPORTED_FIELDS: &[&str] = &[
+    "container",
+    "mcp_servers",
+    "context_management",
+    "output_config",
+    "output_format",
+];
 
 /// The error body of `e` in Anthropic's shape; its `type` follows the status as Anthropic's
 /// API names them.
@@ -415,14 +421,15 @@ pub async fn messages(State(h): State<EngineHandle>, body: Result<Json<Value>, J
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    let (mut rx, prompt_tail, prompt_tokens) = match api::start(&h, &p).await {
+    let started = match api::start(&h, &p).await {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
+    let mut rx = started.events;
     let output = p
         .chat
         .as_ref()
-        .map(|c| c.output(&prompt_tail))
+        .map(|c| c.output(&started.prompt_tail))
         .expect("a Messages request is a chat request");
     let mut w = Writer {
         id: new_id("msg").replace('-', "_"),
@@ -437,7 +444,9 @@ pub async fn messages(State(h): State<EngineHandle>, body: Result<Json<Value>, J
             "message_start",
             json!({"type": "message_start", "message": {"id": w.id, "type": "message", "role": "assistant",
                 "content": [], "model": w.model, "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
+                "usage": {"input_tokens": started.prompt_tokens - started.cached_tokens,
+                    "cache_read_input_tokens": started.cached_tokens,
+                    "cache_creation_input_tokens": 0, "output_tokens": 0}}}),
         );
         w.push("ping", json!({"type": "ping"}));
         return Sse::new(stream(w, rx))
@@ -580,7 +589,8 @@ impl Writer {
                 OutEvent::Tool(ToolEvent::Start { index, id, name }) => {
                     self.open_block(Block::ToolUse {
                         call: *index,
-                        id: id.clone(),
+                        // Anthropic's tool-use ids start `toolu_`.
+                        id: id.replacen("call_", "toolu_", 1),
                         name: name.clone(),
                         json: String::new(),
                         complete: false,
@@ -686,7 +696,7 @@ impl Writer {
 }
 
 /// The SSE body. Dropping it (client gone) drops the receiver, which cancels the generation.
-fn stream(w: Writer, rx: UnboundedReceiver<Event>) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+fn stream(w: Writer, rx: Events) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     futures::stream::unfold((w, rx, false), |(mut w, mut rx, mut done)| async move {
         loop {
             if let Some(ev) = w.events.pop_front() {

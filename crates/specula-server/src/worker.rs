@@ -200,7 +200,12 @@ impl ReasoningLimits {
 pub enum Event {
     /// The prompt was tokenized and validated; generation begins. `prompt_tail` is the end of
     /// the rendered chat prompt (empty for other prompts).
-    Started { prompt_tokens: usize, prompt_tail: String },
+    /// `cached_tokens` of the prompt came from the prefix cache.
+    Started {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+        prompt_tail: String,
+    },
     /// Output that became final.
     Delta(StreamDelta),
     /// The finished generation.
@@ -910,6 +915,7 @@ fn start_job(
     if events
         .send(Event::Started {
             prompt_tokens: req.prompt_tokens.len(),
+            cached_tokens: seq.cached_prompt_tokens(),
             prompt_tail,
         })
         .is_err()

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `specula` binary against the real, cached SmolLM2 model: the library,
-//! the CLI and the HTTP server must produce byte-identical greedy output; the official OpenAI
-//! Python client must work against the server; CLI errors must be helpful; `bench` must run.
+//! the CLI and the HTTP server must produce byte-identical greedy output; the official OpenAI and
+//! Anthropic Python clients must work against the server; CLI errors must be helpful; `bench`
+//! must run.
 //!
 //! The models are expected in the cache (`specula pull NAME`); a missing model fails the test
 //! with that command rather than skipping it.
@@ -285,13 +286,20 @@ fn openai_python_client() {
 /// Run `tests/openai_client.py` against `server` with `expect` (and `args`); it must pass with
 /// at least `min_oks` "OK" lines.
 fn run_openai_client(server: &Server, expect: &Value, args: &[&str], min_oks: usize) {
+    run_python_client("openai", &server.base_url(), server, expect, args, min_oks);
+}
+
+/// Run `tests/{package}_client.py --base-url BASE_URL --expect FILE ARGS...` against `server`; it
+/// must pass with at least `min_oks` "OK" lines. A missing Python package (the script exits 2)
+/// fails the test, saying what to install.
+fn run_python_client(package: &str, base_url: &str, server: &Server, expect: &Value, args: &[&str], min_oks: usize) {
     let expect_file = tempfile::Builder::new().suffix(".json").tempfile().expect("temp file");
     std::fs::write(expect_file.path(), serde_json::to_vec_pretty(expect).expect("json")).expect("write expect file");
-    let script = support::repo_root().join("tests/openai_client.py");
+    let script = support::repo_root().join(format!("tests/{package}_client.py"));
     let mut cmd = Command::new("python3");
     cmd.arg(&script)
         .arg("--base-url")
-        .arg(server.base_url())
+        .arg(base_url)
         .arg("--expect")
         .arg(expect_file.path())
         .args(args);
@@ -309,21 +317,82 @@ fn run_openai_client(server: &Server, expect: &Value, args: &[&str], min_oks: us
     cmd.env("NO_PROXY", "127.0.0.1,localhost")
         .env("no_proxy", "127.0.0.1,localhost");
     let out = run(&mut cmd, CLI_TIMEOUT);
-    if out.status.code() == Some(2) && out.stderr.contains("pip install openai") {
+    if out.status.code() == Some(2) && out.stderr.contains(&format!("pip install {package}")) {
         panic!(
-            "the Python `openai` package is not installed: run `pip install openai`\n{}",
+            "the Python `{package}` package is not installed: run `pip install {package}`\n{}",
             out.describe()
         );
     }
     assert!(
         out.status.success(),
-        "tests/openai_client.py failed:\n{}\n--- server log ---\n{}",
+        "tests/{package}_client.py failed:\n{}\n--- server log ---\n{}",
         out.describe(),
         server.log()
     );
     let oks = out.stdout.lines().filter(|l| l.starts_with("OK")).count();
     assert!(oks >= min_oks, "expected OK lines from the script:\n{}", out.describe());
     eprint!("{}", out.stdout);
+}
+
+/// The official Anthropic Python client against `/v1/messages` of `specula serve` on the default
+/// model, started with an API key (which the client sends as `x-api-key`): the greedy text, stop
+/// reason and usage of the chat request the OpenAI test makes (same messages, same max_tokens),
+/// plain, streamed and with `spec: "ngram"`; a stop sequence; `count_tokens`; the errors the
+/// client raises (unknown model, `max_tokens` 0, a wrong key); a tool call forced with
+/// `tool_choice` (SmolLM2's template shows no tools; the server's grammar makes the call), streamed
+/// too, and its round trip with a `tool_result`.
+#[test]
+fn anthropic_python_client() {
+    const CHAT_MAX_TOKENS: usize = 32;
+    const KEY: &str = "specula-e2e-anthropic-key";
+    let t0 = Instant::now();
+    require_model(MODEL);
+    let mut server = Server::spawn_with(MODEL, &["--api-key", KEY], &[]);
+    let chat_prompt = support::fixture_prompts()
+        .into_iter()
+        .find(|p| p.kind == "qa")
+        .expect("a 'qa' prompt in the fixtures");
+    let (chat, batch_invariant) = {
+        let mut engine = library_engine();
+        let chat = library_chat(&mut engine, &chat_prompt.messages, CHAT_MAX_TOKENS);
+        (chat, engine.model().batch_invariant())
+    };
+    let spec_decode_path = if batch_invariant { "ngram" } else { "ar" };
+    let expect = json!({
+        "model": MODEL,
+        "chat": {
+            "messages": messages_json(&chat_prompt.messages),
+            "max_tokens": CHAT_MAX_TOKENS,
+            "text": chat.text,
+            "finish_reason": chat.finish_reason,
+            "prompt_tokens": chat.prompt_tokens,
+            "completion_tokens": chat.completion_tokens,
+        },
+        "spec": {"mode": "ngram", "decode_path": spec_decode_path},
+        "tools": {
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [{"name": "get_weather", "description": "Get the current weather for a city",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                                 "required": ["city"], "additionalProperties": false}}],
+            "name": "get_weather",
+            "input": {"city": "Paris"},
+            "result": "Sunny, 22 C",
+            "max_tokens": 64,
+        },
+    });
+    server.wait_ready();
+    // The client's base URL is the server's root: it adds /v1/messages itself.
+    let root = server.base_url().trim_end_matches("/v1").to_string();
+    run_python_client(
+        "anthropic",
+        &root,
+        &server,
+        &expect,
+        &["--api-key", KEY, "--api-key-required"],
+        11,
+    );
+    drop(server);
+    eprintln!("anthropic_python_client: {:.1}s", t0.elapsed().as_secs_f64());
 }
 
 /// Tool calls through the official client, on Qwen2.5-Coder-0.5B (whose greedy answer to a tool

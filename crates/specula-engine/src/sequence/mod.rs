@@ -368,6 +368,11 @@ impl Sequence {
         }
     }
 
+    /// Prompt tokens taken from the prefix cache ([`Sequence::skip_prefix`]).
+    pub fn cached_prompt_tokens(&self) -> usize {
+        self.stats.cached_prompt_tokens
+    }
+
     /// Mark the first `n` prompt tokens as already in the KV cache (a prefix-cache hit). At least
     /// one prompt token is always left to feed, since its logits give the first output token.
     pub fn skip_prefix(&mut self, n: usize) {
