@@ -532,10 +532,10 @@ impl Writer {
     /// Open a block of `block`'s kind unless the open one is of that kind (text and thinking
     /// continue; a tool call always opens its own).
     fn open_block(&mut self, block: Block) -> usize {
-        let same = match (self.open.map(|i| &self.blocks[i]), &block) {
-            (Some(Block::Text(_)), Block::Text(_)) | (Some(Block::Thinking(_)), Block::Thinking(_)) => true,
-            _ => false,
-        };
+        let same = matches!(
+            (self.open.map(|i| &self.blocks[i]), &block),
+            (Some(Block::Text(_)), Block::Text(_)) | (Some(Block::Thinking(_)), Block::Thinking(_))
+        );
         if same {
             return self.open.unwrap_or_default();
         }

@@ -45,9 +45,8 @@ fn events(r: &Reply) -> Vec<(String, Value)> {
 /// The text the `text_delta` events carry.
 fn streamed_text(ev: &[(String, Value)]) -> String {
     ev.iter()
-        .filter_map(|(_, d)| {
-            (d["delta"]["type"] == "text_delta").then(|| d["delta"]["text"].as_str().unwrap().to_string())
-        })
+        .filter(|(_, d)| d["delta"]["type"] == "text_delta")
+        .map(|(_, d)| d["delta"]["text"].as_str().unwrap().to_string())
         .collect()
 }
 
