@@ -1,5 +1,6 @@
 mod distill;
 mod inspect_cmd;
+mod plot;
 mod preflight;
 mod pull;
 mod tune;
@@ -578,6 +579,25 @@ struct BenchArgs {
     /// call (a side-by-side ratio for the tensor-core GEMM).
     #[arg(long)]
     compare_gemv: bool,
+    /// Also draw the result as SVG charts in this directory (tok/s, verify cost by rows,
+    /// aggregate tok/s by streams per mode, acceptance rate, prefill by prompt length: those
+    /// the result holds).
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+    /// With --plot: chart this saved JSON result (of `bench --json`, `bench --engine` or a GPU
+    /// receipt) instead of running a benchmark.
+    #[arg(long, value_name = "FILE", requires = "plot")]
+    from: Option<PathBuf>,
+}
+
+/// `--plot DIR`: the charts of `result`, each file named on stderr.
+fn plot_result(a: &BenchArgs, result: &serde_json::Value) -> Result<()> {
+    if let Some(dir) = &a.plot {
+        for f in plot::write_charts(result, dir)? {
+            eprintln!("wrote {}", f.display());
+        }
+    }
+    Ok(())
 }
 
 /// `--served-model-name`: clients name the model by it in every request and in URLs
@@ -1179,6 +1199,7 @@ fn bench_engine(a: &BenchArgs) -> Result<()> {
         "build_commit": tune::build_commit(),
         "levels": rows,
     });
+    plot_result(a, &v)?;
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }
@@ -1219,6 +1240,12 @@ fn verify_costs(engine: &Engine, prompt: &[u32], n: usize, runs: usize) -> Resul
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
+    if let Some(f) = &a.from {
+        let text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{} is not a JSON bench result", f.display()))?;
+        return plot_result(&a, &v);
+    }
     if a.engine {
         return bench_engine(&a);
     }
@@ -1268,23 +1295,22 @@ fn bench(a: BenchArgs) -> Result<()> {
         Some(n) => verify_costs(&engine, &prompt, n, a.runs)?,
         None => Vec::new(),
     };
+    let result = serde_json::json!({
+        "model": engine.model_id(),
+        "weights": engine.bundle().quantization,
+        "threads": threads,
+        "prompt_tokens": a.prompt_tokens,
+        "gen_tokens": a.gen_tokens,
+        "runs": a.runs,
+        "prefill_tok_s": pp,
+        "decode_tok_s": tg,
+        "verify_cost": verify.iter().map(|&(r, ms, rel)| serde_json::json!({
+            "rows": r, "k": r - 1, "ms": ms, "relative_to_one_row": rel
+        })).collect::<Vec<_>>(),
+    });
+    plot_result(&a, &result)?;
     if a.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "model": engine.model_id(),
-                "weights": engine.bundle().quantization,
-                "threads": threads,
-                "prompt_tokens": a.prompt_tokens,
-                "gen_tokens": a.gen_tokens,
-                "runs": a.runs,
-                "prefill_tok_s": pp,
-                "decode_tok_s": tg,
-                "verify_cost": verify.iter().map(|&(r, ms, rel)| serde_json::json!({
-                    "rows": r, "k": r - 1, "ms": ms, "relative_to_one_row": rel
-                })).collect::<Vec<_>>(),
-            })
-        );
+        println!("{result}");
     } else {
         for &(r, ms, rel) in &verify {
             println!(
@@ -1401,6 +1427,7 @@ fn bench_gpu(a: &BenchArgs) -> Result<()> {
         compare_gemv: a.compare_gemv,
     };
     let receipt = bench::run(&opts, &|s| eprintln!("[bench] {s}"))?;
+    plot_result(a, &receipt)?;
     let text = serde_json::to_string_pretty(&receipt)?;
     if let Some(p) = &a.receipt {
         std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
