@@ -725,14 +725,23 @@ pub async fn track(State(h): State<EngineHandle>, req: Request, next: Next) -> R
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "unmatched".to_string());
-    let resp = next.run(req).await;
+    let mut resp = next.run(req).await;
+    // Every answer names its request, as OpenAI's (`x-request-id`) and Anthropic's
+    // (`request-id`) APIs do, so a client's report can be matched with the server's log line.
+    let id = new_id("req").replace('-', "_");
+    if let Ok(v) = header::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", v.clone());
+        resp.headers_mut().insert("request-id", v);
+    }
     let status = resp.status();
     h.metrics()
         .requests
         .with_label_values(&[endpoint.as_str(), status.as_str()])
         .inc();
     if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
-        tracing::warn!(endpoint, status = status.as_u16(), "request failed");
+        tracing::warn!(endpoint, status = status.as_u16(), request_id = id, "request failed");
+    } else {
+        tracing::debug!(endpoint, status = status.as_u16(), request_id = id, "request answered");
     }
     resp
 }

@@ -76,6 +76,12 @@ async fn messages_equal_the_chat_route_streamed_and_speculated() {
         );
         assert_eq!(u["output_tokens"], chat["usage"]["completion_tokens"]);
         assert!(v["spec_stats"].is_object());
+        let rid = r.headers["request-id"].to_str().unwrap();
+        assert!(
+            rid.starts_with("req_") && r.headers["x-request-id"] == rid,
+            "{:?}",
+            r.headers
+        );
 
         b["stream"] = json!(true);
         let r = post(&app, MESSAGES, b).await;
