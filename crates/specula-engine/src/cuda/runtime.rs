@@ -157,7 +157,7 @@ pub struct Gpu {
 }
 
 /// Every kernel `Gpu::open` loads, besides the GEMMs of [`GEMM_NAMES`].
-pub(crate) const KERNELS: [&str; 36] = [
+pub(crate) const KERNELS: [&str; 43] = [
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",
@@ -194,6 +194,13 @@ pub(crate) const KERNELS: [&str; 36] = [
     "argmax_rows",
     "fill_uniform_bf16",
     "fill_q8",
+    "moe_route",
+    "moe_plan",
+    "moe_gate_up",
+    "moe_down",
+    "moe_gate_up_q8",
+    "moe_down_q8",
+    "moe_combine",
 ];
 
 /// Which kernels run the projections.
