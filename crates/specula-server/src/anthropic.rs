@@ -41,22 +41,26 @@ use crate::params::Body;
 use crate::tools::ToolEvent;
 use crate::worker::{EngineHandle, Event};
 
-/// Top-level fields `/v1/messages` reads.
+/// Top-level fields `/v1/messages` translates ([`to_chat`]).
 const MESSAGES_FIELDS: &[&str] = &[
-    "model",
     "messages",
     "system",
     "max_tokens",
     "stop_sequences",
-    "stream",
-    "temperature",
-    "top_p",
-    "top_k",
     "tools",
     "tool_choice",
     "thinking",
     "metadata",
-    // Specula's extensions, as on the OpenAI routes.
+];
+
+/// Top-level fields that mean the same on the chat route and pass to it as they are (Specula's
+/// extensions among them, as on the OpenAI routes).
+const PASSED_FIELDS: &[&str] = &[
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
     "spec",
     "min_p",
     "repetition_penalty",
@@ -259,7 +263,7 @@ pub fn to_chat(v: &Value) -> Result<Value, ApiError> {
     };
     for (k, val) in req {
         let k = k.as_str();
-        if MESSAGES_FIELDS.contains(&k) || IGNORED_FIELDS.contains(&k) {
+        if MESSAGES_FIELDS.contains(&k) || PASSED_FIELDS.contains(&k) || IGNORED_FIELDS.contains(&k) {
             continue;
         }
         if UNSUPPORTED_FIELDS.contains(&k) && !val.is_null() {
@@ -275,20 +279,7 @@ pub fn to_chat(v: &Value) -> Result<Value, ApiError> {
         }
     }
     let mut out = Map::new();
-    for key in [
-        "model",
-        "temperature",
-        "top_p",
-        "top_k",
-        "stream",
-        "spec",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-        "ignore_eos",
-    ] {
+    for &key in PASSED_FIELDS {
         if let Some(x) = b.get(key) {
             out.insert(key.into(), x.clone());
         }

@@ -379,65 +379,15 @@ fn send(port: u16, c: &Case) -> Result<Reply, String> {
     parse_reply(&raw)
 }
 
+/// The response as the corpus checks it: bytes that are not UTF-8 replaced, so a bad body is
+/// reported, not a parse failure.
 fn parse_reply(raw: &[u8]) -> Result<Reply, String> {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| {
-        format!(
-            "no end of headers in {:?}",
-            String::from_utf8_lossy(&raw[..raw.len().min(500)])
-        )
-    })?;
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let rest = &raw[split + 4..];
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let status = status_line
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or_else(|| format!("bad status line {status_line:?}"))?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let find = |name: &str| headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-    let body = if find("transfer-encoding").is_some_and(|te| te.to_ascii_lowercase().contains("chunked")) {
-        dechunk(rest)?
-    } else if let Some(len) = find("content-length") {
-        let len: usize = len.parse().map_err(|_| format!("bad content-length {len:?}"))?;
-        if rest.len() < len {
-            return Err(format!("body truncated: {} of {len} bytes", rest.len()));
-        }
-        rest[..len].to_vec()
-    } else {
-        rest.to_vec()
-    };
+    let (status, headers, body) = support::parse_raw_response(raw)?;
     Ok(Reply {
         status,
         headers,
         body: String::from_utf8_lossy(&body).into_owned(),
     })
-}
-
-fn dechunk(mut data: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = data
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("chunk size line not terminated")?;
-        let line = std::str::from_utf8(&data[..eol]).map_err(|_| "chunk size is not UTF-8")?;
-        let size_hex = line.split(';').next().unwrap_or_default().trim();
-        let size = usize::from_str_radix(size_hex, 16).map_err(|_| format!("bad chunk size {line:?}"))?;
-        data = &data[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if data.len() < size + 2 {
-            return Err(format!("chunk truncated: want {size} bytes, have {}", data.len()));
-        }
-        out.extend_from_slice(&data[..size]);
-        data = &data[size + 2..];
-    }
 }
 
 /// Text no response may contain: a panic or backtrace, a home or build path, the model cache.
@@ -686,7 +636,10 @@ fn bad_request_corpus_gets_4xx_or_correct_200() {
     // what the server holds (~330 MB, flat). Grammars compile on the blocking pool's threads,
     // and glibc gives each new thread an arena of its own (up to 8 per core), so RSS also steps
     // up whenever the pool grows: two arenas (`MALLOC_ARENA_MAX`) keep that out of the
-    // measurement too. The prefix cache is kept small (8 MiB, full after
+    // measurement too. The KV budget is preallocated (`--kv-budget-mb`), so the KV pool does not
+    // grow with how many requests happened to run at once. A one-time step of 45-50 MB still
+    // shows at a random pass in some runs (not yet explained; it does not repeat, as a leak
+    // would): over the ~700 MB base it stays inside the bound. The prefix cache is kept small (8 MiB, full after
     // the warm-up, evicting from then on): by default it may grow to 1 GiB with the outputs of
     // the sampled requests, which differ from pass to pass, and that growth would look like a
     // leak here.
@@ -697,6 +650,8 @@ fn bad_request_corpus_gets_4xx_or_correct_200() {
             models_dir.path().to_str().expect("utf-8 path"),
             "--prefix-cache-mb",
             "8",
+            "--kv-budget-mb",
+            "400",
         ],
         &[("MALLOC_MMAP_THRESHOLD_", "131072"), ("MALLOC_ARENA_MAX", "2")],
     );

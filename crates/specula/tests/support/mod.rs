@@ -384,12 +384,32 @@ pub fn request_with(
 }
 
 fn parse_response(raw: &[u8]) -> Result<HttpResponse, String> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| format!("no end of headers in {:?}", String::from_utf8_lossy(raw)))?;
-    let head = std::str::from_utf8(&raw[..split]).map_err(|e| format!("headers are not UTF-8: {e}"))?;
-    let rest = &raw[split + 4..];
+    let (head, _) = split_head(raw)?;
+    std::str::from_utf8(head).map_err(|e| format!("headers are not UTF-8: {e}"))?;
+    let (status, headers, body) = parse_raw_response(raw)?;
+    let body = String::from_utf8(body).map_err(|e| format!("body is not UTF-8: {e}"))?;
+    Ok(HttpResponse { status, headers, body })
+}
+
+/// The head (status line and headers) and the rest of a raw HTTP/1.1 response.
+fn split_head(raw: &[u8]) -> Result<(&[u8], &[u8]), String> {
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| {
+        format!(
+            "no end of headers in {:?}",
+            String::from_utf8_lossy(&raw[..raw.len().min(500)])
+        )
+    })?;
+    Ok((&raw[..split], &raw[split + 4..]))
+}
+
+/// A response's status, headers and body bytes.
+pub type RawResponse = (u16, Vec<(String, String)>, Vec<u8>);
+
+/// A raw HTTP/1.1 response as status, headers (names lowercased; bytes that are not UTF-8
+/// replaced) and body bytes (de-chunked, cut at `content-length`).
+pub fn parse_raw_response(raw: &[u8]) -> Result<RawResponse, String> {
+    let (head, rest) = split_head(raw)?;
+    let head = String::from_utf8_lossy(head);
     let mut lines = head.split("\r\n");
     let status_line = lines.next().unwrap_or_default();
     let status = status_line
@@ -413,8 +433,7 @@ fn parse_response(raw: &[u8]) -> Result<HttpResponse, String> {
     } else {
         rest.to_vec()
     };
-    let body = String::from_utf8(body).map_err(|e| format!("body is not UTF-8: {e}"))?;
-    Ok(HttpResponse { status, headers, body })
+    Ok((status, headers, body))
 }
 
 fn dechunk(mut data: &[u8]) -> Result<Vec<u8>, String> {
